@@ -1,0 +1,15 @@
+"""KVTC runtime codec: Triton kernels with plain-torch references, blob format, DynamicCache glue.
+
+    from kernels import KVTCCodec
+    codec = KVTCCodec(artifact, 16)          # or KVTCCodec.from_registry("name@ref", 16, registry=uri)
+    blob = codec.encode(keys, values)        # (layers, kv_heads, tokens, head_dim), keys with RoPE
+    keys, values = codec.decode(blob)
+
+Imports neither transformers nor ray.
+"""
+from kernels.blob import FORMAT_VERSION, BlobError, BlobHeader, read_blob
+from kernels.codec import KVTCCodec
+from kernels.spec import CodecSpec, CodedBlock, GroupCode, model_id
+
+__all__ = ["FORMAT_VERSION", "BlobError", "BlobHeader", "CodecSpec", "CodedBlock", "GroupCode", "KVTCCodec",
+           "model_id", "read_blob"]

@@ -1,0 +1,132 @@
+"""Turn an `ArtifactContent` into a version folder's files and its manifest.json; version ids; checks."""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from artifacts import bundle, tables
+from artifacts.schema import SCHEMA_VERSION, ArtifactContent, check_name, normalize_block, to_json
+
+MANIFEST = "manifest.json"
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def new_version_id(content_hash: str, now: dt.datetime | None = None) -> str:
+    """Sortable, unique id: UTC time to the microsecond, then 8 hex digits of the content hash."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return f"{now:%Y%m%dT%H%M%S%f}Z-{content_hash[:8]}"
+
+
+def code_version() -> str:
+    """Installed package version, plus the git commit when the source is a checkout."""
+    try:
+        version = metadata.version("kvtc-calibration")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=Path(__file__).parent,
+                                capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return version
+    return f"{version}+g{commit}" if commit else version
+
+
+def kept_components(content: ArtifactContent, stream: str, group: int) -> int:
+    """Components worth storing: up to the last block with bits over every ratio; all without allocations."""
+    ends = [0]
+    found = False
+    for (_, s, g), alloc in content.allocations.items():
+        if (s, g) == (stream, group):
+            found = True
+            blocks = [normalize_block(b, "block") for b in alloc["blocks"]]
+            ends += [start + size for start, size, qtype, _, _ in blocks if qtype != "none"]
+    return max(ends) if found else np.asarray(content.bases[(stream, group)][2]).shape[1]
+
+
+def build_files(content: ArtifactContent, kernels_dir: Path | None = None) -> tuple[dict[str, bytes], dict]:
+    """-> ({relative path: bytes}, manifest without name/version/created/files)."""
+    files: dict[str, bytes] = {}
+    entries = []
+    layers = content.group_layers()
+    for stream, group in sorted(content.bases, key=lambda sg: (sg[0], int(sg[1]))):
+        mean, eig, comp = (np.asarray(a) for a in content.bases[(stream, group)])
+        k = kept_components(content, stream, group)
+        stem = f"bases/{stream}-g{int(group)}"
+        files[f"{stem}.components.parquet"], files[f"{stem}.mean.parquet"] = tables.encode_basis(
+            mean, eig[:k], comp[:, :k], content.bases_dtype)
+        entries.append({"stream": stream, "group": int(group), "layers": list(layers[int(group)]),
+                        "p": int(mean.shape[0]), "k": int(k), "components": f"{stem}.components.parquet",
+                        "mean": f"{stem}.mean.parquet"})
+    parts: dict = {"bases": {"dtype": content.bases_dtype, "mean_dtype": "float32", "eigenvalue_dtype": "float32",
+                             "entries": entries}}
+    parts["allocations"] = None
+    if content.allocations:
+        files["allocations.parquet"] = tables.encode_allocations(content.allocations)
+        parts["allocations"] = {"file": "allocations.parquet",
+                                "ratios": sorted({float(r) for r, _, _ in content.allocations})}
+    parts["metrics"] = None
+    if content.metrics:
+        files["metrics.parquet"] = tables.encode_rows(content.metrics, tables.METRIC_TYPES)
+        parts["metrics"] = "metrics.parquet"
+    parts["curves"] = {}
+    for name, rows in sorted(content.curves.items()):
+        files[f"curves/{name}.parquet"] = tables.encode_rows(rows)
+        parts["curves"][name] = f"curves/{name}.parquet"
+    for rel, data in sorted(content.extra_files.items()):
+        files[str(rel)] = bytes(data)
+    parts["extras"] = sorted(str(rel) for rel in content.extra_files)
+    sources = bundle.kernel_sources(kernels_dir)
+    files.update({f"kernels/{rel}": data for rel, data in sources.items()})
+    parts["kernels"] = {"bundle_sha256": bundle.bundle_hash(sources), "files": sorted(sources)}
+    return files, parts
+
+
+def build_manifest(content: ArtifactContent, version: str | None, files: dict[str, bytes], parts: dict,
+                   parent: str | None) -> dict:
+    """The full manifest; `version` None -> a fresh sortable id from the content hash."""
+    listing = {rel: {"sha256": sha256(data), "size": len(data)} for rel, data in sorted(files.items())}
+    content_hash = sha256("".join(f"{rel} {v['sha256']}\n" for rel, v in listing.items()).encode())
+    now = dt.datetime.now(dt.timezone.utc)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "name": content.name,
+        "version": check_name("version", version) if version else new_version_id(content_hash, now),
+        "created": now.isoformat().replace("+00:00", "Z"),
+        "model": to_json(content.model, "model"),
+        "calibration": to_json(content.calibration, "calibration"),
+        "corpus": to_json(content.corpus, "corpus"),
+        "code_version": content.code_version or code_version(),
+        "kernel_bundle_hash": parts["kernels"]["bundle_sha256"],
+        "parent": parent,
+        "content_sha256": content_hash,
+    }
+    manifest.update(parts)
+    manifest["files"] = listing
+    return manifest
+
+
+def encode_manifest(manifest: dict) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def decode_manifest(data: bytes, where: str) -> dict:
+    """Parse and sanity-check a manifest.json; errors name `where`."""
+    try:
+        manifest = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: manifest.json is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or "files" not in manifest or "version" not in manifest:
+        raise ValueError(f"{where}: manifest.json lacks 'version' or 'files'")
+    if manifest.get("schema_version", 0) > SCHEMA_VERSION:
+        raise ValueError(f"{where}: schema version {manifest['schema_version']} is newer than this reader "
+                         f"({SCHEMA_VERSION}); upgrade kvtc-calibration")
+    return manifest

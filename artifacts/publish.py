@@ -1,0 +1,166 @@
+"""Publish a version atomically and move `latest` to it.
+
+Local disk: write everything (manifest last) into <name>/.staging/<unique>/, then os.rename it to
+versions/<version>; the rename fails if the version exists, so versions are never overwritten.
+Object stores (no atomic rename): claim the version with a create-exclusive .claim object, write the
+files under the version prefix, then the manifest (create-exclusive where the store supports it);
+readers ignore a version without manifest. A claim left by a killed publisher expires after
+CLAIM_STALE_S; auto-generated ids are unique, so the next publish never waits for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+from artifacts.errors import ArtifactNotFoundError, VersionExistsError
+from artifacts.manifest import MANIFEST, build_files, build_manifest, encode_manifest
+from artifacts.registry import Registry, as_registry, split_ref
+from artifacts.schema import ArtifactContent
+
+CLAIM_STALE_S = 600.0
+STAGING_STALE_S = 86400.0
+PAUSE_ENV = "KVTC_TEST_PAUSE_AT"  # test hook: sleep at this point so a test can kill the publisher
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """A published version: registry URI, name, version id, its folder there, and the manifest."""
+
+    registry: str
+    name: str
+    version: str
+    path: str
+    manifest: dict = dataclasses.field(repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+def _pause(point: str) -> None:
+    if os.environ.get(PAUSE_ENV) == point:
+        print(f"KVTC_PAUSED {point}", flush=True)
+        time.sleep(3600)
+
+
+def _write_local(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _sweep_staging(directory: str) -> None:
+    """Remove staging folders that killed publishers left behind more than STAGING_STALE_S ago."""
+    if not os.path.isdir(directory):
+        return
+    for entry in os.scandir(directory):
+        try:
+            if time.time() - entry.stat().st_mtime > STAGING_STALE_S:
+                shutil.rmtree(entry.path, ignore_errors=True)
+        except FileNotFoundError:
+            continue
+
+
+def _commit_local(reg: Registry, name: str, version: str, files: dict[str, bytes], manifest: bytes) -> None:
+    _sweep_staging(reg.path(name, ".staging"))
+    target = reg.version_path(name, version)
+    if os.path.exists(target):
+        raise VersionExistsError(f"{name}@{version} already exists in {reg.uri}; versions are immutable")
+    staging = reg.path(name, ".staging", f"{version}.{uuid.uuid4().hex}")
+    try:
+        for rel, data in files.items():
+            _write_local(os.path.join(staging, rel), data)
+        _pause("before_commit")
+        _write_local(os.path.join(staging, MANIFEST), manifest)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.rename(staging, target)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise VersionExistsError(f"{name}@{version} was published concurrently; versions are immutable") from None
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _create(reg: Registry, path: str, data: bytes) -> bool:
+    """Create-exclusive write; False if the object exists. Stores without 'xb' fall back to check-then-write."""
+    try:
+        with reg.fs.open(path, "xb") as handle:
+            handle.write(data)
+        return True
+    except FileExistsError:
+        return False
+    except (NotImplementedError, ValueError, TypeError):
+        reg.fs.invalidate_cache()
+        if reg.fs.exists(path):
+            return False
+        reg.fs.pipe_file(path, data)
+        return True
+
+
+def _commit_object(reg: Registry, name: str, version: str, files: dict[str, bytes], manifest: bytes) -> None:
+    prefix = reg.version_path(name, version)
+    exists = VersionExistsError(f"{name}@{version} already exists in {reg.uri}; versions are immutable")
+    token = json.dumps({"token": uuid.uuid4().hex, "time": time.time()}).encode()
+    claim = f"{prefix}/.claim"
+    reg.fs.invalidate_cache()
+    if reg.fs.exists(f"{prefix}/{MANIFEST}"):
+        raise exists
+    if not _create(reg, claim, token):
+        held = json.loads(reg.fs.cat_file(claim))
+        if time.time() - float(held.get("time", 0)) < CLAIM_STALE_S:
+            raise VersionExistsError(f"{name}@{version} is being published by another process (or one died less "
+                                     f"than {CLAIM_STALE_S:.0f} s ago); pick another version id or retry later")
+        reg.fs.pipe_file(claim, token)
+    reg.fs.invalidate_cache()
+    if reg.fs.exists(f"{prefix}/{MANIFEST}"):
+        raise exists
+    for rel, data in files.items():
+        reg.fs.pipe_file(f"{prefix}/{rel}", data)
+    _pause("before_commit")
+    if reg.fs.cat_file(claim) != token:
+        raise VersionExistsError(f"{name}@{version}: another publisher took over the claim; this publish is abandoned")
+    if not _create(reg, f"{prefix}/{MANIFEST}", manifest):
+        raise exists
+
+
+def publish(content: ArtifactContent, registry: "Registry | str | None" = None, version: str | None = None,
+            alias_latest: bool = True) -> ArtifactRef:
+    """Write `content` as a new immutable version of `content.name`; move `latest` to it.
+
+    version: explicit id (letters, digits, '.', '_', '-'); default UTC time + content hash (sortable).
+    Raises VersionExistsError for an explicit id that exists; retries a fresh auto id on a collision.
+    """
+    reg = as_registry(registry)
+    parent = content.parent
+    if parent is not None:
+        pname, pref = split_ref(parent if "@" in parent else f"{content.name}@{parent}")
+        try:
+            parent = f"{pname}@{reg.resolve(pname, pref)}" if pname != content.name else reg.resolve(pname, pref)
+        except ArtifactNotFoundError as exc:
+            raise ValueError(f"parent {content.parent!r} does not exist: {exc}") from None
+    files, parts = build_files(content)
+    commit = _commit_local if reg.local else _commit_object
+    for attempt in range(5):
+        manifest = build_manifest(content, version, files, parts, parent)
+        try:
+            commit(reg, content.name, manifest["version"], files, encode_manifest(manifest))
+            break
+        except VersionExistsError:
+            if version is not None or attempt == 4:
+                raise
+            print(f"kvtc: version id {manifest['version']} collided; retrying", file=sys.stderr)
+    if alias_latest:
+        reg.set_alias(content.name, "latest", manifest["version"])
+    path = reg.version_path(content.name, manifest["version"])
+    return ArtifactRef(reg.uri, content.name, manifest["version"], path if reg.local else reg.fs.unstrip_protocol(path),
+                       manifest)

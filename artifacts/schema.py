@@ -1,0 +1,196 @@
+"""What the calibration pipeline hands to `publish`: `ArtifactContent`, validated on construction.
+
+Feature layout of a group (the unit with one basis): the contiguous layer range [a, b) of the
+model, features ordered layer, then kv head, then head_dim, so p = (b - a) * kv_heads * head_dim.
+Keys are in RoPE-removed space. Components are columns: components (p, k), k <= p.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+STREAMS = ("keys", "values")
+BASES_DTYPES = ("float32", "float16")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+REQUIRED_MODEL_KEYS = ("spec", "num_layers", "num_kv_heads", "head_dim", "rope")
+REQUIRED_CALIBRATION_KEYS = ("sinks", "window", "seq_len", "tokens", "groups", "seed", "allocator", "ratios")
+RESERVED_TOP_LEVEL = ("manifest.json", "bases", "allocations.parquet", "metrics.parquet", "curves", "kernels")
+
+
+class Block(NamedTuple):
+    """One allocation block: components [start, start + size) quantized as `type` with `bits` per component."""
+
+    start: int
+    size: int
+    type: str
+    bits: int
+
+
+def type_bits(qtype: str) -> int:
+    """Bits per component of a block type (same definition as kernels/reference.py)."""
+    if qtype == "none":
+        return 0
+    if qtype == "fp8":
+        return 8
+    if qtype.startswith("int") and qtype[3:].isdigit() and 1 <= int(qtype[3:]) <= 8:
+        return int(qtype[3:])
+    raise ValueError(f"unknown block type {qtype!r}; expected none, int1..int8 or fp8")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Names, versions and aliases become path segments: letters, digits, '.', '_', '-' only."""
+    if not isinstance(value, str) or not NAME_PATTERN.match(value) or value in (".", ".."):
+        raise ValueError(f"invalid {kind} {value!r}: use letters, digits, '.', '_', '-' (start with a letter or digit)")
+    return value
+
+
+def to_json(value: Any, where: str) -> Any:
+    """Convert tuples and numpy scalars to plain JSON values; refuse anything else with its location."""
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: non-finite number {value!r} cannot go into the manifest")
+        return value
+    if isinstance(value, np.generic):
+        return to_json(value.item(), where)
+    if isinstance(value, dict):
+        return {str(k): to_json(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise ValueError(f"{where}: {type(value).__name__} is not JSON-serialisable; pass plain numbers, strings, lists, dicts")
+
+
+def normalize_block(block: Any, where: str) -> tuple[int, int, str, int, int]:
+    """(start, size, type, bits[, scale_bits]) tuple, dict or Block-like object -> 5-tuple."""
+    if isinstance(block, dict):
+        fields = [block.get("start"), block.get("size"), block.get("type", block.get("qtype")), block.get("bits"),
+                  block.get("scale_bits")]
+    elif isinstance(block, (tuple, list)):
+        if len(block) not in (4, 5):
+            raise ValueError(f"{where}: a block is (start, size, type, bits[, scale_bits]), got {block!r}")
+        fields = list(block) + [None] * (5 - len(block))
+    else:
+        fields = [getattr(block, "start", None), getattr(block, "size", None),
+                  getattr(block, "type", getattr(block, "qtype", None)), getattr(block, "bits", None),
+                  getattr(block, "scale_bits", None)]
+    start, size, qtype, bits, scale = fields
+    if qtype is None or start is None or size is None:
+        raise ValueError(f"{where}: block {block!r} lacks start, size or type")
+    bits = type_bits(str(qtype)) if bits is None else int(bits)
+    if bits != type_bits(str(qtype)):
+        raise ValueError(f"{where}: block type {qtype} has {type_bits(str(qtype))} bits, not {bits}")
+    scale = (0 if qtype == "none" else 16 if qtype == "fp8" else 32) if scale is None else int(scale)
+    if int(size) <= 0 or int(start) < 0 or scale < 0:
+        raise ValueError(f"{where}: block {block!r} needs start >= 0, size > 0, scale_bits >= 0")
+    return int(start), int(size), str(qtype), bits, scale
+
+
+@dataclass(frozen=True)
+class ArtifactContent:
+    """A calibration result, ready to publish.
+
+    bases: {(stream, group): (mean (p,), eigenvalues (k,), components (p, k))}, numpy, stored as
+      `bases_dtype` (components; mean and eigenvalues always float32); trimmed on publish to the
+      components some allocation gives bits to (all of them when no allocation names the basis).
+    allocations: {(ratio, stream, group): {"budget_bits", "blocks", "cost_bits", "kept", ...}}, blocks in
+      component order as (start, size, type, bits, scale_bits); other scalar keys are kept as extras.
+    metrics: rows {"ratio", "stream", "group", "split", "metric", "value"} (missing keys stored as null).
+    curves: {name: rows of scalars}, e.g. "error_by_position": {"position", "stream", "ratio", "rel_error"}.
+    extra_files: {relative path: bytes}, e.g. charts PNG and "report.md".
+    parent: version id (same name) or "name@version" this recalibrates; code_version defaults to the package's.
+    """
+
+    name: str
+    model: dict
+    calibration: dict
+    corpus: dict
+    bases: dict
+    allocations: dict = field(default_factory=dict)
+    metrics: list = field(default_factory=list)
+    curves: dict = field(default_factory=dict)
+    extra_files: dict = field(default_factory=dict)
+    parent: str | None = None
+    code_version: str | None = None
+    bases_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        check_name("artifact name", self.name)
+        if self.bases_dtype not in BASES_DTYPES:
+            raise ValueError(f"bases_dtype must be one of {BASES_DTYPES}, got {self.bases_dtype!r}")
+        for label, value, keys in (("model", self.model, REQUIRED_MODEL_KEYS),
+                                   ("calibration", self.calibration, REQUIRED_CALIBRATION_KEYS)):
+            missing = [k for k in keys if k not in value] if isinstance(value, dict) else list(keys)
+            if missing:
+                raise ValueError(f"{label} fingerprint lacks {', '.join(missing)}")
+            to_json(value, label)
+        if not isinstance(self.corpus, dict) or "spec" not in self.corpus:
+            raise ValueError("corpus fingerprint must be a dict with at least 'spec'")
+        to_json(self.corpus, "corpus")
+        self._check_bases()
+        for key, alloc in self.allocations.items():
+            self._check_allocation(key, alloc)
+        for name, rows in self.curves.items():
+            check_name("curve name", name)
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise ValueError(f"curve {name!r} must be a list of dict rows")
+        for rel, data in self.extra_files.items():
+            parts = str(rel).split("/")
+            if not isinstance(data, (bytes, bytearray)) or any(p in ("", ".", "..") for p in parts):
+                raise ValueError(f"extra file {rel!r}: give a relative path without '..' and bytes content")
+            if parts[0] in RESERVED_TOP_LEVEL:
+                raise ValueError(f"extra file {rel!r} collides with a reserved name ({', '.join(RESERVED_TOP_LEVEL)})")
+
+    def group_layers(self) -> list[tuple[int, int]]:
+        """The calibration's layer ranges [a, b), one per group."""
+        groups = self.calibration["groups"]
+        try:
+            return [(int(a), int(b)) for a, b in groups]
+        except (TypeError, ValueError):
+            raise ValueError(f"calibration groups must be a list of [start, end) layer ranges, got {groups!r}") from None
+
+    def group_dim(self, group: int) -> int:
+        """p of a group: layers x kv_heads x head_dim."""
+        a, b = self.group_layers()[group]
+        return (b - a) * int(self.model["num_kv_heads"]) * int(self.model["head_dim"])
+
+    def _check_bases(self) -> None:
+        groups = self.group_layers()
+        if not self.bases:
+            raise ValueError("bases is empty: pass {(stream, group): (mean, eigenvalues, components)}")
+        for key, arrays in self.bases.items():
+            stream, group = key
+            if stream not in STREAMS or not (0 <= int(group) < len(groups)):
+                raise ValueError(f"basis key {key!r}: stream must be one of {STREAMS}, group in [0, {len(groups)})")
+            mean, eig, comp = (np.asarray(a) for a in arrays)
+            p = self.group_dim(int(group))
+            if mean.shape != (p,) or comp.ndim != 2 or comp.shape[0] != p or eig.shape != (comp.shape[1],):
+                raise ValueError(f"basis {key!r}: expected mean ({p},), eigenvalues (k,), components ({p}, k); "
+                                 f"got {mean.shape}, {eig.shape}, {comp.shape}")
+
+    def _check_allocation(self, key: tuple, alloc: dict) -> None:
+        ratio, stream, group = key
+        if (stream, group) not in self.bases:
+            raise ValueError(f"allocation {key!r} has no basis ({stream!r}, {group})")
+        if not any(math.isclose(float(ratio), float(r)) for r in self.calibration["ratios"]):
+            raise ValueError(f"allocation {key!r}: ratio {ratio} is not in calibration ratios {self.calibration['ratios']}")
+        missing = [k for k in ("budget_bits", "blocks") if k not in alloc]
+        if missing:
+            raise ValueError(f"allocation {key!r} lacks {', '.join(missing)}")
+        k = np.asarray(self.bases[(stream, group)][2]).shape[1]
+        end = 0
+        for i, block in enumerate(alloc["blocks"]):
+            start, size, qtype, _, _ = normalize_block(block, f"allocation {key!r} block {i}")
+            if start != end:
+                raise ValueError(f"allocation {key!r} block {i} starts at {start}, expected {end} (blocks are contiguous)")
+            end = start + size
+            if qtype != "none" and end > k:
+                raise ValueError(f"allocation {key!r} block {i} needs components up to {end}, basis has {k}")
+        for extra, value in alloc.items():
+            if extra != "blocks" and not isinstance(value, (int, float, str, bool, np.generic, type(None))):
+                raise ValueError(f"allocation {key!r} field {extra!r} must be a scalar")

@@ -1,0 +1,150 @@
+"""The self-describing blob: fixed prefix, CRC-checked metadata with a section table, payloads.
+
+Layout (little endian):
+  prefix   "<4sHHII": magic b"KVTC", format version, flags (0), meta length, CRC32 of meta
+  meta     name, version, model id (each u16 length + UTF-8), then "<dBIIIIQIIIII": ratio, dtype code,
+           layers, kv_heads, tokens, head_dim, start position, sinks, window, raw head tokens,
+           raw tail tokens, section count; then per section "<BBHHBQQI": tag, stream, group, block,
+           coding, stored length, raw length, CRC32 of the stored bytes
+  payloads the sections' stored bytes, in table order, nothing after them
+Parsing uses struct with explicit bounds checks; every failure is a BlobError.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+MAGIC = b"KVTC"
+FORMAT_VERSION = 1
+DTYPES = ("float16", "bfloat16", "float32")
+TAG_RAW_HEAD, TAG_RAW_TAIL, TAG_PARAMS, TAG_CODES = 1, 2, 3, 4
+_PREFIX = struct.Struct("<4sHHII")
+_FIELDS = struct.Struct("<dBIIIIQIIIII")
+_SECTION = struct.Struct("<BBHHBQQI")
+_MAX_SECTIONS = 1 << 20
+
+
+class BlobError(ValueError):
+    """A blob that cannot be decoded: corrupt, truncated, another format, artifact or model."""
+
+
+class SectionKey(NamedTuple):
+    tag: int
+    stream: int
+    group: int
+    block: int
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    """What made the blob and the shape of the cache it holds (tokens counted from `start`)."""
+
+    name: str
+    version: str
+    model_id: str
+    ratio: float
+    dtype: str
+    layers: int
+    kv_heads: int
+    tokens: int
+    head_dim: int
+    start: int
+    sinks: int
+    window: int
+    head_raw: int
+    tail_raw: int
+
+
+@dataclass(frozen=True)
+class Section:
+    key: SectionKey
+    coding: int
+    raw_len: int
+    stored: bytes | memoryview
+
+
+def _pack_str(s: str) -> bytes:
+    b = s.encode()
+    if len(b) > 0xFFFF:
+        raise ValueError(f"string field too long for a blob header ({len(b)} bytes)")
+    return struct.pack("<H", len(b)) + b
+
+
+def write_blob(header: BlobHeader, sections: list[Section]) -> bytes:
+    """Serialize header and sections (stored bytes already entropy-coded)."""
+    meta = [_pack_str(header.name), _pack_str(header.version), _pack_str(header.model_id),
+            _FIELDS.pack(header.ratio, DTYPES.index(header.dtype), header.layers, header.kv_heads, header.tokens,
+                         header.head_dim, header.start, header.sinks, header.window, header.head_raw,
+                         header.tail_raw, len(sections))]
+    for s in sections:
+        meta.append(_SECTION.pack(*s.key, s.coding, len(s.stored), s.raw_len, zlib.crc32(s.stored)))
+    meta_b = b"".join(meta)
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(meta_b), zlib.crc32(meta_b))
+    return b"".join([prefix, meta_b, *(bytes(s.stored) for s in sections)])
+
+
+class _Reader:
+    def __init__(self, buf: memoryview, what: str) -> None:
+        self.buf, self.pos, self.what = buf, 0, what
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise BlobError(f"truncated blob: {self.what} needs {n} bytes at offset {self.pos}, "
+                            f"only {len(self.buf) - self.pos} left")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, st: struct.Struct) -> tuple:
+        return st.unpack(self.take(st.size))
+
+    def string(self) -> str:
+        (n,) = struct.unpack("<H", self.take(2))
+        try:
+            return bytes(self.take(n)).decode()
+        except UnicodeDecodeError as exc:
+            raise BlobError(f"corrupt blob: {self.what} has a string that is not UTF-8") from exc
+
+
+def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Section]]:
+    """Parse and checksum a blob; raises BlobError naming what is wrong."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BlobError(f"a blob must be bytes, got {type(data).__name__}")
+    r = _Reader(memoryview(data).cast("B"), "prefix")
+    magic, fmt, flags, meta_len, meta_crc = r.unpack(_PREFIX)
+    if magic != MAGIC:
+        raise BlobError(f"not a KVTC blob (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if fmt != FORMAT_VERSION:
+        raise BlobError(f"blob format version {fmt} is not supported by this reader (version {FORMAT_VERSION}); "
+                        "decode it with the kernels release that wrote it")
+    if flags != 0:
+        raise BlobError(f"blob has unknown flags {flags:#x}")
+    r.what = "metadata"
+    meta = r.take(meta_len)
+    if zlib.crc32(meta) != meta_crc:
+        raise BlobError("blob metadata checksum mismatch: the blob is corrupt")
+    m = _Reader(meta, "metadata")
+    name, version, mid = m.string(), m.string(), m.string()
+    f = m.unpack(_FIELDS)
+    if f[1] >= len(DTYPES):
+        raise BlobError(f"blob has unknown dtype code {f[1]}")
+    header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11])
+    count = f[11]
+    if count > _MAX_SECTIONS or count * _SECTION.size > len(meta) - m.pos:
+        raise BlobError(f"blob section table declares {count} sections, metadata holds fewer")
+    table = [m.unpack(_SECTION) for _ in range(count)]
+    if m.pos != len(meta):
+        raise BlobError("blob metadata has trailing bytes")
+    sections = []
+    r.what = "section payloads"
+    for tag, stream, group, block, coding, stored_len, raw_len, crc in table:
+        key = SectionKey(tag, stream, group, block)
+        stored = r.take(stored_len)
+        if zlib.crc32(stored) != crc:
+            raise BlobError(f"section {tuple(key)} checksum mismatch: the blob is corrupt")
+        sections.append(Section(key, coding, raw_len, stored))
+    if r.pos != len(r.buf):
+        raise BlobError(f"blob has {len(r.buf) - r.pos} unexpected trailing bytes")
+    return header, sections

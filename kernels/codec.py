@@ -1,0 +1,221 @@
+"""KVTCCodec: one sequence's KV cache <-> a self-describing compressed blob.
+
+Cache tensors are (layers, kv_heads, tokens, head_dim) exactly as the model cached them (keys
+with RoPE). Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
+is RoPE-removed (keys), centred, projected on each group's kept components, quantized per block,
+packed and entropy-coded. Decode reverses it and re-applies RoPE at the original positions.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from kernels.blob import (TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section,
+                          SectionKey, read_blob, write_blob)
+from kernels.bitpack import packed_nbytes
+from kernels.entropy import CODERS, decode_section, encode_section
+from kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
+from kernels.ops import BACKENDS, resolve_ops
+from kernels.spec import STREAMS, CodecSpec
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_MAX_TOKENS = 1 << 31
+
+
+class KVTCCodec:
+    """Encode/decode KV caches for one artifact at one compression ratio.
+
+    backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (interpreter on CPU).
+    level: zlib level per section (0 = store plain); coder: "zlib", "plain" or "nvcomp".
+    Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
+    """
+
+    def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
+                 coder: str = "zlib") -> None:
+        if isinstance(artifact, CodecSpec):
+            if ratio is not None and float(ratio) != artifact.ratio:
+                raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
+            self.spec = artifact
+        else:
+            if ratio is None:
+                raise ValueError("KVTCCodec(artifact, ratio): ratio is required, e.g. 8, 16 or 32")
+            self.spec = CodecSpec.from_artifact(artifact, ratio)
+        if backend not in BACKENDS or coder not in CODERS or not 0 <= level <= 9:
+            raise ValueError(f"backend must be one of {BACKENDS}, coder one of {CODERS}, level in 0..9")
+        self.backend, self.level, self.coder = backend, level, coder
+        self.profile: dict[str, float] | None = None
+        self._rope = None
+        if self.spec.rope:
+            from workers.rope import RopeSpec
+
+            self._rope = RopeSpec.from_dict(self.spec.rope)
+        self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
+
+    @classmethod
+    def from_registry(cls, ref: str, ratio: float, registry: Any = None, **kwargs: Any) -> "KVTCCodec":
+        """ref "name@version|alias" pulled through artifacts.pull (imported lazily)."""
+        from artifacts import pull
+
+        return cls(pull(ref, registry=registry), ratio, **kwargs)
+
+    @contextmanager
+    def _stage(self, name: str, device: torch.device) -> Iterator[None]:
+        if self.profile is None:
+            yield
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.profile[name] = self.profile.get(name, 0.0) + time.perf_counter() - t0
+
+    def _params(self, stream: str, device: torch.device) -> tuple[torch.Tensor, list]:
+        key = (stream, str(device))
+        if key not in self._on_device:
+            width = self.spec.kv_heads * self.spec.head_dim
+            groups = self.spec.streams[stream]
+            mean = torch.cat([g.mean for g in groups]).to(device)
+            parts = [(slice(g.layers[0] * width, g.layers[1] * width), g.components[:, : g.kept].to(device), g)
+                     for g in groups]
+            self._on_device[key] = (mean, parts)
+        return self._on_device[key]
+
+    def split(self, tokens: int, start: int) -> tuple[int, int, int]:
+        """(raw head, coded middle, raw tail) token counts for a cache of `tokens` starting at `start`."""
+        head = min(tokens, max(0, self.spec.sinks - start))
+        tail = min(self.spec.window, tokens - head)
+        return head, tokens - head - tail, tail
+
+    def _cos_sin(self, stream: str, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+        if stream != "keys" or self._rope is None:
+            return None, None, "half"
+        cos, sin = self._rope.cos_sin(positions)
+        return cos.contiguous(), sin.contiguous(), self._rope.layout
+
+    def _section(self, key: SectionKey, raw: bytes, device: torch.device) -> Section:
+        with self._stage("entropy", device):
+            coding, stored = encode_section(raw, self.level, self.coder)
+        return Section(key, coding, len(raw), stored)
+
+    def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        s = self.spec
+        want = (s.num_layers, s.kv_heads, "tokens", s.head_dim)
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != s.num_layers \
+                    or x.shape[1] != s.kv_heads or x.shape[3] != s.head_dim:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} must be shaped (layers, kv_heads, tokens, head_dim) = {want}, got {got}")
+            if x.dtype not in _DTYPES:
+                raise ValueError(f"{name} dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
+        if keys.shape != values.shape or keys.dtype != values.dtype or keys.device != values.device:
+            raise ValueError("keys and values must have the same shape, dtype and device")
+        if not 0 <= start < 1 << 62 or keys.shape[2] >= _MAX_TOKENS:
+            raise ValueError(f"start must be >= 0 and tokens < 2^31; got start={start}, tokens={keys.shape[2]}")
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> bytes:
+        """keys, values (L, H, T, D) fp16/bf16/fp32, token 0 at absolute position `start` -> blob bytes."""
+        self._check_cache(keys, values, start)
+        dev, (L, H, T, D) = keys.device, keys.shape
+        head, mid, tail = self.split(T, start)
+        ops = resolve_ops(self.backend, dev)
+        sections = []
+        for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
+            if hi > lo:
+                for si, x in enumerate((keys, values)):
+                    sections.append(self._section(SectionKey(tag, si, 0, 0), tensor_bytes(x[:, :, lo:hi]), dev))
+        if mid:
+            positions = torch.arange(start + head, start + head + mid, device=dev)
+            for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
+                mean, parts = self._params(stream, dev)
+                cos, sin, layout = self._cos_sin(stream, positions)
+                with self._stage("rope_center", dev):
+                    feat = ops.rope_center(x[:, :, head:head + mid], cos, sin, mean, layout)
+                for gi, (cols, comps, code) in enumerate(parts):
+                    with self._stage("project", dev):
+                        z = (feat[:, cols] @ comps).contiguous()
+                    for bi, b in enumerate(code.blocks):
+                        if b.bits == 0:
+                            continue
+                        with self._stage("quantize_pack", dev):
+                            packed, params = ops.quantize_pack(z, b.start, b.size, b.qtype)
+                            raw_p, raw_c = params_bytes(params), codes_bytes(packed)
+                        sections.append(self._section(SectionKey(TAG_PARAMS, si, gi, bi), raw_p, dev))
+                        sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), raw_c, dev))
+        s = self.spec
+        header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPES[keys.dtype], L, H, T, D, start,
+                            s.sinks, s.window, head, tail)
+        return write_blob(header, sections)
+
+    def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int]]:
+        """(key, raw length) of every section a blob with this header must hold, in order."""
+        L, H, D, T = header.layers, header.kv_heads, header.head_dim, header.tokens
+        item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
+        head, mid, tail = self.split(T, header.start)
+        out = [(SectionKey(tag, si, 0, 0), L * H * n * D * item)
+               for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
+        if mid:
+            for si, stream in enumerate(STREAMS):
+                for gi, g in enumerate(self.spec.streams[stream]):
+                    for bi, b in enumerate(g.blocks):
+                        if b.bits:
+                            out.append((SectionKey(TAG_PARAMS, si, gi, bi), mid * 4))
+                            out.append((SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
+        return out
+
+    def _check_header(self, h: BlobHeader) -> None:
+        s = self.spec
+        if (h.name, h.version, h.ratio) != (s.name, s.version, s.ratio):
+            raise BlobError(f"blob was written with artifact {h.name}@{h.version} at ratio {h.ratio:g}; this codec "
+                            f"is {s.name}@{s.version} at ratio {s.ratio:g}: decode it with the matching codec")
+        if h.model_id != s.model_id:
+            raise BlobError(f"blob is for model {h.model_id}, this codec's artifact is for model {s.model_id}")
+        if (h.layers, h.kv_heads, h.head_dim, h.sinks, h.window) != \
+                (s.num_layers, s.kv_heads, s.head_dim, s.sinks, s.window):
+            raise BlobError("blob shape or sink/window settings do not match the codec's artifact")
+        head, _mid, tail = self.split(h.tokens, h.start)
+        if h.tokens >= _MAX_TOKENS or (h.head_raw, h.tail_raw) != (head, tail):
+            raise BlobError(f"blob declares inconsistent token counts (tokens={h.tokens}, start={h.start})")
+
+    def decode(self, blob: bytes | bytearray | memoryview, device: str | torch.device = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """blob -> (keys, values) (L, H, T, D) in the encoded dtype on `device`; BlobError on any bad blob."""
+        dev = torch.device(device)
+        header, sections = read_blob(blob)
+        self._check_header(header)
+        expected = self.expected_sections(header)
+        if [(s.key, s.raw_len) for s in sections] != expected:
+            raise BlobError("blob section table does not match the artifact's allocation for this ratio")
+        with self._stage("entropy_decode", dev):
+            data = {s.key: decode_section(s.coding, s.stored, s.raw_len, str(tuple(s.key))) for s in sections}
+        L, H, T, D = header.layers, header.kv_heads, header.tokens, header.head_dim
+        dtype = getattr(torch, header.dtype)
+        head, mid, tail = self.split(T, header.start)
+        out = [torch.empty(L, H, T, D, dtype=dtype, device=dev) for _ in STREAMS]
+        for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
+            for si in range(2) if hi > lo else ():
+                out[si][:, :, lo:hi] = bytes_to_tensor(data[SectionKey(tag, si, 0, 0)], dtype, (L, H, hi - lo, D))
+        if mid:
+            ops = resolve_ops(self.backend, dev)
+            positions = torch.arange(header.start + head, header.start + head + mid, device=dev)
+            for si, stream in enumerate(STREAMS):
+                mean, parts = self._params(stream, dev)
+                feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
+                for gi, (cols, comps, code) in enumerate(parts):
+                    zhat = torch.zeros(mid, code.kept, dtype=torch.float32, device=dev)
+                    with self._stage("dequantize", dev):
+                        for bi, b in enumerate(code.blocks):
+                            if b.bits:
+                                packed = codes_from_bytes(data[SectionKey(TAG_CODES, si, gi, bi)], mid, dev)
+                                params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
+                                ops.unpack_dequantize(packed, params, b.qtype, zhat, b.start, b.size)
+                    with self._stage("project", dev):
+                        feat[:, cols] = zhat @ comps.T
+                cos, sin, layout = self._cos_sin(stream, positions)
+                with self._stage("rope_restore", dev):
+                    ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
+        return out[0], out[1]

@@ -1,0 +1,41 @@
+"""Byte layouts of blob sections, chosen so DEFLATE sees similar symbols side by side.
+
+Codes: packed (N, nbytes) uint8 stored byte-column major (nbytes, N): one component's symbols of
+all tokens are adjacent. Params: (N, 2) fp16 stored as four byte planes (shift lo, shift hi,
+scale lo, scale hi), each (N,). Raw tensors: C-contiguous native little-endian bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def tensor_bytes(x: torch.Tensor) -> bytes:
+    """Any tensor -> its C-contiguous bytes (little endian)."""
+    return x.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def bytes_to_tensor(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of tensor_bytes; the caller has checked len(b)."""
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def codes_bytes(packed: torch.Tensor) -> bytes:
+    """packed (N, nbytes) uint8 -> bytes in (nbytes, N) order."""
+    return packed.t().contiguous().cpu().numpy().tobytes()
+
+
+def codes_from_bytes(b: bytes, n: int, device: torch.device) -> torch.Tensor:
+    """bytes of (nbytes, N) -> packed (N, nbytes) uint8 on device."""
+    planes = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(-1, n)
+    return planes.t().contiguous().to(device)
+
+
+def params_bytes(params: torch.Tensor) -> bytes:
+    """params (N, 2) fp16 -> 4 byte planes of N bytes."""
+    return params.contiguous().view(torch.uint8).reshape(-1, 4).t().contiguous().cpu().numpy().tobytes()
+
+
+def params_from_bytes(b: bytes, n: int, device: torch.device) -> torch.Tensor:
+    """Inverse of params_bytes -> (N, 2) fp16 on device."""
+    planes = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(4, n)
+    return planes.t().contiguous().view(torch.float16).to(device)

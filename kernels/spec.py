@@ -1,0 +1,128 @@
+"""CodecSpec: everything the runtime codec needs, decoupled from how it was calibrated.
+
+Built from an Artifact (`CodecSpec.from_artifact`) or directly from tensors (tests, benches).
+One GroupCode per (stream, group): a group is a contiguous range of layers [a, b) whose
+features (layer, kv head, head_dim order) get one basis.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from kernels.reference import qtype_bits
+
+STREAMS = ("keys", "values")
+
+
+class CodedBlock(NamedTuple):
+    """Contiguous PCA components [start, start + size) quantized with `qtype` (bits per component)."""
+
+    start: int
+    size: int
+    qtype: str
+    bits: int
+
+
+def model_id(fingerprint: dict[str, Any]) -> str:
+    """Short hex id of a model fingerprint dict (sha256 of canonical JSON, 16 hex digits)."""
+    canon = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, eq=False)
+class GroupCode:
+    """One basis: layers [a, b); mean (p_g,) and components (p_g, k) float32; blocks sorted, disjoint
+    (components in gaps are coded as "none")."""
+
+    layers: tuple[int, int]
+    mean: torch.Tensor
+    components: torch.Tensor
+    blocks: tuple[CodedBlock, ...]
+
+    def __post_init__(self) -> None:
+        p = self.mean.shape[0]
+        if self.mean.ndim != 1 or self.components.ndim != 2 or self.components.shape[0] != p:
+            raise ValueError(f"group {self.layers}: mean {tuple(self.mean.shape)} and components "
+                             f"{tuple(self.components.shape)} must be (p,) and (p, k)")
+        pos = 0
+        for b in self.blocks:
+            if b.start < pos or b.size < 1:
+                raise ValueError(f"group {self.layers}: blocks must be sorted and disjoint; {b} starts before {pos}")
+            if qtype_bits(b.qtype) != b.bits:
+                raise ValueError(f"group {self.layers}: block {b} has bits {b.bits}, type says {qtype_bits(b.qtype)}")
+            pos = b.start + b.size
+        if pos > self.components.shape[1]:
+            raise ValueError(f"group {self.layers}: blocks cover {pos} components, basis has {self.components.shape[1]}")
+
+    @property
+    def kept(self) -> int:
+        """Components actually used (end of the last block)."""
+        return self.blocks[-1].start + self.blocks[-1].size if self.blocks else 0
+
+
+@dataclass(frozen=True, eq=False)
+class CodecSpec:
+    """Runtime codec parameters for one artifact at one compression ratio."""
+
+    name: str
+    version: str
+    ratio: float
+    model_id: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    sinks: int
+    window: int
+    rope: dict[str, Any] | None
+    streams: dict[str, tuple[GroupCode, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or self.sinks < 0 or self.window < 0:
+            raise ValueError("num_layers, kv_heads, head_dim must be >= 1 and sinks, window >= 0")
+        if not (self.ratio > 0 and math.isfinite(self.ratio)):
+            raise ValueError(f"ratio must be a positive number, got {self.ratio}")
+        if set(self.streams) != set(STREAMS):
+            raise ValueError(f"streams must be exactly {STREAMS}, got {sorted(self.streams)}")
+        width = self.kv_heads * self.head_dim
+        for stream, groups in self.streams.items():
+            pos = 0
+            for g in groups:
+                a, b = g.layers
+                if a != pos or b <= a or g.mean.shape[0] != (b - a) * width:
+                    raise ValueError(f"{stream}: groups must tile layers 0..{self.num_layers} in order with "
+                                     f"p_g = layers * {width}; got {g.layers} with p_g {g.mean.shape[0]}")
+                pos = b
+            if pos != self.num_layers:
+                raise ValueError(f"{stream}: groups cover {pos} of {self.num_layers} layers")
+
+    @property
+    def features(self) -> int:
+        """p = layers * kv_heads * head_dim."""
+        return self.num_layers * self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_artifact(cls, artifact: Any, ratio: float) -> "CodecSpec":
+        """Read basis and allocation through the Artifact interface (.manifest, .basis, .allocation)."""
+        m = artifact.manifest
+        fp, cal = m["model"], m["calibration"]
+        num_layers = int(fp["num_layers"])
+        groups = [tuple(int(v) for v in g) for g in cal.get("groups") or [[0, num_layers]]]
+        streams: dict[str, tuple[GroupCode, ...]] = {}
+        for stream in STREAMS:
+            codes = []
+            for gi, (a, b) in enumerate(groups):
+                mean, _eig, comps = artifact.basis(stream, gi)
+                blocks = tuple(CodedBlock(int(s), int(n), str(t), int(bits))
+                               for s, n, t, bits in artifact.allocation(ratio, stream, gi))
+                kept = blocks[-1].start + blocks[-1].size if blocks else 0
+                codes.append(GroupCode((a, b), torch.as_tensor(mean, dtype=torch.float32).contiguous(),
+                                       torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(), blocks))
+            streams[stream] = tuple(codes)
+        return cls(name=str(m["name"]), version=str(m["version"]), ratio=float(ratio), model_id=model_id(fp),
+                   num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
+                   sinks=int(cal["sinks"]), window=int(cal["window"]), rope=fp.get("rope"), streams=streams)

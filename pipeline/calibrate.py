@@ -1,0 +1,263 @@
+"""`kvtc calibrate`: the main job. Corpus shards stream through Ray worker actors that capture the
+model's KV cache and store per-shard statistics; the driver folds them in shard order, computes
+PCA bases and one DP bit allocation per ratio, measures held-out errors and publishes a versioned
+artifact to the registry.
+
+Also runnable as `python -m pipeline.calibrate ...` (for `ray job submit`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CORPUS = "pydoc"
+DEFAULT_EVAL_CORPUS = "stdlib"
+# Sized for about 10 minutes end to end on a 2-core CPU with the embedded model.
+DEFAULT_CPU_TOKENS = 40 * 1024
+DEFAULT_GPU_TOKENS = 2_000_000
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    model: str = DEFAULT_MODEL
+    corpus: str = DEFAULT_CORPUS
+    eval_corpus: str | None = DEFAULT_EVAL_CORPUS
+    ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
+    tokens: int | None = None
+    eval_tokens: int | None = None
+    seq_len: int = 1024
+    seqs_per_shard: int = 4
+    registry: str | None = None
+    name: str | None = None
+    address: str | None = None
+    workers: int | None = None
+    threads_per_worker: int = 1
+    sinks: int = 4
+    window: int = 128
+    groups: str = "model"
+    sample: float = 1.0
+    seed: int = 0
+    holdout_fraction: float = 0.2
+    heldout_rows: int = 8192
+    store: str | None = None
+    dtype: str | None = None
+    cache_dir: str | None = None
+    text_column: str | None = None
+    block_sizes: tuple[int, ...] = (1, 16, 64, 256, 1024)
+    types: tuple[str, ...] = ("none", "int2", "int4", "fp8")
+    error_model: str = "measured"
+    parent: str | None = None
+    extra_manifest: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [r for r in self.ratios if not r > 1]
+        if not self.ratios or bad:
+            raise ValueError(f"compression ratios must be > 1 (got {list(self.ratios)}); pass e.g. --ratios 8,16,32")
+        if self.tokens is not None and self.tokens < self.seq_len:
+            raise ValueError(f"--tokens {self.tokens} is below one sequence of --seq-len {self.seq_len}")
+        if self.seqs_per_shard < 1:
+            raise ValueError(f"--seqs-per-shard must be >= 1, got {self.seqs_per_shard}")
+        if not 0 < self.holdout_fraction < 1:
+            raise ValueError(f"holdout fraction must be in (0, 1), got {self.holdout_fraction}")
+
+    @property
+    def artifact_name(self) -> str:
+        if self.name:
+            return self.name
+        base = self.model.rstrip("/").split("/")[-1].replace(":", "-").removesuffix(".gguf")
+        return base.lower()
+
+
+def _capture_dict(cfg: CalibrateConfig) -> dict:
+    return {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed}
+
+
+def run(cfg: CalibrateConfig, progress: bool = True) -> dict:
+    """Run the whole job; returns the summary that `--json` prints."""
+    import torch
+
+    import artifacts
+    from pipeline import ray_pool
+    from pipeline.allocator import AllocatorSettings, validate_ratios
+    from pipeline.reduce import reduce_and_publish
+    from pipeline.shards import make_shards
+    from pipeline.store import ShardStore, default_store_uri, settings_key
+    from workers.capture import CaptureSettings, check_seq_len
+    from workers.models import fingerprint_id, load_model
+    from workers.shard_worker import ShardWorker
+
+    t_start = time.perf_counter()
+    alloc = AllocatorSettings(block_sizes=tuple(cfg.block_sizes), types=tuple(cfg.types), error_model=cfg.error_model)
+    registry = artifacts.Registry(cfg.registry).uri
+    artifacts.check_writable(registry)
+    capture = CaptureSettings(**_capture_dict(cfg))
+
+    lm = load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir)
+    check_seq_len(lm, cfg.seq_len, capture)
+    groups = capture.group_layers(lm.num_layers)
+    for a, b in groups:
+        validate_ratios(cfg.ratios, (b - a) * lm.num_kv_heads * lm.head_dim, alloc)
+    tokenizer, fingerprint = lm.tokenizer, lm.fingerprint
+    del lm
+
+    on_gpu = torch.cuda.is_available()
+    tokens = cfg.tokens or (DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS)
+    if cfg.tokens is None:
+        print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)", file=sys.stderr)
+    store_root = cfg.store or default_store_uri()
+    store = ShardStore(store_root, fingerprint_id(fingerprint), settings_key(capture.to_dict()))
+
+    shards_seen: list[dict] = []
+
+    def payloads(spec: str, budget: int, eval_domain: bool):
+        for shard in make_shards(
+            spec, tokenizer, seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard, max_tokens=budget,
+            seed=cfg.seed, text_column=cfg.text_column,
+            holdout_fraction=0.0 if eval_domain else cfg.holdout_fraction, min_holdout_shards=0 if eval_domain else 1,
+            max_seq_len=fingerprint["max_positions"],
+        ):
+            role = "eval" if eval_domain else ("heldout" if shard.holdout else "train")
+            kind = "stats" if role == "train" else "rows"
+            cached = store.has(shard.id, kind)
+            shards_seen.append({"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size), "cached": cached})
+            if not cached:
+                yield {"shard": shard.to_payload(), "role": role}
+
+    def all_payloads():
+        yield from payloads(cfg.corpus, tokens, eval_domain=False)
+        if cfg.eval_corpus:
+            yield from payloads(cfg.eval_corpus, cfg.eval_tokens or 2 * cfg.seqs_per_shard * cfg.seq_len, eval_domain=True)
+
+    started = ray_pool.start_ray(cfg.address, num_cpus=None)
+    try:
+        gpus = ray_pool.cluster_gpus()
+        cpus = int(__import__("ray").cluster_resources().get("CPU", os.cpu_count() or 1))
+        workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
+        pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker, gpus_per_worker=1.0 if gpus >= 1 else 0.0)
+        actor_kwargs = dict(
+            model=cfg.model, capture=capture.to_dict(), store_root=store_root, dtype=cfg.dtype, cache_dir=cfg.cache_dir,
+            threads=cfg.threads_per_worker, rows_per_heldout_shard=max(1, cfg.heldout_rows // 2),
+        )
+        t_pool = time.perf_counter()
+        results = ray_pool.run_pool(ShardWorker, actor_kwargs, all_payloads(), pool, total=None)
+        pool_seconds = time.perf_counter() - t_pool
+    finally:
+        if started:
+            __import__("ray").shutdown()
+
+    run_tokens = sum(r["tokens_run"] for r in results)
+    summary = reduce_and_publish(
+        cfg=cfg, fingerprint=fingerprint, capture=capture, alloc=alloc, store=store, shards=shards_seen,
+        registry=registry, tokens_requested=tokens,
+    )
+    summary["run"] = {
+        "workers": workers,
+        "threads_per_worker": cfg.threads_per_worker,
+        "shards_run": len(results),
+        "shards_cached": sum(s["cached"] for s in shards_seen),
+        "tokens_run": run_tokens,
+        "pool_seconds": round(pool_seconds, 2),
+        "pool_tokens_per_s": round(run_tokens / pool_seconds, 1) if pool_seconds > 0 and run_tokens else None,
+        "stats_bytes_per_shard": (
+            int(sum(r["bytes"] for r in results if r["role"] == "train") / max(1, sum(r["role"] == "train" for r in results)))
+        ),
+        "wall_seconds": round(time.perf_counter() - t_start, 2),
+    }
+    return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = CalibrateConfig()
+    p.add_argument("--model", default=d.model, help="smollm2-135m (default), a hub id, a model dir, a .gguf path, or tiny:ARCH")
+    p.add_argument("--corpus", default=d.corpus, help="pydoc (default), stdlib, hf:ORG/NAME, or local .txt/.jsonl/.parquet files, dirs, globs")
+    p.add_argument("--eval-corpus", default=d.eval_corpus, help="second domain for cross-domain errors (default stdlib; 'none' to skip)")
+    p.add_argument("--ratios", default="8,16,32", help="compression ratios, comma separated (default 8,16,32)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens to run through the model (default: sized for ~10 min on a 2-core CPU)")
+    p.add_argument("--eval-tokens", type=int, default=None, help="tokens of --eval-corpus to run (default: two shards)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="sequence length (default 1024)")
+    p.add_argument("--seqs-per-shard", type=int, default=d.seqs_per_shard)
+    p.add_argument("--registry", default=None, help="registry root: a path or fsspec URI (default $KVTC_REGISTRY or ./registry)")
+    p.add_argument("--name", default=None, help="artifact name (default: derived from the model spec)")
+    p.add_argument("--address", default=None, help="Ray cluster address to join (default: a local Ray started for the job)")
+    p.add_argument("--workers", type=int, default=None, help="worker actors (default: one per GPU, else one per CPU)")
+    p.add_argument("--threads-per-worker", type=int, default=d.threads_per_worker)
+    p.add_argument("--sinks", type=int, default=d.sinks, help="leading positions kept raw (default 4)")
+    p.add_argument("--window", type=int, default=d.window, help="trailing positions kept raw (default 128)")
+    p.add_argument("--groups", default=d.groups, help="model (default), layer, or layers:K")
+    p.add_argument("--sample", type=float, default=d.sample, help="fraction of positions sampled (default 1.0)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--holdout-fraction", type=float, default=d.holdout_fraction)
+    p.add_argument("--heldout-rows", type=int, default=d.heldout_rows, help="cap on held-out rows per stream")
+    p.add_argument("--store", default=None, help="shard statistics cache: a path or fsspec URI (default $KVTC_CACHE/shards)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    p.add_argument("--cache-dir", default=None, help="model cache dir (default $KVTC_CACHE)")
+    p.add_argument("--text-column", default=None)
+    p.add_argument("--block-sizes", default="1,16,64,256,1024")
+    p.add_argument("--types", default="none,int2,int4,fp8")
+    p.add_argument("--error-model", choices=("measured", "analytic"), default=d.error_model)
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary")
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> CalibrateConfig:
+    def floats(s: str) -> tuple[float, ...]:
+        try:
+            return tuple(float(x) for x in s.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--ratios must be comma-separated numbers, got {s!r}") from None
+
+    eval_corpus = None if (args.eval_corpus or "").lower() in ("", "none") else args.eval_corpus
+    kw = dict(
+        model=args.model, corpus=args.corpus, eval_corpus=eval_corpus, ratios=floats(args.ratios), tokens=args.tokens,
+        eval_tokens=args.eval_tokens, seq_len=args.seq_len, seqs_per_shard=args.seqs_per_shard, registry=args.registry,
+        name=args.name, address=args.address, workers=args.workers, threads_per_worker=args.threads_per_worker,
+        sinks=args.sinks, window=args.window, groups=args.groups, sample=args.sample, seed=args.seed,
+        holdout_fraction=args.holdout_fraction, heldout_rows=args.heldout_rows, store=args.store, dtype=args.dtype,
+        cache_dir=args.cache_dir, text_column=args.text_column,
+        block_sizes=tuple(int(x) for x in args.block_sizes.split(",")), types=tuple(args.types.split(",")),
+        error_model=args.error_model,
+    )
+    kw.update(overrides)
+    return CalibrateConfig(**kw)
+
+
+def print_summary(summary: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return
+    print(f"published {summary['name']}@{summary['version']} to {summary['registry']}")
+    for row in summary["ratios"]:
+        print(
+            f"  CR {row['ratio']:>5g}: keys {100 * row['keys']['rel_error']:.2f}%  values {100 * row['values']['rel_error']:.2f}%"
+            f"  (held-out relative error; kept {row['keys']['kept']}/{row['values']['kept']} components)"
+        )
+    run = summary.get("run", {})
+    if run:
+        print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall {run['wall_seconds']} s")
+
+
+def _handler(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    print_summary(run(cfg), args.json)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="calibrate a model and publish an artifact", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=_handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.cli import main as cli_main
+
+    return cli_main(["calibrate", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

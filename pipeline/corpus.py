@@ -1,0 +1,254 @@
+"""Calibration corpora: turn a corpus spec into a stream of text documents.
+
+Spec grammar (several specs may be joined with ',' and are read in that order):
+
+    pydoc                               Python's documentation prose (pydoc_data.topics), one document per topic, by key
+    stdlib                              the standard library's .py sources, one document per file, by path
+                                        (no site-packages, test suites, GUI packages, codec tables, pydoc_data)
+    hf:NAME[:CONFIG][@SPLIT][#COLUMN]   a `datasets` dataset, streamed; NAME is a hub id ORG/NAME or a local
+                                        dataset directory; SPLIT defaults to "train"
+    FILE.txt                            the whole file is one document
+    FILE.jsonl                          one document per line: the text column of each JSON object
+    FILE.parquet                        one document per row: the text column
+    DIR or DIR/                         every .txt/.jsonl/.parquet file below DIR, sorted by path
+    GLOB                                matching files (*, ?, [...]; ** recurses), sorted by path
+    any of the above + '#COLUMN'        the text column for .jsonl/.parquet/hf sources (default: text_column or "text")
+
+Files that are missing, empty, unreadable or not UTF-8, and records without a usable text, are
+skipped: each skipped file raises a `CorpusWarning` and is counted in `CorpusStats`. When nothing
+usable remains, a ValueError names the reasons.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import sysconfig
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+DEFAULT_TEXT_COLUMN = "text"
+STDLIB_EXCLUDED_DIRS = frozenset({
+    "site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo",
+    "lib2to3", "ensurepip", "encodings", "pydoc_data", "lib-dynload", "__pycache__",
+})
+ACCEPTED_FORMS = ("pydoc | stdlib | hf:ORG/NAME[:CONFIG][@SPLIT][#COLUMN] | FILE.txt | FILE.jsonl[#COLUMN] | "
+                  "FILE.parquet[#COLUMN] | DIR/ | GLOB (e.g. data/*.jsonl); join several with ','")
+Source = Callable[["CorpusStats"], Iterator["Document"]]
+
+
+class CorpusWarning(UserWarning):
+    """A corpus file was skipped."""
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+
+
+@dataclass
+class CorpusStats:
+    """What reading the corpus did; filled in as the stream is consumed."""
+
+    documents: int = 0
+    files_read: int = 0
+    files_skipped: int = 0
+    records_skipped: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def skip_file(self, source: str, reason: str) -> None:
+        self.files_skipped += 1
+        self.skipped.append((source, reason))
+        warnings.warn(f"corpus: skipping {source}: {reason}", CorpusWarning, stacklevel=3)
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    name: str
+    config: str | None = None
+    split: str = "train"
+    column: str | None = None
+
+
+def parse_hf_spec(spec: str) -> HFSpec:
+    """Parse 'hf:NAME[:CONFIG][@SPLIT][#COLUMN]'."""
+    if not spec.startswith("hf:"):
+        raise ValueError(f"not an hf spec: {spec!r}; expected hf:ORG/NAME[:CONFIG][@SPLIT][#COLUMN]")
+    rest, column = _split_last(spec[3:], "#")
+    rest, split = _split_last(rest, "@")
+    name, _, config = rest.partition(":")
+    if not name or (column is not None and not column) or (split is not None and not split) or ":" in config:
+        raise ValueError(f"malformed hf spec {spec!r}; expected hf:ORG/NAME[:CONFIG][@SPLIT][#COLUMN]")
+    return HFSpec(name=name, config=config or None, split=split or "train", column=column)
+
+
+def _split_last(text: str, sep: str) -> tuple[str, str | None]:
+    head, found, tail = text.rpartition(sep)
+    return (head, tail) if found else (text, None)
+
+
+def iter_documents(spec: str, text_column: str | None = None, stats: CorpusStats | None = None) -> Iterator[Document]:
+    """The documents of `spec` in a deterministic order (grammar: module docstring). Bad specs fail here, eagerly."""
+    stats = stats if stats is not None else CorpusStats()
+    parts = [part.strip() for part in spec.split(",")]
+    if not spec.strip() or not all(parts):
+        raise ValueError(f"empty corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
+    sources = [_resolve(part, text_column) for part in parts]
+    return _stream(spec, sources, stats)
+
+
+def _stream(spec: str, sources: list[Source], stats: CorpusStats) -> Iterator[Document]:
+    before = stats.documents
+    for source in sources:
+        for doc in source(stats):
+            stats.documents += 1
+            yield doc
+    if stats.documents == before:
+        reasons = "; ".join(f"{src}: {why}" for src, why in stats.skipped[:5]) or "no documents"
+        raise ValueError(f"corpus {spec!r} has no usable document ({stats.files_skipped} file(s) skipped: {reasons})")
+
+
+def _resolve(part: str, text_column: str | None) -> Source:
+    if part == "pydoc":
+        return lambda stats: _pydoc_documents()
+    if part == "stdlib":
+        return _stdlib_documents
+    if part.startswith("hf:"):
+        hf = parse_hf_spec(part)
+        column = _pick_column(part, hf.column, text_column)
+        return lambda stats: _hf_documents(hf, column, stats)
+    path, column = part, None
+    if not glob.has_magic(part) and not Path(part).exists() and "#" in part:
+        path, column = _split_last(part, "#")
+    column = _pick_column(part, column, text_column)
+    if glob.has_magic(path):
+        matches = [p for p in glob.glob(path, recursive=True) if Path(p).suffix in FILE_SUFFIXES]
+        return lambda stats: _files_documents(sorted(matches), column, stats, path)
+    if Path(path).is_dir():
+        return lambda stats: _files_documents(_walk(Path(path)), column, stats, path)
+    if Path(path).suffix in FILE_SUFFIXES:
+        return lambda stats: _files_documents([path], column, stats, path)
+    raise ValueError(f"unknown corpus spec {part!r} (not a known name, directory, glob or "
+                     f"{'/'.join(FILE_SUFFIXES)} file); accepted forms: {ACCEPTED_FORMS}")
+
+
+def _pick_column(part: str, in_spec: str | None, argument: str | None) -> str:
+    if in_spec is not None and argument is not None and in_spec != argument:
+        raise ValueError(f"corpus spec {part!r} names column {in_spec!r} but text_column={argument!r}; give one")
+    return in_spec or argument or DEFAULT_TEXT_COLUMN
+
+
+def _walk(root: Path) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*")
+                  if p.suffix in FILE_SUFFIXES and not any(s.startswith(".") for s in p.relative_to(root).parts))
+
+
+def _pydoc_documents() -> Iterator[Document]:
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        if topics[key].strip():
+            yield Document(id=f"pydoc:{key}", text=topics[key])
+
+
+def _stdlib_documents(stats: CorpusStats) -> Iterator[Document]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for rel in sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")):
+        parts = rel.split("/")
+        excluded = any(d in STDLIB_EXCLUDED_DIRS or d.startswith("config-") for d in parts[:-1])
+        if excluded or parts[-1].startswith("_sysconfigdata") or (root / rel).stat().st_size == 0:
+            continue
+        text = _read_text(root / rel, f"stdlib:{rel}", stats)
+        if text is not None:
+            yield Document(id=f"stdlib:{rel}", text=text)
+
+
+def _read_text(path: Path, source: str, stats: CorpusStats) -> str | None:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        reason = f"not UTF-8 ({exc.reason} at byte {exc.start})"
+    except OSError as exc:
+        reason = f"unreadable ({exc.strerror or exc})"
+    else:
+        if text.strip():
+            stats.files_read += 1
+            return text
+        reason = "empty"
+    stats.skip_file(source, reason)
+    return None
+
+
+def _files_documents(paths: list[str], column: str, stats: CorpusStats, spec: str) -> Iterator[Document]:
+    if not paths:
+        stats.skip_file(spec, "no .txt/.jsonl/.parquet file matched")
+    for name in paths:
+        path = Path(name)
+        if not path.exists():
+            stats.skip_file(name, "file not found")
+        elif path.suffix == ".txt":
+            text = _read_text(path, name, stats)
+            if text is not None:
+                yield Document(id=name, text=text)
+        elif path.suffix in (".jsonl", ".parquet"):
+            read = _jsonl_records if path.suffix == ".jsonl" else _parquet_records
+            count = 0
+            try:
+                for i, text in enumerate(read(path, column, stats)):
+                    if isinstance(text, str) and text.strip():
+                        count += 1
+                        yield Document(id=f"{name}:{i}", text=text)
+                    else:
+                        stats.records_skipped += 1
+            except (OSError, ValueError) as exc:
+                stats.skip_file(name, f"unreadable ({exc})")
+            else:
+                stats.files_read += count > 0
+                if not count:
+                    stats.skip_file(name, f"no record with a non-empty {column!r} text")
+
+
+def _jsonl_records(path: Path, column: str, stats: CorpusStats) -> Iterator[object]:
+    with path.open("rb") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                stats.records_skipped += 1
+                continue
+            yield record.get(column) if isinstance(record, dict) else None
+
+
+def _parquet_records(path: Path, column: str, stats: CorpusStats) -> Iterator[object]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if column not in parquet.schema_arrow.names:
+        raise ValueError(f"no column {column!r} (columns: {', '.join(parquet.schema_arrow.names)}); set text_column")
+    for batch in parquet.iter_batches(columns=[column], batch_size=256):
+        yield from batch.column(0).to_pylist()
+
+
+def _hf_documents(hf: HFSpec, column: str, stats: CorpusStats) -> Iterator[Document]:
+    import datasets
+
+    source = f"hf:{hf.name}" + (f":{hf.config}" if hf.config else "") + f"@{hf.split}"
+    try:
+        dataset = datasets.load_dataset(hf.name, hf.config, split=hf.split, streaming=True)
+    except Exception as exc:  # datasets raises many unrelated types; name the source and the likely causes
+        raise ValueError(f"cannot open {source} ({type(exc).__name__}: {exc}); check the name, config and split, "
+                         "and hub access (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)") from exc
+    for i, record in enumerate(dataset):
+        if column not in record:
+            raise ValueError(f"{source} has no column {column!r} (columns: {', '.join(record)}); "
+                             f"use {source}#COLUMN or text_column=")
+        text = record[column]
+        if isinstance(text, str) and text.strip():
+            yield Document(id=f"{source}:{i}", text=text)
+        else:
+            stats.records_skipped += 1

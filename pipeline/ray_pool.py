@@ -1,0 +1,110 @@
+"""Stream shard payloads through a pool of Ray worker actors, each loading the model once.
+
+Work in flight is bounded (`in_flight` tasks per actor). Actors restart when their process
+dies and Ray retries the task they were running on the restarted actor, so a killed worker costs
+a retry. Every task is identified by its shard id and writes its result to the shard store
+itself; what comes back through Ray is a small dict of plain values (no tensors, no custom
+classes), so nothing is double-counted: the reducer folds each shard's stored entry once.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import ray
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    workers: int
+    threads_per_worker: int = 1
+    in_flight: int = 2
+    gpus_per_worker: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.threads_per_worker < 1:
+            raise ValueError(f"threads per worker must be >= 1, got {self.threads_per_worker}")
+        if self.in_flight < 1:
+            raise ValueError(f"in_flight must be >= 1, got {self.in_flight}")
+
+
+def cluster_gpus() -> float:
+    return float(ray.cluster_resources().get("GPU", 0.0))
+
+
+def start_ray(address: str | None, num_cpus: int | None) -> bool:
+    """Join `address` (or $RAY_ADDRESS, as inside `ray job submit`), else start a local Ray.
+    Returns True when this call started Ray and the caller should shut it down."""
+    if ray.is_initialized():
+        return False
+    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address or None, log_to_driver=True, runtime_env={"env_vars": env})
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
+    return True
+
+
+def run_pool(
+    actor_cls: type,
+    actor_kwargs: dict,
+    payloads: Iterable[dict],
+    settings: PoolSettings,
+    on_result: Callable[[dict], None] | None = None,
+    total: int | None = None,
+) -> list[dict]:
+    """Run `actor.process(payload)` for every payload; returns the result dicts in completion order."""
+    remote_cls = ray.remote(actor_cls).options(
+        num_cpus=settings.threads_per_worker,
+        num_gpus=settings.gpus_per_worker,
+        max_restarts=-1,
+        max_task_retries=-1,
+    )
+    actors = [remote_cls.remote(**actor_kwargs) for _ in range(settings.workers)]
+    load = {i: 0 for i in range(len(actors))}
+    pending: dict = {}
+    results: list[dict] = []
+    it: Iterator[dict] = iter(payloads)
+    exhausted = False
+    tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(total=total, unit="shard", desc="calibrate", dynamic_ncols=True)
+    try:
+        while True:
+            while not exhausted:
+                free = [i for i, n in load.items() if n < settings.in_flight]
+                if not free:
+                    break
+                try:
+                    payload = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                i = min(free, key=lambda j: load[j])
+                pending[actors[i].process.remote(payload)] = i
+                load[i] += 1
+            if not pending:
+                break
+            done, _ = ray.wait(list(pending), num_returns=1)
+            ref = done[0]
+            i = pending.pop(ref)
+            load[i] -= 1
+            result = ray.get(ref)
+            results.append(result)
+            tokens += int(result.get("tokens_run", 0))
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.update(1)
+            bar.set_postfix(tokens=tokens, tok_s=f"{tokens / elapsed:.0f}", refresh=False)
+            if on_result is not None:
+                on_result(result)
+    finally:
+        bar.close()
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+    return results

@@ -1,0 +1,113 @@
+"""Content-addressed cache of per-shard results, on a local directory or any fsspec URI.
+
+A shard's entry is named by what determines it: the model fingerprint, the capture settings
+and the shard id (itself a hash of the shard's tokens). Entries are written whole (stage then
+rename on local disks; one PUT on object stores), so a crash leaves either the entry or nothing,
+and a rerun processes only the shards that are missing.
+
+Layout: ``<root>/<model fingerprint id>/<capture key>/<shard id>.<kind>.safetensors`` where kind
+is ``stats`` (training shards: count, sum, Gram) or ``rows`` (held-out shards: a capped sample of
+captured rows with their positions).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+KINDS = ("stats", "rows")
+
+
+def default_store_uri() -> str:
+    base = os.environ.get("KVTC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvtc")
+    return os.path.join(base, "shards")
+
+
+def settings_key(settings: dict) -> str:
+    """Short stable hash of a JSON-able settings dict."""
+    blob = json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ShardStore:
+    """Where shard results live. `root` is a local path or an fsspec URI; `model_id` and
+    `capture_key` scope the entries to one model and one set of capture settings."""
+
+    root: str
+    model_id: str
+    capture_key: str
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ValueError("shard store root is empty; pass a directory or an fsspec URI (e.g. s3://bucket/kvtc-cache)")
+
+    @property
+    def _fs_and_base(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        fs, base = fsspec.core.url_to_fs(self.root)
+        return fs, f"{base.rstrip('/')}/{self.model_id}/{self.capture_key}"
+
+    def uri(self, shard_id: str, kind: str) -> str:
+        if kind not in KINDS:
+            raise ValueError(f"unknown shard entry kind {kind!r}; expected one of {KINDS}")
+        return f"{self.root.rstrip('/')}/{self.model_id}/{self.capture_key}/{shard_id}.{kind}.safetensors"
+
+    def _path(self, shard_id: str, kind: str) -> str:
+        _, base = self._fs_and_base
+        return f"{base}/{shard_id}.{kind}.safetensors"
+
+    def has(self, shard_id: str, kind: str) -> bool:
+        fs, _ = self._fs_and_base
+        return fs.exists(self._path(shard_id, kind))
+
+    def put(self, shard_id: str, kind: str, tensors: dict[str, np.ndarray], metadata: dict) -> int:
+        """Write one entry whole from arrays plus JSON metadata; returns its size in bytes."""
+        data = st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata={"kvtc": json.dumps(metadata, sort_keys=True)})
+        return self.put_bytes(shard_id, kind, data)
+
+    def put_bytes(self, shard_id: str, kind: str, data: bytes) -> int:
+        """Write one entry whole. Re-writing an entry (a retried task) replaces it with identical content."""
+        fs, base = self._fs_and_base
+        path = self._path(shard_id, kind)
+        fs.makedirs(base, exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            with fs.open(path, "wb") as f:
+                f.write(data)
+        return len(data)
+
+    def get_bytes(self, shard_id: str, kind: str) -> bytes:
+        fs, _ = self._fs_and_base
+        try:
+            with fs.open(self._path(shard_id, kind), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"shard entry {self.uri(shard_id, kind)} is missing; rerun the calibration to recompute it") from None
+
+    def get(self, shard_id: str, kind: str) -> tuple[dict[str, np.ndarray], dict]:
+        """Arrays and JSON metadata of an entry written by `put`."""
+        data = self.get_bytes(shard_id, kind)
+        try:
+            header_len = int.from_bytes(data[:8], "little")
+            metadata = json.loads(json.loads(data[8 : 8 + header_len]).get("__metadata__", {}).get("kvtc", "{}"))
+            return st_load(data), metadata
+        except Exception as exc:
+            raise ValueError(f"shard entry {self.uri(shard_id, kind)} is unreadable ({exc}); delete it and rerun") from exc
+
+    def size(self, shard_id: str, kind: str) -> int:
+        fs, _ = self._fs_and_base
+        return int(fs.size(self._path(shard_id, kind)))

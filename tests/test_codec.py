@@ -1,0 +1,155 @@
+"""KVTCCodec round trips against an independent reconstruction from kernels/reference.py."""
+import zlib
+
+import pytest
+import torch
+
+from kernels import BlobError, CodecSpec, KVTCCodec, read_blob
+from kernels.blob import TAG_CODES
+from kernels.entropy import PLAIN, RAW_DEFLATE, ZLIB, decode_section, encode_section, nvcomp_available
+from kernels.reference import quantize_dequantize
+from kernels.spec import STREAMS, model_id
+from kernels.synthetic import synthetic_cache, synthetic_spec
+from workers.rope import RopeSpec
+
+
+def reference_reconstruction(spec: CodecSpec, cache: torch.Tensor, stream: str, start: int) -> torch.Tensor:
+    """Middle tokens rebuilt the slow, obvious way: (L, H, mid, D) float32."""
+    L, H, T, D = cache.shape
+    head = min(T, max(0, spec.sinks - start))
+    mid = T - head - min(spec.window, T - head)
+    pos = torch.arange(start + head, start + head + mid)
+    x = cache[:, :, head:head + mid].float()
+    rope = RopeSpec.from_dict(spec.rope) if spec.rope and stream == "keys" else None
+    if rope:
+        x = rope.remove(x, pos)
+    flat = x.permute(2, 0, 1, 3).reshape(mid, -1)
+    out = torch.empty_like(flat)
+    width = H * D
+    for g in spec.streams[stream]:
+        cols = slice(g.layers[0] * width, g.layers[1] * width)
+        z = (flat[:, cols] - g.mean) @ g.components
+        zhat = torch.zeros_like(z)
+        for b in g.blocks:
+            zhat[:, b.start:b.start + b.size] = quantize_dequantize(z[:, b.start:b.start + b.size], b.qtype)
+        out[:, cols] = zhat @ g.components.T + g.mean
+    x = out.reshape(mid, L, H, D).permute(1, 2, 0, 3)
+    return rope.apply(x, pos) if rope else x
+
+
+def test_roundtrip_equals_reference_definition_without_rope():
+    spec = synthetic_spec(5, 2, 8, groups=[(0, 2), (2, 5)], sinks=3, window=4, kept=30, rope_theta=None)
+    keys, values = synthetic_cache(spec, 23, torch.float32, seed=1)
+    codec = KVTCCodec(spec)
+    k2, v2 = codec.decode(codec.encode(keys, values))
+    for orig, dec, stream in ((keys, k2, "keys"), (values, v2, "values")):
+        assert dec.shape == orig.shape and dec.dtype == orig.dtype
+        assert torch.equal(dec[:, :, :3], orig[:, :, :3]) and torch.equal(dec[:, :, -4:], orig[:, :, -4:])
+        assert torch.equal(dec[:, :, 3:-4], reference_reconstruction(spec, orig, stream, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("start", [0, 2, 11])
+def test_roundtrip_with_rope_close_to_reference(dtype, start):
+    spec = synthetic_spec(3, 2, 16, 4.0, sinks=4, window=5, seed=2)
+    keys, values = synthetic_cache(spec, 29, dtype, start=start, seed=3)
+    codec = KVTCCodec(spec)
+    head, mid, tail = codec.split(29, start)
+    assert (head, mid, tail) == (max(0, 4 - start), 29 - max(0, 4 - start) - 5, 5)
+    k2, v2 = codec.decode(codec.encode(keys, values, start=start))
+    for orig, dec, stream in ((keys, k2, "keys"), (values, v2, "values")):
+        assert dec.dtype == dtype and dec.shape == orig.shape
+        assert torch.equal(dec[:, :, :head], orig[:, :, :head]) and torch.equal(dec[:, :, -tail:], orig[:, :, -tail:])
+        ref = reference_reconstruction(spec, orig, stream, start)
+        got, x = dec[:, :, head:head + mid].float(), orig[:, :, head:head + mid].float()
+        err_ref = (ref - x).norm() / x.norm()
+        assert err_ref < 0.2
+        assert (got - ref).norm() <= 0.05 * (ref - x).norm() + 1e-2 * x.norm()
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 6, 9])
+def test_short_sequences_stay_raw(tokens):
+    spec = synthetic_spec(2, 1, 8, sinks=4, window=5, kept=8)
+    keys, values = synthetic_cache(spec, tokens, torch.float16)
+    codec = KVTCCodec(spec)
+    blob = codec.encode(keys, values)
+    _, sections = read_blob(blob)
+    assert all(s.key.tag != TAG_CODES for s in sections)
+    k2, v2 = codec.decode(blob)
+    assert torch.equal(k2, keys) and torch.equal(v2, values)
+
+
+def test_triton_interpreter_backend_writes_the_same_blob():
+    spec = synthetic_spec(2, 3, 8, groups=[(0, 1), (1, 2)], sinks=2, window=3, kept=20, seed=4)
+    keys, values = synthetic_cache(spec, 17, torch.float32, seed=5)
+    torch_codec, triton_codec = KVTCCodec(spec, backend="torch"), KVTCCodec(spec, backend="triton")
+    blob = torch_codec.encode(keys, values, start=1)
+    assert triton_codec.encode(keys, values, start=1) == blob
+    for a, b in zip(torch_codec.decode(blob), triton_codec.decode(blob)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_clear_value_errors():
+    spec = synthetic_spec(2, 1, 8, kept=8)
+    codec = KVTCCodec(spec)
+    keys, values = synthetic_cache(spec, 10, torch.float16)
+    with pytest.raises(ValueError, match="layers, kv_heads, tokens, head_dim"):
+        codec.encode(keys[:1], values[:1])
+    with pytest.raises(ValueError, match="dtype"):
+        codec.encode(keys.double(), values.double())
+    with pytest.raises(ValueError, match="same shape"):
+        codec.encode(keys, values[:, :, :5])
+    with pytest.raises(ValueError, match="start"):
+        codec.encode(keys, values, start=-1)
+    with pytest.raises(ValueError, match="ratio"):
+        KVTCCodec(object())
+    with pytest.raises(ValueError, match="backend"):
+        KVTCCodec(spec, backend="cuda")
+
+
+class FakeArtifact:
+    """Implements only the Artifact interface the codec may use."""
+
+    def __init__(self, spec: CodecSpec, fingerprint: dict):
+        self.spec = spec
+        self.manifest = {"name": "fake", "version": "v3", "model": fingerprint,
+                         "calibration": {"sinks": spec.sinks, "window": spec.window,
+                                         "groups": [list(g.layers) for g in spec.streams["keys"]]}}
+
+    def basis(self, stream, group=0):
+        g = self.spec.streams[stream][group]
+        extra = torch.zeros(g.components.shape[0], 3)
+        return g.mean.numpy(), None, torch.cat([g.components, extra], 1).numpy()
+
+    def allocation(self, ratio, stream, group=0):
+        assert ratio == 16
+        return [(b.start, b.size, b.qtype, b.bits) for b in self.spec.streams[stream][group].blocks]
+
+
+def test_codec_from_artifact_interface():
+    spec = synthetic_spec(2, 2, 8, groups=[(0, 1), (1, 2)], kept=12, seed=6)
+    fp = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "rope": spec.rope, "spec": "tiny"}
+    codec = KVTCCodec(FakeArtifact(spec, fp), 16)
+    assert codec.spec.model_id == model_id(fp) and codec.spec.name == "fake" and codec.spec.version == "v3"
+    for stream in STREAMS:
+        for a, b in zip(codec.spec.streams[stream], spec.streams[stream]):
+            assert a.kept == b.kept and torch.equal(a.components, b.components[:, :b.kept])
+    keys, values = synthetic_cache(spec, 140, torch.float16)
+    k2, v2 = codec.decode(codec.encode(keys, values))
+    assert k2.shape == keys.shape
+
+
+def test_entropy_sections_never_grow_and_decode_all_codings():
+    noise = torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes()
+    assert encode_section(noise) == (PLAIN, noise)
+    coding, stored = encode_section(bytes(4096))
+    assert coding == ZLIB and len(stored) < 100
+    assert decode_section(coding, stored, 4096, "x") == bytes(4096)
+    raw = zlib.compressobj(6, zlib.DEFLATED, -15)
+    stream = raw.compress(b"abc" * 100) + raw.flush()
+    assert decode_section(RAW_DEFLATE, stream, 300, "x") == b"abc" * 100
+    with pytest.raises(BlobError, match="exactly 299"):
+        decode_section(RAW_DEFLATE, stream, 299, "x")
+    if not nvcomp_available():
+        with pytest.raises(RuntimeError, match="nvcomp"):
+            encode_section(b"a" * 100, coder="nvcomp")

@@ -1,0 +1,145 @@
+"""KV capture: forward a batch, take every layer's keys and values, remove RoPE from the keys.
+
+Feature order of a captured row: layer, then KV head, then head_dim (p = layers*kv_heads*head_dim).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from workers.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """Which positions and how features are grouped. Positions [0, sinks) and the last `window` are excluded."""
+
+    sinks: int = 4
+    window: int = 128
+    groups: str = "model"
+    sample: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.window < 0:
+            raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks}, window={self.window}")
+        if not 0.0 < self.sample <= 1.0:
+            raise ValueError(f"sample must be in (0, 1], got {self.sample}")
+        if self.groups not in ("model", "layer"):
+            head, _, k = self.groups.partition(":")
+            if head != "layers" or not k.isdigit() or int(k) < 1:
+                raise ValueError(f"groups must be 'model', 'layer' or 'layers:K' with K >= 1, got {self.groups!r}")
+
+    def group_layers(self, num_layers: int) -> list[tuple[int, int]]:
+        """Layer ranges [a, b) of each group, in order."""
+        if self.groups == "model":
+            return [(0, num_layers)]
+        k = 1 if self.groups == "layer" else int(self.groups.split(":")[1])
+        return [(a, min(a + k, num_layers)) for a in range(0, num_layers, k)]
+
+    def eligible(self, seq_len: int) -> int:
+        return seq_len - self.sinks - self.window
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
+        return cls(**d)
+
+
+@dataclass
+class CapturedKV:
+    """keys, values (N, p) float32 (keys RoPE-removed); positions, sequence (N,) int64 (row in the batch)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    sequence: torch.Tensor
+
+
+def check_seq_len(lm: LoadedModel, seq_len: int, settings: CaptureSettings) -> None:
+    """Raise ValueError if seq_len exceeds the model's limit or leaves no position after sinks and window."""
+    if seq_len > lm.max_positions:
+        raise ValueError(
+            f"seq_len {seq_len} exceeds the model's limit of {lm.max_positions} positions; use a shorter seq_len"
+        )
+    if settings.eligible(seq_len) < 1:
+        raise ValueError(
+            f"seq_len {seq_len} leaves no position after excluding sinks={settings.sinks} and "
+            f"window={settings.window}; use seq_len > {settings.sinks + settings.window}"
+        )
+
+
+def _select_positions(input_ids: torch.Tensor, settings: CaptureSettings) -> torch.Tensor:
+    """(B, T) ids -> (B, k) sorted positions; sampling is seeded by settings.seed and each sequence's tokens."""
+    b, t = input_ids.shape
+    n = settings.eligible(t)
+    base = torch.arange(settings.sinks, settings.sinks + n, dtype=torch.int64)
+    if settings.sample >= 1.0:
+        return base.expand(b, n).clone()
+    k = max(1, round(settings.sample * n))
+    rows = []
+    for seq in input_ids.cpu().numpy():
+        gen = torch.Generator().manual_seed((settings.seed * 1_000_003 + zlib.crc32(seq.tobytes())) % (1 << 62))
+        rows.append(base[torch.randperm(n, generator=gen)[:k].sort().values])
+    return torch.stack(rows)
+
+
+def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    with torch.inference_mode():
+        out = lm.base(input_ids=input_ids.to(lm.device), use_cache=True)
+    cache = out.cache if "cache" in out else out.past_key_values  # renamed in transformers 5.x
+    layers = cache.layers
+    keys = [layer.keys for layer in layers]
+    values = [layer.values for layer in layers]
+    t = input_ids.shape[1]
+    if len(keys) != lm.num_layers or any(k.shape[-2] != t for k in keys):
+        raise RuntimeError(
+            "the model's cache does not hold every position of every layer (sliding-window attention?); "
+            "capture needs full-attention caches"
+        )
+    return keys, values
+
+
+def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings) -> CapturedKV:
+    """input_ids (B, T) -> CapturedKV with N = B * rows-per-sequence rows, on the model's device."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
+    b, t = input_ids.shape
+    check_seq_len(lm, t, settings)
+    keys, values = _forward_cache(lm, input_ids)
+    pos = _select_positions(input_ids, settings).to(lm.device)
+    k = pos.shape[1]
+    bi = torch.arange(b, device=lm.device)[:, None].expand(b, k)
+    with torch.inference_mode():
+        # (L, B, H, T, D) -> rows (L, H, N, D), N = B*k in (sequence, position) order
+        def gather(per_layer: list[torch.Tensor]) -> torch.Tensor:
+            stacked = torch.stack(per_layer).permute(1, 3, 0, 2, 4)  # (B, T, L, H, D)
+            rows = stacked[bi, pos].reshape(b * k, *stacked.shape[2:])  # (N, L, H, D)
+            return rows.to(torch.float32)
+
+        krows = gather(keys)
+        flat_pos = pos.reshape(-1)
+        krows = lm.rope.remove(krows.permute(1, 2, 0, 3), flat_pos).permute(2, 0, 1, 3)
+        vrows = gather(values)
+    n = b * k
+    return CapturedKV(
+        keys=krows.reshape(n, -1).contiguous(),
+        values=vrows.reshape(n, -1),
+        positions=flat_pos.to(torch.int64),
+        sequence=bi.reshape(-1).to(torch.int64),
+    )
+
+
+def raw_cache(lm: LoadedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids (1, T) -> (keys, values) each (layers, kv_heads, T, head_dim), keys WITH RoPE, model dtype."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"raw_cache takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] > lm.max_positions:
+        raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's limit of {lm.max_positions}")
+    keys, values = _forward_cache(lm, input_ids)
+    return torch.stack([x[0] for x in keys]), torch.stack([x[0] for x in values])
