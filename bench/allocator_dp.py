@@ -69,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, default=4000)
     ap.add_argument("--large-rows", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-large", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,7 +1,8 @@
 """Worker overhead: tokens/s of the usual forward pass against forward + KV capture + statistics.
 
 Same tokens for every variant (Python's own documentation prose, tokenized), one warm-up batch,
-then one timed run over --sequences sequences in batches of --batch.
+then one timed run over --sequences sequences in batches of --batch; the variants take turns on
+each batch so load drift on a shared machine hits them alike.
 
     python bench/worker_overhead.py [--model smollm2-135m] [--seq-len 1024] [--sequences 4]
 """
@@ -30,14 +31,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Callable[[torch.Tensor], None], batches: list[torch.Tensor], device: torch.device) -> float:
-    fn(batches[0][:1, : min(256, batches[0].shape[1])])  # warm-up (allocations, kernels)
-    _sync(device)
-    t0 = time.perf_counter()
+def _timed(variants: dict[str, Callable[[torch.Tensor], None]], batches: list[torch.Tensor],
+           device: torch.device) -> dict[str, float]:
+    """Seconds per variant; variants take turns on each batch so load drift hits them alike."""
+    for fn in variants.values():
+        fn(batches[0][:1, : min(256, batches[0].shape[1])])  # warm-up (allocations, kernels)
+    total = dict.fromkeys(variants, 0.0)
     for b in batches:
-        fn(b)
-    _sync(device)
-    return time.perf_counter() - t0
+        for name, fn in variants.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn(b)
+            _sync(device)
+            total[name] += time.perf_counter() - t0
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,11 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             stats.update(captured)
 
-    t_fwd = _timed(forward, batches, lm.device)
-    t_base = _timed(base_forward, batches, lm.device)
-    t_capture = _timed(capture_only, batches, lm.device)
-    stats = CalibrationStats.new(lm.fingerprint, settings)
-    t_cap = _timed(capture_stats, batches, lm.device)
+    times = _timed({"forward": forward, "base": base_forward, "capture": capture_only, "stats": capture_stats},
+                   batches, lm.device)
+    t_fwd, t_base, t_capture, t_cap = times["forward"], times["base"], times["capture"], times["stats"]
     n_tok = ids.numel()
     print(f"model {args.model} on {lm.device} {str(lm.dtype).replace('torch.', '')}, threads {torch.get_num_threads()}, "
           f"{args.sequences} x {args.seq_len} tokens, batch {args.batch}, groups {args.groups}, "

@@ -245,7 +245,7 @@ def _cost_unit(settings: AllocatorSettings, k: int, budget: int) -> int:
     return g * m
 
 
-def _solve(tables: ErrorTables, settings: AllocatorSettings, budget: int):
+def solve_budget(tables: ErrorTables, settings: AllocatorSettings, budget: int):
     """Exact DP in cost units; returns (blocks, error within the tables' K columns, unit)."""
     k, unit = tables.k, _cost_unit(settings, tables.k, budget)
     units = budget // unit
@@ -296,7 +296,7 @@ def allocate_from_tables(ratio: float, tables: ErrorTables, settings: AllocatorS
                          notes: tuple[str, ...] = ()) -> Allocation:
     """One ratio's DP on prepared error tables."""
     budget = budget_bits(tables.p, ratio)
-    blocks, err, unit = _solve(tables, settings, budget)
+    blocks, err, unit = solve_budget(tables, settings, budget)
     cost = sum(b.cost_bits for b in blocks)
     if cost > budget:
         raise RuntimeError(f"allocator bug: ratio {ratio:g} costs {cost} bits > budget {budget}")

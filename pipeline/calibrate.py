@@ -77,13 +77,15 @@ def _capture_dict(cfg: CalibrateConfig) -> dict:
     return {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed}
 
 
-def run(cfg: CalibrateConfig, progress: bool = True) -> dict:
-    """Run the whole job; returns the summary that `--json` prints."""
+def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
+    """Run the whole job; returns the summary that `--json` prints. alias_latest=False publishes
+    the version without moving `latest` (recalibration decides after validating it)."""
     import torch
 
     import artifacts
     from pipeline import ray_pool
     from pipeline.allocator import AllocatorSettings, validate_ratios
+    from pipeline.corpus import iter_documents
     from pipeline.reduce import reduce_and_publish
     from pipeline.shards import make_shards
     from pipeline.store import ShardStore, default_store_uri, settings_key
@@ -96,6 +98,8 @@ def run(cfg: CalibrateConfig, progress: bool = True) -> dict:
     registry = artifacts.Registry(cfg.registry).uri
     artifacts.check_writable(registry)
     capture = CaptureSettings(**_capture_dict(cfg))
+    for spec in filter(None, (cfg.corpus, cfg.eval_corpus)):
+        iter_documents(spec, cfg.text_column)  # a bad spec fails here, before any model work
 
     lm = load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir)
     check_seq_len(lm, cfg.seq_len, capture)
@@ -113,6 +117,8 @@ def run(cfg: CalibrateConfig, progress: bool = True) -> dict:
     store = ShardStore(store_root, fingerprint_id(fingerprint), settings_key(capture.to_dict()))
 
     shards_seen: list[dict] = []
+    seen_ids: set[str] = set()
+    duplicates: list[str] = []
 
     def payloads(spec: str, budget: int, eval_domain: bool):
         for shard in make_shards(
@@ -121,6 +127,10 @@ def run(cfg: CalibrateConfig, progress: bool = True) -> dict:
             holdout_fraction=0.0 if eval_domain else cfg.holdout_fraction, min_holdout_shards=0 if eval_domain else 1,
             max_seq_len=fingerprint["max_positions"],
         ):
+            if shard.id in seen_ids:
+                duplicates.append(shard.id)  # identical tokens, identical statistics: fold once
+                continue
+            seen_ids.add(shard.id)
             role = "eval" if eval_domain else ("heldout" if shard.holdout else "train")
             kind = "stats" if role == "train" else "rows"
             cached = store.has(shard.id, kind)
@@ -131,7 +141,7 @@ def run(cfg: CalibrateConfig, progress: bool = True) -> dict:
     def all_payloads():
         yield from payloads(cfg.corpus, tokens, eval_domain=False)
         if cfg.eval_corpus:
-            yield from payloads(cfg.eval_corpus, cfg.eval_tokens or 2 * cfg.seqs_per_shard * cfg.seq_len, eval_domain=True)
+            yield from payloads(cfg.eval_corpus, cfg.eval_tokens or cfg.seqs_per_shard * cfg.seq_len, eval_domain=True)
 
     started = ray_pool.start_ray(cfg.address, num_cpus=None)
     try:
@@ -153,8 +163,10 @@ def run(cfg: CalibrateConfig, progress: bool = True) -> dict:
     run_tokens = sum(r["tokens_run"] for r in results)
     summary = reduce_and_publish(
         cfg=cfg, fingerprint=fingerprint, capture=capture, alloc=alloc, store=store, shards=shards_seen,
-        registry=registry, tokens_requested=tokens,
+        registry=registry, tokens_requested=tokens, alias_latest=alias_latest,
     )
+    if duplicates:
+        summary["warnings"].append(f"{len(duplicates)} shards repeated an earlier shard's tokens and were folded once")
     summary["run"] = {
         "workers": workers,
         "threads_per_worker": cfg.threads_per_worker,
@@ -178,7 +190,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-corpus", default=d.eval_corpus, help="second domain for cross-domain errors (default stdlib; 'none' to skip)")
     p.add_argument("--ratios", default="8,16,32", help="compression ratios, comma separated (default 8,16,32)")
     p.add_argument("--tokens", type=int, default=None, help="tokens to run through the model (default: sized for ~10 min on a 2-core CPU)")
-    p.add_argument("--eval-tokens", type=int, default=None, help="tokens of --eval-corpus to run (default: two shards)")
+    p.add_argument("--eval-tokens", type=int, default=None, help="tokens of --eval-corpus to run (default: one shard)")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="sequence length (default 1024)")
     p.add_argument("--seqs-per-shard", type=int, default=d.seqs_per_shard)
     p.add_argument("--registry", default=None, help="registry root: a path or fsspec URI (default $KVTC_REGISTRY or ./registry)")

@@ -65,6 +65,7 @@ def run_pool(
         num_gpus=settings.gpus_per_worker,
         max_restarts=-1,
         max_task_retries=-1,
+        runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("KVTC_")}},
     )
     actors = [remote_cls.remote(**actor_kwargs) for _ in range(settings.workers)]
     load = {i: 0 for i in range(len(actors))}

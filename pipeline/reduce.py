@@ -72,7 +72,8 @@ def _group_cols(groups: list[tuple[int, int]], width: int) -> list[slice]:
 
 
 def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSettings, store: ShardStore, shards: list[dict],
-                       registry: str, tokens_requested: int, corpus_fp: dict | None = None) -> dict:
+                       registry: str, tokens_requested: int, corpus_fp: dict | None = None,
+                       alias_latest: bool = True) -> dict:
     """Everything after the shard pool: returns the job summary (name, version, per-ratio errors)."""
     import artifacts
 
@@ -160,6 +161,10 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         "sample": cfg.sample, "seed": cfg.seed, "allocator": alloc.to_dict(), "ratios": list(cfg.ratios),
         "heldout_rows": int(mid.sum()), "eval_rows": 0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
         "train_rows": int(stats.stream("keys", 0)[0]), "notes": notes,
+        # what recalibration needs to repeat this run's shards and settings exactly
+        "seqs_per_shard": cfg.seqs_per_shard, "holdout_fraction": cfg.holdout_fraction,
+        "heldout_rows_cap": cfg.heldout_rows, "eval_tokens": cfg.eval_tokens, "text_column": cfg.text_column,
+        "dtype": cfg.dtype,
         "relative_error": "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed",
     }
     corpus = corpus_fp or {
@@ -171,7 +176,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus, bases=bases,
         allocations=allocations, metrics=metrics, curves=curves, parent=cfg.parent,
     )
-    ref = artifacts.publish(content, registry=registry)
+    ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
     return summarize(ref, metrics, notes)
 
 

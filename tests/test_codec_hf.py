@@ -74,7 +74,7 @@ def test_compress_cache_refuses_batches():
 
 
 def _calibrated_smollm2_codec(lm, ratio: float, sinks: int, window: int) -> KVTCCodec:
-    """Per-layer PCA and DP allocation from a few sequences of Python's own docs (held-out rows for errors)."""
+    """Per-layer PCA and analytic DP allocation from four sequences of Python's own docs."""
     pca = pytest.importorskip("pipeline.pca")
     allocator = pytest.importorskip("pipeline.allocator")
     from pydoc_data.topics import topics
@@ -82,20 +82,18 @@ def _calibrated_smollm2_codec(lm, ratio: float, sinks: int, window: int) -> KVTC
     from workers.capture import CaptureSettings, capture_kv
     from workers.stats import CalibrationStats
 
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0, : 8 * 256].reshape(8, 256)
-    settings = CaptureSettings(sinks=4, window=16, groups="layer")
+    text = "\n\n".join(topics[k] for k in sorted(topics))[:30000]
+    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0, : 4 * 256].reshape(4, 256)
+    settings = CaptureSettings(sinks=sinks, window=window, groups="layer")
     stats = CalibrationStats.new(lm.fingerprint, settings)
-    stats.update(capture_kv(lm, ids[:6], settings))
-    held = capture_kv(lm, ids[6:], settings)
+    stats.update(capture_kv(lm, ids, settings))
+    analytic = allocator.AllocatorSettings(error_model="analytic")
     streams = {}
-    width = lm.num_kv_heads * lm.head_dim
     for stream in ("keys", "values"):
         codes = []
         for gi, (a, b) in enumerate(stats.groups):
             basis = pca.pca_from_moments(*stats.stream(stream, gi))
-            rows = getattr(held, stream)[:, a * width:b * width]
-            (alloc,) = allocator.allocate([ratio], basis, rows)
+            (alloc,) = allocator.allocate([ratio], basis, None, analytic)
             blocks = tuple(CodedBlock(x.start, x.size, x.qtype, x.bits) for x in alloc.blocks)
             codes.append(GroupCode((a, b), torch.as_tensor(basis.mean, dtype=torch.float32),
                                    torch.as_tensor(basis.components[:, :alloc.kept], dtype=torch.float32), blocks))

@@ -14,13 +14,16 @@ FP_KEYS = {"spec", "source", "weights_sha256", "revision", "architecture", "mode
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", device="cpu")
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_loads_with_fingerprint_and_tokenizer(arch):
     lm = load_model(f"tiny:{arch}")
-    assert lm.device == torch.device("cpu") and lm.dtype == torch.float32
+    on_gpu = torch.cuda.is_available()
+    assert lm.device.type == ("cuda" if on_gpu else "cpu")
+    assert lm.dtype == (torch.bfloat16 if on_gpu else torch.float32)
+    assert next(lm.model.parameters()).dtype == lm.dtype
     assert set(lm.fingerprint) == FP_KEYS
     assert json.loads(json.dumps(lm.fingerprint)) == lm.fingerprint
     assert lm.fingerprint["num_kv_heads"] == (1 if arch == "mistral" else 2)
@@ -79,7 +82,7 @@ def test_smollm2_second_load_hits_cache(smollm2):
     cached = default_cache_dir() / f"gguf-{smollm2.fingerprint['weights_sha256'][:24]}"
     assert (cached / "config.json").exists() and list(cached.glob("*.safetensors"))
     t0 = time.perf_counter()
-    again = load_model("smollm2-135m")
+    again = load_model("smollm2-135m", device="cpu")
     assert time.perf_counter() - t0 < 15.0
     assert again.fingerprint == smollm2.fingerprint
     w0 = smollm2.model.model.layers[3].self_attn.k_proj.weight

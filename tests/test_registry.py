@@ -26,16 +26,17 @@ REPO = Path(__file__).resolve().parents[1]
 def s3_endpoint():
     pytest.importorskip("s3fs")
     server_mod = pytest.importorskip("moto.server")
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                           ("AWS_DEFAULT_REGION", "us-east-1")):
+            env.setenv(key, value)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        yield f"http://127.0.0.1:{port}"
+        server.stop()
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -53,12 +53,16 @@ class CaptureSettings:
 
 @dataclass
 class CapturedKV:
-    """keys, values (N, p) float32 (keys RoPE-removed); positions, sequence (N,) int64 (row in the batch)."""
+    """keys, values (N, p) float32 (keys RoPE-removed); positions, sequence (N,) int64 (row in the batch).
+
+    source_dtype: the dtype the model computed in ("float32", "bfloat16", ...).
+    """
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
     sequence: torch.Tensor
+    source_dtype: str = "float32"
 
 
 def check_seq_len(lm: LoadedModel, seq_len: int, settings: CaptureSettings) -> None:
@@ -132,6 +136,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
         values=vrows.reshape(n, -1),
         positions=flat_pos.to(torch.int64),
         sequence=bi.reshape(-1).to(torch.int64),
+        source_dtype=str(lm.dtype).removeprefix("torch."),
     )
 
 

@@ -2,6 +2,8 @@
 
 Gram matrices are accumulated on their upper triangle only (row tiles against the columns to their
 right, float32 per batch folded into float64) and stored on disk as the packed upper triangle.
+On CUDA, rows captured from a bfloat16/float16 model are multiplied in TF32: its 10-bit mantissa
+holds bf16 cache values exactly and rounds RoPE-removed keys by less than the bf16 cache already did.
 """
 from __future__ import annotations
 
@@ -32,14 +34,19 @@ def _triu_mask(p: int, device: torch.device) -> torch.Tensor:
     return torch.ones(p, p, dtype=torch.bool, device=device).triu()
 
 
-def _upper_gram_update(gram: torch.Tensor, x: torch.Tensor) -> None:
+def _upper_gram_update(gram: torch.Tensor, x: torch.Tensor, tf32: bool = False) -> None:
     """gram (p,p) f64 += upper part of x^T x for x (N, p) float32, in ~_TILES row tiles."""
     p = x.shape[1]
     step = max(64, -(-p // _TILES))
     xt = x.t()
-    for a in range(0, p, step):
-        b = min(a + step, p)
-        gram[a:b, a:] += (xt[a:b] @ x[:, a:]).to(torch.float64)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        for a in range(0, p, step):
+            b = min(a + step, p)
+            gram[a:b, a:].add_(xt[a:b] @ x[:, a:])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 @dataclass
@@ -76,13 +83,14 @@ class CalibrationStats:
             if x.dim() != 2 or x.shape[1] != sum(self.dims):
                 raise ValueError(f"captured {stream} must be (N, {sum(self.dims)}), got {tuple(x.shape)}")
             x = x.to(torch.float32)
+            tf32 = x.is_cuda and captured.source_dtype in ("bfloat16", "float16")
             start = 0
             for g, p in enumerate(self.dims):
                 m = self._get(stream, g, x.device)
                 xg = x[:, start : start + p]
                 m.n += x.shape[0]
                 m.sum += xg.sum(0, dtype=torch.float64)
-                _upper_gram_update(m.gram, xg)
+                _upper_gram_update(m.gram, xg, tf32)
                 start += p
 
     def stream(self, stream: str, group: int = 0) -> tuple[int, np.ndarray, np.ndarray]:

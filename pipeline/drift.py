@@ -1,0 +1,202 @@
+"""`kvtc drift`: measure a published artifact on a fresh sample of a corpus and compare with the
+held-out errors its manifest recorded.
+
+The sample is captured in-process (no Ray) with the artifact's own capture settings (seq_len,
+sinks, window, seed) and excludes the shards the artifact's bases were built from. Relative
+error is ||X - X_hat||_F / ||X||_F per (ratio, stream) over the whole p-vector, groups summed,
+positions [sinks, seq_len - window), exactly as calibration reports its "heldout" split. A
+(ratio, stream) has drifted when its error exceeds the recorded one by more than --threshold
+(relative: 0.10 = 10% worse). Explained variance (of the sample's variance around the
+calibrated mean, by the kept components) is reported next to the recorded calibration value.
+
+Exit codes: 0 within the threshold, 3 drifted, 4 the model is not the artifact's, 2 other errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+
+EXIT_OK, EXIT_DRIFT, EXIT_MODEL = 0, 3, 4
+DEFAULT_THRESHOLD = 0.10
+DEFAULT_SEQUENCES = 16
+IGNORED_FINGERPRINT_KEYS = ("spec", "source", "revision")  # how a model was named, not what it computes
+
+
+class ModelMismatchError(ValueError):
+    """The loaded model's fingerprint differs from the artifact's."""
+
+
+def check_model(fingerprint: dict, expected: dict, what: str) -> None:
+    """Raise ModelMismatchError naming the fields where `fingerprint` differs from the artifact's."""
+    from workers.models import fingerprint_id
+
+    if fingerprint_id(fingerprint) == fingerprint_id(expected):
+        return
+    keys = sorted(set(fingerprint) | set(expected))
+    diff = [k for k in keys if fingerprint.get(k) != expected.get(k) and k not in IGNORED_FINGERPRINT_KEYS]
+    if diff:
+        shown = ", ".join(f"{k}: {expected.get(k)!r} -> {fingerprint.get(k)!r}" for k in diff if k != "rope")
+        raise ModelMismatchError(
+            f"model {fingerprint.get('spec')!r} is not the model {what} was calibrated for "
+            f"({expected.get('spec')!r}); differing fields: {', '.join(diff)}{' (' + shown + ')' if shown else ''}. "
+            "Pass the artifact's model (--model), or calibrate a new artifact for this model with `kvtc calibrate`")
+
+
+@dataclass
+class Comparison:
+    """One (ratio, stream): recorded vs measured held-out relative error and explained variance."""
+
+    ratio: float
+    stream: str
+    recorded: float
+    measured: float
+    change: float
+    drifted: bool
+    explained_variance: float | None = None
+    recorded_explained_variance: float | None = None
+
+
+@dataclass
+class DriftReport:
+    artifact: str
+    corpus: str
+    threshold: float
+    rows: int
+    tokens: int
+    comparisons: list[Comparison] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def drifted(self) -> bool:
+        return any(c.drifted for c in self.comparisons)
+
+    @property
+    def worst(self) -> Comparison | None:
+        return max(self.comparisons, key=lambda c: c.change, default=None)
+
+    def to_dict(self) -> dict:
+        return {"artifact": self.artifact, "corpus": self.corpus, "threshold": self.threshold, "rows": self.rows,
+                "tokens": self.tokens, "drifted": self.drifted, "notes": self.notes,
+                "comparisons": [vars(c) for c in self.comparisons]}
+
+
+def recorded_errors(art) -> dict[tuple[float, str], float]:
+    """{(ratio, stream): stream-level held-out relative error} from the artifact's metrics table."""
+    return {(float(m["ratio"]), m["stream"]): float(m["value"]) for m in art.metrics()
+            if m["split"] == "heldout" and m["group"] is None and m["metric"] == "rel_error"}
+
+
+def recorded_explained(art) -> dict[tuple[float, str], float]:
+    """{(ratio, stream): calibration explained variance}, groups weighted by their total variance."""
+    from pipeline.drift_meter import total_variances
+
+    tv = total_variances(art)
+    acc: dict[tuple[float, str], list[float]] = {}
+    for m in art.metrics():
+        if m["split"] == "heldout" and m["group"] is not None and m["metric"] == "explained_variance":
+            a = acc.setdefault((float(m["ratio"]), m["stream"]), [0.0, 0.0])
+            w = tv.get((m["stream"], int(m["group"])), 1.0)
+            a[0] += float(m["value"]) * w
+            a[1] += w
+    return {k: v[0] / v[1] for k, v in acc.items() if v[1] > 0}
+
+
+def compare(recorded: dict, measured: dict, threshold: float, explained: dict | None = None,
+            recorded_ev: dict | None = None) -> list[Comparison]:
+    """Every (ratio, stream) in both tables; drifted when measured > recorded * (1 + threshold)."""
+    out = []
+    for key in sorted(set(recorded) & set(measured)):
+        rec, mea = recorded[key], measured[key]
+        change = mea / rec - 1.0 if rec > 0 else (0.0 if mea <= 0 else float("inf"))
+        out.append(Comparison(key[0], key[1], rec, mea, change, change > threshold,
+                              (explained or {}).get(key), (recorded_ev or {}).get(key)))
+    return out
+
+
+def check_drift(target: str, corpus: str | None = None, registry: str | None = None, tokens: int | None = None,
+                threshold: float = DEFAULT_THRESHOLD, model: str | None = None, lm=None,
+                text_column: str | None = None, cache_dir: str | None = None) -> DriftReport:
+    """Pull `target` (NAME[@REF]), load its model (or use `lm`), sample `corpus` and compare."""
+    import artifacts
+    from pipeline.drift_meter import Meter, sample_rows
+    from workers.models import load_model
+
+    if threshold < 0:
+        raise ValueError(f"--threshold must be >= 0 (a relative increase, 0.10 = 10% worse), got {threshold}")
+    art = artifacts.pull(target, registry=registry)
+    manifest = art.manifest
+    corpus = corpus or manifest["corpus"]["spec"]
+    if lm is None:
+        lm = load_model(model or manifest["model"]["spec"], cache_dir=cache_dir)
+    check_model(lm.fingerprint, manifest["model"], f"{art.name}@{art.version}")
+    seq_len = int(manifest["calibration"]["seq_len"])
+    tokens = tokens or DEFAULT_SEQUENCES * seq_len
+    meter = Meter(art)
+    exclude = set(manifest["corpus"].get("train_shards", []))
+    used = 0
+    for keys, values, n_tokens in sample_rows(lm, manifest, corpus, tokens, exclude, text_column):
+        meter.add("keys", keys)
+        meter.add("values", values)
+        used += n_tokens
+    if meter.rows == 0:
+        raise ValueError(f"corpus {corpus!r} has no sequence of {seq_len} tokens outside {art.name}@{art.version}'s "
+                         "training shards; pass a corpus with new data (--corpus)")
+    measured, explained = meter.stream_errors()
+    report = DriftReport(f"{art.name}@{art.version}", corpus, threshold, meter.rows, used)
+    report.comparisons = compare(recorded_errors(art), measured, threshold, explained, recorded_explained(art))
+    if not report.comparisons:
+        raise ValueError(f"{art.name}@{art.version} records no held-out errors to compare with")
+    if used < tokens:
+        report.notes.append(f"the corpus held only {used} new tokens of the {tokens} requested")
+    return report
+
+
+def print_report(report: DriftReport, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        return
+    state = "DRIFTED" if report.drifted else "ok"
+    print(f"{report.artifact} on {report.corpus}: {state} (threshold +{100 * report.threshold:.1f}%, "
+          f"{report.rows} rows from {report.tokens} tokens)")
+    for c in report.comparisons:
+        ev = "" if c.explained_variance is None else f"  explained variance {100 * c.explained_variance:.1f}%"
+        if c.recorded_explained_variance is not None:
+            ev += f" (calibration {100 * c.recorded_explained_variance:.1f}%)"
+        flag = "  DRIFT" if c.drifted else ""
+        print(f"  CR {c.ratio:>5g} {c.stream:<6}: recorded {100 * c.recorded:.2f}%  now {100 * c.measured:.2f}%"
+              f"  ({100 * c.change:+.1f}%){ev}{flag}")
+    for note in report.notes:
+        print(f"  note: {note}")
+
+
+def add_drift_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help="allowed relative increase of any ratio/stream error (default 0.10 = 10%% worse)")
+
+
+def _handler(args: argparse.Namespace) -> int:
+    try:
+        report = check_drift(args.target, args.corpus, args.registry, args.tokens, args.threshold, args.model,
+                             text_column=args.text_column, cache_dir=args.cache_dir)
+    except ModelMismatchError as exc:
+        print(f"kvtc drift: {exc}", file=sys.stderr)
+        return EXIT_MODEL
+    print_report(report, args.json)
+    return EXIT_DRIFT if report.drifted else EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("drift", help="check a published artifact against fresh data (exit 3 when drifted)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="NAME[@REF]", help="artifact name, name@version or name@alias (default ref latest)")
+    p.add_argument("--corpus", default=None, help="corpus spec to sample (default: the artifact's calibration corpus)")
+    p.add_argument("--tokens", type=int, default=None, help=f"tokens to sample (default {DEFAULT_SEQUENCES} sequences)")
+    p.add_argument("--model", default=None, help="model spec (default: the artifact's manifest model spec)")
+    p.add_argument("--registry", default=None, help="registry root (default $KVTC_REGISTRY or ./registry)")
+    p.add_argument("--text-column", default=None)
+    p.add_argument("--cache-dir", default=None, help="model cache dir (default $KVTC_CACHE)")
+    p.add_argument("--json", action="store_true", help="print a machine-readable report")
+    add_drift_arguments(p)
+    p.set_defaults(func=_handler)

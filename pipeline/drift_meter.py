@@ -1,0 +1,129 @@
+"""Measure a published artifact on raw KV rows: rebuild its bases and allocations, sample fresh
+rows of a corpus in-process with the artifact's capture settings, and accumulate errors.
+
+Shared by `kvtc drift` (fresh sample) and `kvtc recalibrate` (parent's held-out rows).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from pipeline.allocator import Allocation, Block
+from pipeline.metrics import evaluate
+from pipeline.pca import Basis
+
+STREAMS = ("keys", "values")
+
+
+def total_variances(art) -> dict[tuple[str, int], float]:
+    """{(stream, group): trace of the calibration covariance}, from the stored full spectrum."""
+    out: dict[tuple[str, int], float] = {}
+    if "spectrum" in art.curves():
+        for row in art.curve("spectrum"):
+            key = (row["stream"], int(row["group"]))
+            out[key] = out.get(key, 0.0) + float(row["eigenvalue"])
+    return out
+
+
+def artifact_models(art) -> dict[tuple[str, int], tuple[Basis, list[Allocation]]]:
+    """{(stream, group): (Basis, allocations in ratio order)} rebuilt from a pulled Artifact."""
+    tv = total_variances(art)
+    n = int(art.manifest["calibration"].get("train_rows", 0))
+    out = {}
+    for stream in STREAMS:
+        for g in range(len(art.groups())):
+            mean, eig, comp = art.basis(stream, g)
+            eig64 = eig.astype(np.float64)
+            basis = Basis(mean.astype(np.float64), eig64, comp.astype(np.float64),
+                          max(tv.get((stream, g), 0.0), float(eig64.sum())), n)
+            allocs = []
+            for ratio in sorted(art.ratios()):
+                info = art.allocation_info(ratio, stream, g)
+                blocks = tuple(Block(int(s), int(z), str(q), int(b), int(sb)) for s, z, q, b, sb in info["blocks"])
+                allocs.append(Allocation(float(ratio), int(info["budget_bits"]), blocks, int(info["cost_bits"]),
+                                         int(info["kept"]), float(info.get("expected_error", 0.0)), basis.total_variance,
+                                         art.manifest["calibration"]["allocator"]["error_model"], 0,
+                                         int(info.get("heldout_rows", 0))))
+            out[(stream, g)] = (basis, allocs)
+    return out
+
+
+class Meter:
+    """Running sums of squared error, squared norm and PCA residual per (ratio, stream, group)."""
+
+    def __init__(self, art) -> None:
+        self.models = artifact_models(art)
+        width = int(art.manifest["model"]["num_kv_heads"]) * int(art.manifest["model"]["head_dim"])
+        self.cols = [slice(a * width, b * width) for a, b in art.groups()]
+        self.sums: dict[tuple[float, str, int], np.ndarray] = {}
+        self.rows = 0
+
+    def add(self, stream: str, x: np.ndarray) -> None:
+        """x (N, p) raw rows of `stream` (keys RoPE-removed), positions already restricted."""
+        if stream == STREAMS[0]:
+            self.rows += int(x.shape[0])
+        for g, sl in enumerate(self.cols):
+            basis, allocs = self.models[(stream, g)]
+            xg = np.ascontiguousarray(x[:, sl], dtype=np.float32)
+            norm = float(np.square(xg, dtype=np.float64).sum())
+            centered = float(np.square(xg.astype(np.float64) - basis.mean).sum())
+            for a, ev in zip(allocs, evaluate(basis, allocs, xg)):
+                s = self.sums.setdefault((a.ratio, stream, g), np.zeros(4))
+                s += (ev.rel_error ** 2 * norm, norm, ev.pca_rel_error ** 2 * norm, centered)
+
+    def stream_errors(self) -> tuple[dict[tuple[float, str], float], dict[tuple[float, str], float]]:
+        """({(ratio, stream): relative error}, {(ratio, stream): explained variance of the rows})."""
+        agg: dict[tuple[float, str], np.ndarray] = {}
+        for (ratio, stream, _), s in self.sums.items():
+            agg[(ratio, stream)] = agg.get((ratio, stream), np.zeros(4)) + s
+        errors = {k: float(np.sqrt(s[0] / max(s[1], 1e-300))) for k, s in agg.items()}
+        explained = {k: float(1.0 - s[2] / max(s[3], 1e-300)) for k, s in agg.items()}
+        return errors, explained
+
+
+def seqs_per_shard(manifest: dict) -> int:
+    """The calibration's sequences per shard: recorded, else inferred from the largest shard."""
+    cal = manifest["calibration"]
+    if cal.get("seqs_per_shard"):
+        return int(cal["seqs_per_shard"])
+    corpus = manifest["corpus"]
+    ids = list(corpus.get("train_shards", [])) + list(corpus.get("heldout_shards", []))
+    sizes = [int(corpus.get("tokens", {}).get(i, 0)) for i in ids]
+    return max(1, max(sizes, default=0) // int(cal["seq_len"]))
+
+
+def sample_rows(lm, manifest: dict, corpus: str, tokens: int, exclude: set[str],
+                text_column: str | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """Capture sequences of `corpus` (shards not in `exclude`) until `tokens`, one at a time:
+    yields (keys (n, p), values (n, p), tokens) float32 rows at positions [sinks, seq_len - window)."""
+    import torch
+
+    from pipeline.shards import make_shards
+    from workers.capture import CaptureSettings, capture_kv, check_seq_len
+
+    cal = manifest["calibration"]
+    seq_len = int(cal["seq_len"])
+    settings = CaptureSettings(sinks=int(cal["sinks"]), window=int(cal["window"]), seed=int(cal.get("seed", 0)))
+    check_seq_len(lm, seq_len, settings)
+    used = 0
+    for shard in make_shards(corpus, lm.tokenizer, seq_len=seq_len, seqs_per_shard=seqs_per_shard(manifest),
+                             seed=int(cal.get("seed", 0)), text_column=text_column, holdout_fraction=0.0,
+                             min_holdout_shards=0, max_seq_len=lm.max_positions):
+        if shard.id in exclude:
+            continue
+        for seq in shard.input_ids:
+            if used >= tokens:
+                return
+            cap = capture_kv(lm, torch.from_numpy(np.ascontiguousarray(seq[None])), settings)
+            used += seq_len
+            yield cap.keys.float().cpu().numpy(), cap.values.float().cpu().numpy(), seq_len
+
+
+def measure_rows(art, keys: np.ndarray, values: np.ndarray, chunk: int = 4096) -> dict[tuple[float, str], float]:
+    """{(ratio, stream): relative error} of `art` on raw rows keys, values (N, p)."""
+    meter = Meter(art)
+    for r in range(0, keys.shape[0], chunk):
+        meter.add("keys", keys[r:r + chunk])
+        meter.add("values", values[r:r + chunk])
+    return meter.stream_errors()[0]

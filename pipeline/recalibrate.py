@@ -1,0 +1,246 @@
+"""`kvtc recalibrate NAME[@REF]`: recalibrate a published artifact on new data, safely.
+
+1. Load the model (the parent's manifest model unless --model) and refuse another model.
+2. Settings default to the parent's (corpus, ratios, seq_len, sinks, window, ...); options override.
+3. Nothing to do when the planned shards and settings are exactly the parent's (unless --force),
+   or, with --if-drift T, when the parent has not drifted by more than T on the corpus.
+4. Run the calibration job: shards already in the shard store are reused, new ones run through
+   the model. The new version names its parent and is published without moving any alias.
+5. Validate parent and new version on the parent's held-out rows (from the shard store); move
+   `latest` (unless it moved meanwhile) and every --alias only when the new version is no worse
+   (every ratio/stream error <= parent's * (1 + --tolerance)); otherwise keep it unaliased.
+
+A failure before publishing leaves the registry as it was (versions appear atomically).
+Exit codes: 0 promoted or nothing to do, 5 published but kept unaliased (worse than its parent),
+4 the model is not the parent's, 2 other errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field, fields
+
+from pipeline.calibrate import add_arguments, config_from_args
+from pipeline.drift import EXIT_MODEL, ModelMismatchError
+
+EXIT_OK, EXIT_KEPT = 0, 5
+# settings that say where and how fast a job runs, not what it computes
+RUNTIME_FIELDS = ("registry", "store", "address", "workers", "threads_per_worker", "cache_dir", "name", "parent",
+                  "extra_manifest")
+
+
+@dataclass
+class Result:
+    status: str  # "up_to_date" | "no_drift" | "promoted" | "kept_unaliased"
+    parent: str
+    version: str | None = None
+    aliases: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)
+    drift: dict | None = None
+    summary: dict | None = None
+
+
+def parent_arguments(manifest: dict) -> dict:
+    """The parent's calibration as `kvtc calibrate` option values (argparse dests)."""
+    from pipeline.drift_meter import seqs_per_shard
+
+    cal, corpus, alloc = manifest["calibration"], manifest["corpus"], manifest["calibration"]["allocator"]
+    tokens = corpus.get("tokens", {})
+    eval_tokens = cal.get("eval_tokens") or sum(int(tokens.get(i, 0)) for i in corpus.get("eval_shards", [])) or None
+    out = dict(model=manifest["model"]["spec"], corpus=corpus["spec"], eval_corpus=corpus.get("eval_spec") or "none",
+               ratios=",".join(f"{r:g}" for r in cal["ratios"]), tokens=cal.get("tokens_requested", cal["tokens"]),
+               eval_tokens=eval_tokens, seq_len=cal["seq_len"], seqs_per_shard=seqs_per_shard(manifest),
+               sinks=cal["sinks"], window=cal["window"], groups=cal.get("group_spec", "model"),
+               sample=cal.get("sample", 1.0), seed=cal["seed"], block_sizes=",".join(map(str, alloc["block_sizes"])),
+               types=",".join(alloc["types"]), error_model=alloc["error_model"])
+    for key, dest in (("holdout_fraction", "holdout_fraction"), ("heldout_rows_cap", "heldout_rows"),
+                      ("text_column", "text_column"), ("dtype", "dtype")):
+        if key in cal:
+            out[dest] = cal[key]
+    return out
+
+
+def build_configs(manifest: dict, given: dict, parent: str):
+    """(config to run, config that would repeat the parent) from the parent and the options given."""
+    base = argparse.ArgumentParser()
+    add_arguments(base)
+    derived = {**vars(base.parse_args([])), **parent_arguments(manifest)}
+    if given.get("name") not in (None, manifest["name"]):
+        raise ValueError(f"recalibrate publishes under the parent's name {manifest['name']!r}; drop --name "
+                         "(or use `kvtc calibrate --name ...` for a new artifact)")
+    common = dict(name=manifest["name"], parent=parent)
+    return (config_from_args(argparse.Namespace(**{**derived, **given}), **common),
+            config_from_args(argparse.Namespace(**derived), **common))
+
+
+def planned_shards(cfg, tokenizer, max_positions: int) -> dict[str, list[str]]:
+    """Shard ids per role that `calibrate.run(cfg)` would fold (train, heldout) and evaluate (eval)."""
+    from pipeline.shards import make_shards
+
+    roles: dict[str, list[str]] = {"train": [], "heldout": [], "eval": []}
+    seen: set[str] = set()
+    plans = [(cfg.corpus, cfg.tokens, False)]
+    if cfg.eval_corpus:
+        plans.append((cfg.eval_corpus, cfg.eval_tokens or 2 * cfg.seqs_per_shard * cfg.seq_len, True))
+    for spec, budget, is_eval in plans:
+        for shard in make_shards(spec, tokenizer, seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard,
+                                 max_tokens=budget, seed=cfg.seed, text_column=cfg.text_column,
+                                 holdout_fraction=0.0 if is_eval else cfg.holdout_fraction,
+                                 min_holdout_shards=0 if is_eval else 1, max_seq_len=max_positions):
+            if shard.id not in seen:
+                seen.add(shard.id)
+                roles["eval" if is_eval else "heldout" if shard.holdout else "train"].append(shard.id)
+    return roles
+
+
+def unchanged(cfg, repeat, manifest: dict, planned: dict[str, list[str]]) -> bool:
+    """True when `cfg` would recompute the parent: same settings and the same shards in each role."""
+    content = [f.name for f in fields(cfg) if f.name not in RUNTIME_FIELDS]
+    corpus = manifest["corpus"]
+    return (all(getattr(cfg, k) == getattr(repeat, k) for k in content)
+            and all(planned[r] == list(corpus.get(f"{r}_shards", [])) for r in planned))
+
+
+def heldout_store(manifest: dict, store_root: str | None):
+    """The shard store scope (model, capture settings) where the parent's held-out rows live."""
+    from pipeline.store import ShardStore, default_store_uri, settings_key
+    from workers.capture import CaptureSettings
+    from workers.models import fingerprint_id
+
+    cal = manifest["calibration"]
+    capture = CaptureSettings(sinks=cal["sinks"], window=cal["window"], groups=cal.get("group_spec", "model"),
+                              sample=cal.get("sample", 1.0), seed=cal["seed"])
+    return ShardStore(store_root or default_store_uri(), fingerprint_id(manifest["model"]), settings_key(capture.to_dict()))
+
+
+def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:
+    """Both artifacts on the parent's held-out rows -> (comparison rows, reasons the child is worse)."""
+    from pipeline.drift_meter import measure_rows
+    from pipeline.reduce import load_rows
+
+    cal = parent.manifest["calibration"]
+    held = load_rows(store, list(parent.manifest["corpus"]["heldout_shards"]), int(cal.get("heldout_rows_cap") or 1 << 62))
+    mid = held.middle(int(cal["sinks"]), int(cal["window"]))
+    old = measure_rows(parent, held.keys[mid], held.values[mid])
+    new = measure_rows(child, held.keys[mid], held.values[mid])
+    rows, reasons = [], []
+    for (ratio, stream), before in sorted(old.items()):
+        after = new.get((ratio, stream))
+        rows.append({"ratio": ratio, "stream": stream, "parent": before, "new": after})
+        if after is None:
+            reasons.append(f"CR {ratio:g} is missing from the new version")
+        elif after > before * (1.0 + tolerance) + 1e-12:
+            reasons.append(f"CR {ratio:g} {stream}: held-out error {100 * after:.3f}% > parent's {100 * before:.3f}%"
+                           + (f" (+{100 * tolerance:g}% tolerance)" if tolerance else ""))
+    return rows, reasons
+
+
+def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_tokens: int | None = None,
+                aliases: tuple[str, ...] = (), tolerance: float = 0.0, force: bool = False) -> Result:
+    import artifacts
+    from pipeline.calibrate import run
+    from pipeline.drift import check_drift, check_model
+    from workers.models import load_model
+
+    if tolerance < 0:
+        raise ValueError(f"--tolerance must be >= 0, got {tolerance}")
+    registry = artifacts.Registry(given.get("registry"))
+    parent = artifacts.pull(target, registry=registry)
+    label = f"{parent.name}@{parent.version}"
+    cfg, repeat = build_configs(parent.manifest, given, parent.version)
+    lm = load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir)
+    check_model(lm.fingerprint, parent.manifest["model"], label)
+    result = Result("up_to_date", label)
+    if not force and unchanged(cfg, repeat, parent.manifest, planned_shards(cfg, lm.tokenizer, lm.max_positions)):
+        result.reasons.append(f"{label} was calibrated with the same model, settings and shards; nothing to publish")
+        return result
+    if if_drift is not None:
+        report = check_drift(label, cfg.corpus, registry.uri, drift_tokens, if_drift, lm=lm, text_column=cfg.text_column)
+        result.drift = report.to_dict()
+        if not report.drifted:
+            result.status = "no_drift"
+            worst = report.worst
+            result.reasons.append(f"no drift beyond +{100 * if_drift:g}% (worst {100 * worst.change:+.1f}%, CR "
+                                  f"{worst.ratio:g} {worst.stream}); nothing to publish")
+            return result
+    del lm
+    store = heldout_store(parent.manifest, cfg.store)
+    missing = [i for i in parent.manifest["corpus"]["heldout_shards"] if not store.has(i, "rows")]
+    if missing:
+        raise FileNotFoundError(f"the held-out rows of {label} ({len(missing)} shards, e.g. {missing[0]}) are not in "
+                                f"the shard store {store.root}; pass the --store it was calibrated with")
+    summary = run(cfg, alias_latest=False)
+    result.summary, result.version = summary, summary["version"]
+    try:
+        child = artifacts.pull(summary["name"], summary["version"], registry=registry)
+        result.validation, result.reasons = validate(parent, child, store, tolerance)
+    except Exception as exc:
+        raise RuntimeError(f"{parent.name}@{result.version} was published but validating it failed ({exc}); "
+                           "no alias was moved") from exc
+    if result.reasons:
+        result.status = "kept_unaliased"
+        return result
+    result.status = "promoted"
+    for alias in ("latest", *aliases):
+        current = registry.aliases(parent.name).get(alias)
+        if alias == "latest" and current not in (None, parent.version):
+            result.reasons.append(f"latest moved to {current} during the run; left it there")
+            continue
+        registry.set_alias(parent.name, alias, result.version)
+        result.aliases.append(alias)
+    return result
+
+
+def print_result(result: Result, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(vars(result), indent=2, sort_keys=True, default=str))
+        return
+    name = result.parent.split("@")[0]
+    head = {"up_to_date": f"{result.parent} is up to date", "no_drift": f"{result.parent} has not drifted",
+            "promoted": f"published {name}@{result.version} (parent {result.parent}); aliases: {', '.join(result.aliases) or 'none'}",
+            "kept_unaliased": f"published {name}@{result.version} but kept it unaliased: worse than {result.parent}"}
+    print(head[result.status])
+    for row in result.validation:
+        new = "missing" if row["new"] is None else f"{100 * row['new']:.3f}%"
+        print(f"  CR {row['ratio']:>5g} {row['stream']:<6}: parent {100 * row['parent']:.3f}%  new {new}")
+    for reason in result.reasons:
+        print(f"  {reason}")
+
+
+def _handler(args: argparse.Namespace) -> int:
+    given = {k: v for k, v in vars(args).items() if k in _calibrate_dests()}
+    try:
+        result = recalibrate(args.target, given, args.if_drift, args.drift_tokens, tuple(args.alias), args.tolerance, args.force)
+    except ModelMismatchError as exc:
+        print(f"kvtc recalibrate: {exc}", file=sys.stderr)
+        return EXIT_MODEL
+    print_result(result, args.json)
+    return EXIT_KEPT if result.status == "kept_unaliased" else EXIT_OK
+
+
+def _calibrate_dests() -> set[str]:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return {a.dest for a in p._actions if a.dest not in ("help", "json")}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("recalibrate", help="recalibrate an artifact on new data; promote it only if no worse",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="NAME[@REF]", help="the parent artifact (default ref latest)")
+    add_arguments(p)
+    dests = _calibrate_dests()
+    for action in p._actions:
+        if action.dest in dests:
+            action.default = argparse.SUPPRESS  # unset options fall back to the parent's settings
+            action.help = (action.help or "") + " [default: the parent's]"
+    p.add_argument("--if-drift", type=float, default=None, metavar="THRESHOLD",
+                   help="recalibrate only when `kvtc drift` finds a relative error increase above THRESHOLD (e.g. 0.10)")
+    p.add_argument("--drift-tokens", type=int, default=None, help="tokens to sample for the drift check")
+    p.add_argument("--alias", action="append", default=[], help="also move this alias when promoted (repeatable)")
+    p.add_argument("--tolerance", type=float, default=0.0,
+                   help="relative error increase still counted as 'not worse' (default 0)")
+    p.add_argument("--force", action="store_true", help="recalibrate even when nothing changed")
+    p.set_defaults(func=_handler)

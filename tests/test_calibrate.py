@@ -1,0 +1,121 @@
+"""The main job end to end on a tiny model: Ray pool, shard store, reduce, publish."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import ray
+
+import artifacts
+from pipeline.calibrate import CalibrateConfig, run
+from pipeline.cli import main as cli_main
+
+TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
+            eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("base")
+    cfg = CalibrateConfig(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"), name="tiny")
+    return cfg, run(cfg)
+
+
+def _arrays(summary):
+    art = artifacts.pull(summary["name"], summary["version"], registry=summary["registry"])
+    out = {}
+    for stream in ("keys", "values"):
+        out[stream] = art.basis(stream)
+        for r in (4.0, 8.0):
+            out[(stream, r)] = art.allocation(r, stream)
+    return art, out
+
+
+def test_publishes_artifact_with_allocations_within_budget(baseline):
+    cfg, summary = baseline
+    art, arrays = _arrays(summary)
+    assert art.manifest["model"]["num_layers"] == 3
+    p = 3 * 2 * 16
+    for stream in ("keys", "values"):
+        mean, evals, comps = arrays[stream]
+        assert mean.shape == (p,) and comps.shape[0] == p and comps.shape[1] == evals.shape[0] > 0
+        assert np.all(np.diff(evals) <= 1e-6)
+        for r in (4.0, 8.0):
+            blocks = arrays[(stream, r)]
+            cost = sum(b[1] * b[3] + (0 if b[2] == "none" else 16 if b[2] == "fp8" else 32) for b in blocks)
+            assert cost <= int(16 * p // r)
+    rows = {(r["ratio"]): r for r in summary["ratios"]}
+    assert rows[4.0]["keys"]["rel_error"] < rows[8.0]["keys"]["rel_error"] < 1.0
+    assert "eval_rel_error" in rows[4.0]["values"]
+    run_info = summary["run"]
+    assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["stats_bytes_per_shard"] > 0
+
+
+def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):
+    cfg, summary = baseline
+    marker = tmp_path / "killed"
+    os.environ["KVTC_TEST_KILL_ON_SHARD"] = f"2:{marker}"
+    try:
+        other = run(CalibrateConfig(**TINY, workers=2, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
+    finally:
+        del os.environ["KVTC_TEST_KILL_ON_SHARD"]
+    assert marker.exists(), "the test hook did not kill a worker"
+    _, a = _arrays(summary)
+    _, b = _arrays(other)
+    for key in a:
+        if isinstance(a[key], tuple):
+            for x, y in zip(a[key], b[key]):
+                assert np.array_equal(x, y), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_rerun_reuses_cached_shards_and_extension_runs_only_new_ones(baseline):
+    cfg, summary = baseline
+    again = run(cfg)
+    assert again["run"]["shards_run"] == 0 and again["run"]["shards_cached"] > 0
+    longer = run(CalibrateConfig(**{**TINY, "tokens": 3072}, workers=1, registry=cfg.registry, store=cfg.store, name="tiny"))
+    assert 0 < longer["run"]["shards_run"] <= longer["run"]["shards_cached"]
+    assert longer["run"]["tokens_run"] <= 1024
+
+
+def test_corpus_running_out_warns_and_records(tmp_path):
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("A short document about key value caches. " * 400)
+    with pytest.warns(UserWarning, match="ran out"):
+        summary = run(CalibrateConfig(**{**TINY, "corpus": str(corpus), "eval_corpus": None, "tokens": 100_000},
+                                      workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="small"))
+    art = artifacts.pull("small", summary["version"], registry=summary["registry"])
+    assert any("ran out" in n for n in art.manifest["calibration"]["notes"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ratios", "1"], "must be > 1"),
+    (["--ratios", "0.5,8"], "must be > 1"),
+    (["--ratios", "5000"], "cheapest quantized block"),
+    (["--corpus", "nosuchcorpus:xyz"], "accepted"),
+])
+def test_bad_input_fails_before_model_work(argv, message, tmp_path, capsys):
+    code = cli_main(["calibrate", "--model", "tiny:llama", "--seq-len", "128", "--window", "16",
+                     "--registry", str(tmp_path / "reg"), "--store", str(tmp_path / "store"), *argv])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()
+
+
+def test_unwritable_registry_fails_before_model_work(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code = cli_main(["calibrate", "--model", "tiny:llama", "--registry", str(blocker / "reg"), "--store", str(tmp_path / "store")])
+    assert code == 2
+    assert "registry" in capsys.readouterr().err.lower()
+    assert not (tmp_path / "store").exists()

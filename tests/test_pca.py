@@ -1,0 +1,79 @@
+"""PCA from merged moments: agreement with a direct covariance eigendecomposition, signs, truncation."""
+import numpy as np
+import pytest
+import torch
+
+from pipeline.pca import Basis, fix_signs, pca_from_moments
+
+
+def _rows(n: int = 800, p: int = 24, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    lam = 2.0 ** -np.arange(p, dtype=np.float64)
+    q, _ = np.linalg.qr(rng.standard_normal((p, p)))
+    return (rng.standard_normal((n, p)) * np.sqrt(lam)) @ q.T + rng.standard_normal(p)
+
+
+def _moments(x: np.ndarray):
+    return x.shape[0], x.sum(0), x.T @ x
+
+
+def test_matches_direct_covariance_eigendecomposition():
+    x = _rows()
+    b = pca_from_moments(*_moments(x))
+    cov = np.cov(x.T, bias=True)
+    w, v = np.linalg.eigh(cov)
+    np.testing.assert_allclose(b.mean, x.mean(0), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(b.eigenvalues, w[::-1], rtol=1e-8, atol=1e-12)
+    dots = np.abs(np.sum(b.components * v[:, ::-1], axis=0))
+    np.testing.assert_allclose(dots, 1.0, atol=1e-6)
+    np.testing.assert_allclose(b.components @ np.diag(b.eigenvalues) @ b.components.T, cov, atol=1e-10)
+    assert b.total_variance == pytest.approx(np.trace(cov))
+    assert np.all(np.diff(b.eigenvalues) <= 0)
+
+
+def test_sign_convention_and_reproducibility():
+    x = _rows(seed=1)
+    b = pca_from_moments(*_moments(x))
+    idx = np.abs(b.components).argmax(axis=0)
+    assert np.all(b.components[idx, np.arange(b.k)] > 0)
+    np.testing.assert_array_equal(fix_signs(-b.components), b.components)
+    half = x.shape[0] // 2
+    n1, s1, g1 = _moments(x[half:])
+    n2, s2, g2 = _moments(x[:half])
+    merged = pca_from_moments(n1 + n2, s1 + s2, g1 + g2)
+    np.testing.assert_allclose(merged.components, b.components, atol=1e-8)
+
+
+def test_accepts_torch_moments_and_rank_deficiency():
+    x = _rows(n=10, p=24, seed=2)
+    n, s, g = _moments(x)
+    b = pca_from_moments(n, torch.from_numpy(s), torch.from_numpy(g))
+    assert b.eigenvalues.min() >= 0.0
+    assert np.count_nonzero(b.eigenvalues > 1e-9 * b.eigenvalues[0]) <= 9
+
+
+def test_truncate_and_explained_variance():
+    b = pca_from_moments(*_moments(_rows()))
+    t = b.truncate(5)
+    assert t.components.shape == (24, 5) and t.eigenvalues.shape == (5,)
+    assert t.total_variance == b.total_variance
+    assert t.explained_variance(5) == pytest.approx(b.eigenvalues[:5].sum() / b.total_variance)
+    assert b.explained_variance(24) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="truncate"):
+        b.truncate(25)
+    z = b.project(_rows(n=7), 3)
+    assert z.shape == (7, 3) and z.dtype == torch.float32
+
+
+def test_bad_statistics():
+    n, s, g = _moments(_rows())
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        pca_from_moments(1, s, g)
+    with pytest.raises(ValueError, match="expected"):
+        pca_from_moments(n, s[:-1], g)
+    g = g.copy()
+    g[0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        pca_from_moments(n, s, g)
+    with pytest.raises(ValueError, match="components"):
+        Basis(np.zeros(3), np.ones(2), np.zeros((3, 3)), 2.0, 10)
