@@ -61,8 +61,8 @@ class GroupCode:
 
     @property
     def kept(self) -> int:
-        """Components actually used (end of the last block)."""
-        return self.blocks[-1].start + self.blocks[-1].size if self.blocks else 0
+        """Components actually used (end of the last block that has bits)."""
+        return max((b.start + b.size for b in self.blocks if b.bits), default=0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +119,8 @@ class CodecSpec:
                 mean, _eig, comps = artifact.basis(stream, gi)
                 blocks = tuple(CodedBlock(int(s), int(n), str(t), int(bits))
                                for s, n, t, bits in artifact.allocation(ratio, stream, gi))
-                kept = blocks[-1].start + blocks[-1].size if blocks else 0
+                kept = max((b.start + b.size for b in blocks if b.bits), default=0)
+                blocks = tuple(b for b in blocks if b.start < kept)
                 codes.append(GroupCode((a, b), torch.as_tensor(mean, dtype=torch.float32).contiguous(),
                                        torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(), blocks))
             streams[stream] = tuple(codes)

@@ -153,9 +153,9 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
             model=cfg.model, capture=capture.to_dict(), store_root=store_root, dtype=cfg.dtype, cache_dir=cfg.cache_dir,
             threads=cfg.threads_per_worker, rows_per_heldout_shard=max(1, cfg.heldout_rows // 2),
         )
-        t_pool = time.perf_counter()
-        results = ray_pool.run_pool(ShardWorker, actor_kwargs, all_payloads(), pool, total=None)
-        pool_seconds = time.perf_counter() - t_pool
+        timing: dict = {}
+        results = ray_pool.run_pool(ShardWorker, actor_kwargs, all_payloads(), pool, timing=timing)
+        pool_seconds = timing["run_s"]
     finally:
         if started:
             __import__("ray").shutdown()
@@ -173,6 +173,7 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
         "shards_run": len(results),
         "shards_cached": sum(s["cached"] for s in shards_seen),
         "tokens_run": run_tokens,
+        "startup_seconds": round(timing["startup_s"], 2),
         "pool_seconds": round(pool_seconds, 2),
         "pool_tokens_per_s": round(run_tokens / pool_seconds, 1) if pool_seconds > 0 and run_tokens else None,
         "stats_bytes_per_shard": (

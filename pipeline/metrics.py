@@ -120,10 +120,14 @@ def pca_rel_error(basis: Basis, x, ks, chunk: int = 1024) -> np.ndarray:
     return np.sqrt(np.clip(centered - cum[ks], 0.0, None) / max(total, 1e-300))
 
 
-def evaluate(basis: Basis, allocations, x, positions=None, edges=None, chunk: int = 1024) -> list[Evaluation]:
+def evaluate(basis: Basis, allocations, x, positions=None, edges=None, chunk: int = 1024,
+             explicit: bool = False, projections=None) -> list[Evaluation]:
     """Every allocation on raw held-out rows x (N, p); positions (N,) adds error by position
     (buckets [edges[i], edges[i+1]), default `default_edges`). The bound uses basis' spectrum:
-    pass the basis before truncation for an exact bound."""
+    pass the basis before truncation for an exact bound. explicit=True forms X_hat and
+    ||X - X_hat||; the default uses ||x - mu||^2 - ||z_r||^2 + ||z_r - z_hat||^2 (the residual
+    is orthogonal to U_r; equal up to float32 rounding, much cheaper). projections: the rows'
+    centered projections (N, >= max kept), if already computed, to skip the GEMM."""
     allocations = list(allocations)
     xt = torch.as_tensor(x, dtype=torch.float32)
     if xt.ndim != 2 or xt.shape[1] != basis.dim:
@@ -132,6 +136,9 @@ def evaluate(basis: Basis, allocations, x, positions=None, edges=None, chunk: in
     kmax = max([a.kept for a in allocations] + [0])
     if kmax > basis.k:
         raise ValueError(f"an allocation keeps {kmax} components but the basis has {basis.k}")
+    zall = None if projections is None else torch.as_tensor(projections, dtype=torch.float32)
+    if zall is not None and (zall.shape[0] != n or zall.shape[1] < kmax):
+        raise ValueError(f"projections have shape {tuple(zall.shape)}, expected ({n}, >= {kmax})")
     mu = torch.from_numpy(basis.mean).float()
     u = torch.from_numpy(np.ascontiguousarray(basis.components[:, :kmax])).float()
     row_err = np.zeros((len(allocations), n))
@@ -140,14 +147,19 @@ def evaluate(basis: Basis, allocations, x, positions=None, edges=None, chunk: in
     for r in range(0, n, chunk):
         xc = xt[r:r + chunk]
         xd = xc - mu
-        z = xd @ u
+        z = xd @ u if zall is None else zall[r:r + chunk, :kmax]
         row_norm[r:r + chunk] = xc.double().square().sum(1).numpy()
         cz = torch.cumsum(z.double().square(), dim=1)
         base = xd.double().square().sum(1)
         for ai, a in enumerate(allocations):
-            xh = quantize_projections(z, a) @ u[:, :a.kept].T
-            row_err[ai, r:r + chunk] = (xd - xh).double().square().sum(1).numpy()
-            row_pca[ai, r:r + chunk] = (base - (cz[:, a.kept - 1] if a.kept else 0.0)).clamp_min(0).numpy()
+            pca = (base - (cz[:, a.kept - 1] if a.kept else 0.0)).clamp_min(0)
+            zq = quantize_projections(z, a)
+            if explicit:
+                err = (xd - zq @ u[:, :a.kept].T).double().square().sum(1)
+            else:
+                err = pca + (z[:, :a.kept] - zq).double().square().sum(1)
+            row_err[ai, r:r + chunk] = err.numpy()
+            row_pca[ai, r:r + chunk] = pca.numpy()
     total = max(row_norm.sum(), 1e-300)
     tail = max(basis.total_variance - float(basis.eigenvalues.sum()), 0.0)
     pos = None if positions is None else np.asarray(positions).reshape(-1)

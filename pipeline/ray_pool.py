@@ -8,6 +8,7 @@ classes), so nothing is double-counted: the reducer folds each shard's stored en
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -58,8 +59,17 @@ def run_pool(
     settings: PoolSettings,
     on_result: Callable[[dict], None] | None = None,
     total: int | None = None,
+    timing: dict | None = None,
 ) -> list[dict]:
-    """Run `actor.process(payload)` for every payload; returns the result dicts in completion order."""
+    """Run `actor.process(payload)` for every payload; returns the result dicts in completion order.
+    `timing` receives startup_s (actors loading the model) and run_s (shards, after start-up)."""
+    timing = {} if timing is None else timing
+    it: Iterator[dict] = iter(payloads)
+    first = next(it, None)
+    if first is None:  # everything cached: no actor, no model load
+        timing.update(startup_s=0.0, run_s=0.0)
+        return []
+    it = itertools.chain([first], it)
     remote_cls = ray.remote(actor_cls).options(
         num_cpus=settings.threads_per_worker,
         num_gpus=settings.gpus_per_worker,
@@ -71,12 +81,14 @@ def run_pool(
     load = {i: 0 for i in range(len(actors))}
     pending: dict = {}
     results: list[dict] = []
-    it: Iterator[dict] = iter(payloads)
     exhausted = False
     tokens = 0
     start = time.perf_counter()
     bar = tqdm(total=total, unit="shard", desc="calibrate", dynamic_ncols=True)
     try:
+        ray.get([a.ready.remote() for a in actors])  # models loaded: the throughput clock starts here
+        timing["startup_s"] = time.perf_counter() - start
+        start = time.perf_counter()
         while True:
             while not exhausted:
                 free = [i for i, n in load.items() if n < settings.in_flight]
@@ -105,6 +117,8 @@ def run_pool(
             if on_result is not None:
                 on_result(result)
     finally:
+        timing["run_s"] = time.perf_counter() - start
+        timing.setdefault("startup_s", 0.0)
         bar.close()
         for actor in actors:
             ray.kill(actor, no_restart=True)

@@ -153,3 +153,27 @@ def test_entropy_sections_never_grow_and_decode_all_codings():
     if not nvcomp_available():
         with pytest.raises(RuntimeError, match="nvcomp"):
             encode_section(b"a" * 100, coder="nvcomp")
+
+
+def test_codec_from_registry_with_a_published_toy_artifact(tmp_path):
+    testing = pytest.importorskip("artifacts.testing")
+    from artifacts import publish
+
+    content = testing.toy_content(num_layers=2, num_kv_heads=2, head_dim=8, groups=[[0, 1], [1, 2]])
+    inv = [10000.0 ** (-2 * i / 8) for i in range(4)]
+    content.model["rope"] = {"rope_type": "default", "theta": 10000.0, "head_dim": 8, "rotary_dim": 8,
+                             "inv_freq": inv, "attention_scaling": 1.0, "layout": "half"}
+    publish(content, registry=str(tmp_path))
+    codec = KVTCCodec.from_registry("toy@latest", 4.0, registry=str(tmp_path))
+    for g in codec.spec.streams["keys"]:
+        assert g.kept == g.components.shape[1] < g.mean.shape[0] and g.blocks[-1].bits > 0
+    keys = torch.randn(2, 2, 140, 8, dtype=torch.float16)
+    values = torch.randn(2, 2, 140, 8, dtype=torch.float16)
+    blob = codec.encode(keys, values)
+    header, _ = read_blob(blob)
+    assert (header.name, header.ratio, header.model_id) == ("toy", 4.0, model_id(content.model))
+    k2, _ = codec.decode(blob)
+    assert torch.equal(k2[:, :, :4], keys[:, :, :4]) and torch.equal(k2[:, :, -128:], keys[:, :, -128:])
+    other = KVTCCodec.from_registry("toy@latest", 8.0, registry=str(tmp_path))
+    with pytest.raises(BlobError, match="ratio"):
+        other.decode(blob)

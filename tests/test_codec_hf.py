@@ -74,7 +74,7 @@ def test_compress_cache_refuses_batches():
 
 
 def _calibrated_smollm2_codec(lm, ratio: float, sinks: int, window: int) -> KVTCCodec:
-    """Per-layer PCA and analytic DP allocation from four sequences of Python's own docs."""
+    """Per-layer PCA and analytic DP allocation from two sequences of Python's own docs."""
     pca = pytest.importorskip("pipeline.pca")
     allocator = pytest.importorskip("pipeline.allocator")
     from pydoc_data.topics import topics
@@ -83,7 +83,7 @@ def _calibrated_smollm2_codec(lm, ratio: float, sinks: int, window: int) -> KVTC
     from workers.stats import CalibrationStats
 
     text = "\n\n".join(topics[k] for k in sorted(topics))[:30000]
-    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0, : 4 * 256].reshape(4, 256)
+    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0, : 2 * 256].reshape(2, 256)
     settings = CaptureSettings(sinks=sinks, window=window, groups="layer")
     stats = CalibrationStats.new(lm.fingerprint, settings)
     stats.update(capture_kv(lm, ids, settings))
