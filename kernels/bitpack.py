@@ -21,6 +21,12 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n, size = codes.shape
     if bits == 8:
         return codes.to(torch.uint8).contiguous()
+    if 8 % bits == 0:
+        per = 8 // bits
+        nbytes = packed_nbytes(size, bits)
+        padded = torch.nn.functional.pad(codes.to(torch.int32), (0, nbytes * per - size))
+        shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.int32)
+        return (padded.reshape(n, nbytes, per) << shifts).sum(dim=2).to(torch.uint8)
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
     stream = ((codes.to(torch.int32)[:, :, None] >> shifts) & 1).reshape(n, size * bits)
     nbytes = packed_nbytes(size, bits)
@@ -40,6 +46,10 @@ def unpack_codes(packed: torch.Tensor, size: int, bits: int) -> torch.Tensor:
         raise ValueError(f"packed rows have {nbytes} bytes, expected {packed_nbytes(size, bits)}")
     if bits == 8:
         return packed.contiguous()
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
+        codes = (packed.to(torch.int32)[:, :, None] >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(n, nbytes * (8 // bits))[:, :size].to(torch.uint8)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = ((packed.to(torch.int32)[:, :, None] >> shifts) & 1).reshape(n, nbytes * 8)
     stream = stream[:, : size * bits].reshape(n, size, bits)

@@ -19,6 +19,7 @@ from kernels.bitpack import packed_nbytes
 from kernels.entropy import CODERS, decode_section, encode_section
 from kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
 from kernels.ops import BACKENDS, resolve_ops
+from kernels.quantize import quantize_pack_blocks
 from kernels.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -47,11 +48,11 @@ class KVTCCodec:
             raise ValueError(f"backend must be one of {BACKENDS}, coder one of {CODERS}, level in 0..9")
         self.backend, self.level, self.coder = backend, level, coder
         self.profile: dict[str, float] | None = None
-        self._rope = None
+        self.rope = None
         if self.spec.rope:
             from workers.rope import RopeSpec
 
-            self._rope = RopeSpec.from_dict(self.spec.rope)
+            self.rope = RopeSpec.from_dict(self.spec.rope)
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
 
     @classmethod
@@ -92,10 +93,10 @@ class KVTCCodec:
         return head, tokens - head - tail, tail
 
     def _cos_sin(self, stream: str, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
-        if stream != "keys" or self._rope is None:
+        if stream != "keys" or self.rope is None:
             return None, None, "half"
-        cos, sin = self._rope.cos_sin(positions)
-        return cos.contiguous(), sin.contiguous(), self._rope.layout
+        cos, sin = self.rope.cos_sin(positions)
+        return cos.contiguous(), sin.contiguous(), self.rope.layout
 
     def _section(self, key: SectionKey, raw: bytes, device: torch.device) -> Section:
         with self._stage("entropy", device):
@@ -138,14 +139,13 @@ class KVTCCodec:
                 for gi, (cols, comps, code) in enumerate(parts):
                     with self._stage("project", dev):
                         z = (feat[:, cols] @ comps).contiguous()
-                    for bi, b in enumerate(code.blocks):
-                        if b.bits == 0:
-                            continue
-                        with self._stage("quantize_pack", dev):
-                            packed, params = ops.quantize_pack(z, b.start, b.size, b.qtype)
-                            raw_p, raw_c = params_bytes(params), codes_bytes(packed)
-                        sections.append(self._section(SectionKey(TAG_PARAMS, si, gi, bi), raw_p, dev))
-                        sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), raw_c, dev))
+                    with self._stage("quantize_pack", dev):
+                        coded = quantize_pack_blocks(z, code.blocks, reference=ops.name == "torch")
+                        coded = [(params_bytes(c[1]), codes_bytes(c[0])) if c else None for c in coded]
+                    for bi, c in enumerate(coded):
+                        if c is not None:
+                            sections.append(self._section(SectionKey(TAG_PARAMS, si, gi, bi), c[0], dev))
+                            sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPES[keys.dtype], L, H, T, D, start,
                             s.sinks, s.window, head, tail)

@@ -6,12 +6,15 @@ Output: packed (N, ceil(size * bits / 8)) uint8 in kernels/bitpack.py layout, pa
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.bitpack import pack_codes, packed_nbytes
 from kernels.reference import FP8_MAX, FP16_MAX, qtype_bits, quantize_block
+from kernels.spec import CodedBlock
 
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 to nearest even
 
@@ -105,6 +108,33 @@ def quantize_pack_reference(z: torch.Tensor, start: int, size: int, qtype: str) 
     """Plain torch: same contract as quantize_pack, built from reference.quantize_block and pack_codes."""
     codes, params = quantize_block(z[:, start:start + size], qtype)
     return pack_codes(codes, qtype_bits(qtype)), params
+
+
+def quantize_pack_blocks(z: torch.Tensor, blocks: Sequence[CodedBlock], reference: bool = False
+                         ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Every block of z (N, k) -> (packed, params), None for "none" blocks.
+
+    reference=True runs plain torch with each run of adjacent same-type, same-size blocks batched
+    into one call (rows are independent, so the result is bit-identical to block by block)."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    n, i = z.shape[0], 0
+    while i < len(blocks):
+        b, m = blocks[i], 1
+        while (i + m < len(blocks) and blocks[i + m][1:] == b[1:]
+               and blocks[i + m].start == b.start + m * b.size):
+            m += 1
+        if not b.bits:
+            out += [None] * m
+        elif not reference:
+            out += [quantize_pack(z, x.start, x.size, x.qtype) for x in blocks[i:i + m]]
+        else:
+            run = z[:, b.start:b.start + m * b.size].reshape(n * m, b.size)
+            codes, params = quantize_block(run, b.qtype)
+            packed = pack_codes(codes, b.bits).reshape(n, m, -1)
+            params = params.reshape(n, m, 2)
+            out += [(packed[:, r], params[:, r]) for r in range(m)]
+        i += m
+    return out
 
 
 assert FP8_MAX == 448.0 and FP16_MAX == 65504.0, "kernel constants must follow kernels/reference.py"

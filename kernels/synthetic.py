@@ -15,10 +15,13 @@ from kernels.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
 
 
 @functools.lru_cache(maxsize=4)
-def _orthonormal(p: int, k: int, seed: int) -> torch.Tensor:
+def _orthonormal(p: int, seed: int) -> torch.Tensor:
+    """Dense random orthonormal (p, p): Kronecker product of two small random rotations (cheap at p=5760)."""
     g = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(p, k, generator=g, dtype=torch.float32))
-    return q.contiguous()
+    a = max(d for d in range(1, int(p ** 0.5) + 1) if p % d == 0)
+    qa, _ = torch.linalg.qr(torch.randn(a, a, generator=g, dtype=torch.float64))
+    qb, _ = torch.linalg.qr(torch.randn(p // a, p // a, generator=g, dtype=torch.float64))
+    return torch.kron(qa, qb).to(torch.float32).contiguous()
 
 
 def budget_blocks(p: int, ratio: float) -> tuple[CodedBlock, ...]:
@@ -64,7 +67,7 @@ def synthetic_spec(num_layers: int, kv_heads: int, head_dim: int, ratio: float =
             p = (b - a) * width
             blocks = random_blocks(kept, seed + 7 * si + gi) if kept else budget_blocks(p, ratio)
             k = blocks[-1].start + blocks[-1].size if blocks else 0
-            basis = _orthonormal(p, p, seed + 101 * si + gi)[:, :k].contiguous()
+            basis = _orthonormal(p, seed + 101 * si + gi)[:, :k].contiguous()
             g = torch.Generator().manual_seed(seed + 13 * si + gi)
             codes.append(GroupCode((a, b), torch.randn(p, generator=g) * 0.5, basis, blocks))
         streams[stream] = tuple(codes)

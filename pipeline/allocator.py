@@ -69,6 +69,15 @@ class AllocatorSettings:
                 "min_rows": self.min_rows, "recommended_rows": self.recommended_rows,
                 "max_dp_states": self.max_dp_states, "cost_unit": self.cost_unit, "aligned_starts": True}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "AllocatorSettings":
+        """Inverse of to_dict (unknown keys are an error; "aligned_starts" is informational)."""
+        d = {k: v for k, v in d.items() if k != "aligned_starts"}
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown allocator settings {sorted(unknown)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
 
 @dataclass(frozen=True)
 class Block:
@@ -237,6 +246,8 @@ def validate_ratios(ratios, p: int, settings: AllocatorSettings = AllocatorSetti
 def _cost_unit(settings: AllocatorSettings, k: int, budget: int) -> int:
     if settings.cost_unit:
         return settings.cost_unit
+    if 2 * (k + 1) > settings.max_dp_states:
+        raise ValueError(f"{k} components need max_dp_states >= {2 * (k + 1)}; raise it or set cost_unit")
     costs = [block_cost_bits(t, s) for t in settings.quantized_types for s in settings.block_sizes if s <= k]
     g = math.gcd(*costs)
     m = max(1, math.ceil((k + 1) * (budget // g + 1) / settings.max_dp_states))
@@ -266,7 +277,7 @@ def solve_budget(tables: ErrorTables, settings: AllocatorSettings, budget: int):
             i = j - s
             if i < 0 or i % s or ucost[ci] > units:
                 continue
-            c, e = ucost[ci], tables.error(s, t, i // s)
+            c, e = ucost[ci], (cum[j] - cum[i] if t == "none" else tables.errors[(s, t)][i // s])
             r = len(live)
             cand[r, :c] = np.inf
             np.add(rows[i % ring, :width - c], e, out=cand[r, c:])
@@ -317,7 +328,10 @@ def error_tables(basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,
         if heldout is None:
             raise ValueError("error_model='measured' needs held-out rows; pass heldout=(N, p) rows or use 'analytic'")
         projections = basis.project(heldout, k)
-    z = torch.as_tensor(projections, dtype=torch.float32)[:, :k]
+    z = torch.as_tensor(projections, dtype=torch.float32)
+    if z.ndim != 2:
+        raise ValueError(f"held-out projections must be (N, k), got shape {tuple(z.shape)}")
+    z = z[:, :k]
     n, notes = int(z.shape[0]), ()
     if n < settings.min_rows:
         raise ValueError(f"only {n} held-out rows; the error tables need at least {settings.min_rows} "
@@ -332,7 +346,9 @@ def allocate(ratios, basis: Basis, heldout: np.ndarray | torch.Tensor | None = N
              settings: AllocatorSettings = AllocatorSettings(), *, tables: ErrorTables | None = None,
              projections: torch.Tensor | None = None) -> list[Allocation]:
     """One Allocation per ratio (input order). Error tables are computed once for all ratios,
-    over as many components as the least aggressive ratio could pay for."""
+    over as many components as the least aggressive ratio could pay for (budget / cheapest
+    bits per component; a quantized block past that would need a "none" gap before it, which
+    sorted variances never favour)."""
     ratios = validate_ratios(ratios, basis.dim, settings)
     notes: tuple[str, ...] = ()
     if tables is None:

@@ -12,6 +12,11 @@ import sys
 
 COMMAND_MODULES = (
     "pipeline.calibrate",
+    "pipeline.recalibrate",
+    "pipeline.drift",
+    "pipeline.schedule",
+    "pipeline.report",
+    "pipeline.evaluate",
     "artifacts.cli",
 )
 

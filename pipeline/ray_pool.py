@@ -48,7 +48,7 @@ def start_ray(address: str | None, num_cpus: int | None) -> bool:
         ray.init(address=address or None, log_to_driver=True, runtime_env={"env_vars": env})
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
     return True
 
 

@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from pipeline.calibrate import add_arguments, config_from_args
+from pipeline.calibrate import add_arguments
 from pipeline.drift import EXIT_MODEL, ModelMismatchError
+from pipeline.recalibrate_plan import PARENT_DESTS, build_configs, planned_shards, same_run
 
 EXIT_OK, EXIT_KEPT = 0, 5
-# settings that say where and how fast a job runs, not what it computes
-RUNTIME_FIELDS = ("registry", "store", "address", "workers", "threads_per_worker", "cache_dir", "name", "parent",
-                  "extra_manifest")
 
 
 @dataclass
@@ -40,67 +38,7 @@ class Result:
     validation: list[dict] = field(default_factory=list)
     drift: dict | None = None
     summary: dict | None = None
-
-
-def parent_arguments(manifest: dict) -> dict:
-    """The parent's calibration as `kvtc calibrate` option values (argparse dests)."""
-    from pipeline.drift_meter import seqs_per_shard
-
-    cal, corpus, alloc = manifest["calibration"], manifest["corpus"], manifest["calibration"]["allocator"]
-    tokens = corpus.get("tokens", {})
-    eval_tokens = cal.get("eval_tokens") or sum(int(tokens.get(i, 0)) for i in corpus.get("eval_shards", [])) or None
-    out = dict(model=manifest["model"]["spec"], corpus=corpus["spec"], eval_corpus=corpus.get("eval_spec") or "none",
-               ratios=",".join(f"{r:g}" for r in cal["ratios"]), tokens=cal.get("tokens_requested", cal["tokens"]),
-               eval_tokens=eval_tokens, seq_len=cal["seq_len"], seqs_per_shard=seqs_per_shard(manifest),
-               sinks=cal["sinks"], window=cal["window"], groups=cal.get("group_spec", "model"),
-               sample=cal.get("sample", 1.0), seed=cal["seed"], block_sizes=",".join(map(str, alloc["block_sizes"])),
-               types=",".join(alloc["types"]), error_model=alloc["error_model"])
-    for key, dest in (("holdout_fraction", "holdout_fraction"), ("heldout_rows_cap", "heldout_rows"),
-                      ("text_column", "text_column"), ("dtype", "dtype")):
-        if key in cal:
-            out[dest] = cal[key]
-    return out
-
-
-def build_configs(manifest: dict, given: dict, parent: str):
-    """(config to run, config that would repeat the parent) from the parent and the options given."""
-    base = argparse.ArgumentParser()
-    add_arguments(base)
-    derived = {**vars(base.parse_args([])), **parent_arguments(manifest)}
-    if given.get("name") not in (None, manifest["name"]):
-        raise ValueError(f"recalibrate publishes under the parent's name {manifest['name']!r}; drop --name "
-                         "(or use `kvtc calibrate --name ...` for a new artifact)")
-    common = dict(name=manifest["name"], parent=parent)
-    return (config_from_args(argparse.Namespace(**{**derived, **given}), **common),
-            config_from_args(argparse.Namespace(**derived), **common))
-
-
-def planned_shards(cfg, tokenizer, max_positions: int) -> dict[str, list[str]]:
-    """Shard ids per role that `calibrate.run(cfg)` would fold (train, heldout) and evaluate (eval)."""
-    from pipeline.shards import make_shards
-
-    roles: dict[str, list[str]] = {"train": [], "heldout": [], "eval": []}
-    seen: set[str] = set()
-    plans = [(cfg.corpus, cfg.tokens, False)]
-    if cfg.eval_corpus:
-        plans.append((cfg.eval_corpus, cfg.eval_tokens or 2 * cfg.seqs_per_shard * cfg.seq_len, True))
-    for spec, budget, is_eval in plans:
-        for shard in make_shards(spec, tokenizer, seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard,
-                                 max_tokens=budget, seed=cfg.seed, text_column=cfg.text_column,
-                                 holdout_fraction=0.0 if is_eval else cfg.holdout_fraction,
-                                 min_holdout_shards=0 if is_eval else 1, max_seq_len=max_positions):
-            if shard.id not in seen:
-                seen.add(shard.id)
-                roles["eval" if is_eval else "heldout" if shard.holdout else "train"].append(shard.id)
-    return roles
-
-
-def unchanged(cfg, repeat, manifest: dict, planned: dict[str, list[str]]) -> bool:
-    """True when `cfg` would recompute the parent: same settings and the same shards in each role."""
-    content = [f.name for f in fields(cfg) if f.name not in RUNTIME_FIELDS]
-    corpus = manifest["corpus"]
-    return (all(getattr(cfg, k) == getattr(repeat, k) for k in content)
-            and all(planned[r] == list(corpus.get(f"{r}_shards", [])) for r in planned))
+    notes: list[str] = field(default_factory=list)
 
 
 def heldout_store(manifest: dict, store_root: str | None):
@@ -140,21 +78,27 @@ def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[s
 def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_tokens: int | None = None,
                 aliases: tuple[str, ...] = (), tolerance: float = 0.0, force: bool = False) -> Result:
     import artifacts
+    from artifacts.schema import check_name
     from pipeline.calibrate import run
     from pipeline.drift import check_drift, check_model
     from workers.models import load_model
 
     if tolerance < 0:
         raise ValueError(f"--tolerance must be >= 0, got {tolerance}")
+    aliases = tuple(dict.fromkeys(check_name("alias", a) for a in ("latest", *aliases)))
     registry = artifacts.Registry(given.get("registry"))
     parent = artifacts.pull(target, registry=registry)
+    latest = registry.aliases(parent.name).get("latest")
     label = f"{parent.name}@{parent.version}"
-    cfg, repeat = build_configs(parent.manifest, given, parent.version)
+    cfg = build_configs(parent.manifest, given, parent.version)[0]
     lm = load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir)
     check_model(lm.fingerprint, parent.manifest["model"], label)
     result = Result("up_to_date", label)
-    if not force and unchanged(cfg, repeat, parent.manifest, planned_shards(cfg, lm.tokenizer, lm.max_positions)):
-        result.reasons.append(f"{label} was calibrated with the same model, settings and shards; nothing to publish")
+    same = None if force else same_run(registry, parent, cfg, planned_shards(cfg, lm.tokenizer, lm.max_positions))
+    if same is not None:
+        what = "was calibrated" if same == parent.version else f"was already recalibrated as {parent.name}@{same}"
+        result.version = None if same == parent.version else same
+        result.reasons.append(f"{label} {what} with the same model, settings and shards; nothing to publish")
         return result
     if if_drift is not None:
         report = check_drift(label, cfg.corpus, registry.uri, drift_tokens, if_drift, lm=lm, text_column=cfg.text_column)
@@ -176,6 +120,10 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
     try:
         child = artifacts.pull(summary["name"], summary["version"], registry=registry)
         result.validation, result.reasons = validate(parent, child, store, tolerance)
+        trained = set(parent.manifest["corpus"]["heldout_shards"]) & set(child.manifest["corpus"]["train_shards"])
+        if trained:
+            result.notes.append(f"{len(trained)} of the parent's held-out shards trained the new version (the corpus "
+                                "grew past them); its validation errors are optimistic")
     except Exception as exc:
         raise RuntimeError(f"{parent.name}@{result.version} was published but validating it failed ({exc}); "
                            "no alias was moved") from exc
@@ -183,9 +131,9 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
         result.status = "kept_unaliased"
         return result
     result.status = "promoted"
-    for alias in ("latest", *aliases):
+    for alias in aliases:
         current = registry.aliases(parent.name).get(alias)
-        if alias == "latest" and current not in (None, parent.version):
+        if alias == "latest" and current != latest:
             result.reasons.append(f"latest moved to {current} during the run; left it there")
             continue
         registry.set_alias(parent.name, alias, result.version)
@@ -205,8 +153,8 @@ def print_result(result: Result, as_json: bool) -> None:
     for row in result.validation:
         new = "missing" if row["new"] is None else f"{100 * row['new']:.3f}%"
         print(f"  CR {row['ratio']:>5g} {row['stream']:<6}: parent {100 * row['parent']:.3f}%  new {new}")
-    for reason in result.reasons:
-        print(f"  {reason}")
+    for line in result.reasons + [f"note: {n}" for n in result.notes]:
+        print(f"  {line}")
 
 
 def _handler(args: argparse.Namespace) -> int:
@@ -235,7 +183,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     for action in p._actions:
         if action.dest in dests:
             action.default = argparse.SUPPRESS  # unset options fall back to the parent's settings
-            action.help = (action.help or "") + " [default: the parent's]"
+            if action.dest in PARENT_DESTS:
+                action.help = (action.help or "") + " [default: the parent's]"
     p.add_argument("--if-drift", type=float, default=None, metavar="THRESHOLD",
                    help="recalibrate only when `kvtc drift` finds a relative error increase above THRESHOLD (e.g. 0.10)")
     p.add_argument("--drift-tokens", type=int, default=None, help="tokens to sample for the drift check")

@@ -1,5 +1,4 @@
 """DP allocator: optimality against brute force, budgets, trimming, error models, bad input."""
-import itertools
 import math
 
 import numpy as np
@@ -147,5 +146,7 @@ def test_settings_validation():
         AllocatorSettings(error_model="guess")
     assert AllocatorSettings(block_sizes=(64, 1)).block_sizes == (1, 64)
     assert AllocatorSettings().to_dict()["aligned_starts"] is True
-    for combo in itertools.product((1, 16), ("int2", "fp8")):
-        assert block_cost_bits(combo[1], combo[0]) > 0
+    custom = AllocatorSettings(block_sizes=(1, 32), types=("none", "int3"), error_model="analytic")
+    assert AllocatorSettings.from_dict(custom.to_dict()) == custom
+    with pytest.raises(ValueError, match="unknown allocator settings"):
+        AllocatorSettings.from_dict({"blocks": [1]})

@@ -18,7 +18,7 @@ TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=12
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -8,9 +8,11 @@ import torch
 
 from kernels.bitpack import pack_codes, packed_nbytes, unpack_codes
 from kernels.dequantize import unpack_dequantize, unpack_dequantize_reference
-from kernels.quantize import quantize_pack, quantize_pack_reference
+from kernels.quantize import quantize_pack, quantize_pack_blocks, quantize_pack_reference
 from kernels.reference import QTYPES, quantize_block
 from kernels.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
+from kernels.spec import CodedBlock
+from kernels.synthetic import random_blocks
 from workers.rope import RopeSpec
 
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-6}
@@ -124,3 +126,15 @@ def test_quantize_pack_codes_equal_reference_codes():
     codes, _ = quantize_block(z[:, 2:21], "int3")
     packed, _ = quantize_pack(z, 2, 19, "int3")
     assert torch.equal(unpack_codes(packed, 19, 3), codes)
+
+
+def test_batched_reference_blocks_equal_block_by_block():
+    z = _hard_rows(11, 90)
+    runs = tuple(CodedBlock(s, 16, "int2", 2) for s in range(0, 80, 16))
+    for blocks in (random_blocks(90, 5), runs):
+        batched = quantize_pack_blocks(z, blocks, reference=True)
+        single = quantize_pack_blocks(z, blocks, reference=False)
+        for b, x, y in zip(blocks, batched, single):
+            assert (x is None) == (b.bits == 0) == (y is None)
+            if x is not None:
+                assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])

@@ -69,6 +69,7 @@ class CalibrationStats:
         return cls(dict(fingerprint), settings.to_dict(), groups, dims, tuple(shard_ids))
 
     def _get(self, stream: str, group: int, device: torch.device) -> _Moments:
+        """The moments of (stream, group), created empty if absent, on `device` when updating."""
         if (stream, group) not in self.moments:
             p = self.dims[group]
             self.moments[(stream, group)] = _Moments(
@@ -87,6 +88,8 @@ class CalibrationStats:
             start = 0
             for g, p in enumerate(self.dims):
                 m = self._get(stream, g, x.device)
+                if m.gram.device != x.device:
+                    m.sum, m.gram = m.sum.to(x.device), m.gram.to(x.device)
                 xg = x[:, start : start + p]
                 m.n += x.shape[0]
                 m.sum += xg.sum(0, dtype=torch.float64)

@@ -1,0 +1,312 @@
+"""`kvtc eval`: model quality with compressed caches, against baselines at their real bytes.
+
+For each held-out sequence of T tokens: prefill the first T - n tokens (n = --continuation),
+compress and restore that cache with each method, then feed tokens [T - n - 1, T - 1) on the
+restored cache and score the next-token distributions of the last n tokens. Reported per method:
+perplexity relative to the uncompressed cache (exp of the mean NLL difference), the mean
+KL(uncompressed || method) of the next-token distributions, key and value relative errors and
+the stored bytes per middle token (see pipeline/baselines.py for what each method stores).
+Held-out text: with the artifact's own corpus, the shards the calibration held out (rebuilt with
+its settings and matched by id); with another corpus, its first sequences.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+
+BASELINES = ("kivi", "fp8", "pca_uniform", "evict", "deflate")
+KIVI_CONFIGS = ((2, 32), (2, 128), (4, 32), (4, 128))
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """ratios: codec ratios (also the budgets of pca_uniform and evict); continuation: tokens scored
+    per sequence; sequences: how many held-out sequences; baselines: subset of BASELINES."""
+
+    ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
+    continuation: int = 64
+    sequences: int = 4
+    baselines: tuple[str, ...] = BASELINES
+    kivi_configs: tuple[tuple[int, int], ...] = KIVI_CONFIGS
+
+    def __post_init__(self) -> None:
+        if not self.ratios or any(not r > 1 for r in self.ratios):
+            raise ValueError(f"ratios must be > 1, got {list(self.ratios)}; pass e.g. --ratios 8,16,32")
+        if self.continuation < 1 or self.sequences < 1:
+            raise ValueError(f"continuation and sequences must be >= 1, got {self.continuation}, {self.sequences}")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise ValueError(f"unknown baselines {bad}; choose from {', '.join(BASELINES)} (or 'none')")
+
+
+@dataclass
+class _Tally:
+    """Sums over sequences for one method."""
+
+    ratio: float | None = None
+    nll: float = 0.0
+    kl: float = 0.0
+    tokens: int = 0
+    k_err: float = 0.0
+    k_norm: float = 0.0
+    v_err: float = 0.0
+    v_norm: float = 0.0
+    stored: int = 0
+    mid: int = 0
+    features: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _forward(model, ids, cache, attention_mask=None):
+    import inspect
+
+    import torch
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(ids, use_cache=True, attention_mask=attention_mask, **({name: cache} if cache is not None else {}))
+    return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def continuation_logprobs(model, keys, values, feed, keep=None):
+    """keys, values (L, H, P, D) prefix cache; feed (1, n) tokens at positions P.. -> (n, V) float64
+    log-probabilities. keep (P,) bool masks evicted prefix positions out of attention."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    dtype = next(model.parameters()).dtype
+    for layer in range(keys.shape[0]):
+        cache.update(keys[layer][None].to(dtype).contiguous(), values[layer][None].to(dtype).contiguous(), layer)
+    mask = None
+    if keep is not None:
+        mask = torch.cat([keep.long(), torch.ones(feed.shape[1], dtype=torch.long)])[None].to(feed.device)
+    logits, _ = _forward(model, feed, cache, mask)
+    return torch.log_softmax(logits[0].double(), dim=-1)
+
+
+def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int):
+    """Yield (method, target ratio or None, Reconstruction) for the codec and every baseline."""
+    from kernels import KVTCCodec
+    from pipeline import baselines as bl
+
+    yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
+                                                  4 * keys[:, :, 0].numel() * bl.split(keys.shape[2], sinks, window)[1],
+                                                  bl.split(keys.shape[2], sinks, window)[1], keys[:, :, 0].numel())
+    for r in settings.ratios:
+        yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r, backend="torch"), keys, values)
+    if "pca_uniform" in settings.baselines:
+        for r in settings.ratios:
+            yield f"pca-uniform-{r:g}x", r, bl.run_codec(bl.pca_uniform_codec(artifact, r), keys, values,
+                                                          f"pca-uniform-{r:g}x")
+    if "evict" in settings.baselines:
+        for r in settings.ratios:
+            yield f"evict-{r:g}x", r, bl.evict(keys, values, r, sinks, window)
+    if "kivi" in settings.baselines:
+        for bits, group in settings.kivi_configs:
+            rec = bl.kivi(keys, values, bits, group, sinks, window)
+            yield rec.method, None, rec
+    if "fp8" in settings.baselines:
+        yield "fp8-e4m3", None, bl.fp8_cast(keys, values, sinks, window)
+    if "deflate" in settings.baselines:
+        yield "deflate-fp16", None, bl.deflate(keys, values, sinks, window)
+
+
+def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None) -> list[dict]:
+    """sequences: iterable of (T,) token arrays. Returns one row per method: method, ratio (target,
+    or None for fixed-rate methods), bytes_per_token, cr, key_rel_error, value_rel_error,
+    ppl_ratio, kl, tokens, sequences."""
+    import torch
+
+    from pipeline import baselines as bl
+    from workers.capture import raw_cache
+
+    cal = artifact.manifest["calibration"]
+    sinks, window = int(cal["sinks"]), int(cal["window"])
+    tallies: dict[str, _Tally] = {}
+    count = 0
+    for seq in sequences:
+        ids = torch.as_tensor(seq, dtype=torch.long).reshape(1, -1).to(lm.device)
+        n = settings.continuation
+        if ids.shape[1] < n + 2:
+            raise ValueError(f"a sequence of {ids.shape[1]} tokens is too short for --continuation {n}")
+        prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
+        keys, values = raw_cache(lm, prefix)
+        keys, values = keys.float().cpu(), values.float().cpu()
+        ref = continuation_logprobs(lm.model, keys.to(lm.device), values.to(lm.device), feed)
+        ref_nll = -ref.gather(1, target[:, None]).sum().item()
+        head, mid, _ = bl.split(keys.shape[2], sinks, window)
+        for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window):
+            keep = None if rec.keep is None else rec.keep.to(lm.device)
+            lp = continuation_logprobs(lm.model, rec.keys.to(lm.device), rec.values.to(lm.device), feed, keep)
+            t = tallies.setdefault(name, _Tally(ratio=ratio))
+            t.nll += -lp.gather(1, target[:, None]).sum().item() - ref_nll
+            t.kl += float((ref.exp() * (ref - lp)).sum())
+            t.tokens += n
+            for stream, x, xh in (("k", keys, rec.keys), ("v", values, rec.values)):
+                err, norm = bl.rel_error(x[:, :, head:head + mid], xh[:, :, head:head + mid])
+                setattr(t, f"{stream}_err", getattr(t, f"{stream}_err") + err)
+                setattr(t, f"{stream}_norm", getattr(t, f"{stream}_norm") + norm)
+            t.stored += rec.stored_bytes
+            t.mid += rec.mid
+            t.features = rec.features
+        count += 1
+        if progress:
+            progress(f"sequence {count}: {ids.shape[1]} tokens, {mid} middle tokens coded")
+    if not count:
+        raise ValueError("no held-out sequence to evaluate; pass another --corpus or raise --sequences")
+    rows = []
+    for name, t in tallies.items():
+        rows.append({
+            "method": name, "ratio": t.ratio, "bytes_per_token": t.stored / max(t.mid, 1),
+            "cr": 4.0 * t.features * t.mid / max(t.stored, 1),
+            "key_rel_error": math.sqrt(t.k_err / max(t.k_norm, 1e-300)),
+            "value_rel_error": math.sqrt(t.v_err / max(t.v_norm, 1e-300)),
+            "ppl_ratio": math.exp(t.nll / t.tokens), "kl": t.kl / t.tokens, "tokens": t.tokens, "sequences": count,
+        })
+    return rows
+
+
+def limit_rows(metrics: list[dict], split: str = "heldout") -> list[dict]:
+    """Per ratio and stream: the codec's calibration error, the Gaussian reverse water-filling bound
+    at the same bits (KVTC.md section 7) and the gap 20 log10(error / bound) in dB."""
+    got: dict[tuple, dict] = {}
+    for m in metrics:
+        if m.get("group") is None and m.get("split") == split and m.get("metric") in ("rel_error", "bound_rel_error"):
+            got.setdefault((float(m["ratio"]), m["stream"]), {})[m["metric"]] = float(m["value"])
+    rows = []
+    for (ratio, stream), v in sorted(got.items()):
+        if "rel_error" in v and "bound_rel_error" in v:
+            gap = 20 * math.log10(v["rel_error"] / v["bound_rel_error"]) if v["bound_rel_error"] > 0 else float("inf")
+            rows.append({"ratio": ratio, "stream": stream, "rel_error": v["rel_error"],
+                         "bound_rel_error": v["bound_rel_error"], "gap_db": gap})
+    return rows
+
+
+def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None = None):
+    """Up to `count` (T,) token arrays of held-out text (see the module docstring)."""
+    from pipeline.shards import make_shards
+
+    cal, corpus = artifact.manifest["calibration"], artifact.manifest.get("corpus", {})
+    seq_len = int(cal.get("seq_len", 1024))
+    own = spec is None or spec == corpus.get("spec")
+    spec = spec or corpus.get("spec")
+    if not spec:
+        raise ValueError("the artifact names no corpus; pass --corpus")
+    out = []
+    if own:
+        held = set(corpus.get("heldout_shards") or [])
+        budget = int(cal.get("tokens_requested") or cal.get("tokens") or count * seq_len)
+        shards = make_shards(spec, tokenizer, seq_len=seq_len, seqs_per_shard=int(cal.get("seqs_per_shard", 4)),
+                             max_tokens=budget, seed=int(cal.get("seed", 0)), text_column=cal.get("text_column"),
+                             holdout_fraction=float(cal.get("holdout_fraction", 0.2)), max_seq_len=max_seq_len)
+        for shard in shards:
+            if shard.id in held:
+                out.extend(shard.input_ids[: count - len(out)])
+            if len(out) >= count:
+                break
+        if not out:
+            raise ValueError(f"could not rebuild the held-out shards of {artifact.name}@{artifact.version} from "
+                             f"corpus {spec!r}; pass another --corpus (its text is all held out)")
+        return out
+    for shard in make_shards(spec, tokenizer, seq_len=seq_len, seqs_per_shard=1, max_tokens=count * seq_len,
+                             seed=0, holdout_fraction=0.0, min_holdout_shards=0, max_seq_len=max_seq_len):
+        out.extend(shard.input_ids)
+    return out[:count]
+
+
+def run(name: str, registry: str | None, settings: EvalSettings, corpus: str | None = None, model: str | None = None,
+        dtype: str | None = None, progress=None) -> dict:
+    """Pull the artifact, load its model, evaluate; returns {"artifact", "settings", "rows", "limit"}."""
+    import artifacts
+    from workers.models import load_model
+
+    ref = name if "@" in name else f"{name}@latest"
+    art = artifacts.pull(ref, registry=registry)
+    fp = art.manifest["model"]
+    lm = load_model(model or fp["spec"], dtype=dtype)
+    if lm.fingerprint.get("weights_sha256") != fp.get("weights_sha256"):
+        raise ValueError(f"model {model or fp['spec']!r} is not the model {art.name}@{art.version} was calibrated "
+                         "on (weights differ); pass --model with the calibrated model")
+    seqs = heldout_sequences(art, lm.tokenizer, corpus, settings.sequences, lm.max_positions)
+    rows = evaluate_sequences(lm, art, seqs, settings, progress)
+    return {"artifact": f"{art.name}@{art.version}", "corpus": corpus or art.manifest.get("corpus", {}).get("spec"),
+            "settings": {"ratios": list(settings.ratios), "continuation": settings.continuation,
+                         "sequences": len(seqs), "baselines": list(settings.baselines)},
+            "rows": rows, "limit": limit_rows(art.metrics())}
+
+
+def calibrate_local(cfg) -> tuple[dict, dict]:
+    """`kvtc calibrate` without Ray, shards run in this process (tests, benches): a CalibrateConfig ->
+    (summary, context) where context holds the store, fingerprint and shard list for the reduce."""
+    from pipeline.allocator import AllocatorSettings
+    from pipeline.reduce import reduce_and_publish
+    from pipeline.shards import make_shards
+    from pipeline.store import default_store_uri
+    from workers.shard_worker import ShardWorker
+
+    capture = {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed}
+    worker = ShardWorker(cfg.model, capture, cfg.store or default_store_uri(), dtype=cfg.dtype,
+                         cache_dir=cfg.cache_dir, threads=cfg.threads_per_worker,
+                         rows_per_heldout_shard=max(1, cfg.heldout_rows // 2))
+    lm, shards, seen = worker.lm, [], set()
+    for spec, budget, eval_domain in ((cfg.corpus, cfg.tokens, False),
+                                      (cfg.eval_corpus, cfg.eval_tokens or cfg.seqs_per_shard * cfg.seq_len, True)):
+        if not spec:
+            continue
+        for shard in make_shards(spec, lm.tokenizer, seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard,
+                                 max_tokens=budget, seed=cfg.seed, text_column=cfg.text_column,
+                                 holdout_fraction=0.0 if eval_domain else cfg.holdout_fraction,
+                                 min_holdout_shards=0 if eval_domain else 1, max_seq_len=lm.max_positions):
+            if shard.id in seen:
+                continue
+            seen.add(shard.id)
+            role = "eval" if eval_domain else ("heldout" if shard.holdout else "train")
+            if not worker.store.has(shard.id, "stats" if role == "train" else "rows"):
+                worker.process({"shard": shard.to_payload(), "role": role})
+            shards.append({"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size)})
+    alloc = AllocatorSettings(block_sizes=tuple(cfg.block_sizes), types=tuple(cfg.types), error_model=cfg.error_model)
+    summary = reduce_and_publish(cfg=cfg, fingerprint=lm.fingerprint, capture=worker.settings, alloc=alloc,
+                                 store=worker.store, shards=shards, registry=cfg.registry, tokens_requested=cfg.tokens)
+    return summary, {"store": worker.store, "shards": shards, "fingerprint": lm.fingerprint}
+
+
+def _handler(args: argparse.Namespace) -> int:
+    from pipeline.report import limit_table, quality_table
+
+    try:
+        ratios = tuple(float(x) for x in args.ratios.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--ratios must be comma-separated numbers, got {args.ratios!r}") from None
+    base = () if args.baselines == "none" else BASELINES if args.baselines == "all" else tuple(args.baselines.split(","))
+    settings = EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences, baselines=base)
+    result = run(args.artifact, args.registry, settings, args.corpus, args.model, args.dtype,
+                 progress=lambda msg: print(f"kvtc eval: {msg}", file=sys.stderr))
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        print(f"{result['artifact']} on {result['corpus']}: {result['settings']['sequences']} sequences, "
+              f"{settings.continuation} tokens scored each; bytes are per middle token (both streams)\n")
+        print(quality_table(result["rows"]))
+        print()
+        print(limit_table(result["limit"]))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="model quality with compressed caches, and baselines at equal bytes",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifact", help="NAME[@REF] (default ref: latest)")
+    p.add_argument("--registry", default=None, help="registry root: a path or fsspec URI (default $KVTC_REGISTRY or ./registry)")
+    p.add_argument("--corpus", default=None, help="text to score (default: the calibration's held-out shards)")
+    p.add_argument("--ratios", default="8,16,32", help="codec ratios, comma separated (default 8,16,32)")
+    p.add_argument("--continuation", type=int, default=64, help="tokens scored per sequence (default 64)")
+    p.add_argument("--sequences", type=int, default=4, help="held-out sequences (default 4)")
+    p.add_argument("--baselines", default="all", help=f"all (default), none, or a comma list of {','.join(BASELINES)}")
+    p.add_argument("--model", default=None, help="model spec (default: the one the artifact was calibrated on)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    p.add_argument("--json", action="store_true", help="print a machine-readable result")
+    p.set_defaults(func=_handler)

@@ -1,0 +1,295 @@
+"""`kvtc report`: the three diagnostic charts of KVTC.md section 6 and a report.md with the tables.
+
+Charts (PNG, matplotlib Agg): charts/error_by_tokens.png (cross-domain error against calibration
+tokens), charts/error_by_position.png (error against context position, every position including
+sinks and window), charts/allocation.png (DP bits per component, scale cost amortised, log index).
+`build(...)` returns {relative path: bytes} for ArtifactContent.extra_files; it reads only the
+rows a calibration stores (metrics, curves, allocations), so it runs in the reduce or on a pulled
+artifact. Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import sys
+
+STREAMS = ("keys", "values")
+SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
+
+
+def _pct(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.2f}%"
+
+
+def _md(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def quality_table(rows: list[dict]) -> str:
+    """Markdown table of `kvtc eval` rows."""
+    return _md(["method", "bytes/token", "CR", "keys rel. err", "values rel. err", "ppl ratio", "KL (nats)"],
+               [[r["method"], f"{r['bytes_per_token']:.0f}", f"{r['cr']:.2f}", _pct(r["key_rel_error"]),
+                 _pct(r["value_rel_error"]), f"{r['ppl_ratio']:.4f}", f"{r['kl']:.4f}"] for r in rows])
+
+
+def limit_table(rows: list[dict]) -> str:
+    """Markdown table of `evaluate.limit_rows`."""
+    return _md(["CR", "stream", "codec rel. err", "Gaussian bound", "gap (dB)"],
+               [[f"{r['ratio']:g}", r["stream"], _pct(r["rel_error"]), _pct(r["bound_rel_error"]), f"{r['gap_db']:.2f}"]
+                for r in rows])
+
+
+def error_table(metrics: list[dict]) -> str:
+    """Stream-level calibration errors per ratio: held-out, PCA-only (group 0), eval corpus, bound."""
+    by: dict[tuple, float] = {}
+    for m in metrics:
+        by[(float(m["ratio"]), m["stream"], m.get("group"), m["split"], m["metric"])] = float(m["value"])
+    ratios = sorted({k[0] for k in by})
+    rows = []
+    for r in ratios:
+        for s in STREAMS:
+            rows.append([f"{r:g}", s, _pct(by.get((r, s, None, "heldout", "rel_error"))),
+                         _pct(by.get((r, s, 0, "heldout", "pca_rel_error"))),
+                         _pct(by.get((r, s, None, "eval", "rel_error"))),
+                         _pct(by.get((r, s, None, "heldout", "bound_rel_error"))),
+                         f"{by.get((r, s, None, 'heldout', 'bits_per_token'), float('nan')):.0f}"])
+    return _md(["CR", "stream", "held-out", "PCA only (group 0)", "eval corpus", "Gaussian bound", "bits/token"], rows)
+
+
+def _figure(ncols: int):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 3.8), squeeze=False)
+    return plt, fig, axes[0]
+
+
+def _png(plt, fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def chart_error_by_tokens(rows: list[dict]) -> bytes | None:
+    """rows {tokens, stream, split, rel_error}; None when there are none."""
+    if not rows:
+        return None
+    plt, fig, axes = _figure(1)
+    ax = axes[0]
+    for stream, color in zip(STREAMS, ("tab:blue", "tab:orange")):
+        for split, style in (("heldout", "-o"), ("eval", "--s")):
+            pts = sorted((r["tokens"], r["rel_error"]) for r in rows if r["stream"] == stream and r["split"] == split)
+            if pts:
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], style, color=color,
+                        label=f"{stream}, {SPLIT_LABELS.get(split, split)}")
+    ax.set(xlabel="calibration tokens", ylabel="relative error (%)", title="Error vs calibration tokens")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    return _png(plt, fig)
+
+
+def _stream_rows(rows: list[dict], stream: str) -> list[dict]:
+    """One group's rows (group 0) of a per-group curve; stream-level when there is one group."""
+    return [r for r in rows if r["stream"] == stream and r.get("group", 0) in (0, None)]
+
+
+def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None, ratio: float | None = None) -> bytes | None:
+    """rows {stream, group, ratio, lo, hi, rows, rel_error}: one panel per stream, `ratio` (default
+    the middle stored ratio) bold, other ratios thin; pca_rows (same schema, optional) dashed."""
+    if not rows:
+        return None
+    ratios = sorted({float(r["ratio"]) for r in rows})
+    ratio = ratios[len(ratios) // 2] if ratio is None else float(ratio)
+    plt, fig, axes = _figure(2)
+    for ax, stream in zip(axes, STREAMS):
+        for source, style in ((rows, "-"), (pca_rows or [], "--")):
+            sel = _stream_rows(source, stream)
+            for r in sorted({float(x["ratio"]) for x in sel}):
+                pts = sorted((x["lo"], x["hi"], x["rel_error"]) for x in sel if float(x["ratio"]) == r)
+                xs = [(lo + hi - 1) / 2 for lo, hi, _ in pts]
+                label = f"CR {r:g}" + (" PCA only" if style == "--" else "")
+                ax.plot(xs, [100 * e for *_, e in pts], style + "o", lw=2 if r == ratio else 0.8,
+                        ms=4 if r == ratio else 2, alpha=1 if r == ratio else 0.5, label=label)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set(xlabel="context position (bucket centre)", ylabel="relative error (%)", title=f"{stream}: error vs position")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    return _png(plt, fig)
+
+
+def bits_per_component(blocks) -> list[float]:
+    """blocks [(start, size, type, bits, scale_bits)] -> bits per component, scale cost amortised."""
+    kept = max((b[0] + b[1] for b in blocks if b[3]), default=0)
+    out = [0.0] * kept
+    for start, size, _t, bits, *rest in blocks:
+        sb = rest[0] if rest else 0
+        for i in range(start, min(start + size, kept)):
+            out[i] = bits + sb / size if bits else 0.0
+    return out
+
+
+def chart_allocation(allocations: dict) -> bytes | None:
+    """allocations {(ratio, stream, group): {"blocks": [...]}}; group 0, one panel per stream."""
+    if not allocations:
+        return None
+    plt, fig, axes = _figure(2)
+    for ax, stream in zip(axes, STREAMS):
+        for (ratio, s, g), info in sorted(allocations.items()):
+            if s != stream or g != 0:
+                continue
+            bits = bits_per_component(info["blocks"])
+            if bits:
+                ax.step(range(1, len(bits) + 1), bits, where="post", label=f"CR {ratio:g} ({len(bits)} kept)")
+        ax.set_xscale("log")
+        ax.set(xlabel="component index", ylabel="bits per component (scale amortised)", title=f"{stream}: DP bit allocation")
+        ax.legend(fontsize=8)
+    return _png(plt, fig)
+
+
+def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
+          model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
+    """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
+    from pipeline.evaluate import limit_rows
+
+    files: dict[str, bytes] = {}
+    charts = {
+        "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", [])),
+        "charts/error_by_position.png": chart_error_by_position(curves.get("error_by_position", []),
+                                                                curves.get("error_by_position_pca")),
+        "charts/allocation.png": chart_allocation(allocations),
+    }
+    md = [f"# {title}", ""]
+    if model:
+        md.append(f"Model: {model.get('spec')} ({model.get('architecture')}, {model.get('num_layers')} layers, "
+                  f"{model.get('num_kv_heads')} KV heads, head_dim {model.get('head_dim')}).")
+    if calibration:
+        md.append(f"Calibration: {calibration.get('tokens')} tokens, seq_len {calibration.get('seq_len')}, sinks "
+                  f"{calibration.get('sinks')}, window {calibration.get('window')}, groups {calibration.get('groups')}.")
+    md += ["", "Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens (positions [sinks, T - window)), "
+           "whole p-vector, keys RoPE-removed.", "", "## Reconstruction error", "", error_table(metrics), "",
+           "## Gap to the Gaussian reverse water-filling bound", "", limit_table(limit_rows(metrics)), ""]
+    for rel, png in charts.items():
+        if png is None:
+            md += [f"_{rel}: no data stored._", ""]
+        else:
+            files[rel] = png
+            md += [f"![{rel}]({rel})", ""]
+    if quality:
+        md += ["## Model quality with compressed caches", "",
+               f"{quality.get('artifact')} on {quality.get('corpus')}, settings {json.dumps(quality.get('settings'))}; "
+               "bytes per middle token, both streams.", "", quality_table(quality["rows"]), ""]
+    files["report.md"] = "\n".join(md).encode()
+    return files
+
+
+def build_from_artifact(art, quality: dict | None = None) -> dict[str, bytes]:
+    """`build` on a pulled Artifact."""
+    curves = {name: art.curve(name) for name in art.curves()}
+    return build(art.metrics(), curves, art.allocations(), art.manifest.get("calibration"), art.manifest.get("model"),
+                 f"KVTC report: {art.name}@{art.version}", quality)
+
+
+def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
+    """Leading k principal components of merged moments by randomized subspace iteration (float32
+    GEMMs, float64 Rayleigh-Ritz): far cheaper than a full eigh at p in the thousands."""
+    import numpy as np
+    import torch
+
+    from pipeline.pca import Basis, fix_signs
+
+    mu = np.asarray(sum_, dtype=np.float64) / n
+    cov = torch.from_numpy(np.asarray(gram, dtype=np.float64) / n - np.outer(mu, mu)).float()
+    p = cov.shape[0]
+    width = min(p, int(k) + 32)
+    q = torch.randn(p, width, generator=torch.Generator().manual_seed(seed))
+    for _ in range(iters + 1):
+        q, _ = torch.linalg.qr(cov @ q)
+    evals, vecs = torch.linalg.eigh((q.T @ cov @ q).double())
+    order = torch.argsort(evals, descending=True)[: min(int(k), p)]
+    comps = (q.double() @ vecs[:, order]).numpy()
+    return Basis(mu, np.clip(evals[order].numpy(), 0.0, None), np.ascontiguousarray(fix_signs(comps)),
+                 float(max(torch.diagonal(cov).double().sum().item(), 0.0)), int(n))
+
+
+def error_by_tokens(store, train_ids: list[str], heldout, evals, ratio: float, sinks: int, window: int,
+                    points: int = 4, k: int = 1024, settings=None) -> list[dict]:
+    """Curve "error_by_tokens" rows {tokens, stream, split, rel_error}: calibrate on growing prefixes
+    of the training shards (in order; about `points` prefixes, doubling, the last one all of them)
+    and measure on held-out rows (`pipeline.reduce.HeldOut`, positions [sinks, T - window)) and on
+    the eval rows (or None). tokens = rows that built the basis. Each prefix: the top-k basis
+    (`top_basis`), one DP allocation at `ratio` (analytic error model unless `settings` says),
+    stream-level error over all groups."""
+    import numpy as np
+
+    from pipeline.allocator import AllocatorSettings, allocate
+    from pipeline.metrics import evaluate
+    from workers.stats import CalibrationStats
+
+    if not train_ids:
+        raise ValueError("error_by_tokens needs at least one training shard")
+    settings = settings or AllocatorSettings(error_model="analytic")
+    ends = sorted({max(1, len(train_ids) >> i) for i in range(points)})
+    splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
+    rows, total = [], None
+    for i, sid in enumerate(train_ids):
+        part = CalibrationStats.from_bytes(store.get_bytes(sid, "stats"))
+        total = part if total is None else total.merge(part)
+        if i + 1 not in ends:
+            continue
+        groups = [tuple(g) for g in total.groups]
+        width = heldout.keys.shape[1] // groups[-1][1]
+        for stream in STREAMS:
+            acc = {name: [0.0, 0.0] for name, _ in splits}
+            for g, (a, b) in enumerate(groups):
+                n, s, gram = total.stream(stream, g)
+                basis = top_basis(n, s, gram, min(k, (b - a) * width))
+                mid = heldout.middle(sinks, window)
+                (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, a * width:b * width], settings)
+                for name, rows_ in splits:
+                    x = getattr(rows_, stream)[rows_.middle(sinks, window)][:, a * width:b * width]
+                    norm = float(np.square(x, dtype=np.float64).sum())
+                    (ev,) = evaluate(basis, [alloc], x)
+                    acc[name][0] += ev.rel_error ** 2 * norm
+                    acc[name][1] += norm
+            for name, (err, norm) in acc.items():
+                rows.append({"tokens": int(n), "stream": stream, "split": name,
+                             "rel_error": math.sqrt(err / max(norm, 1e-300))})
+    return rows
+
+
+def _handler(args: argparse.Namespace) -> int:
+    import artifacts
+
+    ref = args.artifact if "@" in args.artifact else f"{args.artifact}@latest"
+    art = artifacts.pull(ref, registry=args.registry)
+    quality = None
+    if args.quality:
+        with open(args.quality) as f:
+            quality = json.load(f)
+    out = args.out or f"kvtc-report-{art.name}-{art.version}"
+    for rel, data in build_from_artifact(art, quality).items():
+        path = os.path.join(out, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        print(path)
+    print(f"kvtc report: wrote {out}", file=sys.stderr)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="diagnostic charts and report.md of an artifact", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifact", help="NAME[@REF] (default ref: latest)")
+    p.add_argument("--registry", default=None, help="registry root: a path or fsspec URI (default $KVTC_REGISTRY or ./registry)")
+    p.add_argument("--out", default=None, help="output directory (default ./kvtc-report-NAME-VERSION)")
+    p.add_argument("--quality", default=None, help="a `kvtc eval --json` result to add as a table")
+    p.set_defaults(func=_handler)

@@ -1,0 +1,160 @@
+"""`kvtc schedule (--cron EXPR | --every SECONDS) [--max-runs N] -- COMMAND [ARGS...]`: run a kvtc
+command on a schedule, in a long-running process (a container's main process, a systemd unit).
+
+    kvtc schedule --cron "0 3 * * *" -- recalibrate smollm2-135m --corpus data/ --if-drift 0.10
+    kvtc schedule --every 3600 -- drift smollm2-135m --corpus data/
+
+--cron takes 5 fields (minute hour day month weekday, local time) or 6 with a leading seconds
+field ("*/10 * * * * *" = every 10 s). --every N fires at wall-clock multiples of N seconds.
+Runs never overlap: a run that outlasts its slot skips the fires it missed (no catch-up burst).
+Each run is a fresh `python -m pipeline.cli COMMAND ...` process (--in-process: a call in this
+process, sharing its Ray connection); a failing run is logged and the schedule goes on. One JSON
+line per run goes to stdout: {"run", "fired_at", "started", "seconds", "rc"}. SIGTERM/SIGINT stop
+the scheduler after the current run; its exit code is the last run's.
+Where a platform scheduler exists (cron with `ray job submit`, KubeRay RayCronJob), prefer it:
+see deploy/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Exactly one of `cron` (5 fields, or 6 with leading seconds) and `every` (seconds > 0)."""
+
+    cron: str | None = None
+    every: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cron is None) == (self.every is None):
+            raise ValueError("give exactly one of --cron EXPR and --every SECONDS")
+        if self.every is not None and not self.every > 0:
+            raise ValueError(f"--every must be a positive number of seconds, got {self.every}")
+        if self.cron is not None:
+            from croniter import croniter
+
+            fields = self.cron.split()
+            if len(fields) not in (5, 6) or not croniter.is_valid(self.cron, second_at_beginning=len(fields) == 6):
+                raise ValueError(f"--cron {self.cron!r} is not a cron expression; use 5 fields (minute hour day month "
+                                 "weekday, e.g. '0 3 * * *') or 6 with leading seconds (e.g. '*/10 * * * * *')")
+
+    def next_after(self, t: float) -> float:
+        """The first fire time strictly after epoch seconds `t`."""
+        if self.every is not None:
+            return (int(t // self.every) + 1) * self.every
+        from croniter import croniter
+
+        return float(croniter(self.cron, t, second_at_beginning=len(self.cron.split()) == 6).get_next(float))
+
+
+class Scheduler:
+    """Fire `job` (-> exit code) at each schedule time, sequentially; `clock`/`sleep` are injectable."""
+
+    def __init__(self, schedule: Schedule, job: Callable[[], int], max_runs: int | None = None,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 report: Callable[[dict], None] | None = None) -> None:
+        if max_runs is not None and max_runs < 1:
+            raise ValueError(f"--max-runs must be >= 1, got {max_runs}")
+        self.schedule, self.job, self.max_runs = schedule, job, max_runs
+        self.clock, self.sleep = clock, sleep
+        self.report = report or (lambda rec: print(json.dumps(rec), flush=True))
+        self.stopping = False
+        self.runs: list[dict] = []
+
+    def stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def _wait_until(self, t: float) -> None:
+        while not self.stopping and (left := t - self.clock()) > 0:
+            self.sleep(min(left, 1.0))
+
+    def run(self) -> list[dict]:
+        """Loop until max_runs runs have finished or stop() is called; returns the run records."""
+        while not self.stopping and (self.max_runs is None or len(self.runs) < self.max_runs):
+            fire = self.schedule.next_after(self.clock())
+            self._wait_until(fire)
+            if self.stopping:
+                break
+            started = self.clock()
+            try:
+                rc = int(self.job())
+            except Exception as exc:  # a failed run must not end the schedule
+                print(f"kvtc schedule: run failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                rc = 2
+            record = {"run": len(self.runs) + 1, "fired_at": fire, "started": started,
+                      "seconds": round(self.clock() - started, 3), "rc": rc}
+            self.runs.append(record)
+            self.report(record)
+        return self.runs
+
+
+def command_job(command: list[str], in_process: bool, timeout: float | None = None) -> Callable[[], int]:
+    """A job running `kvtc COMMAND...`: a subprocess, or pipeline.cli.main in this process."""
+    if in_process:
+        def job() -> int:
+            from pipeline.cli import main
+
+            return main(list(command))
+        return job
+
+    def run_subprocess() -> int:
+        try:
+            return subprocess.run([sys.executable, "-m", "pipeline.cli", *command], timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"kvtc schedule: run exceeded --timeout {timeout} s and was killed", file=sys.stderr, flush=True)
+            return 124
+    return run_subprocess
+
+
+def parse_command(argv: list[str]) -> list[str]:
+    """`-- [kvtc] COMMAND ARGS...` -> [COMMAND, ARGS...], checked against the kvtc parser now, not at 3 am."""
+    from pipeline.cli import build_parser
+
+    command = argv[1:] if argv[:1] == ["--"] else list(argv)
+    command = command[1:] if command[:1] == ["kvtc"] else command
+    if not command:
+        raise ValueError("no command to schedule; put it after '--', e.g. kvtc schedule --every 60 -- drift NAME")
+    if command[0] == "schedule":
+        raise ValueError("kvtc schedule cannot schedule itself")
+    try:
+        build_parser().parse_args(command)
+    except SystemExit:
+        raise ValueError(f"the scheduled command `kvtc {' '.join(command)}` does not parse (see the message above)") from None
+    return command
+
+
+def _handler(args: argparse.Namespace) -> int:
+    schedule = Schedule(cron=args.cron, every=args.every)
+    command = parse_command(args.command)
+    scheduler = Scheduler(schedule, command_job(command, args.in_process, args.timeout), args.max_runs)
+    previous = {sig: signal.signal(sig, scheduler.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    print(f"kvtc schedule: `kvtc {' '.join(command)}` {'every ' + str(args.every) + ' s' if args.every else 'at ' + repr(args.cron)}"
+          f"; next run at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(schedule.next_after(time.time())))}",
+          file=sys.stderr, flush=True)
+    try:
+        runs = scheduler.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return runs[-1]["rc"] if runs else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("schedule", help="run a kvtc command on a cron schedule (long-running)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    when = p.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", default=None, help="cron expression: 5 fields, or 6 with leading seconds")
+    when.add_argument("--every", type=float, default=None, metavar="SECONDS", help="fire every SECONDS seconds")
+    p.add_argument("--max-runs", type=int, default=None, help="exit after this many runs (default: run forever)")
+    p.add_argument("--timeout", type=float, default=None, help="kill a run after this many seconds (subprocess runs)")
+    p.add_argument("--in-process", action="store_true", help="run each command in this process instead of a subprocess")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]: the kvtc command to run")
+    p.set_defaults(func=_handler)
