@@ -2,7 +2,8 @@
 
 p = 5760 (SmolLM2's per-stream size): decaying spectrum, measured errors on synthetic held-out
 projections. p = 32768: synthetic spectrum, analytic errors (and measured on fewer rows).
-Run: python bench/allocator_dp.py [--rows 4000] [--threads 2] [--skip-large]
+Run from the repository root: python -m bench.allocator_dp [--rows 4000] [--threads 1] [--skip-large]
+(`python bench/allocator_dp.py` would let bench/pipeline.py shadow the pipeline package.)
 """
 from __future__ import annotations
 

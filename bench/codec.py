@@ -71,7 +71,7 @@ def timed(fn, repeat: int):
 
 def recorded_rel_errors(artifact, ratio: float) -> dict:
     """The calibration's held-out relative errors at `ratio` (group-less rows, or the only group)."""
-    rows = [r for r in artifact.metrics() if r.get("metric") == "rel_error" and r.get("split") == "holdout"
+    rows = [r for r in artifact.metrics() if r.get("metric") == "rel_error" and r.get("split") in ("heldout", "holdout")
             and r.get("ratio") is not None and abs(float(r["ratio"]) - ratio) < 1e-9]
     out = {}
     for stream in ("keys", "values"):
@@ -82,21 +82,28 @@ def recorded_rel_errors(artifact, ratio: float) -> dict:
     return out
 
 
+def model_cache(artifact, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The artifact's model run on the tail of Python's docs text -> (L, H, T, D) fp16 cache (keys with RoPE)."""
+    from pydoc_data.topics import topics
+
+    from workers.capture import raw_cache
+    from workers.models import load_model
+
+    lm = load_model(artifact.manifest["model"]["spec"], device="cpu", dtype=torch.float32)
+    text = "\n\n".join(topics[k] for k in sorted(topics))[-12 * tokens:]
+    ids = lm.tokenizer(text, return_tensors="pt").input_ids[:, -tokens:]
+    keys, values = raw_cache(lm, ids)
+    return keys.to(torch.float16), values.to(torch.float16)
+
+
 def consistency(args: argparse.Namespace) -> int:
     """Held-out text through the artifact's model at CR 16 vs the recorded errors (within 10%)."""
     from artifacts import pull
-    from workers.capture import raw_cache
-    from workers.models import load_model
 
     artifact = pull(args.artifact, registry=args.registry)
     codec = KVTCCodec(artifact, 16.0)
     recorded = recorded_rel_errors(artifact, 16.0)
-    lm = load_model(artifact.manifest["model"]["spec"], device="cpu", dtype=torch.float32)
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))[-60000:]
-    ids = lm.tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens]
-    keys, values = raw_cache(lm, ids)
+    keys, values = model_cache(artifact, args.tokens)
     measured = rel_errors(codec, keys, values, codec.decode(codec.encode(keys, values)))
     ok = True
     for stream, value in measured.items():
@@ -126,15 +133,17 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--consistency needs --artifact NAME@REF (and --registry)")
         return consistency(args)
     if args.artifact:
-        codecs = {r: KVTCCodec.from_registry(args.artifact, r, registry=args.registry, level=args.level)
-                  for r in args.ratios}
-        print(f"artifact {args.artifact}; cache drawn from its bases (synthetic spectrum)")
+        from artifacts import pull
+
+        artifact = pull(args.artifact, registry=args.registry)
+        codecs = {r: KVTCCodec(artifact, r, level=args.level) for r in args.ratios}
+        keys, values = model_cache(artifact, args.tokens)
+        print(f"artifact {args.artifact}; cache: the artifact's model on Python docs text (held-out tail)")
     else:
         codecs = {r: KVTCCodec(synthetic_spec(30, 3, 64, r), level=args.level) for r in args.ratios}
         print("SYNTHETIC CodecSpec of SmolLM2 shape (30 layers, 3 kv heads, head_dim 64, one group, random "
               "orthonormal basis, DP-like allocation); no real artifact given")
-    widest = codecs[min(args.ratios)].spec
-    keys, values = synthetic_cache(widest, args.tokens, torch.float16, seed=1)
+        keys, values = synthetic_cache(codecs[min(args.ratios)].spec, args.tokens, torch.float16, seed=1)
     mb = 2 * keys.numel() * 2 / 1e6
     raw = keys.numpy().tobytes() + values.numpy().tobytes()
     t_zlib, packed = timed(lambda: zlib.compress(raw, 1), args.repeat)
@@ -151,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             codec.profile = {}
             codec.encode(keys, values)
             prof = {k: min(v, prof.get(k, v)) for k, v in codec.profile.items()}
+        dprof: dict[str, float] = {}
+        for _ in range(args.repeat):
+            codec.profile = {}
+            codec.decode(blob)
+            dprof = {k: min(v, dprof.get(k, v)) for k, v in codec.profile.items()}
         codec.profile = None
         b = byte_figures(codec, blob, args.tokens)
         e = rel_errors(codec, keys, values, dec)
@@ -161,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * prof.get('project', 0) / total:>7.1f}% {100 * rest / total:>7.1f}% "
               f"{100 * e['keys']:>5.2f}% {100 * e['values']:>5.2f}%")
         print("      encode stages (s): " + ", ".join(f"{k} {v:.3f}" for k, v in prof.items()))
+        print("      decode stages (s): " + ", ".join(f"{k} {v:.3f}" for k, v in dprof.items()))
     print("CR mid: fp16 bytes of the coded middle / its coded sections; CR all: fp16 bytes of the whole "
           "sequence / blob (raw sinks, window, headers included); ent.gain: coded sections before/after "
           "DEFLATE, (rows): the same with row-major instead of planar layout; GEMM enc and q+p+ent: shares of "

@@ -9,7 +9,8 @@ Imports neither transformers nor ray.
 """
 from kernels.blob import FORMAT_VERSION, BlobError, BlobHeader, read_blob
 from kernels.codec import KVTCCodec
+from kernels.hf_cache import compress_cache, restore_cache
 from kernels.spec import CodecSpec, CodedBlock, GroupCode, model_id
 
 __all__ = ["FORMAT_VERSION", "BlobError", "BlobHeader", "CodecSpec", "CodedBlock", "GroupCode", "KVTCCodec",
-           "model_id", "read_blob"]
+           "compress_cache", "model_id", "read_blob", "restore_cache"]

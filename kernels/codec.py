@@ -24,6 +24,7 @@ from kernels.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_TOKENS = 1 << 31
+_MAX_START = 1 << 62
 
 
 class KVTCCodec:
@@ -115,7 +116,7 @@ class KVTCCodec:
                 raise ValueError(f"{name} dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
         if keys.shape != values.shape or keys.dtype != values.dtype or keys.device != values.device:
             raise ValueError("keys and values must have the same shape, dtype and device")
-        if not 0 <= start < 1 << 62 or keys.shape[2] >= _MAX_TOKENS:
+        if not 0 <= start < _MAX_START or keys.shape[2] >= _MAX_TOKENS:
             raise ValueError(f"start must be >= 0 and tokens < 2^31; got start={start}, tokens={keys.shape[2]}")
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> bytes:
@@ -178,7 +179,7 @@ class KVTCCodec:
                 (s.num_layers, s.kv_heads, s.head_dim, s.sinks, s.window):
             raise BlobError("blob shape or sink/window settings do not match the codec's artifact")
         head, _mid, tail = self.split(h.tokens, h.start)
-        if h.tokens >= _MAX_TOKENS or (h.head_raw, h.tail_raw) != (head, tail):
+        if h.tokens >= _MAX_TOKENS or h.start >= _MAX_START or (h.head_raw, h.tail_raw) != (head, tail):
             raise BlobError(f"blob declares inconsistent token counts (tokens={h.tokens}, start={h.start})")
 
     def decode(self, blob: bytes | bytearray | memoryview, device: str | torch.device = "cpu"

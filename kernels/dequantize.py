@@ -55,8 +55,10 @@ def unpack_dequantize(packed: torch.Tensor, params: torch.Tensor, qtype: str, ou
     if bits == 0:
         out[:, start:start + size] = 0
         return out
+    if out.dtype != torch.float32:
+        raise ValueError(f"out must be float32, got {out.dtype}")
     if n:
-        params = params.contiguous()
+        params, packed = params.contiguous(), packed if packed.stride(1) == 1 else packed.contiguous()
         s_p2 = triton.next_power_of_2(size)
         block_n = max(1, min(64, 4096 // s_p2))
         _unpack_dequantize_kernel[(triton.cdiv(n, block_n),)](

@@ -25,6 +25,9 @@ def cache_tensors(cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = _layers(cache)
     if not pairs or any(k is None or k.ndim != 4 for k, _ in pairs):
         raise ValueError("the cache is empty or not initialised; run the model with use_cache=True first")
+    if len({k.shape[2] for k, _ in pairs}) != 1:
+        raise ValueError("cache layers hold different token counts (sliding-window layers?); the codec needs "
+                         "full-attention caches")
     if pairs[0][0].shape[0] != 1:
         raise ValueError(f"compress_cache handles one sequence; the cache has batch size {pairs[0][0].shape[0]}")
     return torch.stack([k[0] for k, _ in pairs]), torch.stack([v[0] for _, v in pairs])

@@ -6,7 +6,7 @@ Triton interpreter and therefore needs TRITON_INTERPRET=1 set before kernels was
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -18,14 +18,17 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 class Ops(NamedTuple):
+    """One implementation of each element-wise stage (signatures of the Triton launchers)."""
+
     name: str
-    rope_center: object
-    rope_restore: object
-    quantize_pack: object
-    unpack_dequantize: object
+    rope_center: Callable[..., torch.Tensor]
+    rope_restore: Callable[..., torch.Tensor]
+    quantize_pack: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    unpack_dequantize: Callable[..., torch.Tensor]
 
 
-def _restore_torch(feat, cos, sin, mean, out, layout="half"):
+def _restore_torch(feat: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mean: torch.Tensor,
+                   out: torch.Tensor, layout: str = "half") -> torch.Tensor:
     out.copy_(rope_restore_reference(feat, cos, sin, mean, tuple(out.shape), out.dtype, layout))
     return out
 

@@ -91,6 +91,7 @@ def quantize_pack(z: torch.Tensor, start: int, size: int, qtype: str) -> tuple[t
     bits = qtype_bits(qtype)
     if bits == 0:
         raise ValueError("a 'none' block has no codes to pack")
+    z = z.to(torch.float32)
     n = z.shape[0]
     nbytes = packed_nbytes(size, bits)
     packed = torch.empty(n, nbytes, dtype=torch.uint8, device=z.device)

@@ -62,12 +62,14 @@ def _launch(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor | None, sin: t
     fl, fh, ft, fd = H * D * feat.stride(1), D * feat.stride(1), feat.stride(0), feat.stride(1)
     xs = (fl, fh, ft, fd) if restore else tuple(x.stride())
     os_ = tuple(out.stride()) if restore else (fl, fh, ft, fd)
-    dummy = mean
+    mean = mean.to(torch.float32).contiguous()
+    cos = cos.to(torch.float32).contiguous() if cos is not None else mean
+    sin = sin.to(torch.float32).contiguous() if sin is not None else mean
     block_t = 16
     grid = (triton.cdiv(T, block_t), L * H)
-    _rope_center_kernel[grid](x, cos if cos is not None else dummy, sin if sin is not None else dummy, mean, out,
+    _rope_center_kernel[grid](x, cos, sin, mean, out,
                               T, H, p, *xs, *os_, D=D, R=R, D_P2=triton.next_power_of_2(D), BLOCK_T=block_t,
-                              HAS_ROPE=cos is not None, INTERLEAVED=layout == "interleaved", RESTORE=restore)
+                              HAS_ROPE=R > 0, INTERLEAVED=layout == "interleaved", RESTORE=restore)
 
 
 def rope_center(cache: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, mean: torch.Tensor,
@@ -106,7 +108,7 @@ def rope_center_reference(cache: torch.Tensor, cos: torch.Tensor | None, sin: to
     x = cache.float()
     if cos is not None:
         R = cos.shape[1]
-        rot, sign = x[..., :R], None
+        rot = x[..., :R]
         partner, sign = _partner(rot, R, layout)
         rot = (rot * cos + sign * partner * sin) / (cos * cos + sin * sin)
         x = torch.cat([rot, x[..., R:]], dim=-1)

@@ -267,7 +267,8 @@ def solve_budget(tables: ErrorTables, settings: AllocatorSettings, budget: int):
     cum = np.concatenate([[0.0], np.cumsum(tables.variance)])
     ring = max(settings.block_sizes) + 1
     rows = np.zeros((ring, width))
-    choice = np.zeros((k + 1, width), dtype=np.int16)
+    index_type = np.int8 if len(choices) < 128 else np.int16
+    choice = np.zeros((k + 1, width), dtype=index_type)
     final = np.full(k + 1, np.inf)
     final[0] = cum[k]
     cand = np.empty((len(choices), width))
@@ -288,7 +289,7 @@ def solve_budget(tables: ErrorTables, settings: AllocatorSettings, budget: int):
         sub = cand[:len(live)]
         arg = sub.argmin(axis=0)
         rows[j % ring] = np.take_along_axis(sub, arg[None], axis=0)[0]
-        choice[j] = np.asarray(live, dtype=np.int16)[arg]
+        choice[j] = np.asarray(live, dtype=index_type)[arg]
         final[j] = rows[j % ring, units] + cum[k] - cum[j]
     j = int(np.argmin(final))
     best, u, blocks = float(final[j]), units, []

@@ -25,6 +25,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.reference import quantize_dequantize
@@ -136,7 +137,7 @@ def deflate(keys: torch.Tensor, values: torch.Tensor, sinks: int, window: int, l
     stored, outs = 0, []
     for x in (keys, values):
         m = x[:, :, head:head + mid].to(torch.float16).contiguous()
-        stored += len(zlib.compress(m.view(torch.uint8).numpy().tobytes(), level)) if mid else 0
+        stored += len(zlib.compress(m.cpu().view(torch.uint8).numpy().tobytes(), level)) if mid else 0
         outs.append(_splice(x, m.float(), head, mid))
     return Reconstruction("deflate-fp16", outs[0], outs[1], stored, mid, L * H * D)
 
@@ -152,7 +153,7 @@ def evict(keys: torch.Tensor, values: torch.Tensor, ratio: float, sinks: int, wi
     p = L * H * D
     budget = math.floor(4 * p * mid / ratio)
     kept = min(mid, max(0, budget - 8) // (4 * p))
-    keep = torch.ones(T, dtype=torch.bool)
+    keep = torch.ones(T, dtype=torch.bool, device=keys.device)
     keep[head:head + mid - kept] = False
     outs = []
     for x in (keys, values):
@@ -187,7 +188,7 @@ def uniform_blocks(eigenvalues, p: int, ratio: float, block: int = PCA_UNIFORM_B
     """Uniform-bit allocation within B = floor(16 p / ratio): n blocks of `block` components, all at
     b bits (cost block * b + 32 each); b is the choice in bit_choices whose analytic error
     (dropped variance + lambda 4^-b on the kept ones) is lowest. Returns [(start, size, type, bits)]."""
-    lam = torch.as_tensor(eigenvalues, dtype=torch.float64)
+    lam = torch.tensor(np.array(eigenvalues, dtype=np.float64))
     budget = int(16 * p // ratio)
     best: tuple[float, list] | None = None
     for b in bit_choices:

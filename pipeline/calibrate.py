@@ -88,7 +88,7 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
     from pipeline.corpus import iter_documents
     from pipeline.reduce import reduce_and_publish
     from pipeline.shards import make_shards
-    from pipeline.store import ShardStore, default_store_uri, settings_key
+    from pipeline.store import ShardStore, capture_key, default_store_uri
     from workers.capture import CaptureSettings, check_seq_len
     from workers.models import fingerprint_id, load_model
     from workers.shard_worker import ShardWorker
@@ -106,7 +106,7 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
     groups = capture.group_layers(lm.num_layers)
     for a, b in groups:
         validate_ratios(cfg.ratios, (b - a) * lm.num_kv_heads * lm.head_dim, alloc)
-    tokenizer, fingerprint = lm.tokenizer, lm.fingerprint
+    tokenizer, fingerprint, model_dtype = lm.tokenizer, lm.fingerprint, str(lm.dtype).removeprefix("torch.")
     del lm
 
     on_gpu = torch.cuda.is_available()
@@ -114,7 +114,7 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
     if cfg.tokens is None:
         print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)", file=sys.stderr)
     store_root = cfg.store or default_store_uri()
-    store = ShardStore(store_root, fingerprint_id(fingerprint), settings_key(capture.to_dict()))
+    store = ShardStore(store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
 
     shards_seen: list[dict] = []
     seen_ids: set[str] = set()
@@ -163,7 +163,7 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
     run_tokens = sum(r["tokens_run"] for r in results)
     summary = reduce_and_publish(
         cfg=cfg, fingerprint=fingerprint, capture=capture, alloc=alloc, store=store, shards=shards_seen,
-        registry=registry, tokens_requested=tokens, alias_latest=alias_latest,
+        registry=registry, tokens_requested=tokens, alias_latest=alias_latest, model_dtype=model_dtype,
     )
     if duplicates:
         summary["warnings"].append(f"{len(duplicates)} shards repeated an earlier shard's tokens and were folded once")

@@ -83,7 +83,7 @@ def continuation_logprobs(model, keys, values, feed, keep=None):
         cache.update(keys[layer][None].to(dtype).contiguous(), values[layer][None].to(dtype).contiguous(), layer)
     mask = None
     if keep is not None:
-        mask = torch.cat([keep.long(), torch.ones(feed.shape[1], dtype=torch.long)])[None].to(feed.device)
+        mask = torch.cat([keep.long().to(feed.device), torch.ones(feed.shape[1], dtype=torch.long, device=feed.device)])[None]
     logits, _ = _forward(model, feed, cache, mask)
     return torch.log_softmax(logits[0].double(), dim=-1)
 
@@ -97,7 +97,7 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
                                                   4 * keys[:, :, 0].numel() * bl.split(keys.shape[2], sinks, window)[1],
                                                   bl.split(keys.shape[2], sinks, window)[1], keys[:, :, 0].numel())
     for r in settings.ratios:
-        yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r, backend="torch"), keys, values)
+        yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r), keys, values)
     if "pca_uniform" in settings.baselines:
         for r in settings.ratios:
             yield f"pca-uniform-{r:g}x", r, bl.run_codec(bl.pca_uniform_codec(artifact, r), keys, values,
@@ -135,13 +135,13 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             raise ValueError(f"a sequence of {ids.shape[1]} tokens is too short for --continuation {n}")
         prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
         keys, values = raw_cache(lm, prefix)
-        keys, values = keys.float().cpu(), values.float().cpu()
-        ref = continuation_logprobs(lm.model, keys.to(lm.device), values.to(lm.device), feed)
+        keys, values = keys.float(), values.float()
+        ref = continuation_logprobs(lm.model, keys, values, feed)
         ref_nll = -ref.gather(1, target[:, None]).sum().item()
         head, mid, _ = bl.split(keys.shape[2], sinks, window)
         for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window):
             keep = None if rec.keep is None else rec.keep.to(lm.device)
-            lp = continuation_logprobs(lm.model, rec.keys.to(lm.device), rec.values.to(lm.device), feed, keep)
+            lp = continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep)
             t = tallies.setdefault(name, _Tally(ratio=ratio))
             t.nll += -lp.gather(1, target[:, None]).sum().item() - ref_nll
             t.kl += float((ref.exp() * (ref - lp)).sum())

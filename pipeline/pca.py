@@ -3,8 +3,9 @@
 mu = sum / n, C = Gram / n - mu mu^T, C = U diag(lambda) U^T. Eigenvalues are clipped at 0 and
 sorted descending; each component's sign is fixed so that its largest-magnitude entry is
 positive (the first such entry on ties), which makes bases reproducible across runs and
-LAPACK builds. The eigendecomposition runs in torch float64 (`torch.linalg.eigh`); numpy's
-`eigh` took the same time for p = 5760 on a 2-core machine (about 75 s each, under load).
+LAPACK builds. The eigendecomposition is numpy's float64 `eigh` (OpenBLAS): on the 2-core
+development machine it beat `torch.linalg.eigh` float64 (p = 2880, one thread: 12 s vs 15 s;
+p = 5760, two threads: 75 s each, both slowed by other jobs).
 """
 from __future__ import annotations
 
@@ -79,15 +80,16 @@ def fix_signs(components: np.ndarray) -> np.ndarray:
     return components * signs
 
 
+def _f64(a: np.ndarray | torch.Tensor) -> np.ndarray:
+    return a.detach().double().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float64)
+
+
 def pca_from_moments(n: int, sum_: np.ndarray | torch.Tensor, gram: np.ndarray | torch.Tensor,
                      k: int | None = None) -> Basis:
     """Merged statistics -> Basis. n rows; sum_ (p,) f64; gram (p, p) f64 (sum of x x^T).
 
     k: keep only the leading k components (default all p)."""
-    s = np.asarray(torch.as_tensor(sum_).double().cpu().numpy() if isinstance(sum_, torch.Tensor) else sum_,
-                   dtype=np.float64)
-    g = np.asarray(torch.as_tensor(gram).double().cpu().numpy() if isinstance(gram, torch.Tensor) else gram,
-                   dtype=np.float64)
+    s, g = _f64(sum_), _f64(gram)
     if int(n) < 2:
         raise ValueError(f"PCA needs at least 2 rows of statistics, got n={n}; calibrate on more tokens")
     if s.ndim != 1 or g.shape != (s.shape[0], s.shape[0]):
@@ -99,11 +101,13 @@ def pca_from_moments(n: int, sum_: np.ndarray | torch.Tensor, gram: np.ndarray |
     if not 0 < k <= p:
         raise ValueError(f"PCA: k={k} must be in 1..{p}")
     mu = s / n
-    cov = g / n - np.outer(mu, mu)
-    cov = (cov + cov.T) * 0.5
+    cov = g / n
+    cov -= np.outer(mu, mu)
+    cov += cov.T
+    cov *= 0.5
     total = float(max(np.trace(cov), 0.0))
-    evals, evecs = torch.linalg.eigh(torch.from_numpy(cov))
-    evals = evals.numpy()[::-1][:k]
-    evecs = evecs.numpy()[:, ::-1][:, :k]
+    evals, evecs = np.linalg.eigh(cov)
+    evals = evals[::-1][:k]
+    evecs = evecs[:, ::-1][:, :k]
     return Basis(mean=mu, eigenvalues=np.clip(evals, 0.0, None).copy(),
                  components=np.ascontiguousarray(fix_signs(evecs)), total_variance=total, n=int(n))

@@ -43,14 +43,15 @@ class Result:
 
 def heldout_store(manifest: dict, store_root: str | None):
     """The shard store scope (model, capture settings) where the parent's held-out rows live."""
-    from pipeline.store import ShardStore, default_store_uri, settings_key
+    from pipeline.store import ShardStore, capture_key, default_store_uri
     from workers.capture import CaptureSettings
     from workers.models import fingerprint_id
 
     cal = manifest["calibration"]
     capture = CaptureSettings(sinks=cal["sinks"], window=cal["window"], groups=cal.get("group_spec", "model"),
                               sample=cal.get("sample", 1.0), seed=cal["seed"])
-    return ShardStore(store_root or default_store_uri(), fingerprint_id(manifest["model"]), settings_key(capture.to_dict()))
+    return ShardStore(store_root or default_store_uri(), fingerprint_id(manifest["model"]),
+                      capture_key(capture.to_dict(), cal.get("model_dtype", "float32")))
 
 
 def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:

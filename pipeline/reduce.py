@@ -73,7 +73,7 @@ def _group_cols(groups: list[tuple[int, int]], width: int) -> list[slice]:
 
 def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSettings, store: ShardStore, shards: list[dict],
                        registry: str, tokens_requested: int, corpus_fp: dict | None = None,
-                       alias_latest: bool = True) -> dict:
+                       alias_latest: bool = True, model_dtype: str = "float32") -> dict:
     """Everything after the shard pool: returns the job summary (name, version, per-ratio errors)."""
     import artifacts
 
@@ -164,7 +164,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         # what recalibration needs to repeat this run's shards and settings exactly
         "seqs_per_shard": cfg.seqs_per_shard, "holdout_fraction": cfg.holdout_fraction,
         "heldout_rows_cap": cfg.heldout_rows, "eval_tokens": cfg.eval_tokens, "text_column": cfg.text_column,
-        "dtype": cfg.dtype,
+        "dtype": cfg.dtype, "model_dtype": model_dtype,
         "relative_error": "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed",
     }
     corpus = corpus_fp or {

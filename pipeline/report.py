@@ -147,8 +147,9 @@ def chart_allocation(allocations: dict) -> bytes | None:
                 continue
             bits = bits_per_component(info["blocks"])
             if bits:
-                ax.step(range(1, len(bits) + 1), bits, where="post", label=f"CR {ratio:g} ({len(bits)} kept)")
+                ax.step(range(1, len(bits) + 2), bits + bits[-1:], where="post", label=f"CR {ratio:g} ({len(bits)} kept)")
         ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
         ax.set(xlabel="component index", ylabel="bits per component (scale amortised)", title=f"{stream}: DP bit allocation")
         ax.legend(fontsize=8)
     return _png(plt, fig)
@@ -263,6 +264,27 @@ def error_by_tokens(store, train_ids: list[str], heldout, evals, ratio: float, s
                 rows.append({"tokens": int(n), "stream": stream, "split": name,
                              "rel_error": math.sqrt(err / max(norm, 1e-300))})
     return rows
+
+
+def pca_error_by_position(basis, allocations, x, positions, edges=None) -> list[dict]:
+    """PCA-only relative error by position bucket: rows {ratio, lo, hi, rows, rel_error}, one per
+    allocation and bucket, with each allocation's kept components unquantized. x (N, p) raw rows at
+    `positions` (N,); buckets as pipeline.metrics.default_edges."""
+    import numpy as np
+
+    from pipeline.metrics import default_edges, pca_rel_error
+
+    pos = np.asarray(positions).reshape(-1)
+    edges = edges or default_edges(int(pos.max()) if pos.size else 0)
+    ks = sorted({a.kept for a in allocations})
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (pos >= lo) & (pos < hi)
+        if sel.any():
+            errs = dict(zip(ks, pca_rel_error(basis, x[sel], ks)))
+            out += [{"ratio": a.ratio, "lo": int(lo), "hi": int(hi), "rows": int(sel.sum()), "rel_error": float(errs[a.kept])}
+                    for a in allocations]
+    return out
 
 
 def _handler(args: argparse.Namespace) -> int:

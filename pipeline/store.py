@@ -37,6 +37,12 @@ def settings_key(settings: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def capture_key(capture: dict, model_dtype: str) -> str:
+    """Scope of a shard entry besides the model: capture settings and the dtype the model ran in
+    (fp32-CPU and bf16-GPU statistics of one model are different measurements)."""
+    return settings_key({**capture, "model_dtype": model_dtype})
+
+
 @dataclass(frozen=True)
 class ShardStore:
     """Where shard results live. `root` is a local path or an fsspec URI; `model_id` and

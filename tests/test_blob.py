@@ -88,7 +88,7 @@ def test_fuzz_with_valid_checksums_reaches_semantic_checks(small):
         what = rng.randrange(4)
         if what == 0:
             name = rng.choice(fields)
-            value = rng.choice(["float32", "bfloat16"]) if name == "dtype" else rng.choice([0, 1, 2, 5, 13, 2**31])
+            value = rng.choice(["float32", "bfloat16"]) if name == "dtype" else rng.choice([0, 1, 2, 5, 13, 2**31, 2**63 + 5])
             h = dataclasses.replace(h, **{name: value})
         elif what == 1 and secs:
             j = rng.randrange(len(secs))

@@ -96,3 +96,22 @@ def test_directory_spec_loads_saved_tiny(tmp_path):
     again = load_model(str(tmp_path / "m"))
     assert again.fingerprint["source"] == "dir:m" and again.fingerprint["weights_sha256"]
     assert again.fingerprint["rope"] == lm.fingerprint["rope"] and again.fingerprint["key_norm"]
+
+
+def test_atomic_cache_write_keeps_first_copy(tmp_path):
+    from workers.models import _atomic_save
+
+    def writer(text):
+        return lambda d: (d / "config.json").write_text(text)
+
+    _atomic_save(tmp_path / "entry", writer("first"))
+    _atomic_save(tmp_path / "entry", writer("second"))  # a concurrent loser: its copy is discarded
+    assert (tmp_path / "entry" / "config.json").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]
+
+    def failing(d):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        _atomic_save(tmp_path / "other", failing)
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]

@@ -120,7 +120,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
     k = pos.shape[1]
     bi = torch.arange(b, device=lm.device)[:, None].expand(b, k)
     with torch.inference_mode():
-        # (L, B, H, T, D) -> rows (L, H, N, D), N = B*k in (sequence, position) order
+        # per-layer (B, H, T, D) -> rows (N, L, H, D), N = B*k in (sequence, position) order
         def gather(per_layer: list[torch.Tensor]) -> torch.Tensor:
             stacked = torch.stack(per_layer).permute(1, 3, 0, 2, 4)  # (B, T, L, H, D)
             rows = stacked[bi, pos].reshape(b * k, *stacked.shape[2:])  # (N, L, H, D)

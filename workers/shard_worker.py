@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pipeline.shards import Shard
-from pipeline.store import ShardStore, settings_key
+from pipeline.store import ShardStore, capture_key
 from workers.capture import CaptureSettings, capture_kv
 from workers.models import fingerprint_id, load_model
 from workers.stats import CalibrationStats
@@ -38,7 +38,8 @@ class ShardWorker:
         self.lm = load_model(model, dtype=dtype, cache_dir=cache_dir)
         self.settings = CaptureSettings(**capture)
         self.all_positions = CaptureSettings(**{**capture, "sinks": 0, "window": 0, "sample": 1.0})
-        self.store = ShardStore(store_root, fingerprint_id(self.lm.fingerprint), settings_key(self.settings.to_dict()))
+        self.store = ShardStore(store_root, fingerprint_id(self.lm.fingerprint),
+                                capture_key(self.settings.to_dict(), str(self.lm.dtype).removeprefix("torch.")))
         self.batch_size = batch_size
         self.rows_per_heldout_shard = rows_per_heldout_shard
 

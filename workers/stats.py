@@ -72,9 +72,11 @@ class CalibrationStats:
         """The moments of (stream, group), created empty if absent, on `device` when updating."""
         if (stream, group) not in self.moments:
             p = self.dims[group]
-            self.moments[(stream, group)] = _Moments(
-                0, torch.zeros(p, dtype=torch.float64, device=device), torch.zeros(p, p, dtype=torch.float64, device=device)
-            )
+            with torch.inference_mode(False):  # normal tensors: updatable inside and outside inference mode
+                self.moments[(stream, group)] = _Moments(
+                    0, torch.zeros(p, dtype=torch.float64, device=device),
+                    torch.zeros(p, p, dtype=torch.float64, device=device),
+                )
         return self.moments[(stream, group)]
 
     def update(self, captured: CapturedKV) -> None:

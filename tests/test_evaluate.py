@@ -1,0 +1,92 @@
+"""`kvtc eval` on a tiny model calibrated in-process: finite numbers, an exact uncompressed path,
+the codec at its budget, and baselines at their real bytes."""
+import argparse
+import contextlib
+import io
+import json
+import math
+
+import pytest
+
+import artifacts
+from pipeline import evaluate
+from pipeline.calibrate import CalibrateConfig
+
+TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
+            eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0), name="tiny")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    cfg = CalibrateConfig(**TINY, registry=str(root / "reg"), store=str(root / "store"))
+    summary, _ = evaluate.calibrate_local(cfg)
+    return summary
+
+
+@pytest.fixture(scope="module")
+def result(calibrated):
+    settings = evaluate.EvalSettings(ratios=(4.0, 8.0), continuation=12, sequences=2)
+    return evaluate.run("tiny", calibrated["registry"], settings)
+
+
+def test_every_number_is_finite_and_uncompressed_is_exact(result):
+    rows = {r["method"]: r for r in result["rows"]}
+    assert {"uncompressed", "kvtc-4x", "kvtc-8x", "pca-uniform-8x", "evict-8x", "kivi-int2-g32", "kivi-int4-g128",
+            "fp8-e4m3", "deflate-fp16"} <= set(rows)
+    for r in rows.values():
+        assert all(math.isfinite(r[k]) for k in ("bytes_per_token", "cr", "key_rel_error", "value_rel_error",
+                                                 "ppl_ratio", "kl")), r
+        assert r["kl"] >= -1e-12 and r["tokens"] == 24 and r["sequences"] == 2
+    base = rows["uncompressed"]
+    assert base["ppl_ratio"] == 1.0 and base["kl"] == 0.0 and base["key_rel_error"] == 0.0 and base["cr"] == 1.0
+    assert rows["deflate-fp16"]["key_rel_error"] < 1e-3 and rows["deflate-fp16"]["cr"] > 1.0
+
+
+def test_codec_spends_its_budget_and_errors_grow_with_ratio(result):
+    rows = {r["method"]: r for r in result["rows"]}
+    p = 3 * 2 * 16
+    for ratio in (4.0, 8.0):
+        r = rows[f"kvtc-{ratio:g}x"]
+        budget_bytes = 2 * (16 * p // ratio) / 8  # both streams; header and section tables come on top
+        assert r["bytes_per_token"] <= 1.25 * budget_bytes and r["cr"] > 0.75 * ratio
+        assert rows[f"evict-{ratio:g}x"]["cr"] >= ratio
+        assert r["kl"] > 0
+    assert rows["kvtc-4x"]["key_rel_error"] < rows["kvtc-8x"]["key_rel_error"] < 1
+    assert rows["kvtc-4x"]["value_rel_error"] < rows["kvtc-8x"]["value_rel_error"] < 1
+
+
+def test_limit_rows_compare_with_the_gaussian_bound(result, calibrated):
+    limit = {(r["ratio"], r["stream"]): r for r in result["limit"]}
+    assert set(limit) == {(4.0, "keys"), (4.0, "values"), (8.0, "keys"), (8.0, "values")}
+    summary = {row["ratio"]: row for row in calibrated["ratios"]}
+    for (ratio, stream), r in limit.items():
+        assert r["rel_error"] == pytest.approx(summary[ratio][stream]["rel_error"])
+        assert r["bound_rel_error"] < r["rel_error"]
+        assert r["gap_db"] == pytest.approx(20 * math.log10(r["rel_error"] / r["bound_rel_error"]))
+
+
+def test_heldout_sequences_are_the_calibration_heldout_shards(calibrated):
+    from workers.models import embedded_tokenizer
+
+    art = artifacts.pull("tiny@latest", registry=calibrated["registry"])
+    seqs = evaluate.heldout_sequences(art, embedded_tokenizer(), None, 3)
+    assert len(seqs) == 3 and all(len(s) == 128 for s in seqs)
+    other = evaluate.heldout_sequences(art, embedded_tokenizer(), "stdlib", 2)
+    assert len(other) == 2 and not any((a == b).all() for a in seqs for b in other)
+
+
+def test_cli_prints_json_and_rejects_bad_input(calibrated):
+    parser = argparse.ArgumentParser()
+    evaluate.register(parser.add_subparsers())
+    args = parser.parse_args(["eval", "tiny", "--registry", calibrated["registry"], "--ratios", "8", "--sequences", "1",
+                              "--continuation", "4", "--baselines", "fp8", "--json"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert args.func(args) == 0
+    data = json.loads(out.getvalue())
+    assert [r["method"] for r in data["rows"]] == ["uncompressed", "kvtc-8x", "fp8-e4m3"]
+    with pytest.raises(ValueError, match="unknown baselines"):
+        evaluate.EvalSettings(baselines=("gzip",))
+    with pytest.raises(ValueError, match="ratios must be > 1"):
+        evaluate.EvalSettings(ratios=(1.0,))

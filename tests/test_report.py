@@ -1,0 +1,105 @@
+"""Charts and report.md from a tiny in-process calibration; the error-by-tokens curve."""
+import argparse
+import contextlib
+import io
+
+import pytest
+
+import artifacts
+from pipeline import report
+from pipeline.allocator import AllocatorSettings
+from pipeline.calibrate import CalibrateConfig
+from pipeline.evaluate import calibrate_local
+from pipeline.reduce import load_rows
+
+PNG = b"\x89PNG\r\n\x1a\n"
+TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
+            eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0), name="tiny")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    cfg = CalibrateConfig(**TINY, registry=str(root / "reg"), store=str(root / "store"))
+    summary, ctx = calibrate_local(cfg)
+    art = artifacts.pull("tiny@latest", registry=summary["registry"])
+    return summary, ctx, art
+
+
+def _curve(ctx, art, settings=None):
+    corpus = art.manifest["corpus"]
+    held = load_rows(ctx["store"], corpus["heldout_shards"], 1024)
+    evals = load_rows(ctx["store"], corpus["eval_shards"], 1024)
+    train = [s["id"] for s in sorted(ctx["shards"], key=lambda s: s["index"]) if s["role"] == "train"]
+    return report.error_by_tokens(ctx["store"], train, held, evals, 8.0, 4, 16, settings=settings)
+
+
+def test_error_by_tokens_grows_prefixes_and_ends_at_the_calibration(calibrated):
+    summary, ctx, art = calibrated
+    rows = _curve(ctx, art, AllocatorSettings())  # measured, like the reduce
+    tokens = sorted({r["tokens"] for r in rows})
+    assert len(tokens) == 3 and tokens[-1] == art.manifest["calibration"]["train_rows"]
+    assert {(r["stream"], r["split"]) for r in rows} == {(s, p) for s in ("keys", "values") for p in ("heldout", "eval")}
+    final = {row["ratio"]: row for row in summary["ratios"]}[8.0]
+    for stream in ("keys", "values"):
+        last = next(r for r in rows if r["tokens"] == tokens[-1] and r["stream"] == stream and r["split"] == "heldout")
+        assert last["rel_error"] == pytest.approx(final[stream]["rel_error"], rel=1e-3)
+        first = next(r for r in rows if r["tokens"] == tokens[0] and r["stream"] == stream and r["split"] == "heldout")
+        assert first["rel_error"] > last["rel_error"]
+
+
+def test_build_makes_three_charts_and_the_tables(calibrated):
+    _, ctx, art = calibrated
+    curves = {name: art.curve(name) for name in art.curves()}
+    curves["error_by_tokens"] = _curve(ctx, art)
+    quality = {"artifact": "tiny@x", "corpus": "pydoc", "settings": {},
+               "rows": [{"method": "kvtc-8x", "bytes_per_token": 50.0, "cr": 7.7, "key_rel_error": 0.3,
+                         "value_rel_error": 0.4, "ppl_ratio": 1.01, "kl": 0.002}]}
+    files = report.build(art.metrics(), curves, art.allocations(), art.manifest["calibration"], art.manifest["model"],
+                         quality=quality)
+    charts = ("charts/error_by_tokens.png", "charts/error_by_position.png", "charts/allocation.png")
+    for rel in charts:
+        assert files[rel].startswith(PNG) and len(files[rel]) > 5000, rel
+    md = files["report.md"].decode()
+    for rel in charts:
+        assert f"]({rel})" in md
+    assert "| CR | stream | held-out |" in md and "| 8 | values |" in md and "gap (dB)" in md
+    assert "| kvtc-8x | 50 | 7.70 | 30.00% | 40.00% | 1.0100 | 0.0020 |" in md
+    # the stored artifact has no error_by_tokens curve: the report says so instead of failing
+    plain = report.build_from_artifact(art)
+    assert "charts/error_by_tokens.png" not in plain and "no data stored" in plain["report.md"].decode()
+
+
+def test_bits_per_component_amortises_scales():
+    bits = report.bits_per_component([(0, 16, "int4", 4, 32), (16, 64, "int2", 2, 32), (80, 16, "none", 0, 0)])
+    assert bits[:16] == [6.0] * 16 and bits[16:80] == [2.5] * 64 and len(bits) == 80
+
+
+def test_cli_writes_report_folder(calibrated, tmp_path):
+    summary, _, _ = calibrated
+    parser = argparse.ArgumentParser()
+    report.register(parser.add_subparsers())
+    args = parser.parse_args(["report", "tiny", "--registry", summary["registry"], "--out", str(tmp_path / "r")])
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert args.func(args) == 0
+    assert (tmp_path / "r" / "report.md").is_file()
+    assert (tmp_path / "r" / "charts" / "allocation.png").read_bytes().startswith(PNG)
+
+
+def test_pca_error_by_position_is_below_the_quantized_error():
+    import numpy as np
+
+    from pipeline.allocator import allocate
+    from pipeline.metrics import evaluate
+    from pipeline.pca import pca_from_moments
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((600, 32)) * np.linspace(3, 0.1, 32)).astype(np.float32)
+    basis = pca_from_moments(len(x), x.sum(0, dtype=np.float64), x.T.astype(np.float64) @ x)
+    allocs = allocate([4.0, 8.0], basis, x, AllocatorSettings(error_model="analytic"))
+    positions = np.arange(600) % 100
+    rows = report.pca_error_by_position(basis, allocs, x, positions)
+    quantized = {(b.lo, ev.ratio): b.rel_error for ev in evaluate(basis, allocs, x, positions=positions) for b in ev.by_position}
+    assert {(r["lo"], r["ratio"]) for r in rows} == set(quantized)
+    for r in rows:
+        assert 0 <= r["rel_error"] <= quantized[(r["lo"], r["ratio"])] + 1e-6
