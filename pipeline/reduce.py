@@ -112,7 +112,8 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
             basis = pca_from_moments(n, s, gram)
             del gram
             x_mid = getattr(held, stream)[mid][:, sl]
-            allocs = allocate(cfg.ratios, basis, x_mid, alloc)
+            z_mid = basis.project(x_mid)  # one GEMM serves the error tables and the held-out metrics
+            allocs = allocate(cfg.ratios, basis, settings=alloc, projections=z_mid)
             notes.extend(w for a in allocs for w in a.warnings if w not in notes)
             kept = max(a.kept for a in allocs)
             curves["spectrum"] += [{"stream": stream, "group": g, "index": i, "eigenvalue": float(v)}
@@ -120,13 +121,13 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
             ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if k <= basis.k} | {basis.k})
             for k, e in zip(ks, pca_rel_error(basis, x_mid, ks)):
                 curves["pca_error"].append({"stream": stream, "group": g, "components": int(k), "rel_error": float(e)})
-            splits = [("heldout", x_mid, None), ("heldout_all_positions", getattr(held, stream)[:, sl], held.positions)]
+            splits = [("heldout", x_mid, None, z_mid), ("heldout_all_positions", getattr(held, stream)[:, sl], held.positions, None)]
             if evals is not None:
                 emid = evals.middle(cfg.sinks, cfg.window)
-                splits.append(("eval", getattr(evals, stream)[emid][:, sl], None))
-            for split, x, pos in splits:
+                splits.append(("eval", getattr(evals, stream)[emid][:, sl], None, None))
+            for split, x, pos, z in splits:
                 norm = float(np.square(x, dtype=np.float64).sum())
-                for a, ev in zip(allocs, evaluate(basis, allocs, x, positions=pos)):
+                for a, ev in zip(allocs, evaluate(basis, allocs, x, positions=pos, projections=z)):
                     if split == "heldout_all_positions":
                         curves["error_by_position"] += [
                             {"stream": stream, "group": g, "ratio": a.ratio, "lo": b.lo, "hi": b.hi, "rows": b.rows,

@@ -6,8 +6,8 @@
 3. scaling: 1 worker vs 2 workers (one thread each) on the same shards, tokens/s, and the bytes
    of statistics stored and moved per shard.
 
-    python bench/pipeline.py                 # everything (~15-20 min on 2 cores)
-    python bench/pipeline.py --skip-default  # baseline + scaling only
+    python bench/calibrate_job.py                 # everything (~15-20 min on 2 cores)
+    python bench/calibrate_job.py --skip-default  # baseline + scaling only
 """
 from __future__ import annotations
 
