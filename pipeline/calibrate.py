@@ -44,6 +44,7 @@ class CalibrateConfig:
     seed: int = 0
     holdout_fraction: float = 0.2
     heldout_rows: int = 8192
+    tokens_curve_points: int = 3
     store: str | None = None
     dtype: str | None = None
     cache_dir: str | None = None
@@ -206,6 +207,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--holdout-fraction", type=float, default=d.holdout_fraction)
     p.add_argument("--heldout-rows", type=int, default=d.heldout_rows, help="cap on held-out rows per stream")
+    p.add_argument("--tokens-curve-points", type=int, default=d.tokens_curve_points,
+                   help="prefixes of the shard stream measured for the error-vs-calibration-tokens chart (0: off)")
     p.add_argument("--store", default=None, help="shard statistics cache: a path or fsspec URI (default $KVTC_CACHE/shards)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     p.add_argument("--cache-dir", default=None, help="model cache dir (default $KVTC_CACHE)")
@@ -229,7 +232,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> CalibrateConfig:
         eval_tokens=args.eval_tokens, seq_len=args.seq_len, seqs_per_shard=args.seqs_per_shard, registry=args.registry,
         name=args.name, address=args.address, workers=args.workers, threads_per_worker=args.threads_per_worker,
         sinks=args.sinks, window=args.window, groups=args.groups, sample=args.sample, seed=args.seed,
-        holdout_fraction=args.holdout_fraction, heldout_rows=args.heldout_rows, store=args.store, dtype=args.dtype,
+        holdout_fraction=args.holdout_fraction, heldout_rows=args.heldout_rows,
+        tokens_curve_points=args.tokens_curve_points, store=args.store, dtype=args.dtype,
         cache_dir=args.cache_dir, text_column=args.text_column,
         block_sizes=tuple(int(x) for x in args.block_sizes.split(",")), types=tuple(args.types.split(",")),
         error_model=args.error_model,

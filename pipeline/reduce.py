@@ -12,9 +12,11 @@ import math
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
+from pipeline import report
 from pipeline.allocator import AllocatorSettings, allocate
 from pipeline.metrics import evaluate, pca_rel_error
 from pipeline.pca import Basis, pca_from_moments
@@ -37,14 +39,18 @@ class HeldOut:
         return (self.positions >= sinks) & (self.positions < self.seq_len - window)
 
 
-def fold_stats(store: ShardStore, shard_ids: list[str]) -> CalibrationStats:
-    """Sum the stored statistics of `shard_ids`, in that order, each exactly once."""
+def fold_stats(store: ShardStore, shard_ids: list[str], checkpoints: list[int] = (),
+               on_checkpoint: Callable[[CalibrationStats], None] | None = None) -> CalibrationStats:
+    """Sum the stored statistics of `shard_ids`, in that order, each exactly once; after the
+    first c shards for each c in `checkpoints`, call `on_checkpoint` with the running total."""
     if len(set(shard_ids)) != len(shard_ids):
         raise ValueError("a shard id appears twice in the fold list; each shard must be folded once")
     total: CalibrationStats | None = None
-    for sid in shard_ids:
+    for i, sid in enumerate(shard_ids):
         part = CalibrationStats.from_bytes(store.get_bytes(sid, "stats"))
         total = part if total is None else total.merge(part)
+        if on_checkpoint is not None and i + 1 in checkpoints:
+            on_checkpoint(total)
     if total is None:
         raise ValueError("no training shard: the corpus is too small for --tokens/--seqs-per-shard/--holdout-fraction")
     return total
@@ -87,7 +93,6 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         warnings.warn(msg, stacklevel=2)
         notes.append(msg)
 
-    stats = fold_stats(store, [s["id"] for s in train])
     held = load_rows(store, heldout_ids, cfg.heldout_rows)
     if held is None:
         raise ValueError("no held-out shard; raise --holdout-fraction or --tokens")
@@ -96,13 +101,25 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         raise ValueError(f"only {int(mid.sum())} held-out rows; at least {MIN_HELDOUT_ROWS} are needed")
     evals = load_rows(store, eval_ids, cfg.heldout_rows) if eval_ids else None
 
+    # error against calibration tokens (chart 1): measured on prefixes of the same in-order fold
+    curve_ratio = sorted(cfg.ratios)[len(cfg.ratios) // 2]
+    by_tokens: list[dict] = []
+    p_total = int(fingerprint["num_layers"]) * int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
+    curve_k = max(1, min(p_total, int(16 * p_total / curve_ratio) // 4))
+
+    def on_prefix(total: CalibrationStats) -> None:
+        by_tokens.extend(report.prefix_errors(total, held, evals, curve_ratio, cfg.sinks, cfg.window, k=curve_k))
+
+    stats = fold_stats(store, [s["id"] for s in train], report.prefix_points(len(train), cfg.tokens_curve_points), on_prefix)
+
     width = int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
     groups = [tuple(g) for g in stats.groups]
     cols = _group_cols(groups, width)
     bases: dict = {}
     allocations: dict = {}
     metrics: list[dict] = []
-    curves: dict[str, list[dict]] = {"error_by_position": [], "spectrum": [], "pca_error": []}
+    curves: dict[str, list[dict]] = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [],
+                                     "pca_error": [], "error_by_tokens": by_tokens}
     # per (ratio, stream, split): summed squared error and norm over groups, for stream-level figures
     agg: dict[tuple, list[float]] = {}
 
@@ -141,6 +158,9 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
                     acc[1] += norm
                     acc[2] += ev.bound_rel_error ** 2 * norm
                     acc[3] += ev.bits_per_token
+            curves["error_by_position_pca"] += [
+                {"stream": stream, "group": g, **r}
+                for r in report.pca_error_by_position(basis, allocs, getattr(held, stream)[:, sl], held.positions)]
             for a in allocs:
                 allocations[(a.ratio, stream, g)] = {
                     "budget_bits": a.budget_bits, "cost_bits": a.cost_bits, "kept": a.kept,
@@ -173,9 +193,11 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         "train_shards": [s["id"] for s in train], "heldout_shards": heldout_ids, "eval_shards": eval_ids,
         "tokens": {s["id"]: s["tokens"] for s in shards},
     }
+    calibration["tokens_curve"] = {"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP"}
+    extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}")
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus, bases=bases,
-        allocations=allocations, metrics=metrics, curves=curves, parent=cfg.parent,
+        allocations=allocations, metrics=metrics, curves=curves, extra_files=extra, parent=cfg.parent,
     )
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
     return summarize(ref, metrics, notes)

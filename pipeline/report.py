@@ -220,49 +220,57 @@ def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
                  float(max(torch.diagonal(cov).double().sum().item(), 0.0)), int(n))
 
 
-def error_by_tokens(store, train_ids: list[str], heldout, evals, ratio: float, sinks: int, window: int,
-                    points: int = 4, k: int = 1024, settings=None) -> list[dict]:
-    """Curve "error_by_tokens" rows {tokens, stream, split, rel_error}: calibrate on growing prefixes
-    of the training shards (in order; about `points` prefixes, doubling, the last one all of them)
-    and measure on held-out rows (`pipeline.reduce.HeldOut`, positions [sinks, T - window)) and on
-    the eval rows (or None). tokens = rows that built the basis. Each prefix: the top-k basis
-    (`top_basis`), one DP allocation at `ratio` (analytic error model unless `settings` says),
-    stream-level error over all groups."""
+def prefix_points(n_shards: int, points: int) -> list[int]:
+    """Prefix lengths (in training shards) of the error-by-tokens curve: doubling, the last one all."""
+    return sorted({max(1, n_shards >> i) for i in range(points)}) if n_shards and points > 0 else []
+
+
+def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, k: int = 1024,
+                  settings=None) -> list[dict]:
+    """Rows {tokens, stream, split, rel_error} of one prefix: `total` is the CalibrationStats folded
+    so far; a top-k basis (`top_basis`), one DP allocation at `ratio` (analytic error model unless
+    `settings` says), stream-level error over all groups on held-out (and eval) rows."""
     import numpy as np
 
     from pipeline.allocator import AllocatorSettings, allocate
     from pipeline.metrics import evaluate
-    from workers.stats import CalibrationStats
+
+    settings = settings or AllocatorSettings(error_model="analytic")
+    splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
+    groups = [tuple(g) for g in total.groups]
+    width = heldout.keys.shape[1] // groups[-1][1]
+    rows = []
+    for stream in STREAMS:
+        acc = {name: [0.0, 0.0] for name, _ in splits}
+        for g, (a, b) in enumerate(groups):
+            n, s, gram = total.stream(stream, g)
+            basis = top_basis(n, s, gram, min(k, (b - a) * width))
+            mid = heldout.middle(sinks, window)
+            (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, a * width:b * width], settings)
+            for name, rows_ in splits:
+                x = getattr(rows_, stream)[rows_.middle(sinks, window)][:, a * width:b * width]
+                norm = float(np.square(x, dtype=np.float64).sum())
+                (ev,) = evaluate(basis, [alloc], x)
+                acc[name][0] += ev.rel_error ** 2 * norm
+                acc[name][1] += norm
+        for name, (err, norm) in acc.items():
+            rows.append({"tokens": int(n), "stream": stream, "split": name,
+                         "rel_error": math.sqrt(err / max(norm, 1e-300))})
+    return rows
+
+
+def error_by_tokens(store, train_ids: list[str], heldout, evals, ratio: float, sinks: int, window: int,
+                    points: int = 4, k: int = 1024, settings=None) -> list[dict]:
+    """Curve "error_by_tokens" rows {tokens, stream, split, rel_error}: calibrate on growing prefixes
+    of the training shards (in order, `prefix_points`) and measure each with `prefix_errors`;
+    tokens = rows that built the basis. The calibration job computes the same rows while it folds."""
+    from pipeline.reduce import fold_stats
 
     if not train_ids:
         raise ValueError("error_by_tokens needs at least one training shard")
-    settings = settings or AllocatorSettings(error_model="analytic")
-    ends = sorted({max(1, len(train_ids) >> i) for i in range(points)})
-    splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
-    rows, total = [], None
-    for i, sid in enumerate(train_ids):
-        part = CalibrationStats.from_bytes(store.get_bytes(sid, "stats"))
-        total = part if total is None else total.merge(part)
-        if i + 1 not in ends:
-            continue
-        groups = [tuple(g) for g in total.groups]
-        width = heldout.keys.shape[1] // groups[-1][1]
-        for stream in STREAMS:
-            acc = {name: [0.0, 0.0] for name, _ in splits}
-            for g, (a, b) in enumerate(groups):
-                n, s, gram = total.stream(stream, g)
-                basis = top_basis(n, s, gram, min(k, (b - a) * width))
-                mid = heldout.middle(sinks, window)
-                (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, a * width:b * width], settings)
-                for name, rows_ in splits:
-                    x = getattr(rows_, stream)[rows_.middle(sinks, window)][:, a * width:b * width]
-                    norm = float(np.square(x, dtype=np.float64).sum())
-                    (ev,) = evaluate(basis, [alloc], x)
-                    acc[name][0] += ev.rel_error ** 2 * norm
-                    acc[name][1] += norm
-            for name, (err, norm) in acc.items():
-                rows.append({"tokens": int(n), "stream": stream, "split": name,
-                             "rel_error": math.sqrt(err / max(norm, 1e-300))})
+    rows: list[dict] = []
+    fold_stats(store, train_ids, checkpoints=prefix_points(len(train_ids), points),
+               on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k, settings)))
     return rows
 
 

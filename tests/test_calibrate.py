@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,6 +45,10 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     cfg, summary = baseline
     art, arrays = _arrays(summary)
     assert art.manifest["model"]["num_layers"] == 3
+    folder = Path(art.path)
+    for rel in ("report.md", "charts/error_by_tokens.png", "charts/error_by_position.png", "charts/allocation.png"):
+        assert (folder / rel).stat().st_size > 0, rel
+    assert {r["split"] for r in art.curve("error_by_tokens")} == {"heldout", "eval"}
     p = 3 * 2 * 16
     for stream in ("keys", "values"):
         mean, evals, comps = arrays[stream]
