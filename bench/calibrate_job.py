@@ -47,7 +47,8 @@ def scaling(tokens: int) -> dict:
     out = {}
     for workers in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = CalibrateConfig(tokens=tokens, eval_corpus=None, workers=workers, threads_per_worker=1,
+            cfg = CalibrateConfig(tokens=tokens, eval_corpus=None, workers=workers, threads_per_worker=1, seqs_per_shard=2,
+                                  tokens_curve_points=0,
                                   registry=f"{tmp}/reg", store=f"{tmp}/store", name="bench-scaling")
             summary = run(cfg)
             out[workers] = summary["run"]
@@ -57,6 +58,7 @@ def scaling(tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-default", action="store_true")
+    ap.add_argument("--skip-scaling", action="store_true")
     ap.add_argument("--scaling-tokens", type=int, default=8 * 1024)
     args = ap.parse_args()
 
@@ -82,6 +84,9 @@ def main() -> None:
                   f"  (Gaussian bound keys {100 * row['keys']['bound_rel_error']:.2f}%, values {100 * row['values']['bound_rel_error']:.2f}%)")
         results["default"] = {"wall_s": wall, "summary": summary}
 
+    if args.skip_scaling:
+        print(json.dumps(results, default=str)[:2000])
+        return
     sc = scaling(args.scaling_tokens)
     one, two = sc[1]["pool_tokens_per_s"], sc[2]["pool_tokens_per_s"]
     print(f"scaling ({args.scaling_tokens} tokens): 1 worker {one} tok/s, 2 workers {two} tok/s, speed-up {two / one:.2f}x")
