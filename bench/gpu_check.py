@@ -1,0 +1,104 @@
+"""The one prepared device check for a machine with a CUDA GPU (run it where torch sees one).
+
+1. Compiled Triton kernels against the torch path on CUDA tensors, odd shapes and the SmolLM2
+   shape, for each ratio: blobs must be byte-identical (integer codes identical) and decoded
+   caches within fp tolerance; encode/decode GB/s of both.
+2. KV capture and statistics on CUDA (bf16 model, TF32 Gram) against the CPU fp32 path on a tiny
+   model: relative difference of the covariance.
+3. Worker overhead on the GPU: `bench/worker_overhead.py --device cuda` figures.
+
+    python bench/gpu_check.py [--skip-overhead]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import KVTCCodec  # noqa: E402
+from kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
+
+
+def _timed(fn, repeat: int = 3) -> tuple[object, float]:
+    torch.cuda.synchronize()
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def check_kernels() -> bool:
+    ok = True
+    cases = [
+        ("odd", dict(num_layers=3, kv_heads=3, head_dim=24, groups=[(0, 2), (2, 3)], sinks=3, window=5, kept=70, seed=1), 131),
+        ("smollm2", dict(num_layers=30, kv_heads=3, head_dim=64, ratio=16.0), 4096),
+    ]
+    for name, kw, tokens in cases:
+        for ratio in ((None,) if "kept" in kw else (8.0, 16.0, 32.0)):
+            spec = synthetic_spec(**({**kw, "ratio": ratio} if ratio else kw))
+            keys, values = synthetic_cache(spec, tokens, torch.float16)
+            keys, values = keys.cuda(), values.cuda()
+            ref, tri = KVTCCodec(spec, backend="torch"), KVTCCodec(spec, backend="triton")
+            blob_ref, t_ref = _timed(lambda: ref.encode(keys, values))
+            blob_tri, t_tri = _timed(lambda: tri.encode(keys, values))
+            (k1, v1), d_ref = _timed(lambda: ref.decode(blob_ref, device="cuda"))
+            (k2, v2), d_tri = _timed(lambda: tri.decode(blob_ref, device="cuda"))
+            same = blob_ref == blob_tri
+            close = all(torch.allclose(a.float(), b.float(), rtol=2e-3, atol=2e-3) for a, b in ((k1, k2), (v1, v2)))
+            ok &= same and close
+            mb = 2 * keys.numel() * 2 / 1e9
+            print(f"kernels {name} CR {ratio or 'random'}: blob identical {same}, decode close {close}; "
+                  f"encode torch {mb / t_ref:.2f} GB/s, triton {mb / t_tri:.2f} GB/s; "
+                  f"decode torch {mb / d_ref:.2f} GB/s, triton {mb / d_tri:.2f} GB/s")
+    return ok
+
+
+def check_capture() -> bool:
+    from workers.capture import CaptureSettings, capture_kv
+    from workers.models import load_model
+    from workers.stats import CalibrationStats
+
+    settings = CaptureSettings(sinks=4, window=16)
+    ids = torch.randint(0, 49152, (2, 160), generator=torch.Generator().manual_seed(0))
+    covs = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        lm = load_model("tiny:llama", device=device, dtype=dtype)
+        stats = CalibrationStats.new(lm.fingerprint, settings)
+        stats.update(capture_kv(lm, ids.to(device), settings))
+        n, s, g = stats.stream("keys")
+        mu = s / n
+        covs[device] = g / n - mu[:, None] * mu[None, :]
+    rel = float(abs(covs["cuda"] - covs["cpu"]).max() / abs(covs["cpu"]).max())
+    print(f"capture+stats cuda bf16 vs cpu fp32 (tiny:llama): max rel. covariance difference {rel:.2e}")
+    return rel < 5e-2
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-overhead", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device torch can see; nothing to check")
+        return 2
+    print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
+    ok = check_kernels() & check_capture()
+    if not args.skip_overhead:
+        subprocess.run([sys.executable, str(ROOT / "bench" / "worker_overhead.py"), "--device", "cuda",
+                        "--sequences", "32", "--batch", "8"], check=False, env=os.environ.copy())
+    print("GPU CHECK", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
