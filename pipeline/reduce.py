@@ -19,7 +19,7 @@ import numpy as np
 from pipeline import report
 from pipeline.allocator import AllocatorSettings, allocate
 from pipeline.metrics import evaluate, pca_rel_error
-from pipeline.pca import Basis, pca_from_moments
+from pipeline.pca import pca_from_moments
 from pipeline.store import ShardStore
 from workers.stats import STREAMS, CalibrationStats
 

@@ -1,8 +1,5 @@
 """The main job end to end on a tiny model: Ray pool, shard store, reduce, publish."""
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np

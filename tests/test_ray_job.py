@@ -1,5 +1,4 @@
 """`ray job submit` against a Ray head started on loopback, as the README shows for clusters."""
-import json
 import os
 import socket
 import subprocess
