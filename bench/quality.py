@@ -36,7 +36,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     import artifacts
-    from pipeline import evaluate, report
+    from pipeline import diagnostics, evaluate, report
 
     ratios = tuple(float(r) for r in args.ratios.split(","))
     t0 = time.perf_counter()
@@ -52,21 +52,21 @@ def main() -> int:
     curves = {name: art.curve(name) for name in art.curves()}
     if args.store and "error_by_tokens" not in curves:
         from pipeline.reduce import load_rows
-        from pipeline.store import ShardStore, settings_key
+        from pipeline.store import ShardStore, capture_key
         from workers.models import fingerprint_id
 
         m, cal = art.manifest, art.manifest["calibration"]
         capture = {"sinks": cal["sinks"], "window": cal["window"], "groups": cal["group_spec"], "sample": cal["sample"],
                    "seed": cal["seed"]}
-        store = ShardStore(args.store, fingerprint_id(m["model"]), settings_key(capture))
+        store = ShardStore(args.store, fingerprint_id(m["model"]), capture_key(capture, cal.get("model_dtype", "float32")))
         corpus = m["corpus"]
         held = load_rows(store, corpus["heldout_shards"], cal["heldout_rows_cap"])
         evals = load_rows(store, corpus["eval_shards"], cal["heldout_rows_cap"]) if corpus["eval_shards"] else None
         ratio = ratios[len(ratios) // 2]
         k = max(art.allocation_info(ratio, s)["kept"] for s in ("keys", "values"))
         t1 = time.perf_counter()
-        curves["error_by_tokens"] = report.error_by_tokens(store, corpus["train_shards"], held, evals, ratio,
-                                                           cal["sinks"], cal["window"], points=3, k=k)
+        curves["error_by_tokens"] = diagnostics.error_by_tokens(store, corpus["train_shards"], held, evals, ratio,
+                                                                cal["sinks"], cal["window"], points=3, k=k)
         print(f"error by calibration tokens at CR {ratio:g} ({time.perf_counter() - t1:.0f} s):")
         for r in curves["error_by_tokens"]:
             print(f"  {r['tokens']:>7} rows  {r['stream']:<6} {r['split']:<7} {100 * r['rel_error']:.2f}%")

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import report
+from pipeline import diagnostics, report
 from pipeline.allocator import AllocatorSettings, allocate
 from pipeline.metrics import evaluate, pca_rel_error
 from pipeline.pca import pca_from_moments
@@ -108,9 +108,9 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
     curve_k = max(1, min(p_total, int(16 * p_total / curve_ratio) // 4))
 
     def on_prefix(total: CalibrationStats) -> None:
-        by_tokens.extend(report.prefix_errors(total, held, evals, curve_ratio, cfg.sinks, cfg.window, k=curve_k))
+        by_tokens.extend(diagnostics.prefix_errors(total, held, evals, curve_ratio, cfg.sinks, cfg.window, k=curve_k))
 
-    stats = fold_stats(store, [s["id"] for s in train], report.prefix_points(len(train), cfg.tokens_curve_points), on_prefix)
+    stats = fold_stats(store, [s["id"] for s in train], diagnostics.prefix_points(len(train), cfg.tokens_curve_points), on_prefix)
 
     width = int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
     groups = [tuple(g) for g in stats.groups]
@@ -160,7 +160,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
                     acc[3] += ev.bits_per_token
             curves["error_by_position_pca"] += [
                 {"stream": stream, "group": g, **r}
-                for r in report.pca_error_by_position(basis, allocs, getattr(held, stream)[:, sl], held.positions)]
+                for r in diagnostics.pca_error_by_position(basis, allocs, getattr(held, stream)[:, sl], held.positions)]
             for a in allocs:
                 allocations[(a.ratio, stream, g)] = {
                     "budget_bits": a.budget_bits, "cost_bits": a.cost_bits, "kept": a.kept,

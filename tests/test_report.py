@@ -6,7 +6,7 @@ import io
 import pytest
 
 import artifacts
-from pipeline import report
+from pipeline import diagnostics, report
 from pipeline.allocator import AllocatorSettings
 from pipeline.calibrate import CalibrateConfig
 from pipeline.evaluate import calibrate_local
@@ -31,7 +31,7 @@ def _curve(ctx, art, settings=None):
     held = load_rows(ctx["store"], corpus["heldout_shards"], 1024)
     evals = load_rows(ctx["store"], corpus["eval_shards"], 1024)
     train = [s["id"] for s in sorted(ctx["shards"], key=lambda s: s["index"]) if s["role"] == "train"]
-    return report.error_by_tokens(ctx["store"], train, held, evals, 8.0, 4, 16, settings=settings)
+    return diagnostics.error_by_tokens(ctx["store"], train, held, evals, 8.0, 4, 16, settings=settings)
 
 
 def test_error_by_tokens_grows_prefixes_and_ends_at_the_calibration(calibrated):
@@ -102,7 +102,7 @@ def test_pca_error_by_position_is_below_the_quantized_error():
     basis = pca_from_moments(len(x), x.sum(0, dtype=np.float64), x.T.astype(np.float64) @ x)
     allocs = allocate([4.0, 8.0], basis, x, AllocatorSettings(error_model="analytic"))
     positions = np.arange(600) % 100
-    rows = report.pca_error_by_position(basis, allocs, x, positions)
+    rows = diagnostics.pca_error_by_position(basis, allocs, x, positions)
     quantized = {(b.lo, ev.ratio): b.rel_error for ev in evaluate(basis, allocs, x, positions=positions) for b in ev.by_position}
     assert {(r["lo"], r["ratio"]) for r in rows} == set(quantized)
     for r in rows:

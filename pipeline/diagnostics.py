@@ -1,0 +1,106 @@
+"""Diagnostic curves computed from shard statistics and held-out rows, stored in every artifact:
+error against calibration tokens (growing prefixes of the in-order fold, `prefix_errors`) and
+the PCA-only error by context position. `pipeline.report` draws them.
+"""
+from __future__ import annotations
+
+import math
+
+STREAMS = ("keys", "values")
+
+
+def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
+    """Leading k principal components of merged moments by randomized subspace iteration (float32
+    GEMMs, float64 Rayleigh-Ritz): far cheaper than a full eigh at p in the thousands."""
+    import numpy as np
+    import torch
+
+    from pipeline.pca import Basis, fix_signs
+
+    mu = np.asarray(sum_, dtype=np.float64) / n
+    cov = torch.from_numpy(np.asarray(gram, dtype=np.float64) / n - np.outer(mu, mu)).float()
+    p = cov.shape[0]
+    width = min(p, int(k) + 32)
+    q = torch.randn(p, width, generator=torch.Generator().manual_seed(seed))
+    for _ in range(iters + 1):
+        q, _ = torch.linalg.qr(cov @ q)
+    evals, vecs = torch.linalg.eigh((q.T @ cov @ q).double())
+    order = torch.argsort(evals, descending=True)[: min(int(k), p)]
+    comps = (q.double() @ vecs[:, order]).numpy()
+    return Basis(mu, np.clip(evals[order].numpy(), 0.0, None), np.ascontiguousarray(fix_signs(comps)),
+                 float(max(torch.diagonal(cov).double().sum().item(), 0.0)), int(n))
+
+
+def prefix_points(n_shards: int, points: int) -> list[int]:
+    """Prefix lengths (in training shards) of the error-by-tokens curve: doubling, the last one all."""
+    return sorted({max(1, n_shards >> i) for i in range(points)}) if n_shards and points > 0 else []
+
+
+def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, k: int = 1024,
+                  settings=None) -> list[dict]:
+    """Rows {tokens, stream, split, rel_error} of one prefix: `total` is the CalibrationStats folded
+    so far; a top-k basis (`top_basis`), one DP allocation at `ratio` (analytic error model unless
+    `settings` says), stream-level error over all groups on held-out (and eval) rows."""
+    import numpy as np
+
+    from pipeline.allocator import AllocatorSettings, allocate
+    from pipeline.metrics import evaluate
+
+    settings = settings or AllocatorSettings(error_model="analytic")
+    splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
+    groups = [tuple(g) for g in total.groups]
+    width = heldout.keys.shape[1] // groups[-1][1]
+    rows = []
+    for stream in STREAMS:
+        acc = {name: [0.0, 0.0] for name, _ in splits}
+        for g, (a, b) in enumerate(groups):
+            n, s, gram = total.stream(stream, g)
+            basis = top_basis(n, s, gram, min(k, (b - a) * width))
+            mid = heldout.middle(sinks, window)
+            (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, a * width:b * width], settings)
+            for name, rows_ in splits:
+                x = getattr(rows_, stream)[rows_.middle(sinks, window)][:, a * width:b * width]
+                norm = float(np.square(x, dtype=np.float64).sum())
+                (ev,) = evaluate(basis, [alloc], x)
+                acc[name][0] += ev.rel_error ** 2 * norm
+                acc[name][1] += norm
+        for name, (err, norm) in acc.items():
+            rows.append({"tokens": int(n), "stream": stream, "split": name,
+                         "rel_error": math.sqrt(err / max(norm, 1e-300))})
+    return rows
+
+
+def error_by_tokens(store, train_ids: list[str], heldout, evals, ratio: float, sinks: int, window: int,
+                    points: int = 4, k: int = 1024, settings=None) -> list[dict]:
+    """Curve "error_by_tokens" rows {tokens, stream, split, rel_error}: calibrate on growing prefixes
+    of the training shards (in order, `prefix_points`) and measure each with `prefix_errors`;
+    tokens = rows that built the basis. The calibration job computes the same rows while it folds."""
+    from pipeline.reduce import fold_stats
+
+    if not train_ids:
+        raise ValueError("error_by_tokens needs at least one training shard")
+    rows: list[dict] = []
+    fold_stats(store, train_ids, checkpoints=prefix_points(len(train_ids), points),
+               on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k, settings)))
+    return rows
+
+
+def pca_error_by_position(basis, allocations, x, positions, edges=None) -> list[dict]:
+    """PCA-only relative error by position bucket: rows {ratio, lo, hi, rows, rel_error}, one per
+    allocation and bucket, with each allocation's kept components unquantized. x (N, p) raw rows at
+    `positions` (N,); buckets as pipeline.metrics.default_edges."""
+    import numpy as np
+
+    from pipeline.metrics import default_edges, pca_rel_error
+
+    pos = np.asarray(positions).reshape(-1)
+    edges = edges or default_edges(int(pos.max()) if pos.size else 0)
+    ks = sorted({a.kept for a in allocations})
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (pos >= lo) & (pos < hi)
+        if sel.any():
+            errs = dict(zip(ks, pca_rel_error(basis, x[sel], ks)))
+            out += [{"ratio": a.ratio, "lo": int(lo), "hi": int(hi), "rows": int(sel.sum()), "rel_error": float(errs[a.kept])}
+                    for a in allocations]
+    return out
