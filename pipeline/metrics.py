@@ -102,9 +102,10 @@ def _buckets(pos: np.ndarray, err: np.ndarray, norm: np.ndarray, edges) -> tuple
     return tuple(out)
 
 
-def pca_rel_error(basis: Basis, x, ks, chunk: int = 1024) -> np.ndarray:
+def pca_rel_error(basis: Basis, x, ks, chunk: int = 1024, projections=None) -> np.ndarray:
     """PCA-only relative error of raw rows x (N, p) with the first k components, for each k in ks.
-    Uses ||x - mu||^2 - ||z_k||^2 (the residual is orthogonal to the kept components)."""
+    Uses ||x - mu||^2 - ||z_k||^2 (the residual is orthogonal to the kept components).
+    projections: the rows' centered projections (N, >= max ks), if already computed."""
     ks = np.asarray(ks, dtype=np.int64)
     xt = torch.as_tensor(x, dtype=torch.float32)
     kmax = int(ks.max()) if ks.size else 0
@@ -113,7 +114,7 @@ def pca_rel_error(basis: Basis, x, ks, chunk: int = 1024) -> np.ndarray:
     mu = torch.from_numpy(basis.mean).float()
     for r in range(0, xt.shape[0], chunk):
         xc = xt[r:r + chunk]
-        z = basis.project(xc, kmax)
+        z = basis.project(xc, kmax) if projections is None else torch.as_tensor(projections[r:r + chunk, :kmax]).float()
         cum[1:] += np.cumsum(z.double().square().sum(0).numpy())
         centered += float((xc - mu).double().square().sum())
         total += float(xc.double().square().sum())

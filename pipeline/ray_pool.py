@@ -12,7 +12,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import ray
 from tqdm import tqdm
@@ -57,8 +57,6 @@ def run_pool(
     actor_kwargs: dict,
     payloads: Iterable[dict],
     settings: PoolSettings,
-    on_result: Callable[[dict], None] | None = None,
-    total: int | None = None,
     timing: dict | None = None,
 ) -> list[dict]:
     """Run `actor.process(payload)` for every payload; returns the result dicts in completion order.
@@ -84,7 +82,7 @@ def run_pool(
     exhausted = False
     tokens = 0
     start = time.perf_counter()
-    bar = tqdm(total=total, unit="shard", desc="calibrate", dynamic_ncols=True)
+    bar = tqdm(unit="shard", desc="calibrate", dynamic_ncols=True)
     try:
         ray.get([a.ready.remote() for a in actors])  # models loaded: the throughput clock starts here
         timing["startup_s"] = time.perf_counter() - start
@@ -114,8 +112,6 @@ def run_pool(
             elapsed = max(time.perf_counter() - start, 1e-9)
             bar.update(1)
             bar.set_postfix(tokens=tokens, tok_s=f"{tokens / elapsed:.0f}", refresh=False)
-            if on_result is not None:
-                on_result(result)
     finally:
         timing["run_s"] = time.perf_counter() - start
         timing.setdefault("startup_s", 0.0)

@@ -100,6 +100,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
     if int(mid.sum()) < MIN_HELDOUT_ROWS:
         raise ValueError(f"only {int(mid.sum())} held-out rows; at least {MIN_HELDOUT_ROWS} are needed")
     evals = load_rows(store, eval_ids, cfg.heldout_rows) if eval_ids else None
+    emid = None if evals is None else evals.middle(cfg.sinks, cfg.window)
 
     # error against calibration tokens (chart 1): measured on prefixes of the same in-order fold
     curve_ratio = sorted(cfg.ratios)[len(cfg.ratios) // 2]
@@ -136,11 +137,10 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
             curves["spectrum"] += [{"stream": stream, "group": g, "index": i, "eigenvalue": float(v)}
                                    for i, v in enumerate(basis.eigenvalues)]
             ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if k <= basis.k} | {basis.k})
-            for k, e in zip(ks, pca_rel_error(basis, x_mid, ks)):
+            for k, e in zip(ks, pca_rel_error(basis, x_mid, ks, projections=z_mid)):
                 curves["pca_error"].append({"stream": stream, "group": g, "components": int(k), "rel_error": float(e)})
             splits = [("heldout", x_mid, None, z_mid), ("heldout_all_positions", getattr(held, stream)[:, sl], held.positions, None)]
             if evals is not None:
-                emid = evals.middle(cfg.sinks, cfg.window)
                 splits.append(("eval", getattr(evals, stream)[emid][:, sl], None, None))
             for split, x, pos, z in splits:
                 norm = float(np.square(x, dtype=np.float64).sum())
@@ -180,8 +180,8 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         "sinks": cfg.sinks, "window": cfg.window, "seq_len": cfg.seq_len, "tokens": tokens_in,
         "tokens_requested": tokens_requested, "groups": [list(g) for g in groups], "group_spec": cfg.groups,
         "sample": cfg.sample, "seed": cfg.seed, "allocator": alloc.to_dict(), "ratios": list(cfg.ratios),
-        "heldout_rows": int(mid.sum()), "eval_rows": 0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
-        "train_rows": int(stats.stream("keys", 0)[0]), "notes": notes,
+        "heldout_rows": int(mid.sum()), "eval_rows": 0 if emid is None else int(emid.sum()),
+        "train_rows": int(stats.metadata()["counts"]["keys/0"]), "notes": notes,
         # what recalibration needs to repeat this run's shards and settings exactly
         "seqs_per_shard": cfg.seqs_per_shard, "holdout_fraction": cfg.holdout_fraction,
         "heldout_rows_cap": cfg.heldout_rows, "eval_tokens": cfg.eval_tokens, "text_column": cfg.text_column,
@@ -207,12 +207,10 @@ def summarize(ref, metrics: list[dict], notes: list[str]) -> dict:
     """The `--json` summary: per ratio and stream, the stream-level held-out (and eval) errors."""
     table: dict = {}
     for m in metrics:
+        entry = table.setdefault(m["ratio"], {}).setdefault(m["stream"], {})
         if m["group"] is None:
-            entry = table.setdefault(m["ratio"], {}).setdefault(m["stream"], {})
-            key = m["metric"] if m["split"] == "heldout" else f"{m['split']}_{m['metric']}"
-            entry[key] = m["value"]
-        elif m["metric"] == "kept":
-            entry = table.setdefault(m["ratio"], {}).setdefault(m["stream"], {})
-            entry["kept"] = entry.get("kept", 0) + int(m["value"]) if m["split"] == "heldout" else entry.get("kept", 0)
+            entry[m["metric"] if m["split"] == "heldout" else f"{m['split']}_{m['metric']}"] = m["value"]
+        elif m["metric"] == "kept" and m["split"] == "heldout":  # summed over groups
+            entry["kept"] = entry.get("kept", 0) + int(m["value"])
     rows = [{"ratio": r, **v} for r, v in sorted(table.items())]
     return {"name": ref.name, "version": ref.version, "registry": ref.registry, "ratios": rows, "warnings": notes}

@@ -113,7 +113,3 @@ class ShardStore:
             return st_load(data), metadata
         except Exception as exc:
             raise ValueError(f"shard entry {self.uri(shard_id, kind)} is unreadable ({exc}); delete it and rerun") from exc
-
-    def size(self, shard_id: str, kind: str) -> int:
-        fs, _ = self._fs_and_base
-        return int(fs.size(self._path(shard_id, kind)))
