@@ -2,18 +2,18 @@
 
 Light on purpose: importing this package loads numpy, pyarrow and fsspec, never torch, Ray or transformers.
 
-    from artifacts import pull
+    from kvtc.artifacts import pull
     art = pull("smollm2-135m", ref="production", registry="s3://bucket/kvtc")
     mean, eigenvalues, components = art.basis("keys", group=0)
     blocks = art.allocation(16, "keys", group=0)
 """
-from artifacts.artifact import Artifact
-from artifacts.bundle import kernel_bundle_hash
-from artifacts.errors import ArtifactNotFoundError, IntegrityError, RegistryNotWritableError, VersionExistsError
-from artifacts.publish import ArtifactRef, publish
-from artifacts.pull import pull
-from artifacts.registry import Registry, check_writable
-from artifacts.schema import SCHEMA_VERSION, STREAMS, ArtifactContent, Block
+from kvtc.artifacts.artifact import Artifact
+from kvtc.artifacts.bundle import kernel_bundle_hash
+from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError, RegistryNotWritableError, VersionExistsError
+from kvtc.artifacts.publish import ArtifactRef, publish
+from kvtc.artifacts.pull import pull
+from kvtc.artifacts.registry import Registry, check_writable
+from kvtc.artifacts.schema import SCHEMA_VERSION, STREAMS, ArtifactContent, Block
 
 __all__ = [
     "Artifact", "ArtifactContent", "ArtifactNotFoundError", "ArtifactRef", "Block", "IntegrityError",

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts import bundle, tables
-from artifacts.errors import ArtifactNotFoundError, IntegrityError
-from artifacts.manifest import MANIFEST, decode_manifest
-from artifacts.schema import STREAMS, Block
+from kvtc.artifacts import bundle, tables
+from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError
+from kvtc.artifacts.manifest import MANIFEST, decode_manifest
+from kvtc.artifacts.schema import STREAMS, Block
 
 
 def file_sha256(path: Path) -> str:

@@ -11,7 +11,7 @@ import importlib.util
 from pathlib import Path
 
 
-def kernels_dir(package: str = "kernels") -> Path | None:
+def kernels_dir(package: str = "kvtc.kernels") -> Path | None:
     """Directory of the installed kernels package, or None when it is not installed."""
     try:
         spec = importlib.util.find_spec(package)

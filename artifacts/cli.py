@@ -17,7 +17,7 @@ def _print(args: argparse.Namespace, data: object, text: str) -> int:
 
 
 def _registry(args: argparse.Namespace):
-    from artifacts.registry import Registry
+    from kvtc.artifacts.registry import Registry
 
     return Registry(args.registry)
 
@@ -37,7 +37,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from artifacts.registry import split_ref
+    from kvtc.artifacts.registry import split_ref
 
     reg = _registry(args)
     name, ref = split_ref(args.ref)
@@ -58,7 +58,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from artifacts.pull import copy_to, pull
+    from kvtc.artifacts.pull import copy_to, pull
 
     artifact = pull(args.ref, registry=_registry(args), cache_dir=args.cache_dir)
     path = copy_to(artifact, args.to) if args.to else artifact.path
@@ -66,7 +66,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from artifacts.pull import pull
+    from kvtc.artifacts.pull import pull
 
     with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
         artifact = pull(args.ref, registry=_registry(args), cache_dir=scratch)
@@ -76,7 +76,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_alias(args: argparse.Namespace) -> int:
-    from artifacts.registry import split_ref
+    from kvtc.artifacts.registry import split_ref
 
     reg = _registry(args)
     name, ref = split_ref(args.ref)
@@ -86,8 +86,8 @@ def cmd_alias(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from artifacts.export import export_dynamo
-    from artifacts.pull import pull
+    from kvtc.artifacts.export import export_dynamo
+    from kvtc.artifacts.pull import pull
 
     artifact = pull(args.ref, registry=_registry(args), cache_dir=args.cache_dir)
     path = export_dynamo(artifact, args.ratio, args.to)

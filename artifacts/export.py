@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts.artifact import Artifact
-from artifacts.schema import STREAMS
+from kvtc.artifacts.artifact import Artifact
+from kvtc.artifacts.schema import STREAMS
 
 FORMAT = "kvtc-dynamo/1"
 DYNAMO_INT_BITS = (1, 2, 4, 8)

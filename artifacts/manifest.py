@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts import bundle, tables
-from artifacts.schema import SCHEMA_VERSION, ArtifactContent, check_name, normalize_block, to_json
+from kvtc.artifacts import bundle, tables
+from kvtc.artifacts.schema import SCHEMA_VERSION, ArtifactContent, check_name, normalize_block, to_json
 
 MANIFEST = "manifest.json"
 

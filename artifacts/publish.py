@@ -19,10 +19,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from artifacts.errors import ArtifactNotFoundError, VersionExistsError
-from artifacts.manifest import MANIFEST, build_files, build_manifest, encode_manifest
-from artifacts.registry import Registry, as_registry, split_ref
-from artifacts.schema import ArtifactContent
+from kvtc.artifacts.errors import ArtifactNotFoundError, VersionExistsError
+from kvtc.artifacts.manifest import MANIFEST, build_files, build_manifest, encode_manifest
+from kvtc.artifacts.registry import Registry, as_registry, split_ref
+from kvtc.artifacts.schema import ArtifactContent
 
 CLAIM_STALE_S = 600.0
 STAGING_STALE_S = 86400.0

@@ -12,10 +12,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-from artifacts.artifact import Artifact, safe_relpath, verify_folder
-from artifacts.errors import IntegrityError
-from artifacts.manifest import MANIFEST, decode_manifest
-from artifacts.registry import Registry, as_registry, split_ref
+from kvtc.artifacts.artifact import Artifact, safe_relpath, verify_folder
+from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.manifest import MANIFEST, decode_manifest
+from kvtc.artifacts.registry import Registry, as_registry, split_ref
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -14,9 +14,9 @@ import uuid
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from artifacts.errors import ArtifactNotFoundError, RegistryNotWritableError
-from artifacts.manifest import MANIFEST, decode_manifest
-from artifacts.schema import check_name
+from kvtc.artifacts.errors import ArtifactNotFoundError, RegistryNotWritableError
+from kvtc.artifacts.manifest import MANIFEST, decode_manifest
+from kvtc.artifacts.schema import check_name
 
 DEFAULT_ROOT = "registry"
 

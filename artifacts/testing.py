@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from artifacts.schema import STREAMS, ArtifactContent, type_bits
+from kvtc.artifacts.schema import STREAMS, ArtifactContent, type_bits
 
 PATTERN = (("fp8", 4), ("int4", 8), ("int2", 16))
 

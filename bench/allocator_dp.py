@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from pipeline.allocator import AllocatorSettings, allocate_from_tables, error_tables, validate_ratios
-from pipeline.pca import Basis
+from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate_from_tables, error_tables, validate_ratios
+from kvtc.pipeline.fit.pca import Basis
 
 RATIOS = (8, 16, 32)
 

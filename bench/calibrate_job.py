@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.calibrate import CalibrateConfig, run  # noqa: E402
-from pipeline.shards import make_shards  # noqa: E402
-from workers.models import load_model  # noqa: E402
+from kvtc.pipeline.job.calibrate import CalibrateConfig, run  # noqa: E402
+from kvtc.pipeline.job.shards import make_shards  # noqa: E402
+from kvtc.workers.models import load_model  # noqa: E402
 
 REFERENCE_CR16 = {"keys": 0.093, "values": 0.248}
 

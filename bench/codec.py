@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import KVTCCodec, read_blob  # noqa: E402
-from kernels.blob import TAG_CODES, TAG_PARAMS  # noqa: E402
-from kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
+from kvtc.kernels import KVTCCodec, read_blob  # noqa: E402
+from kvtc.kernels.blob import TAG_CODES, TAG_PARAMS  # noqa: E402
+from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
 
 
 def rel_errors(codec: KVTCCodec, keys: torch.Tensor, values: torch.Tensor, dec: tuple, start: int = 0) -> dict:
@@ -86,8 +86,8 @@ def model_cache(artifact, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The artifact's model run on the tail of Python's docs text -> (L, H, T, D) fp16 cache (keys with RoPE)."""
     from pydoc_data.topics import topics
 
-    from workers.capture import raw_cache
-    from workers.models import load_model
+    from kvtc.workers.capture import raw_cache
+    from kvtc.workers.models import load_model
 
     lm = load_model(artifact.manifest["model"]["spec"], device="cpu", dtype=torch.float32)
     text = "\n\n".join(topics[k] for k in sorted(topics))[-12 * tokens:]
@@ -98,7 +98,7 @@ def model_cache(artifact, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def consistency(args: argparse.Namespace) -> int:
     """Held-out text through the artifact's model at CR 16 vs the recorded errors (within 10%)."""
-    from artifacts import pull
+    from kvtc.artifacts import pull
 
     artifact = pull(args.artifact, registry=args.registry)
     codec = KVTCCodec(artifact, 16.0)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--consistency needs --artifact NAME@REF (and --registry)")
         return consistency(args)
     if args.artifact:
-        from artifacts import pull
+        from kvtc.artifacts import pull
 
         artifact = pull(args.artifact, registry=args.registry)
         codecs = {r: KVTCCodec(artifact, r, level=args.level) for r in args.ratios}

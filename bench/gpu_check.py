@@ -23,8 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import KVTCCodec  # noqa: E402
-from kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
+from kvtc.kernels import KVTCCodec  # noqa: E402
+from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
 
 
 def _timed(fn, repeat: int = 3) -> tuple[object, float]:
@@ -65,9 +65,9 @@ def check_kernels() -> bool:
 
 
 def check_capture() -> bool:
-    from workers.capture import CaptureSettings, capture_kv
-    from workers.models import load_model
-    from workers.stats import CalibrationStats
+    from kvtc.workers.capture import CaptureSettings, capture_kv
+    from kvtc.workers.models import load_model
+    from kvtc.workers.stats import CalibrationStats
 
     settings = CaptureSettings(sinks=4, window=16)
     ids = torch.randint(0, 49152, (2, 160), generator=torch.Generator().manual_seed(0))

@@ -35,8 +35,10 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    import artifacts
-    from pipeline import diagnostics, evaluate, report
+    from kvtc import artifacts
+    from kvtc.pipeline.evaluation import diagnostics
+    from kvtc.pipeline.evaluation import evaluate
+    from kvtc.pipeline.evaluation import report
 
     ratios = tuple(float(r) for r in args.ratios.split(","))
     t0 = time.perf_counter()
@@ -51,9 +53,9 @@ def main() -> int:
     art = artifacts.pull(f"{args.name}@latest", registry=args.registry)
     curves = {name: art.curve(name) for name in art.curves()}
     if args.store and "error_by_tokens" not in curves:
-        from pipeline.reduce import load_rows
-        from pipeline.store import ShardStore, capture_key
-        from workers.models import fingerprint_id
+        from kvtc.pipeline.job.reduce import load_rows
+        from kvtc.pipeline.job.store import ShardStore, capture_key
+        from kvtc.workers.models import fingerprint_id
 
         m, cal = art.manifest, art.manifest["calibration"]
         capture = {"sinks": cal["sinks"], "window": cal["window"], "groups": cal["group_spec"], "sample": cal["sample"],

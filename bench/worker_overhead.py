@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     args = ap.parse_args(argv)
 
-    from workers.capture import CaptureSettings, capture_kv, check_seq_len
-    from workers.models import load_model
-    from workers.stats import CalibrationStats
+    from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
+    from kvtc.workers.models import load_model
+    from kvtc.workers.stats import CalibrationStats
 
     if args.threads:
         torch.set_num_threads(args.threads)

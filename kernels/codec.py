@@ -13,14 +13,15 @@ from typing import Any, Iterator
 
 import torch
 
-from kernels.blob import (TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section,
+from kvtc.kernels.blob import (TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section,
                           SectionKey, read_blob, write_blob)
-from kernels.bitpack import packed_nbytes
-from kernels.entropy import CODERS, decode_section, encode_section
-from kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
-from kernels.ops import BACKENDS, resolve_ops
-from kernels.quantize import quantize_pack_blocks
-from kernels.spec import STREAMS, CodecSpec
+from kvtc.kernels.bitpack import packed_nbytes
+from kvtc.kernels.entropy import CODERS, decode_section, encode_section
+from kvtc.kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
+from kvtc.kernels.ops import BACKENDS, resolve_ops
+from kvtc.kernels.quantize import quantize_pack_blocks
+from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_TOKENS = 1 << 31
@@ -51,15 +52,13 @@ class KVTCCodec:
         self.profile: dict[str, float] | None = None
         self.rope = None
         if self.spec.rope:
-            from workers.rope import RopeSpec
-
             self.rope = RopeSpec.from_dict(self.spec.rope)
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
 
     @classmethod
     def from_registry(cls, ref: str, ratio: float, registry: Any = None, **kwargs: Any) -> "KVTCCodec":
         """ref "name@version|alias" pulled through artifacts.pull (imported lazily)."""
-        from artifacts import pull
+        from kvtc.artifacts import pull
 
         return cls(pull(ref, registry=registry), ratio, **kwargs)
 

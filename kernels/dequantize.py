@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bitpack import unpack_codes
-from kernels.reference import dequantize_block, qtype_bits
+from kvtc.kernels.bitpack import unpack_codes
+from kvtc.kernels.reference import dequantize_block, qtype_bits
 
 
 @triton.jit

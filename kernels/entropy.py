@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 
-from kernels.blob import BlobError
+from kvtc.kernels.blob import BlobError
 
 PLAIN, ZLIB, RAW_DEFLATE = 0, 1, 2
 CODERS = ("zlib", "plain", "nvcomp")

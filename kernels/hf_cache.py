@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kernels.codec import KVTCCodec
+from kvtc.kernels.codec import KVTCCodec
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels.reference import qtype_bits
+from kvtc.kernels.reference import qtype_bits
 
 STREAMS = ("keys", "values")
 

@@ -10,8 +10,9 @@ import random
 
 import torch
 
-from kernels.reference import QTYPES, block_cost_bits, qtype_bits
-from kernels.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
+from kvtc.kernels.reference import QTYPES, block_cost_bits, qtype_bits
+from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
 
 
 @functools.lru_cache(maxsize=4)
@@ -84,8 +85,6 @@ def synthetic_spec(num_layers: int, kv_heads: int, head_dim: int, ratio: float =
 def synthetic_cache(spec: CodecSpec, tokens: int, dtype: torch.dtype = torch.float16, start: int = 0,
                     seed: int = 0, noise: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
     """keys, values (L, H, T, D) drawn from the spec's bases, keys with RoPE at positions start..start+T."""
-    from workers.rope import RopeSpec
-
     L, H, D = spec.num_layers, spec.kv_heads, spec.head_dim
     g = torch.Generator().manual_seed(seed)
     out = []

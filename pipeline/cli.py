@@ -11,13 +11,13 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "pipeline.calibrate",
-    "pipeline.recalibrate",
-    "pipeline.drift",
-    "pipeline.schedule",
-    "pipeline.report",
-    "pipeline.evaluate",
-    "artifacts.cli",
+    "kvtc.pipeline.job.calibrate",
+    "kvtc.pipeline.operations.recalibrate",
+    "kvtc.pipeline.operations.drift",
+    "kvtc.pipeline.operations.schedule",
+    "kvtc.pipeline.evaluation.report",
+    "kvtc.pipeline.evaluation.evaluate",
+    "kvtc.artifacts.cli",
 )
 
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import block_cost_bits, quantize_dequantize
-from pipeline.allocator import (AllocatorSettings, allocate, allocate_from_tables, budget_bits, error_tables,
+from kvtc.kernels.reference import block_cost_bits, quantize_dequantize
+from kvtc.pipeline.fit.allocator import (AllocatorSettings, allocate, allocate_from_tables, budget_bits, error_tables,
                                 solve_budget, validate_ratios)
-from pipeline.pca import Basis
+from kvtc.pipeline.fit.pca import Basis
 
 
 def _basis(lam: np.ndarray) -> Basis:

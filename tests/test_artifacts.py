@@ -11,11 +11,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from artifacts import ArtifactContent, IntegrityError, Registry, publish, pull
-from artifacts.artifact import Artifact
-from artifacts.cli import main as cli
-from artifacts.export import export_dynamo
-from artifacts.testing import toy_content
+from kvtc.artifacts import ArtifactContent, IntegrityError, Registry, publish, pull
+from kvtc.artifacts.artifact import Artifact
+from kvtc.artifacts.cli import main as cli
+from kvtc.artifacts.export import export_dynamo
+from kvtc.artifacts.testing import toy_content
 
 REPO = Path(__file__).resolve().parents[1]
 

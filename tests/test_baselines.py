@@ -5,7 +5,7 @@ import zlib
 import pytest
 import torch
 
-from pipeline import baselines as bl
+from kvtc.pipeline.evaluation import baselines as bl
 
 L, H, D, SINKS, WINDOW = 2, 2, 16, 4, 8
 

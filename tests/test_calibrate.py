@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import ray
 
-import artifacts
-from pipeline.calibrate import CalibrateConfig, run
-from pipeline.cli import main as cli_main
+from kvtc import artifacts
+from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+from kvtc.pipeline.cli import main as cli_main
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
             eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0))

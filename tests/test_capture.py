@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from workers.capture import CaptureSettings, capture_kv, check_seq_len, raw_cache
-from workers.models import load_model
-from workers.tiny import TINY_ARCHS
+from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len, raw_cache
+from kvtc.workers.models import load_model
+from kvtc.workers.tiny import TINY_ARCHS
 
 SETTINGS = CaptureSettings(sinks=4, window=8)
 

@@ -4,13 +4,13 @@ import zlib
 import pytest
 import torch
 
-from kernels import BlobError, CodecSpec, KVTCCodec, read_blob
-from kernels.blob import TAG_CODES
-from kernels.entropy import PLAIN, RAW_DEFLATE, ZLIB, decode_section, encode_section, nvcomp_available
-from kernels.reference import quantize_dequantize
-from kernels.spec import STREAMS, model_id
-from kernels.synthetic import synthetic_cache, synthetic_spec
-from workers.rope import RopeSpec
+from kvtc.kernels import BlobError, CodecSpec, KVTCCodec, read_blob
+from kvtc.kernels.blob import TAG_CODES
+from kvtc.kernels.entropy import PLAIN, RAW_DEFLATE, ZLIB, decode_section, encode_section, nvcomp_available
+from kvtc.kernels.reference import quantize_dequantize
+from kvtc.kernels.spec import STREAMS, model_id
+from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from kvtc.kernels.rope import RopeSpec
 
 
 def reference_reconstruction(spec: CodecSpec, cache: torch.Tensor, stream: str, start: int) -> torch.Tensor:
@@ -156,8 +156,8 @@ def test_entropy_sections_never_grow_and_decode_all_codings():
 
 
 def test_codec_from_registry_with_a_published_toy_artifact(tmp_path):
-    testing = pytest.importorskip("artifacts.testing")
-    from artifacts import publish
+    testing = pytest.importorskip("kvtc.artifacts.testing")
+    from kvtc.artifacts import publish
 
     content = testing.toy_content(num_layers=2, num_kv_heads=2, head_dim=8, groups=[[0, 1], [1, 2]])
     inv = [10000.0 ** (-2 * i / 8) for i in range(4)]

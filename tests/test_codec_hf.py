@@ -5,9 +5,10 @@ import inspect
 import pytest
 import torch
 
-from kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
-from kernels.hf_cache import cache_tensors, compress_cache, restore_cache
-from workers.rope import RopeSpec
+from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
+from kvtc.kernels.hf_cache import cache_tensors, compress_cache, restore_cache
+from kvtc.kernels.rope import RopeSpec
+from kvtc.workers.rope import rope_from_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +26,7 @@ def near_lossless_spec(model, sinks: int = 3, window: int = 5) -> CodecSpec:
         blocks = tuple(CodedBlock(s, min(16, p - s), "int8", 8) for s in range(0, p, 16))
         streams[stream] = (GroupCode((0, L), torch.zeros(p), q.contiguous(), blocks),)
     return CodecSpec("tiny", "v0", 2.0, "tiny", L, H, D, sinks, window,
-                     RopeSpec.from_config(cfg).to_dict(), streams)
+                     rope_from_config(cfg).to_dict(), streams)
 
 
 def forward(model, ids: torch.Tensor, cache=None):
@@ -47,7 +48,7 @@ def greedy(model, cache, first: torch.Tensor, steps: int) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi"])
 def test_restored_cache_continues_like_original_tiny(arch):
-    from workers.tiny import build_tiny
+    from kvtc.workers.tiny import build_tiny
 
     model = build_tiny(arch)
     ids = torch.randint(3, 2000, (1, 37), generator=torch.Generator().manual_seed(1))
@@ -75,12 +76,12 @@ def test_compress_cache_refuses_batches():
 
 def _calibrated_smollm2_codec(lm, ratio: float, sinks: int, window: int) -> KVTCCodec:
     """Per-layer PCA and analytic DP allocation from two sequences of Python's own docs."""
-    pca = pytest.importorskip("pipeline.pca")
-    allocator = pytest.importorskip("pipeline.allocator")
+    pca = pytest.importorskip("kvtc.pipeline.fit.pca")
+    allocator = pytest.importorskip("kvtc.pipeline.fit.allocator")
     from pydoc_data.topics import topics
 
-    from workers.capture import CaptureSettings, capture_kv
-    from workers.stats import CalibrationStats
+    from kvtc.workers.capture import CaptureSettings, capture_kv
+    from kvtc.workers.stats import CalibrationStats
 
     text = "\n\n".join(topics[k] for k in sorted(topics))[:30000]
     ids = lm.tokenizer(text, return_tensors="pt").input_ids[0, : 2 * 256].reshape(2, 256)
@@ -105,7 +106,7 @@ def _calibrated_smollm2_codec(lm, ratio: float, sinks: int, window: int) -> KVTC
 
 @pytest.mark.embedded
 def test_smollm2_cr8_restored_cache_gives_same_next_tokens():
-    from workers.models import load_model
+    from kvtc.workers.models import load_model
 
     lm = load_model(device="cpu", dtype=torch.float32)
     codec = _calibrated_smollm2_codec(lm, 8.0, sinks=4, window=16)

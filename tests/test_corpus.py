@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.corpus import CorpusStats, CorpusWarning, HFSpec, iter_documents, parse_hf_spec
+from kvtc.pipeline.job.corpus import CorpusStats, CorpusWarning, HFSpec, iter_documents, parse_hf_spec
 
 
 def docs(spec: str, **kwargs) -> list:

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-import artifacts
-from pipeline import evaluate
-from pipeline.calibrate import CalibrateConfig
+from kvtc import artifacts
+from kvtc.pipeline.evaluation import evaluate
+from kvtc.pipeline.job.calibrate import CalibrateConfig
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
             eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0), name="tiny")
@@ -67,7 +67,7 @@ def test_limit_rows_compare_with_the_gaussian_bound(result, calibrated):
 
 
 def test_heldout_sequences_are_the_calibration_heldout_shards(calibrated):
-    from workers.models import embedded_tokenizer
+    from kvtc.workers.models import embedded_tokenizer
 
     art = artifacts.pull("tiny@latest", registry=calibrated["registry"])
     seqs = evaluate.heldout_sequences(art, embedded_tokenizer(), None, 3)

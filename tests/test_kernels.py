@@ -6,14 +6,14 @@ the CPU interpreter); fp16/bf16 outputs within one unit in the last place of the
 import pytest
 import torch
 
-from kernels.bitpack import pack_codes, packed_nbytes, unpack_codes
-from kernels.dequantize import unpack_dequantize, unpack_dequantize_reference
-from kernels.quantize import quantize_pack, quantize_pack_blocks, quantize_pack_reference
-from kernels.reference import QTYPES, quantize_block
-from kernels.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
-from kernels.spec import CodedBlock
-from kernels.synthetic import random_blocks
-from workers.rope import RopeSpec
+from kvtc.kernels.bitpack import pack_codes, packed_nbytes, unpack_codes
+from kvtc.kernels.dequantize import unpack_dequantize, unpack_dequantize_reference
+from kvtc.kernels.quantize import quantize_pack, quantize_pack_blocks, quantize_pack_reference
+from kvtc.kernels.reference import QTYPES, quantize_block
+from kvtc.kernels.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
+from kvtc.kernels.spec import CodedBlock
+from kvtc.kernels.synthetic import random_blocks
+from kvtc.kernels.rope import RopeSpec
 
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-6}
 

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import quantize_dequantize
-from pipeline.allocator import AllocatorSettings, allocate
-from pipeline.metrics import (default_edges, evaluate, pca_rel_error, quantize_projections,
+from kvtc.kernels.reference import quantize_dequantize
+from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
+from kvtc.pipeline.evaluation.metrics import (default_edges, evaluate, pca_rel_error, quantize_projections,
                               waterfilling_distortion)
-from pipeline.pca import pca_from_moments
+from kvtc.pipeline.fit.pca import pca_from_moments
 
 P = 96
 

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from workers.models import ACCEPTED_FORMS, default_cache_dir, embedded_gguf_path, fingerprint_id, load_model, sha256_file
-from workers.tiny import TINY_ARCHS
+from kvtc.workers.models import ACCEPTED_FORMS, default_cache_dir, embedded_gguf_path, fingerprint_id, load_model, sha256_file
+from kvtc.workers.tiny import TINY_ARCHS
 
 FP_KEYS = {"spec", "source", "weights_sha256", "revision", "architecture", "model_type", "num_layers",
            "num_kv_heads", "head_dim", "max_positions", "rope", "key_norm"}
@@ -99,7 +99,7 @@ def test_directory_spec_loads_saved_tiny(tmp_path):
 
 
 def test_atomic_cache_write_keeps_first_copy(tmp_path):
-    from workers.models import _atomic_save
+    from kvtc.workers.models import _atomic_save
 
     def writer(text):
         return lambda d: (d / "config.json").write_text(text)

@@ -9,20 +9,20 @@ import sys
 import pytest
 import ray
 
-import artifacts
-import pipeline.cli
-from pipeline.calibrate import CalibrateConfig, run
-from pipeline.schedule import Schedule, Scheduler, command_job, parse_command
+from kvtc import artifacts
+from kvtc.pipeline import cli as kvtc_cli
+from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+from kvtc.pipeline.operations.schedule import Schedule, Scheduler, command_job, parse_command
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=128, window=16, tokens=2048,
             seqs_per_shard=2, heldout_rows=512, ratios=(4.0, 8.0))
-OPS_MODULES = ("pipeline.drift", "pipeline.recalibrate", "pipeline.schedule")
+OPS_MODULES = ("kvtc.pipeline.operations.drift", "kvtc.pipeline.operations.recalibrate", "kvtc.pipeline.operations.schedule")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_and_cli():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline.cli, "COMMAND_MODULES", tuple(dict.fromkeys((*pipeline.cli.COMMAND_MODULES, *OPS_MODULES))))
+        mp.setattr(kvtc_cli, "COMMAND_MODULES", tuple(dict.fromkeys((*kvtc_cli.COMMAND_MODULES, *OPS_MODULES))))
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         yield
         ray.shutdown()
@@ -46,7 +46,7 @@ def reg(parent, tmp_path):
 
 
 def kvtc(*argv: str) -> int:
-    return pipeline.cli.main([str(a) for a in argv])
+    return kvtc_cli.main([str(a) for a in argv])
 
 
 def state(registry: str) -> tuple[list[str], dict]:
@@ -95,7 +95,7 @@ def test_bad_threshold_and_unknown_artifact(parent, reg, capsys):
 def test_worse_version_kept_unaliased_and_fault_leaves_registry_as_it_was(parent, reg, monkeypatch, capsys):
     store = parent[0] / "store"
     versions, aliases = state(reg)
-    publish_mod = sys.modules["artifacts.publish"]  # the package re-exports the function under that name
+    publish_mod = sys.modules["kvtc.artifacts.publish"]  # the package re-exports the function under that name
 
     def fail(point):
         if point == "before_commit":

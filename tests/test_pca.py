@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.pca import Basis, fix_signs, pca_from_moments
+from kvtc.pipeline.fit.pca import Basis, fix_signs, pca_from_moments
 
 
 def _rows(n: int = 800, p: int = 24, seed: int = 0) -> np.ndarray:

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from artifacts import (ArtifactNotFoundError, IntegrityError, Registry, RegistryNotWritableError,
+from kvtc.artifacts import (ArtifactNotFoundError, IntegrityError, Registry, RegistryNotWritableError,
                        VersionExistsError, check_writable, kernel_bundle_hash, publish, pull)
-from artifacts.testing import toy_content
+from kvtc.artifacts.testing import toy_content
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,8 +142,8 @@ def test_check_writable(registry, tmp_path):
 
 PUBLISHER = textwrap.dedent("""
     import sys, time
-    from artifacts import VersionExistsError, publish
-    from artifacts.testing import toy_content
+    from kvtc.artifacts import VersionExistsError, publish
+    from kvtc.artifacts.testing import toy_content
     root, seed, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     content = toy_content(seed=seed)
     time.sleep(max(0.0, start - time.time()))
@@ -179,7 +179,7 @@ def test_concurrent_publishers_leave_both_versions_whole(registry, tmp_path):
     assert registry.resolve("toy", "latest") in versions
 
 
-KILLED = "import sys; from artifacts import publish; from artifacts.testing import toy_content; publish(toy_content(), sys.argv[1])"
+KILLED = "import sys; from kvtc.artifacts import publish; from kvtc.artifacts.testing import toy_content; publish(toy_content(), sys.argv[1])"
 
 
 def test_killed_publish_leaves_no_version_and_next_publish_succeeds(registry, tmp_path):

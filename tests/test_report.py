@@ -5,12 +5,13 @@ import io
 
 import pytest
 
-import artifacts
-from pipeline import diagnostics, report
-from pipeline.allocator import AllocatorSettings
-from pipeline.calibrate import CalibrateConfig
-from pipeline.evaluate import calibrate_local
-from pipeline.reduce import load_rows
+from kvtc import artifacts
+from kvtc.pipeline.evaluation import diagnostics
+from kvtc.pipeline.evaluation import report
+from kvtc.pipeline.fit.allocator import AllocatorSettings
+from kvtc.pipeline.job.calibrate import CalibrateConfig
+from kvtc.pipeline.evaluation.evaluate import calibrate_local
+from kvtc.pipeline.job.reduce import load_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
@@ -93,9 +94,9 @@ def test_cli_writes_report_folder(calibrated, tmp_path):
 def test_pca_error_by_position_is_below_the_quantized_error():
     import numpy as np
 
-    from pipeline.allocator import allocate
-    from pipeline.metrics import evaluate
-    from pipeline.pca import pca_from_moments
+    from kvtc.pipeline.fit.allocator import allocate
+    from kvtc.pipeline.evaluation.metrics import evaluate
+    from kvtc.pipeline.fit.pca import pca_from_moments
 
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((600, 32)) * np.linspace(3, 0.1, 32)).astype(np.float32)

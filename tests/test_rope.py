@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from workers.rope import RopeSpec
+from kvtc.kernels.rope import RopeSpec
+from kvtc.workers.rope import rope_from_config
 
 
 def _spec(head_dim=16, rotary_dim=16, scaling=1.0, layout="half", theta=10000.0) -> RopeSpec:
@@ -72,7 +73,7 @@ def test_from_config_matches_transformers_rotary(params):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     config = _llama_config(params)
-    spec = RopeSpec.from_config(config)
+    spec = rope_from_config(config)
     rotary = LlamaRotaryEmbedding(config)
     pos = torch.arange(0, 1000, 7)
     cos_ref, sin_ref = rotary(torch.zeros(1, dtype=torch.float32), pos[None])

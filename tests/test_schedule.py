@@ -1,7 +1,7 @@
 """The scheduler's timing rules on a fake clock (no model, no Ray)."""
 import pytest
 
-from pipeline.schedule import Schedule, Scheduler
+from kvtc.pipeline.operations.schedule import Schedule, Scheduler
 
 
 class FakeClock:

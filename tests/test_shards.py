@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.corpus import CorpusWarning
-from pipeline.shards import Shard, ShardStats, corpus_fingerprint, is_holdout, make_shards, shard_id
+from kvtc.pipeline.job.corpus import CorpusWarning
+from kvtc.pipeline.job.shards import Shard, ShardStats, corpus_fingerprint, is_holdout, make_shards, shard_id
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

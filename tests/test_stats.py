@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from workers.capture import CaptureSettings, capture_kv
-from workers.models import load_model
-from workers.stats import CalibrationStats
+from kvtc.workers.capture import CaptureSettings, capture_kv
+from kvtc.workers.models import load_model
+from kvtc.workers.stats import CalibrationStats
 
 GRAM_RTOL = 1e-5
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from workers.models import LoadedModel
+from kvtc.workers.models import LoadedModel
 
 
 @dataclass(frozen=True)

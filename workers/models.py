@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from workers.rope import RopeSpec
-from workers.tiny import TINY_ARCHS, build_tiny
+from kvtc.kernels.rope import RopeSpec
+from kvtc.workers.rope import rope_from_config
+from kvtc.workers.tiny import TINY_ARCHS, build_tiny
 
 DEFAULT_SPEC = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -221,7 +222,7 @@ def load_model(
         raise ValueError(f"unknown model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
     model = model.to(dev).eval()
     config = model.config
-    rope = RopeSpec.from_config(config)
+    rope = rope_from_config(config)
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is not None and getattr(rotary, "inv_freq", None) is not None:
         if not torch.allclose(rotary.inv_freq.float().cpu(), torch.tensor(rope.inv_freq), rtol=1e-6, atol=0):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.capture import CapturedKV, CaptureSettings
+from kvtc.workers.capture import CapturedKV, CaptureSettings
 
 STREAMS = ("keys", "values")
 FORMAT = "kvtc-stats/1"

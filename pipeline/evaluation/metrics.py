@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.reference import quantize_dequantize
-from pipeline.allocator import Allocation
-from pipeline.pca import Basis
+from kvtc.kernels.reference import quantize_dequantize
+from kvtc.pipeline.fit.allocator import Allocation
+from kvtc.pipeline.fit.pca import Basis
 
 
 @dataclass(frozen=True)

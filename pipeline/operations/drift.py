@@ -30,7 +30,7 @@ class ModelMismatchError(ValueError):
 
 def check_model(fingerprint: dict, expected: dict, what: str) -> None:
     """Raise ModelMismatchError naming the fields where `fingerprint` differs from the artifact's."""
-    from workers.models import fingerprint_id
+    from kvtc.workers.models import fingerprint_id
 
     if fingerprint_id(fingerprint) == fingerprint_id(expected):
         return
@@ -90,7 +90,7 @@ def recorded_errors(art) -> dict[tuple[float, str], float]:
 
 def recorded_explained(art) -> dict[tuple[float, str], float]:
     """{(ratio, stream): calibration explained variance}, groups weighted by their total variance."""
-    from pipeline.drift_meter import total_variances
+    from kvtc.pipeline.operations.drift_meter import total_variances
 
     tv = total_variances(art)
     acc: dict[tuple[float, str], list[float]] = {}
@@ -119,9 +119,9 @@ def check_drift(target: str, corpus: str | None = None, registry: str | None = N
                 threshold: float = DEFAULT_THRESHOLD, model: str | None = None, lm=None,
                 text_column: str | None = None, cache_dir: str | None = None) -> DriftReport:
     """Pull `target` (NAME[@REF]), load its model (or use `lm`), sample `corpus` and compare."""
-    import artifacts
-    from pipeline.drift_meter import Meter, sample_rows
-    from workers.models import load_model
+    from kvtc import artifacts
+    from kvtc.pipeline.operations.drift_meter import Meter, sample_rows
+    from kvtc.workers.models import load_model
 
     if threshold < 0:
         raise ValueError(f"--threshold must be >= 0 (a relative increase, 0.10 = 10% worse), got {threshold}")

@@ -21,9 +21,9 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from pipeline.calibrate import add_arguments
-from pipeline.drift import EXIT_MODEL, ModelMismatchError
-from pipeline.recalibrate_plan import PARENT_DESTS, build_configs, planned_shards, same_run
+from kvtc.pipeline.job.calibrate import add_arguments
+from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError
+from kvtc.pipeline.operations.recalibrate_plan import PARENT_DESTS, build_configs, planned_shards, same_run
 
 EXIT_OK, EXIT_KEPT = 0, 5
 
@@ -43,9 +43,9 @@ class Result:
 
 def heldout_store(manifest: dict, store_root: str | None):
     """The shard store scope (model, capture settings) where the parent's held-out rows live."""
-    from pipeline.store import ShardStore, capture_key, default_store_uri
-    from workers.capture import CaptureSettings
-    from workers.models import fingerprint_id
+    from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
+    from kvtc.workers.capture import CaptureSettings
+    from kvtc.workers.models import fingerprint_id
 
     cal = manifest["calibration"]
     capture = CaptureSettings(sinks=cal["sinks"], window=cal["window"], groups=cal.get("group_spec", "model"),
@@ -56,8 +56,8 @@ def heldout_store(manifest: dict, store_root: str | None):
 
 def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:
     """Both artifacts on the parent's held-out rows -> (comparison rows, reasons the child is worse)."""
-    from pipeline.drift_meter import measure_rows
-    from pipeline.reduce import load_rows
+    from kvtc.pipeline.operations.drift_meter import measure_rows
+    from kvtc.pipeline.job.reduce import load_rows
 
     cal = parent.manifest["calibration"]
     held = load_rows(store, list(parent.manifest["corpus"]["heldout_shards"]), int(cal.get("heldout_rows_cap") or 1 << 62))
@@ -78,11 +78,11 @@ def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[s
 
 def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_tokens: int | None = None,
                 aliases: tuple[str, ...] = (), tolerance: float = 0.0, force: bool = False) -> Result:
-    import artifacts
-    from artifacts.schema import check_name
-    from pipeline.calibrate import run
-    from pipeline.drift import check_drift, check_model
-    from workers.models import load_model
+    from kvtc import artifacts
+    from kvtc.artifacts.schema import check_name
+    from kvtc.pipeline.job.calibrate import run
+    from kvtc.pipeline.operations.drift import check_drift, check_model
+    from kvtc.workers.models import load_model
 
     if tolerance < 0:
         raise ValueError(f"--tolerance must be >= 0, got {tolerance}")

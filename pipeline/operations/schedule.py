@@ -7,7 +7,7 @@ command on a schedule, in a long-running process (a container's main process, a 
 --cron takes 5 fields (minute hour day month weekday, local time) or 6 with a leading seconds
 field ("*/10 * * * * *" = every 10 s). --every N fires at wall-clock multiples of N seconds.
 Runs never overlap: a run that outlasts its slot skips the fires it missed (no catch-up burst).
-Each run is a fresh `python -m pipeline.cli COMMAND ...` process (--in-process: a call in this
+Each run is a fresh `python -m kvtc.pipeline.cli COMMAND ...` process (--in-process: a call in this
 process, sharing its Ray connection); a failing run is logged and the schedule goes on. One JSON
 line per run goes to stdout: {"run", "fired_at", "started", "seconds", "rc"}. SIGTERM/SIGINT stop
 the scheduler after the current run; its exit code is the last run's.
@@ -97,17 +97,17 @@ class Scheduler:
 
 
 def command_job(command: list[str], in_process: bool, timeout: float | None = None) -> Callable[[], int]:
-    """A job running `kvtc COMMAND...`: a subprocess, or pipeline.cli.main in this process."""
+    """A job running `kvtc COMMAND...`: a subprocess, or kvtc.pipeline.cli.main in this process."""
     if in_process:
         def job() -> int:
-            from pipeline.cli import main
+            from kvtc.pipeline.cli import main
 
             return main(list(command))
         return job
 
     def run_subprocess() -> int:
         try:
-            return subprocess.run([sys.executable, "-m", "pipeline.cli", *command], timeout=timeout).returncode
+            return subprocess.run([sys.executable, "-m", "kvtc.pipeline.cli", *command], timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             print(f"kvtc schedule: run exceeded --timeout {timeout} s and was killed", file=sys.stderr, flush=True)
             return 124
@@ -116,7 +116,7 @@ def command_job(command: list[str], in_process: bool, timeout: float | None = No
 
 def parse_command(argv: list[str]) -> list[str]:
     """`-- [kvtc] COMMAND ARGS...` -> [COMMAND, ARGS...], checked against the kvtc parser now, not at 3 am."""
-    from pipeline.cli import build_parser
+    from kvtc.pipeline.cli import build_parser
 
     command = argv[1:] if argv[:1] == ["--"] else list(argv)
     command = command[1:] if command[:1] == ["kvtc"] else command

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.reference import block_cost_bits, qtype_bits, scale_bits
-from pipeline.block_errors import ErrorTables, analytic_tables, measured_tables
-from pipeline.pca import Basis
+from kvtc.kernels.reference import block_cost_bits, qtype_bits, scale_bits
+from kvtc.pipeline.fit.block_errors import ErrorTables, analytic_tables, measured_tables
+from kvtc.pipeline.fit.pca import Basis
 
 
 

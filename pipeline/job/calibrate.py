@@ -3,7 +3,7 @@ model's KV cache and store per-shard statistics; the driver folds them in shard 
 PCA bases and one DP bit allocation per ratio, measures held-out errors and publishes a versioned
 artifact to the registry.
 
-Also runnable as `python -m pipeline.calibrate ...` (for `ray job submit`).
+Also runnable as `python -m kvtc.pipeline.job.calibrate ...` (for `ray job submit`).
 """
 from __future__ import annotations
 
@@ -86,16 +86,16 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
     import ray
     import torch
 
-    import artifacts
-    from pipeline import ray_pool
-    from pipeline.allocator import AllocatorSettings, validate_ratios
-    from pipeline.corpus import iter_documents
-    from pipeline.reduce import reduce_and_publish
-    from pipeline.shards import make_shards
-    from pipeline.store import ShardStore, capture_key, default_store_uri
-    from workers.capture import CaptureSettings, check_seq_len
-    from workers.models import fingerprint_id, load_model
-    from workers.shard_worker import ShardWorker
+    from kvtc import artifacts
+    from kvtc.pipeline.job import ray_pool
+    from kvtc.pipeline.fit.allocator import AllocatorSettings, validate_ratios
+    from kvtc.pipeline.job.corpus import iter_documents
+    from kvtc.pipeline.job.reduce import reduce_and_publish
+    from kvtc.pipeline.job.shards import make_shards
+    from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
+    from kvtc.workers.capture import CaptureSettings, check_seq_len
+    from kvtc.workers.models import fingerprint_id, load_model
+    from kvtc.pipeline.job.shard_worker import ShardWorker
 
     t_start = time.perf_counter()
     alloc = AllocatorSettings(block_sizes=tuple(cfg.block_sizes), types=tuple(cfg.types), error_model=cfg.error_model)
@@ -274,7 +274,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.cli import main as cli_main
+    from kvtc.pipeline.cli import main as cli_main
 
     return cli_main(["calibrate", *(sys.argv[1:] if argv is None else argv)])
 

@@ -1,6 +1,6 @@
 """Diagnostic curves computed from shard statistics and held-out rows, stored in every artifact:
 error against calibration tokens (growing prefixes of the in-order fold, `prefix_errors`) and
-the PCA-only error by context position. `pipeline.report` draws them.
+the PCA-only error by context position. `kvtc.pipeline.evaluation.report` draws them.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
     import numpy as np
     import torch
 
-    from pipeline.pca import Basis, fix_signs
+    from kvtc.pipeline.fit.pca import Basis, fix_signs
 
     mu = np.asarray(sum_, dtype=np.float64) / n
     cov = torch.from_numpy(np.asarray(gram, dtype=np.float64) / n - np.outer(mu, mu)).float()
@@ -43,8 +43,8 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
     `settings` says), stream-level error over all groups on held-out (and eval) rows."""
     import numpy as np
 
-    from pipeline.allocator import AllocatorSettings, allocate
-    from pipeline.metrics import evaluate
+    from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
+    from kvtc.pipeline.evaluation.metrics import evaluate
 
     settings = settings or AllocatorSettings(error_model="analytic")
     splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
@@ -75,7 +75,7 @@ def error_by_tokens(store, train_ids: list[str], heldout, evals, ratio: float, s
     """Curve "error_by_tokens" rows {tokens, stream, split, rel_error}: calibrate on growing prefixes
     of the training shards (in order, `prefix_points`) and measure each with `prefix_errors`;
     tokens = rows that built the basis. The calibration job computes the same rows while it folds."""
-    from pipeline.reduce import fold_stats
+    from kvtc.pipeline.job.reduce import fold_stats
 
     if not train_ids:
         raise ValueError("error_by_tokens needs at least one training shard")
@@ -88,10 +88,10 @@ def error_by_tokens(store, train_ids: list[str], heldout, evals, ratio: float, s
 def pca_error_by_position(basis, allocations, x, positions, edges=None) -> list[dict]:
     """PCA-only relative error by position bucket: rows {ratio, lo, hi, rows, rel_error}, one per
     allocation and bucket, with each allocation's kept components unquantized. x (N, p) raw rows at
-    `positions` (N,); buckets as pipeline.metrics.default_edges."""
+    `positions` (N,); buckets as kvtc.pipeline.evaluation.metrics.default_edges."""
     import numpy as np
 
-    from pipeline.metrics import default_edges, pca_rel_error
+    from kvtc.pipeline.evaluation.metrics import default_edges, pca_rel_error
 
     pos = np.asarray(positions).reshape(-1)
     edges = edges or default_edges(int(pos.max()) if pos.size else 0)

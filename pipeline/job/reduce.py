@@ -16,12 +16,13 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import diagnostics, report
-from pipeline.allocator import AllocatorSettings, allocate
-from pipeline.metrics import evaluate, pca_rel_error
-from pipeline.pca import pca_from_moments
-from pipeline.store import ShardStore
-from workers.stats import STREAMS, CalibrationStats
+from kvtc.pipeline.evaluation import diagnostics
+from kvtc.pipeline.evaluation import report
+from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
+from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
+from kvtc.pipeline.fit.pca import pca_from_moments
+from kvtc.pipeline.job.store import ShardStore
+from kvtc.workers.stats import STREAMS, CalibrationStats
 
 MIN_HELDOUT_ROWS = 16
 
@@ -81,7 +82,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
                        registry: str, tokens_requested: int, corpus_fp: dict | None = None,
                        alias_latest: bool = True, model_dtype: str = "float32") -> dict:
     """Everything after the shard pool: returns the job summary (name, version, per-ratio errors)."""
-    import artifacts
+    from kvtc import artifacts
 
     notes: list[str] = []
     train = sorted((s for s in shards if s["role"] == "train"), key=lambda s: s["index"])

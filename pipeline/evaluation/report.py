@@ -158,7 +158,7 @@ def chart_allocation(allocations: dict) -> bytes | None:
 def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
           model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
     """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
-    from pipeline.evaluate import limit_rows
+    from kvtc.pipeline.evaluation.evaluate import limit_rows
 
     files: dict[str, bytes] = {}
     charts = {
@@ -199,7 +199,7 @@ def build_from_artifact(art, quality: dict | None = None) -> dict[str, bytes]:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    import artifacts
+    from kvtc import artifacts
 
     ref = args.artifact if "@" in args.artifact else f"{args.artifact}@latest"
     art = artifacts.pull(ref, registry=args.registry)

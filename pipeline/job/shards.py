@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.corpus import CorpusStats, Document, iter_documents
+from kvtc.pipeline.job.corpus import CorpusStats, Document, iter_documents
 
 ID_HEX_DIGITS = 16
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from pipeline.allocator import Allocation, Block
-from pipeline.metrics import evaluate
-from pipeline.pca import Basis
+from kvtc.pipeline.fit.allocator import Allocation, Block
+from kvtc.pipeline.evaluation.metrics import evaluate
+from kvtc.pipeline.fit.pca import Basis
 
 STREAMS = ("keys", "values")
 
@@ -99,8 +99,8 @@ def sample_rows(lm, manifest: dict, corpus: str, tokens: int, exclude: set[str],
     yields (keys (n, p), values (n, p), tokens) float32 rows at positions [sinks, seq_len - window)."""
     import torch
 
-    from pipeline.shards import make_shards
-    from workers.capture import CaptureSettings, capture_kv, check_seq_len
+    from kvtc.pipeline.job.shards import make_shards
+    from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
 
     cal = manifest["calibration"]
     seq_len = int(cal["seq_len"])

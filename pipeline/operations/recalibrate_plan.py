@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from pipeline.calibrate import add_arguments, config_from_args
+from kvtc.pipeline.job.calibrate import add_arguments, config_from_args
 
 # settings that say where and how fast a job runs, not what it computes
 RUNTIME_FIELDS = ("registry", "store", "address", "workers", "threads_per_worker", "cache_dir", "name", "parent",
@@ -22,7 +22,7 @@ PARENT_DESTS = ("model", "corpus", "eval_corpus", "ratios", "tokens", "eval_toke
 
 def parent_arguments(manifest: dict) -> dict:
     """The parent's calibration as `kvtc calibrate` option values (argparse dests)."""
-    from pipeline.drift_meter import seqs_per_shard
+    from kvtc.pipeline.operations.drift_meter import seqs_per_shard
 
     cal, corpus, alloc = manifest["calibration"], manifest["corpus"], manifest["calibration"]["allocator"]
     tokens = corpus.get("tokens", {})
@@ -55,7 +55,7 @@ def build_configs(manifest: dict, given: dict, parent: str):
 
 def planned_shards(cfg, tokenizer, max_positions: int) -> dict[str, list[str]]:
     """Shard ids per role that `calibrate.run(cfg)` would fold (train, heldout) and evaluate (eval)."""
-    from pipeline.shards import make_shards
+    from kvtc.pipeline.job.shards import make_shards
 
     roles: dict[str, list[str]] = {"train": [], "heldout": [], "eval": []}
     seen: set[str] = set()

@@ -90,8 +90,8 @@ def continuation_logprobs(model, keys, values, feed, keep=None):
 
 def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int):
     """Yield (method, target ratio or None, Reconstruction) for the codec and every baseline."""
-    from kernels import KVTCCodec
-    from pipeline import baselines as bl
+    from kvtc.kernels import KVTCCodec
+    from kvtc.pipeline.evaluation import baselines as bl
 
     yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
                                                   4 * keys[:, :, 0].numel() * bl.split(keys.shape[2], sinks, window)[1],
@@ -121,8 +121,8 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     ppl_ratio, kl, tokens, sequences."""
     import torch
 
-    from pipeline import baselines as bl
-    from workers.capture import raw_cache
+    from kvtc.pipeline.evaluation import baselines as bl
+    from kvtc.workers.capture import raw_cache
 
     cal = artifact.manifest["calibration"]
     sinks, window = int(cal["sinks"]), int(cal["window"])
@@ -188,7 +188,7 @@ def limit_rows(metrics: list[dict], split: str = "heldout") -> list[dict]:
 
 def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None = None):
     """Up to `count` (T,) token arrays of held-out text (see the module docstring)."""
-    from pipeline.shards import make_shards
+    from kvtc.pipeline.job.shards import make_shards
 
     cal, corpus = artifact.manifest["calibration"], artifact.manifest.get("corpus", {})
     seq_len = int(cal.get("seq_len", 1024))
@@ -221,8 +221,8 @@ def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq
 def run(name: str, registry: str | None, settings: EvalSettings, corpus: str | None = None, model: str | None = None,
         dtype: str | None = None, progress=None) -> dict:
     """Pull the artifact, load its model, evaluate; returns {"artifact", "settings", "rows", "limit"}."""
-    import artifacts
-    from workers.models import load_model
+    from kvtc import artifacts
+    from kvtc.workers.models import load_model
 
     ref = name if "@" in name else f"{name}@latest"
     art = artifacts.pull(ref, registry=registry)
@@ -242,11 +242,11 @@ def run(name: str, registry: str | None, settings: EvalSettings, corpus: str | N
 def calibrate_local(cfg) -> tuple[dict, dict]:
     """`kvtc calibrate` without Ray, shards run in this process (tests, benches): a CalibrateConfig ->
     (summary, context) where context holds the store, fingerprint and shard list for the reduce."""
-    from pipeline.allocator import AllocatorSettings
-    from pipeline.reduce import reduce_and_publish
-    from pipeline.shards import make_shards
-    from pipeline.store import default_store_uri
-    from workers.shard_worker import ShardWorker
+    from kvtc.pipeline.fit.allocator import AllocatorSettings
+    from kvtc.pipeline.job.reduce import reduce_and_publish
+    from kvtc.pipeline.job.shards import make_shards
+    from kvtc.pipeline.job.store import default_store_uri
+    from kvtc.pipeline.job.shard_worker import ShardWorker
 
     capture = {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed}
     worker = ShardWorker(cfg.model, capture, cfg.store or default_store_uri(), dtype=cfg.dtype,
@@ -275,7 +275,7 @@ def calibrate_local(cfg) -> tuple[dict, dict]:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from pipeline.report import limit_table, quality_table
+    from kvtc.pipeline.evaluation.report import limit_table, quality_table
 
     try:
         ratios = tuple(float(x) for x in args.ratios.split(",") if x.strip())

@@ -1,6 +1,6 @@
 """The body of one calibration worker: load the model once, then turn shards into stored results.
 
-Run as a Ray actor by pipeline.ray_pool (or directly, in-process). A training shard becomes its
+Run as a Ray actor by kvtc.pipeline.job.ray_pool (or directly, in-process). A training shard becomes its
 statistics (count, sum, Gram per stream and group); a held-out shard becomes a capped sample of
 captured rows over every position, sinks and window included, for error tables and the
 error-by-position curve. Results go to the shard store; `process` returns only plain values.
@@ -13,11 +13,11 @@ import time
 import numpy as np
 import torch
 
-from pipeline.shards import Shard
-from pipeline.store import ShardStore, capture_key
-from workers.capture import CaptureSettings, capture_kv
-from workers.models import fingerprint_id, load_model
-from workers.stats import CalibrationStats
+from kvtc.pipeline.job.shards import Shard
+from kvtc.pipeline.job.store import ShardStore, capture_key
+from kvtc.workers.capture import CaptureSettings, capture_kv
+from kvtc.workers.models import fingerprint_id, load_model
+from kvtc.workers.stats import CalibrationStats
 
 KILL_ENV = "KVTC_TEST_KILL_ON_SHARD"  # test hook: "<shard index>:<marker file>" kills this process once
 

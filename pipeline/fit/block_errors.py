@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.reference import qtype_bits, quantize_dequantize
-from pipeline.pca import Basis
+from kvtc.kernels.reference import qtype_bits, quantize_dequantize
+from kvtc.pipeline.fit.pca import Basis
 
 FP16_REL_MSE = 2.0 ** -21 * 0.54 / 12
 FP8_REL_MSE = 2.0 ** -6 * 0.54 / 12

@@ -1,0 +1,1 @@
+"""Evaluation and reports: metrics, diagnostic curves, baselines, `kvtc eval` and `kvtc report`."""

@@ -1,0 +1,1 @@
+"""The calibration job: corpus and shard plan, shard store, Ray worker pool, reduce and publish."""

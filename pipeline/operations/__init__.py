@@ -1,0 +1,1 @@
+"""Operations: drift measurement, recalibration and scheduled runs."""

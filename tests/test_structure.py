@@ -1,0 +1,63 @@
+"""Layering: dependencies run pipeline -> workers -> kernels -> artifacts, all under the kvtc namespace."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = {"artifacts": 0, "kernels": 1, "workers": 2, "pipeline": 3}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every kvtc module a file imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "kvtc":
+            out.update(f"kvtc.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m == "kvtc" or m.startswith("kvtc.")}
+
+
+def _module_files():
+    for top in LAYERS:
+        for path in sorted((REPO / top).rglob("*.py")):
+            yield top, path
+
+
+def test_no_upward_dependency():
+    bad = []
+    for top, path in _module_files():
+        for mod in _imports(path):
+            parts = mod.split(".")
+            target = parts[1] if len(parts) > 1 else None
+            if target is None or LAYERS[target] > LAYERS[top]:
+                bad.append(f"{path.relative_to(REPO)} imports {mod}")
+    assert not bad, "upward or namespace-wide imports:\n" + "\n".join(bad)
+
+
+def test_no_top_level_names_outside_kvtc():
+    """Nothing imports the bare folder names: installed, they exist only under kvtc."""
+    bad = []
+    for path in [*REPO.glob("tests/*.py"), *REPO.glob("bench/*.py"), *(p for _, p in _module_files())]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            bad += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in LAYERS]
+    assert not bad, "\n".join(bad)
+
+
+def test_hugging_face_kernels_package_coexists(tmp_path):
+    """Hugging Face's `kernels` package (installed by the test extra) and kvtc.kernels import side by side."""
+    code = ("import kernels, kvtc.kernels; "
+            "assert hasattr(kernels, 'get_kernel'), kernels.__file__; "
+            "assert hasattr(kvtc.kernels, 'KVTCCodec'); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)  # outside the checkout, as in a server's environment
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
