@@ -44,6 +44,7 @@ class CalibrateConfig:
     groups: str = "model"
     sample: float = 1.0
     seed: int = 0
+    keys: str = "rope-removed"
     holdout_fraction: float = 0.2
     heldout_rows: int = 8192
     tokens_curve_points: int = 3
@@ -77,7 +78,8 @@ class CalibrateConfig:
 
 
 def _capture_dict(cfg: CalibrateConfig) -> dict:
-    return {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed}
+    return {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed,
+            "keys": cfg.keys}
 
 
 def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
@@ -208,6 +210,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--groups", default=d.groups, help="model (default), layer, or layers:K")
     p.add_argument("--sample", type=float, default=d.sample, help="fraction of positions sampled (default 1.0)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--keys", choices=("rope-removed", "rope-kept"), default=d.keys,
+                   help="rope-removed (default): keys calibrated and coded without RoPE; rope-kept: as servers store "
+                        "them, for consumers that cannot remove RoPE (Dynamo, chunk stores without positions)")
     p.add_argument("--holdout-fraction", type=float, default=d.holdout_fraction)
     p.add_argument("--heldout-rows", type=int, default=d.heldout_rows, help="cap on held-out rows per stream")
     p.add_argument("--tokens-curve-points", type=int, default=d.tokens_curve_points,
@@ -234,7 +239,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> CalibrateConfig:
         model=args.model, corpus=args.corpus, eval_corpus=eval_corpus, ratios=floats(args.ratios), tokens=args.tokens,
         eval_tokens=args.eval_tokens, seq_len=args.seq_len, seqs_per_shard=args.seqs_per_shard, registry=args.registry,
         name=args.name, address=args.address, workers=args.workers, threads_per_worker=args.threads_per_worker,
-        sinks=args.sinks, window=args.window, groups=args.groups, sample=args.sample, seed=args.seed,
+        sinks=args.sinks, window=args.window, groups=args.groups, sample=args.sample, seed=args.seed, keys=args.keys,
         holdout_fraction=args.holdout_fraction, heldout_rows=args.heldout_rows,
         tokens_curve_points=args.tokens_curve_points, store=args.store, dtype=args.dtype,
         cache_dir=args.cache_dir, text_column=args.text_column,

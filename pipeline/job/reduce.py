@@ -186,8 +186,9 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         # what recalibration needs to repeat this run's shards and settings exactly
         "seqs_per_shard": cfg.seqs_per_shard, "holdout_fraction": cfg.holdout_fraction,
         "heldout_rows_cap": cfg.heldout_rows, "eval_tokens": cfg.eval_tokens, "text_column": cfg.text_column,
-        "dtype": cfg.dtype, "model_dtype": model_dtype,
-        "relative_error": "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed",
+        "dtype": cfg.dtype, "model_dtype": model_dtype, "keys": cfg.keys,
+        "relative_error": "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys "
+                          + ("with RoPE (as cached)" if cfg.keys == "rope-kept" else "RoPE-removed"),
     }
     corpus = corpus_fp or {
         "spec": cfg.corpus, "eval_spec": cfg.eval_corpus, "seq_len": cfg.seq_len, "seed": cfg.seed,

@@ -104,7 +104,8 @@ def sample_rows(lm, manifest: dict, corpus: str, tokens: int, exclude: set[str],
 
     cal = manifest["calibration"]
     seq_len = int(cal["seq_len"])
-    settings = CaptureSettings(sinks=int(cal["sinks"]), window=int(cal["window"]), seed=int(cal.get("seed", 0)))
+    settings = CaptureSettings(sinks=int(cal["sinks"]), window=int(cal["window"]), seed=int(cal.get("seed", 0)),
+                               keys=cal.get("keys", "rope-removed"))
     check_seq_len(lm, seq_len, settings)
     used = 0
     for shard in make_shards(corpus, lm.tokenizer, seq_len=seq_len, seqs_per_shard=seqs_per_shard(manifest),

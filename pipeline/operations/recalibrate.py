@@ -49,7 +49,7 @@ def heldout_store(manifest: dict, store_root: str | None):
 
     cal = manifest["calibration"]
     capture = CaptureSettings(sinks=cal["sinks"], window=cal["window"], groups=cal.get("group_spec", "model"),
-                              sample=cal.get("sample", 1.0), seed=cal["seed"])
+                              sample=cal.get("sample", 1.0), seed=cal["seed"], keys=cal.get("keys", "rope-removed"))
     return ShardStore(store_root or default_store_uri(), fingerprint_id(manifest["model"]),
                       capture_key(capture.to_dict(), cal.get("model_dtype", "float32")))
 

@@ -17,7 +17,7 @@ RUNTIME_FIELDS = ("registry", "store", "address", "workers", "threads_per_worker
                   "extra_manifest")
 PARENT_DESTS = ("model", "corpus", "eval_corpus", "ratios", "tokens", "eval_tokens", "seq_len", "seqs_per_shard", "sinks",
                 "window", "groups", "sample", "seed", "block_sizes", "types", "error_model", "holdout_fraction",
-                "heldout_rows", "text_column", "dtype")
+                "heldout_rows", "text_column", "dtype", "keys")
 
 
 def parent_arguments(manifest: dict) -> dict:
@@ -34,7 +34,7 @@ def parent_arguments(manifest: dict) -> dict:
                sample=cal.get("sample", 1.0), seed=cal["seed"], block_sizes=",".join(map(str, alloc["block_sizes"])),
                types=",".join(alloc["types"]), error_model=alloc["error_model"])
     for key, dest in (("holdout_fraction", "holdout_fraction"), ("heldout_rows_cap", "heldout_rows"),
-                      ("text_column", "text_column"), ("dtype", "dtype")):
+                      ("text_column", "text_column"), ("dtype", "dtype"), ("keys", "keys")):
         if key in cal:
             out[dest] = cal[key]
     return out
