@@ -86,13 +86,16 @@ def cmd_alias(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kvtc.artifacts.export import export_dynamo
+    from kvtc.artifacts.export import DynamoExportOptions, export_dynamo
     from kvtc.artifacts.pull import pull
 
+    options = DynamoExportOptions(fp8=args.fp8, layout=args.layout, allow_rope_removed=args.allow_rope_removed)
     artifact = pull(args.ref, registry=_registry(args), cache_dir=args.cache_dir)
-    path = export_dynamo(artifact, args.ratio, args.to)
-    return _print(args, {"name": artifact.name, "version": artifact.version, "ratio": args.ratio, "path": str(path)},
-                  str(path))
+    path = export_dynamo(artifact, args.ratio, args.to, options)
+    real = json.loads(path.read_text())["dynamo_ratio"]
+    return _print(args, {"name": artifact.name, "version": artifact.version, "ratio": args.ratio, "path": str(path),
+                         "dynamo_ratio": real},
+                  f"{path}\nratio {args.ratio:g} as allocated; {real}x with Dynamo's 64-bit min/max per range per row")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -124,6 +127,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ratio", type=float, required=True, help="compression ratio to export")
     p.add_argument("--format", choices=["dynamo"], default="dynamo", help="target runtime format")
     p.add_argument("--to", required=True, help="output directory")
+    p.add_argument("--fp8", choices=["int8", "refuse"], default="int8",
+                   help="scaled fp8 blocks: export as 8-bit IntX (default) or refuse (Dynamo's Fp8 has no scale)")
+    p.add_argument("--layout", choices=["paged", "token-major"], default="paged",
+                   help="paged (default): only per-layer groups; token-major: all layers of a token contiguous")
+    p.add_argument("--allow-rope-removed", action="store_true",
+                   help="export a RoPE-removed key basis (the consumer removes and re-applies RoPE itself)")
     p.add_argument("--cache-dir", help="cache directory (default $KVTC_CACHE or ~/.cache/kvtc)")
     p.set_defaults(func=cmd_export)
 

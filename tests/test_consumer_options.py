@@ -58,10 +58,12 @@ def test_rope_kept_artifact_runs_in_kvtc_cache(rope_kept):
 
 
 def test_rope_kept_artifact_exports_to_dynamo_without_override(rope_kept, tmp_path):
-    from kvtc.artifacts.export import export_dynamo
+    from kvtc.artifacts.export import DynamoExportOptions, ExportError, export_dynamo
 
     art, _ = rope_kept
-    path = export_dynamo(art, 4, tmp_path)
+    with pytest.raises(ExportError, match="--groups layer"):  # one cross-layer group: not a paged row
+        export_dynamo(art, 4, tmp_path)
+    path = export_dynamo(art, 4, tmp_path, DynamoExportOptions(layout="token-major"))
     doc = json.loads(path.read_text())
     assert doc["keys"] == "rope-kept" and all(not c["rope_removed"] for c in doc["configs"])
     assert np.fromfile(tmp_path / "keys-g0.mean.f32", dtype="<f4").shape == (3 * 2 * 16,)
