@@ -49,6 +49,10 @@ class _CodedStore:
         self.chunks = [c.select_batch(index) for c in self.chunks]
         self._z.clear()
 
+    def clear(self) -> None:
+        self.chunks.clear()
+        self._z.clear()
+
     def layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Coded tokens of `layer` -> keys, values (B, H, coded tokens, D) in `dtype`."""
         gi, _ = self.coder.layer_group[layer]
@@ -234,8 +238,7 @@ class KVTCCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.store.chunks.clear()
-        self.store.select_batch(torch.zeros(0, dtype=torch.long))
+        self.store.clear()
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

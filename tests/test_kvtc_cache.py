@@ -123,3 +123,13 @@ def test_construction_refuses_another_models_shape_and_bad_arguments():
         KVTCCache(codec, config=small.config, chunk=0)
     with pytest.raises(TypeError, match="KVTCCodec"):
         KVTCCache(codec.spec, config=small.config)
+
+
+def test_reset_empties_raw_and_coded_tokens():
+    model = build_tiny("llama")
+    cache = KVTCCache(KVTCCodec(near_lossless_spec(model)), config=model.config, chunk=2)
+    with torch.no_grad():
+        model(torch.randint(3, 2000, (1, 20)), past_key_values=cache, use_cache=True)
+    assert cache.coded_tokens > 0 and cache.resident_bytes() > 0
+    cache.reset()
+    assert cache.coded_tokens == 0 and cache.get_seq_length() == 0 and cache.resident_bytes() == 0
