@@ -69,6 +69,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=64, help="KVTCCache tokens coded together")
+    ap.add_argument("--window", type=int, default=None, help="KVTCCache recent window (default: the artifact's)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
@@ -86,7 +87,7 @@ def main() -> int:
     need = args.prompt_tokens + max(args.eval_tokens, 1)
     ids: list[int] = []
     for doc in iter_documents(args.corpus):
-        ids += lm.tokenizer(doc).input_ids
+        ids += lm.tokenizer(doc.text).input_ids
         if len(ids) >= need:
             break
     ids_t = torch.tensor([ids[:need]])
@@ -96,12 +97,14 @@ def main() -> int:
     makers = {"DynamicCache": lambda: DynamicCache(config=config)}
     for r in (float(x) for x in args.ratios.split(",") if x):
         codec = KVTCCodec(art, r)
-        makers[f"KVTC CR {r:g}"] = lambda codec=codec: KVTCCache(codec, config=config, chunk=args.chunk)
+        makers[f"KVTC CR {r:g}"] = lambda codec=codec: KVTCCache(codec, config=config, chunk=args.chunk,
+                                                                 window=args.window)
     for bits in (int(x) for x in args.quanto.split(",") if x):
         makers[f"quanto int{bits}"] = lambda bits=bits: QuantizedCache("quanto", config, nbits=bits,
                                                                        residual_length=128, q_group_size=64)
-    print(f"{art.name}@{art.version} (sinks {art.manifest['calibration']['sinks']}, window "
-          f"{art.manifest['calibration']['window']}), model dtype {lm.dtype}, {args.threads} threads, corpus "
+    window = art.manifest["calibration"]["window"] if args.window is None else args.window
+    print(f"{art.name}@{art.version} (sinks {art.manifest['calibration']['sinks']}, KVTCCache window {window}, "
+          f"chunk {args.chunk}), quanto residual 128, model dtype {lm.dtype}, {args.threads} threads, corpus "
           f"{args.corpus}: prompt {args.prompt_tokens}, generate {args.new_tokens}, score {cont.shape[1]}\n",
           flush=True)
 
