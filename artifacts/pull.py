@@ -113,6 +113,9 @@ def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = Non
     damaged = _download(reg, name, version, manifest_bytes, manifest, dest, reg.read_signature(name, version))
     artifact = Artifact(dest, manifest, verify=False)
     artifact.damaged = damaged
+    if damaged:
+        warnings.warn(f"{name}@{version}: optional files fail their checks and are refused: {', '.join(damaged)} "
+                      "(decoding does not need them)", stacklevel=2)
     return artifact
 
 
