@@ -180,7 +180,7 @@ def publish(content: ArtifactContent, registry: "Registry | str | None" = None, 
                 raise
             print(f"kvtc: version id {manifest['version']} collided; retrying", file=sys.stderr)
     if alias_latest:
-        reg.move_latest(content.name)
+        reg.move_latest(content.name, manifest["version"])
     path = reg.version_path(content.name, manifest["version"])
     return ArtifactRef(reg.uri, content.name, manifest["version"], path if reg.local else reg.fs.unstrip_protocol(path),
                        manifest)

@@ -259,25 +259,29 @@ class Registry:
         else:
             self.fs.pipe_file(target, record)
 
-    def _created(self, name: str, version: str) -> tuple[str, str]:
-        try:
-            return str(self.read_manifest(name, version).get("created", "")), version
-        except (ValueError, OSError):
-            return "", ""
+    def move_latest(self, name: str, version: str) -> str:
+        """Point `latest` at the newest version published for it (by creation time, then id), whoever writes last.
 
-    def move_latest(self, name: str) -> str | None:
-        """Point `latest` at the newest committed version (by creation time, then id), whoever publishes last.
-
-        Rewrites until a listing made after its own write agrees, so concurrent publishers converge on
-        the newest version rather than on the last writer."""
+        Each such publish leaves a marker <name>/published/<created>.<version>; after its own write a
+        publisher re-lists the markers and rewrites until they agree, so concurrent publishers converge on
+        the newest version rather than on the last writer. Versions published without `latest` (a
+        recalibration candidate) leave no marker and never become `latest` this way."""
+        created = str(self.read_manifest(name, version).get("created", ""))
+        stamp = "".join(ch for ch in created if ch.isalnum()) or "0"
+        marker = self.path(name, "published", f"{stamp}.{version}")
+        if self.local:
+            write_local_atomic(marker, b"")
+        else:
+            self.fs.pipe_file(marker, b"")
         written = None
-        for _ in range(10):
-            versions = self.versions(name)
-            if not versions:
-                return None
-            newest = max(versions, key=lambda v: self._created(name, v))
+        for _ in range(20):
+            self._fresh()
+            found = [path.rstrip("/").rsplit("/", 1)[-1] for path in self.fs.ls(self.path(name, "published"), detail=False)]
+            entries = sorted(f for f in found if "." in f and f.split(".", 1)[0].isalnum()
+                             and NAME_PATTERN.fullmatch(f.split(".", 1)[1]))
+            newest = entries[-1].split(".", 1)[1] if entries else version
             if newest == written:
-                return newest
+                break
             self.set_alias(name, "latest", newest)
             written = newest
         return written
