@@ -78,6 +78,8 @@ class Registry:
         except (ImportError, ValueError) as exc:
             raise ValueError(f"registry {self.uri!r} cannot be opened ({exc}); use a path or a supported fsspec URI "
                              "(s3://, gs://, ... with its package installed)") from None
+        except OSError as exc:
+            raise ConnectionError(f"registry {self.uri} cannot be reached ({type(exc).__name__}: {exc})") from None
         self.root = self.root.rstrip("/") or "/"
         self.local = isinstance(self.fs, LocalFileSystem)
 
