@@ -68,8 +68,9 @@ def check_signature(reg: Registry, name: str, version: str, manifest_bytes: byte
                          f"(or set ${PUBLIC_KEY_ENV})")
     if not public_key:
         return None
-    from kvtc.artifacts.signing import verify_signature
+    from kvtc.artifacts.signing import load_public_key, verify_signature
 
+    load_public_key(public_key)  # a bad key file fails even when there is nothing to check
     signature = reg.read_signature(name, version)
     if signature is None and not require_signature:
         warnings.warn(f"{where} is not signed; loading it unverified (require signatures with "

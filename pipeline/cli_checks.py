@@ -102,7 +102,7 @@ def check_args(args: argparse.Namespace) -> None:
     if values.get("ratio") is not None:
         parse_ratios(str(values["ratio"]), "--ratio")
     if values.get("name"):
-        check_name("--name", values["name"])
+        check_name("artifact name (--name)", values["name"])
     if isinstance(values.get("alias"), str):
         check_name("alias", values["alias"])
     for alias in values.get("alias") or [] if isinstance(values.get("alias"), list) else []:
