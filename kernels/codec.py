@@ -60,11 +60,14 @@ class KVTCCodec:
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
 
     @classmethod
-    def from_registry(cls, ref: str, ratio: float, registry: Any = None, **kwargs: Any) -> "KVTCCodec":
-        """ref "name@version|alias" pulled through artifacts.pull (imported lazily)."""
+    def from_registry(cls, ref: str, ratio: float, registry: Any = None, *, public_key: Any = None,
+                      require_signature: bool | None = None, **kwargs: Any) -> "KVTCCodec":
+        """ref "name@version|alias|sha256:HEX" pulled and verified through artifacts.pull (imported lazily);
+        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull)."""
         from kvtc.artifacts import pull
 
-        return cls(pull(ref, registry=registry), ratio, **kwargs)
+        return cls(pull(ref, registry=registry, public_key=public_key, require_signature=require_signature),
+                   ratio, **kwargs)
 
     @contextmanager
     def _stage(self, name: str, device: torch.device) -> Iterator[None]:

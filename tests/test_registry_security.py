@@ -197,3 +197,23 @@ def test_files_follow_the_process_umask(tmp_path):
             assert oct((tmp_path / "reg" / rel).stat().st_mode & 0o777) == "0o644"
     finally:
         os.umask(old)
+
+
+def test_a_damaged_chart_does_not_stop_the_codec(tmp_path):
+    from kvtc.kernels import KVTCCodec
+
+    reg = Registry(str(tmp_path / "reg"))
+    content = toy_content()
+    content.model["rope"] = {"rope_type": "default", "theta": 10000.0, "head_dim": 8, "rotary_dim": 8,
+                             "inv_freq": [10000.0 ** (-2 * i / 8) for i in range(4)], "attention_scaling": 1.0,
+                             "layout": "half"}
+    ref = publish(content, reg)
+    chart = tmp_path / "reg" / "toy" / "versions" / ref.version / "charts" / "allocation.png"
+    data = bytearray(chart.read_bytes())
+    data[10] ^= 0xFF
+    chart.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="charts/allocation.png"):
+        codec = KVTCCodec.from_registry("toy", 4.0, registry=reg)
+    assert codec.spec.version == ref.version
+    with pytest.raises(IntegrityError):
+        pull("toy", registry=reg).file("charts/allocation.png")
