@@ -120,5 +120,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(dest)} {path} does not exist or is not a file")
     if values.get("require_signature") and not (values.get("key") or os.environ.get("KVTC_PUBLIC_KEY")):
         raise ValueError("--require-signature needs the signer's public key: pass --key PUBLIC.pem")
+    if "seq_len" in values and os.environ.get("KVTC_SIGNING_KEY"):  # a publishing command: check the key now
+        from kvtc.artifacts.signing import load_private_key
+
+        load_private_key(os.environ["KVTC_SIGNING_KEY"])
     if values.get("address") is not None:
         check_address(values["address"])
