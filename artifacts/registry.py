@@ -46,14 +46,26 @@ def split_ref(spec: str, ref: str | None = None) -> tuple[str, str]:
     return check_name("artifact name", name), check_ref(inline or ref or "latest")
 
 
+def process_umask() -> int:
+    """The umask, read without changing it where the OS allows (os.umask(0) would race other threads)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
 def write_local_atomic(target: str, data: bytes) -> None:
     """Temp file + fsync + rename, created with the process umask (mkstemp alone would leave 0600)."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, 0o666 & ~process_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
