@@ -37,10 +37,26 @@ def quality_table(rows: list[dict]) -> str:
 
 
 def limit_table(rows: list[dict]) -> str:
-    """Markdown table of `evaluate.limit_rows`."""
+    """Markdown table of `limit_rows`."""
     return _md(["CR", "stream", "codec rel. err", "Gaussian bound", "gap (dB)"],
                [[f"{r['ratio']:g}", r["stream"], _pct(r["rel_error"]), _pct(r["bound_rel_error"]), f"{r['gap_db']:.2f}"]
                 for r in rows])
+
+
+def limit_rows(metrics: list[dict], split: str = "heldout") -> list[dict]:
+    """Per ratio and stream: the codec's calibration error, the Gaussian reverse water-filling bound
+    at the same bits (KVTC.md section 7) and the gap 20 log10(error / bound) in dB."""
+    got: dict[tuple, dict] = {}
+    for m in metrics:
+        if m.get("group") is None and m.get("split") == split and m.get("metric") in ("rel_error", "bound_rel_error"):
+            got.setdefault((float(m["ratio"]), m["stream"]), {})[m["metric"]] = float(m["value"])
+    rows = []
+    for (ratio, stream), v in sorted(got.items()):
+        if "rel_error" in v and "bound_rel_error" in v:
+            gap = 20 * math.log10(v["rel_error"] / v["bound_rel_error"]) if v["bound_rel_error"] > 0 else float("inf")
+            rows.append({"ratio": ratio, "stream": stream, "rel_error": v["rel_error"],
+                         "bound_rel_error": v["bound_rel_error"], "gap_db": gap})
+    return rows
 
 
 def error_table(metrics: list[dict]) -> str:
@@ -158,8 +174,6 @@ def chart_allocation(allocations: dict) -> bytes | None:
 def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
           model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
     """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
-    from kvtc.pipeline.evaluation.evaluate import limit_rows
-
     files: dict[str, bytes] = {}
     charts = {
         "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", [])),

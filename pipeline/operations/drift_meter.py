@@ -8,10 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
 from kvtc.pipeline.fit.allocator import Allocation, Block
 from kvtc.pipeline.evaluation.metrics import evaluate
 from kvtc.pipeline.fit.pca import Basis
+from kvtc.pipeline.job.shards import make_shards
+from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
 
 STREAMS = ("keys", "values")
 
@@ -97,11 +100,6 @@ def sample_rows(lm, manifest: dict, corpus: str, tokens: int, exclude: set[str],
                 text_column: str | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """Capture sequences of `corpus` (shards not in `exclude`) until `tokens`, one at a time:
     yields (keys (n, p), values (n, p), tokens) float32 rows at positions [sinks, seq_len - window)."""
-    import torch
-
-    from kvtc.pipeline.job.shards import make_shards
-    from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
-
     cal = manifest["calibration"]
     seq_len = int(cal["seq_len"])
     settings = CaptureSettings(sinks=int(cal["sinks"]), window=int(cal["window"]), seed=int(cal.get("seed", 0)))

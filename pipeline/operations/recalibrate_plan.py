@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from kvtc.pipeline.job.calibrate import add_arguments, config_from_args
+from kvtc.pipeline.job.calibrate import add_arguments, config_from_args, shard_plan
+from kvtc.pipeline.job.shards import plan_shards
 
 # settings that say where and how fast a job runs, not what it computes
 RUNTIME_FIELDS = ("registry", "store", "address", "workers", "threads_per_worker", "cache_dir", "name", "parent",
@@ -55,21 +56,9 @@ def build_configs(manifest: dict, given: dict, parent: str):
 
 def planned_shards(cfg, tokenizer, max_positions: int) -> dict[str, list[str]]:
     """Shard ids per role that `calibrate.run(cfg)` would fold (train, heldout) and evaluate (eval)."""
-    from kvtc.pipeline.job.shards import make_shards
-
     roles: dict[str, list[str]] = {"train": [], "heldout": [], "eval": []}
-    seen: set[str] = set()
-    plans = [(cfg.corpus, cfg.tokens, False)]
-    if cfg.eval_corpus:
-        plans.append((cfg.eval_corpus, cfg.eval_tokens or 2 * cfg.seqs_per_shard * cfg.seq_len, True))
-    for spec, budget, is_eval in plans:
-        for shard in make_shards(spec, tokenizer, seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard,
-                                 max_tokens=budget, seed=cfg.seed, text_column=cfg.text_column,
-                                 holdout_fraction=0.0 if is_eval else cfg.holdout_fraction,
-                                 min_holdout_shards=0 if is_eval else 1, max_seq_len=max_positions):
-            if shard.id not in seen:
-                seen.add(shard.id)
-                roles["eval" if is_eval else "heldout" if shard.holdout else "train"].append(shard.id)
+    for role, shard in plan_shards(shard_plan(cfg, cfg.tokens), tokenizer, max_positions):
+        roles[role].append(shard.id)
     return roles
 
 
