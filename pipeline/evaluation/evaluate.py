@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass, field
 
 from kvtc.pipeline.evaluation.report import limit_rows, limit_table, quality_table
-from kvtc.pipeline.job.shards import ShardPlan, make_shards, plan_shards
+from kvtc.pipeline.job.calibrate import config_from_manifest, shard_plan
+from kvtc.pipeline.job.shards import make_shards, plan_shards
 
 BASELINES = ("kivi", "fp8", "pca_uniform", "evict", "deflate")
 KIVI_CONFIGS = ((2, 32), (2, 128), (4, 32), (4, 128))
@@ -124,11 +125,12 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     ppl_ratio, kl, tokens, sequences."""
     import torch
 
+    from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.evaluation import baselines as bl
     from kvtc.workers.capture import raw_cache
 
-    cal = artifact.manifest["calibration"]
-    sinks, window = int(cal["sinks"]), int(cal["window"])
+    record = CalibrationRecord.from_manifest(artifact.manifest)
+    sinks, window = record.sinks, record.window
     tallies: dict[str, _Tally] = {}
     count = 0
     for seq in sequences:
@@ -175,19 +177,17 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
 
 def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None = None):
     """Up to `count` (T,) token arrays of held-out text (see the module docstring)."""
-    cal, corpus = artifact.manifest["calibration"], artifact.manifest.get("corpus", {})
-    seq_len = int(cal.get("seq_len", 1024))
+    corpus = artifact.manifest.get("corpus", {})
     own = spec is None or spec == corpus.get("spec")
     spec = spec or corpus.get("spec")
     if not spec:
         raise ValueError("the artifact names no corpus; pass --corpus")
+    cfg = config_from_manifest(artifact.manifest, corpus=spec, eval_corpus=None)
+    seq_len = cfg.seq_len
     out = []
     if own:
         held = set(corpus.get("heldout_shards") or [])
-        budget = int(cal.get("tokens_requested") or cal.get("tokens") or count * seq_len)
-        plan = ShardPlan(corpus=spec, tokens=budget, eval_corpus=None, eval_tokens=None, seq_len=seq_len,
-                         seqs_per_shard=int(cal.get("seqs_per_shard", 4)), seed=int(cal.get("seed", 0)),
-                         holdout_fraction=float(cal.get("holdout_fraction", 0.2)), text_column=cal.get("text_column"))
+        plan = shard_plan(cfg, cfg.tokens or count * seq_len)
         for role, shard in plan_shards(plan, tokenizer, max_seq_len):
             if role == "heldout" and shard.id in held:
                 out.extend(shard.input_ids[: count - len(out)])

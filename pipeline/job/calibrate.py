@@ -254,27 +254,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
 
 
-def config_from_args(args: argparse.Namespace, **overrides) -> CalibrateConfig:
-    def floats(s: str) -> tuple[float, ...]:
+def config_values(options: dict) -> dict:
+    """`kvtc calibrate` option values (argparse dests, as given on the command line) -> CalibrateConfig
+    field values, for the options present (`json` is not a setting)."""
+    def numbers(name: str, kind: type) -> tuple:
         try:
-            return tuple(float(x) for x in s.split(",") if x.strip())
+            return tuple(kind(x) for x in str(options[name]).split(",") if x.strip())
         except ValueError:
-            raise ValueError(f"--ratios must be comma-separated numbers, got {s!r}") from None
+            raise ValueError(f"--{name.replace('_', '-')} must be comma-separated numbers, got {options[name]!r}") from None
 
-    eval_corpus = None if (args.eval_corpus or "").lower() in ("", "none") else args.eval_corpus
-    kw = dict(
-        model=args.model, corpus=args.corpus, eval_corpus=eval_corpus, ratios=floats(args.ratios), tokens=args.tokens,
-        eval_tokens=args.eval_tokens, seq_len=args.seq_len, seqs_per_shard=args.seqs_per_shard, registry=args.registry,
-        name=args.name, address=args.address, workers=args.workers, threads_per_worker=args.threads_per_worker,
-        sinks=args.sinks, window=args.window, groups=args.groups, sample=args.sample, seed=args.seed,
-        holdout_fraction=args.holdout_fraction, heldout_rows=args.heldout_rows,
-        tokens_curve_points=args.tokens_curve_points, store=args.store, dtype=args.dtype,
-        cache_dir=args.cache_dir, text_column=args.text_column,
-        block_sizes=tuple(int(x) for x in args.block_sizes.split(",")), types=tuple(args.types.split(",")),
-        error_model=args.error_model,
+    out = {k: v for k, v in options.items() if k != "json"}
+    if "eval_corpus" in out:
+        out["eval_corpus"] = None if (out["eval_corpus"] or "").lower() in ("", "none") else out["eval_corpus"]
+    if "ratios" in out:
+        out["ratios"] = numbers("ratios", float)
+    if "block_sizes" in out:
+        out["block_sizes"] = numbers("block_sizes", int)
+    if "types" in out:
+        out["types"] = tuple(t.strip() for t in str(out["types"]).split(",") if t.strip())
+    return out
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> CalibrateConfig:
+    return CalibrateConfig(**{**config_values(vars(args)), **overrides})
+
+
+def config_from_manifest(manifest: dict, **overrides) -> CalibrateConfig:
+    """The settings that repeat the calibration of `manifest` (a published version), then `overrides`
+    (CalibrateConfig fields); settings the manifest did not record keep CalibrateConfig's defaults."""
+    from kvtc.artifacts.calibration import CalibrationRecord
+
+    rec = CalibrationRecord.from_manifest(manifest)
+    corpus = manifest["corpus"]
+    recorded = dict(
+        model=manifest["model"]["spec"], corpus=corpus["spec"], eval_corpus=corpus.get("eval_spec") or None,
+        ratios=rec.ratios, tokens=rec.tokens_requested, eval_tokens=rec.eval_tokens, seq_len=rec.seq_len,
+        seqs_per_shard=rec.seqs_per_shard, sinks=rec.sinks, window=rec.window, groups=rec.group_spec,
+        sample=rec.sample, seed=rec.seed, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
+        text_column=rec.text_column, dtype=rec.dtype, block_sizes=tuple(rec.allocator["block_sizes"]),
+        types=tuple(rec.allocator["types"]), error_model=rec.allocator["error_model"],
     )
-    kw.update(overrides)
-    return CalibrateConfig(**kw)
+    unrecorded = {"holdout_fraction", "heldout_rows", "seqs_per_shard"}  # None: keep the default
+    recorded = {k: v for k, v in recorded.items() if v is not None or k not in unrecorded}
+    return CalibrateConfig(**{**recorded, **overrides})
 
 
 def print_summary(summary: dict, as_json: bool) -> None:
