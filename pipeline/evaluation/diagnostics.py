@@ -10,11 +10,10 @@ import math
 import numpy as np
 import torch
 
+from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.metrics import default_edges, evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.fit.pca import Basis, fix_signs
-
-STREAMS = ("keys", "values")
 
 
 def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):

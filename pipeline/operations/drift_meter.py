@@ -10,14 +10,14 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from kvtc.artifacts.blocks import Block
 from kvtc.artifacts.calibration import CalibrationRecord
-from kvtc.pipeline.fit.allocator import Allocation, Block
+from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.metrics import evaluate
+from kvtc.pipeline.fit.allocator import Allocation
 from kvtc.pipeline.fit.pca import Basis
 from kvtc.pipeline.job.shards import make_shards
 from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
-
-STREAMS = ("keys", "values")
 
 
 def total_variances(art) -> dict[tuple[str, int], float]:
@@ -45,7 +45,7 @@ def artifact_models(art) -> dict[tuple[str, int], tuple[Basis, list[Allocation]]
             allocs = []
             for ratio in sorted(art.ratios()):
                 info = art.allocation_info(ratio, stream, g)
-                blocks = tuple(Block(int(s), int(z), str(q), int(b), int(sb)) for s, z, q, b, sb in info["blocks"])
+                blocks = tuple(Block(int(s), int(z), str(q), int(b)) for s, z, q, b, *_ in info["blocks"])
                 allocs.append(Allocation(float(ratio), int(info["budget_bits"]), blocks, int(info["cost_bits"]),
                                          int(info["kept"]), float(info.get("expected_error", 0.0)), basis.total_variance,
                                          rec.allocator["error_model"], 0,
