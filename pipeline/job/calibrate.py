@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.shards import ShardPlan, plan_shards
@@ -256,14 +256,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_values(options: dict) -> dict:
     """`kvtc calibrate` option values (argparse dests, as given on the command line) -> CalibrateConfig
-    field values, for the options present (`json` is not a setting)."""
+    field values, for the options present (others, like `json` or the sub-command, are ignored)."""
     def numbers(name: str, kind: type) -> tuple:
         try:
             return tuple(kind(x) for x in str(options[name]).split(",") if x.strip())
         except ValueError:
             raise ValueError(f"--{name.replace('_', '-')} must be comma-separated numbers, got {options[name]!r}") from None
 
-    out = {k: v for k, v in options.items() if k != "json"}
+    settings = {f.name for f in fields(CalibrateConfig)}
+    out = {k: v for k, v in options.items() if k in settings}
     if "eval_corpus" in out:
         out["eval_corpus"] = None if (out["eval_corpus"] or "").lower() in ("", "none") else out["eval_corpus"]
     if "ratios" in out:
