@@ -11,8 +11,9 @@ import numpy as np
 
 from kvtc.artifacts import bundle, tables
 from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError
+from kvtc.artifacts.blocks import Block
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
-from kvtc.artifacts.schema import STREAMS, Block
+from kvtc.artifacts.schema import STREAMS
 
 
 def file_sha256(path: Path) -> str:
@@ -82,7 +83,7 @@ class Artifact:
 
     basis(stream, group) -> (mean (p,), eigenvalues (k,), components (p, k)) float32, components as
     columns, features ordered layer, kv head, head_dim; keys in RoPE-removed space.
-    allocation(ratio, stream, group) -> [Block(start, size, type, bits)] in component order.
+    allocation(ratio, stream, group) -> [Block(start, size, qtype, bits)] in component order.
     """
 
     def __init__(self, path: str | os.PathLike, manifest: dict | None = None, verify: bool = True) -> None:
