@@ -111,6 +111,9 @@ def _json_stdout() -> Iterator[None]:
     try:
         yield
     finally:
+        ray = sys.modules.get("ray")
+        if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+            ray.shutdown()  # its log thread must not print onto stdout once the JSON is out
         sys.stdout.flush()
         sys.stdout = previous
         os.dup2(saved, 1)
