@@ -25,10 +25,21 @@ def _registry(args: argparse.Namespace):
 def cmd_list(args: argparse.Namespace) -> int:
     reg = _registry(args)
     if not args.name:
-        names = {n: {"versions": len(reg.versions(n)), "aliases": reg.aliases(n)} for n in reg.names()}
-        lines = [f"{n}  {v['versions']} version(s)  latest={v['aliases'].get('latest', '-')}" for n, v in names.items()]
+        names = {}
+        for n in reg.names():
+            names[n] = {"versions": len(reg.versions(n)), "aliases": {}}
+            try:
+                names[n]["aliases"] = reg.aliases(n)
+            except (ValueError, OSError, RuntimeError) as exc:  # one bad alias must not hide the other artifacts
+                names[n]["error"] = str(exc)
+        lines = [f"{n}  {v['versions']} version(s)  latest={v['aliases'].get('latest', '-')}"
+                 + (f"  UNREADABLE ALIASES: {v['error']}" if "error" in v else "") for n, v in names.items()]
         return _print(args, names, "\n".join(lines) or f"(no artifacts in {reg.uri})")
-    aliases = reg.aliases(args.name)
+    try:
+        aliases = reg.aliases(args.name)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"kvtc list: warning: {exc}", file=sys.stderr)
+        aliases = {}
     rows = []
     for v in reg.versions(args.name):
         row = {"version": v, "created": "", "aliases": sorted(a for a, t in aliases.items() if t == v)}

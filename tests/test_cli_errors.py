@@ -140,3 +140,12 @@ def test_sign_and_verify_from_the_command_line(reg, tmp_path, capfd):
                       "--json")
     assert rc == 0 and json.loads(out)["signature"] == "signature checked"
     assert _run(capsys, "keygen", "--out", prefix)[0] == 2  # never overwrites a key
+
+
+def test_list_survives_a_corrupt_alias(reg, capsys):
+    publish(toy_content(), reg, version="v2")
+    Path(reg, "toy", "aliases", "broken").write_text("{not json")
+    rc, out, err = _run(capsys, "list", "--registry", reg)
+    assert rc == 0 and "toy" in out and "UNREADABLE ALIASES" in out
+    rc, out, err = _run(capsys, "list", "toy", "--registry", reg)
+    assert rc == 0 and "v2" in out and "warning" in err
