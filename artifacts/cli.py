@@ -90,9 +90,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kvtc.artifacts.pull import pull
 
     reg = _registry(args)
-    with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
-        artifact = pull(args.ref, registry=reg, cache_dir=scratch, public_key=args.key,
-                        require_signature=args.require_signature or None)
+    adopted = None
+    if args.adopt:
+        from kvtc.artifacts.registry import split_ref
+
+        name, ref = split_ref(args.ref)
+        version = reg.resolve(name, ref)
+        adopted = reg.adopt(name, version)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
+            artifact = pull(args.ref, registry=reg, cache_dir=scratch, public_key=args.key,
+                            require_signature=args.require_signature or None)
+    except Exception:
+        if adopted:
+            reg.fs.rm_file(f"{reg.version_path(name, version)}/manifest.sha256")  # adopt only what verifies
+        raise
     if artifact.damaged:
         raise IntegrityError(f"{artifact.name}@{artifact.version}: optional files fail their sha256 check: "
                              f"{', '.join(artifact.damaged)} (decoding does not need them)")
@@ -171,6 +183,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("verify", parents=[common, signed],
                               help="check a version's manifest digest, every file, the kernel bundle and the signature")
     p.add_argument("ref", help=ref_help)
+    p.add_argument("--adopt", action="store_true", help="record the manifest digest of a version published before "
+                   "digests existed, if all its files verify (trust on first use)")
     p.set_defaults(func=cmd_verify)
     p = subparsers.add_parser("alias", parents=[common], help="point an alias (production, ...) at a version")
     p.add_argument("ref", help=ref_help)

@@ -259,6 +259,22 @@ class Registry:
             self.fs.pipe_file(target, signature)
         return json.loads(signature)["key_id"]
 
+    def adopt(self, name: str, version: str) -> str:
+        """Write the digest file of a version published before digests existed (trust on first use:
+        run `kvtc verify --adopt` where the registry is trusted); -> its digest. The caller verifies the files."""
+        prefix = self.version_path(check_name("artifact name", name), check_name("version", version))
+        if self._cat_optional(f"{prefix}/{DIGEST_FILE}") is not None:
+            raise ValueError(f"{name}@{version} already has a {DIGEST_FILE}; nothing to adopt")
+        data = self.fs.cat_file(f"{prefix}/{MANIFEST}")
+        decode_manifest(data, f"{self.uri}: {name}@{version}", name, version)
+        digest = manifest_digest(data)
+        record = (digest + "\n").encode()
+        if self.local:
+            write_local_atomic(f"{prefix}/{DIGEST_FILE}", record)
+        else:
+            self.fs.pipe_file(f"{prefix}/{DIGEST_FILE}", record)
+        return digest
+
     def set_alias(self, name: str, alias: str, version: str) -> None:
         """Point `alias` at a committed `version` (recording its manifest digest), atomically
         (temp file + rename with the process umask, or one PUT)."""

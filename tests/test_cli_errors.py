@@ -149,3 +149,18 @@ def test_list_survives_a_corrupt_alias(reg, capsys):
     assert rc == 0 and "toy" in out and "UNREADABLE ALIASES" in out
     rc, out, err = _run(capsys, "list", "toy", "--registry", reg)
     assert rc == 0 and "v2" in out and "warning" in err
+
+
+def test_a_version_published_before_digests_is_refused_then_adopted(reg, capsys):
+    version = os.listdir(f"{reg}/toy/versions")[0]
+    digest_file = Path(reg, "toy", "versions", version, "manifest.sha256")
+    digest_file.unlink()
+    rc, _, err = _run(capsys, "verify", "toy", "--registry", reg)
+    assert rc == 6 and "manifest.sha256 is missing" in err
+    rc, out, _ = _run(capsys, "verify", "toy", "--adopt", "--registry", reg)
+    assert rc == 0 and digest_file.is_file() and "ok:" in out
+    digest_file.unlink()
+    metrics = Path(reg, "toy", "versions", version, "metrics.parquet")
+    metrics.write_bytes(metrics.read_bytes()[:-1])
+    rc, _, err = _run(capsys, "verify", "toy", "--adopt", "--registry", reg)
+    assert rc == 6 and not digest_file.exists()  # only what verifies is adopted
