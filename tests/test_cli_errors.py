@@ -164,3 +164,39 @@ def test_a_version_published_before_digests_is_refused_then_adopted(reg, capsys)
     metrics.write_bytes(metrics.read_bytes()[:-1])
     rc, _, err = _run(capsys, "verify", "toy", "--adopt", "--registry", reg)
     assert rc == 6 and not digest_file.exists()  # only what verifies is adopted
+
+
+RAY_JSON = """
+import json, sys, time
+from kvtc.pipeline import cli
+
+def noisy(args):
+    import ray
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=True)
+
+    @ray.remote
+    def work():
+        print("WORKER-LOG-LINE", flush=True)
+
+    ray.get(work.remote())
+    time.sleep(2)
+    print(json.dumps({"ok": True}))
+    ray.get(work.remote())  # and after the JSON
+    time.sleep(1)
+    return 0
+
+parser = cli.build_parser()
+parser._subparsers._group_actions[0].choices["list"].set_defaults(func=noisy)
+cli.build_parser = lambda: parser
+sys.exit(cli.main(["list", "--json"]))
+"""
+
+
+def test_json_stdout_with_real_ray_worker_logs(tmp_path):
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", RAY_JSON], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == {"ok": True}
+    assert "WORKER-LOG-LINE" in proc.stderr
