@@ -200,3 +200,23 @@ def test_json_stdout_with_real_ray_worker_logs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout) == {"ok": True}
     assert "WORKER-LOG-LINE" in proc.stderr
+
+
+def test_report_of_a_manifest_naming_another_place_writes_nothing(reg, tmp_path, capsys, monkeypatch):
+    from kvtc.artifacts.manifest import encode_manifest, listing_hash, manifest_digest
+
+    version = os.listdir(f"{reg}/toy/versions")[0]
+    folder = Path(reg, "toy", "versions", version)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["name"] = "../../escaped"
+    manifest["content_sha256"] = listing_hash(manifest["files"])
+    data = encode_manifest(manifest)
+    (folder / "manifest.json").write_bytes(data)
+    (folder / "manifest.sha256").write_text(manifest_digest(data) + "\n")
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    before = {p for p in tmp_path.rglob("*")}
+    rc, _, err = _run(capsys, "report", f"toy@{version}", "--registry", reg)
+    assert rc == 6 and "invalid name" in err
+    assert {p for p in tmp_path.rglob("*")} - before == set()
