@@ -213,7 +213,7 @@ def _run_on_ray(cfg: CalibrateConfig, worker_cls: type, worker_kwargs: dict, pay
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
         pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker,
-                                     gpus_per_worker=1.0 if gpus >= 1 else 0.0)
+                                     gpus_per_worker=1.0 if gpus >= 1 else 0.0, env_inherited=started)
         return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing)
     finally:
         if started:
