@@ -37,13 +37,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from kvtc import artifacts
     from kvtc.pipeline.evaluation.error_by_tokens import error_by_tokens
-    from kvtc.pipeline.evaluation import evaluate
+    from kvtc.pipeline.evaluation import quality
     from kvtc.pipeline.evaluation import report
 
     ratios = tuple(float(r) for r in args.ratios.split(","))
     t0 = time.perf_counter()
-    settings = evaluate.EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences)
-    result = evaluate.run(args.name, args.registry, settings, args.corpus,
+    settings = quality.EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences)
+    result = quality.run(args.name, args.registry, settings, args.corpus,
                           progress=lambda m: print(f"  {m} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr))
     print(f"{result['artifact']} on {result['corpus']}: {result['settings']['sequences']} sequences, "
           f"{args.continuation} tokens scored each, eval {time.perf_counter() - t0:.0f} s\n")
