@@ -142,7 +142,7 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
     def payloads():
         for role, shard in plan_shards(shard_plan(cfg, tokens), tokenizer, fingerprint["max_positions"], duplicates):
             cached = store.has(shard.id, "stats" if role == "train" else "rows")
-            shards_seen.append({"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size),
+            shards_seen.append({"id": shard.id, "index": shard.index, "role": role, "tokens": shard.num_tokens,
                                 "cached": cached})
             if not cached:
                 yield {"shard": shard.to_payload(), "role": role}
