@@ -18,7 +18,8 @@ from kvtc.artifacts.blocks import qtype_bits, scale_bits
 SCHEMA_VERSION = 1
 STREAMS = ("keys", "values")
 BASES_DTYPES = ("float32", "float16")
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: "$" would accept "x\n"
+DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 REQUIRED_MODEL_KEYS = ("spec", "num_layers", "num_kv_heads", "head_dim", "rope")
 REQUIRED_CALIBRATION_KEYS = ("sinks", "window", "seq_len", "tokens", "groups", "seed", "allocator", "ratios")
 RESERVED_TOP_LEVEL = ("manifest.json", "bases", "allocations.parquet", "metrics.parquet", "curves", "kernels")
@@ -26,7 +27,7 @@ RESERVED_TOP_LEVEL = ("manifest.json", "bases", "allocations.parquet", "metrics.
 
 def check_name(kind: str, value: str) -> str:
     """Names, versions and aliases become path segments: letters, digits, '.', '_', '-' only."""
-    if not isinstance(value, str) or not NAME_PATTERN.match(value) or value in (".", ".."):
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
         raise ValueError(f"invalid {kind} {value!r}: use letters, digits, '.', '_', '-' (start with a letter or digit)")
     return value
 

@@ -254,6 +254,7 @@ def build_from_artifact(art, quality: dict | None = None) -> dict[str, bytes]:
 
 def _handler(args: argparse.Namespace) -> int:
     from kvtc import artifacts
+    from kvtc.artifacts.schema import check_name
 
     ref = args.artifact if "@" in args.artifact else f"{args.artifact}@latest"
     art = artifacts.pull(ref, registry=args.registry)
@@ -261,9 +262,12 @@ def _handler(args: argparse.Namespace) -> int:
     if args.quality:
         with open(args.quality) as f:
             quality = json.load(f)
-    out = args.out or f"kvtc-report-{art.name}-{art.version}"
+    out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
+    root = os.path.realpath(out)
     for rel, data in build_from_artifact(art, quality).items():
         path = os.path.join(out, rel)
+        if not os.path.realpath(path).startswith(root + os.sep):
+            raise ValueError(f"report file {rel!r} would be written outside {out}; refusing it")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)

@@ -8,6 +8,7 @@ Also runnable as `python -m kvtc.pipeline.job.calibrate ...` (for `ray job submi
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import sys
@@ -69,6 +70,18 @@ class CalibrateConfig:
             raise ValueError(f"--seqs-per-shard must be >= 1, got {self.seqs_per_shard}")
         if not 0 < self.holdout_fraction < 1:
             raise ValueError(f"holdout fraction must be in (0, 1), got {self.holdout_fraction}")
+        from kvtc.artifacts.schema import check_name
+
+        if self.name is not None:
+            check_name("artifact name (--name)", self.name)  # before the run, not at publish time
+        if self.registry is not None and not str(self.registry).strip():
+            raise ValueError("--registry is empty; pass a path or URI, or omit it for $KVTC_REGISTRY or ./registry")
+        for flag, value in (("--workers", self.workers), ("--threads-per-worker", self.threads_per_worker),
+                            ("--tokens", self.tokens), ("--eval-tokens", self.eval_tokens), ("--seq-len", self.seq_len)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if len(set(self.ratios)) != len(self.ratios) or not all(math.isfinite(r) for r in self.ratios):
+            raise ValueError(f"compression ratios must be finite and distinct, got {list(self.ratios)}")
 
     @property
     def artifact_name(self) -> str:
