@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 
 from kvtc.pipeline.job.corpus import iter_documents
@@ -328,8 +329,13 @@ def print_summary(summary: dict, as_json: bool) -> None:
         print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall {run['wall_seconds']} s")
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"kvtc calibrate: warning: {message}\n"
+
+
 def _handler(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    warnings.formatwarning = _one_line_warning  # the message, not the source line that raised it
     print_summary(run(cfg), args.json)
     return 0
 
