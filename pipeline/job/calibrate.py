@@ -106,7 +106,7 @@ def shard_plan(cfg: CalibrateConfig, tokens: int) -> ShardPlan:
 def run(cfg: CalibrateConfig, alias_latest: bool = True, in_process: bool = False) -> dict:
     """Run the whole job; returns the summary that `--json` prints. alias_latest=False publishes
     the version without moving `latest` (recalibration decides after validating it); in_process=True
-    runs the shards in this process, one after another, without Ray (tests, benches, `kvtc eval`)."""
+    runs the shards in this process, one after another, without Ray (tests, benches)."""
     return _execute(cfg, alias_latest, in_process)[0]
 
 
