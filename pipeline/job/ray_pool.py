@@ -45,6 +45,15 @@ def job_env() -> dict[str, str]:
     return {"RAY_USAGE_STATS_ENABLED": "0", **{k: v for k, v in os.environ.items() if k.startswith("KVTC_")}}
 
 
+def actor_env_options(kvtc_env: dict[str, str], job_env_vars: dict[str, str], env_inherited: bool) -> dict:
+    """Actor options that hand `kvtc_env` to the workers: none when they have it already (inherited
+    by a local Ray, or in the job's runtime environment), so the actors can run in the workers Ray
+    started with the job; else a runtime environment of their own."""
+    if env_inherited or all(job_env_vars.get(k) == v for k, v in kvtc_env.items()):
+        return {}
+    return {"runtime_env": {"env_vars": dict(kvtc_env)}}
+
+
 def start_ray(address: str | None, num_cpus: int | None) -> bool:
     """Join `address` (or $RAY_ADDRESS, as inside `ray job submit`), else start a local Ray.
     Returns True when this call started Ray and the caller should shut it down.
@@ -80,16 +89,14 @@ def run_pool(
         timing.update(startup_s=0.0, run_s=0.0)
         return []
     it = itertools.chain([first], it)
-    env = {k: v for k, v in job_env().items() if k.startswith("KVTC_")}
-    inherited = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
-    has_env = settings.env_inherited or all(inherited.get(k) == v for k, v in env.items())
-    own_env = {} if has_env else {"runtime_env": {"env_vars": env}}
+    kvtc_env = {k: v for k, v in job_env().items() if k.startswith("KVTC_")}
+    job_env_vars = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
     remote_cls = ray.remote(actor_cls).options(
         num_cpus=settings.threads_per_worker,
         num_gpus=settings.gpus_per_worker,
         max_restarts=-1,
         max_task_retries=-1,
-        **own_env,
+        **actor_env_options(kvtc_env, job_env_vars, settings.env_inherited),
     )
     actors = [remote_cls.remote(**actor_kwargs) for _ in range(settings.workers)]
     load = {i: 0 for i in range(len(actors))}
