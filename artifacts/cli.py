@@ -25,10 +25,21 @@ def _registry(args: argparse.Namespace):
 def cmd_list(args: argparse.Namespace) -> int:
     reg = _registry(args)
     if not args.name:
-        names = {n: {"versions": len(reg.versions(n)), "aliases": reg.aliases(n)} for n in reg.names()}
-        lines = [f"{n}  {v['versions']} version(s)  latest={v['aliases'].get('latest', '-')}" for n, v in names.items()]
+        names = {}
+        for n in reg.names():
+            names[n] = {"versions": len(reg.versions(n)), "aliases": {}}
+            try:
+                names[n]["aliases"] = reg.aliases(n)
+            except (ValueError, OSError, RuntimeError) as exc:  # one bad alias must not hide the other artifacts
+                names[n]["error"] = str(exc)
+        lines = [f"{n}  {v['versions']} version(s)  latest={v['aliases'].get('latest', '-')}"
+                 + (f"  UNREADABLE ALIASES: {v['error']}" if "error" in v else "") for n, v in names.items()]
         return _print(args, names, "\n".join(lines) or f"(no artifacts in {reg.uri})")
-    aliases = reg.aliases(args.name)
+    try:
+        aliases = reg.aliases(args.name)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"kvtc list: warning: {exc}", file=sys.stderr)
+        aliases = {}
     rows = []
     for v in reg.versions(args.name):
         row = {"version": v, "created": "", "aliases": sorted(a for a, t in aliases.items() if t == v)}
@@ -79,9 +90,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kvtc.artifacts.pull import pull
 
     reg = _registry(args)
-    with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
-        artifact = pull(args.ref, registry=reg, cache_dir=scratch, public_key=args.key,
-                        require_signature=args.require_signature or None)
+    adopted = None
+    if args.adopt:
+        from kvtc.artifacts.registry import split_ref
+
+        name, ref = split_ref(args.ref)
+        version = reg.resolve(name, ref)
+        adopted = reg.adopt(name, version)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
+            artifact = pull(args.ref, registry=reg, cache_dir=scratch, public_key=args.key,
+                            require_signature=args.require_signature or None)
+    except Exception:
+        if adopted:
+            reg.fs.rm_file(f"{reg.version_path(name, version)}/manifest.sha256")  # adopt only what verifies
+        raise
     if artifact.damaged:
         raise IntegrityError(f"{artifact.name}@{artifact.version}: optional files fail their sha256 check: "
                              f"{', '.join(artifact.damaged)} (decoding does not need them)")
@@ -160,6 +183,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("verify", parents=[common, signed],
                               help="check a version's manifest digest, every file, the kernel bundle and the signature")
     p.add_argument("ref", help=ref_help)
+    p.add_argument("--adopt", action="store_true", help="record the manifest digest of a version published before "
+                   "digests existed, if all its files verify (trust on first use)")
     p.set_defaults(func=cmd_verify)
     p = subparsers.add_parser("alias", parents=[common], help="point an alias (production, ...) at a version")
     p.add_argument("ref", help=ref_help)
