@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtc.kernels.ops import Ops, resolve_ops
+from kvtc.kernels.backend import Ops, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
 from kvtc.kernels.rope import RopeSpec
 from kvtc.kernels.spec import STREAMS, CodecSpec
