@@ -23,9 +23,9 @@ def _gaussian(lam: np.ndarray, n: int, seed: int = 0) -> torch.Tensor:
 
 def _brute_force(tables, settings, budget):
     """Minimum error over every aligned tiling of [0, k) (each block any allowed type, the
-    tail after the last block free to be dropped) with cost <= budget."""
+    tail after the last block free to be dropped, nothing dropped before a coded block) with cost <= budget."""
     k, best = tables.k, math.inf
-    mids = settings.types
+    mids = settings.quantized_types
 
     def rec(i, cost, err):
         nonlocal best

@@ -159,6 +159,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
           model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
     """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
     from kvtc.pipeline.evaluation.evaluate import limit_rows
+    from kvtc.pipeline.evaluation import rate_distortion
 
     files: dict[str, bytes] = {}
     charts = {
@@ -166,6 +167,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
         "charts/error_by_position.png": chart_error_by_position(curves.get("error_by_position", []),
                                                                 curves.get("error_by_position_pca")),
         "charts/allocation.png": chart_allocation(allocations),
+        "charts/rate_distortion.png": rate_distortion.chart(curves.get("rate_distortion", [])),
     }
     md = [f"# {title}", ""]
     if model:

@@ -35,9 +35,9 @@ class EcsqSettings:
     offsets: int = 4
     drop_below: float = 12 ** -0.5
     radius_sigmas: float = 6.0
-    fit_rows: int = 2048
+    fit_rows: int = 1024
     prior_rows: float = 16.0
-    iterations: int = 36
+    iterations: int = 28
 
     def __post_init__(self) -> None:
         if self.classes_per_octave < 1 or self.offsets < 1 or self.iterations < 8:
@@ -227,3 +227,10 @@ def squared_error(fit: EcsqFit, z: torch.Tensor) -> float:
     z = torch.as_tensor(z, dtype=torch.float32)
     err = (z[:, :fit.kept] - reconstruct(fit, z)).double().square().sum()
     return float(err + z[:, fit.kept:].double().square().sum())
+
+
+def fit_ratios(ratios, z: torch.Tensor, p: int, settings: EcsqSettings = EcsqSettings()) -> list[EcsqFit]:
+    """One EcsqFit per ratio (input order), sharing the held-out scales."""
+    z = torch.as_tensor(z, dtype=torch.float32)
+    sigma = np.sqrt(heldout_variances(z))
+    return [fit_ecsq(r, z, p, settings, sigma) for r in ratios]

@@ -1,8 +1,13 @@
 """Calibration corpora: turn a corpus spec into a stream of text documents.
 
-Spec grammar (several specs may be joined with ',' and are read in that order):
+Spec grammar (several specs may be joined with ',' and are read in that order, or with '+' and
+interleaved document by document, round robin, so any prefix of the stream is a mixture):
 
+    pydoc+pkgdocs                       the default calibration corpus: a mixture of the two below
     pydoc                               Python's documentation prose (pydoc_data.topics), one document per topic, by key
+    pkgdocs                             the long descriptions (README prose and markdown on every topic) that the
+                                        installed Python distributions carry in their metadata, one per
+                                        distribution, by name; descriptions under PKGDOCS_MIN_CHARS are skipped
     stdlib                              the standard library's .py sources, one document per file, by path
                                         (no site-packages, test suites, GUI packages, codec tables, pydoc_data)
     hf:NAME[:CONFIG][@SPLIT][#COLUMN]   a `datasets` dataset, streamed; NAME is a hub id ORG/NAME or a local
@@ -34,8 +39,10 @@ STDLIB_EXCLUDED_DIRS = frozenset({
     "site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo",
     "lib2to3", "ensurepip", "encodings", "pydoc_data", "lib-dynload", "__pycache__",
 })
-ACCEPTED_FORMS = ("pydoc | stdlib | hf:ORG/NAME[:CONFIG][@SPLIT][#COLUMN] | FILE.txt | FILE.jsonl[#COLUMN] | "
-                  "FILE.parquet[#COLUMN] | DIR/ | GLOB (e.g. data/*.jsonl); join several with ','")
+PKGDOCS_MIN_CHARS = 500
+ACCEPTED_FORMS = ("pydoc | pkgdocs | stdlib | hf:ORG/NAME[:CONFIG][@SPLIT][#COLUMN] | FILE.txt | FILE.jsonl[#COLUMN] | "
+                  "FILE.parquet[#COLUMN] | DIR/ | GLOB (e.g. data/*.jsonl); join several with ',' (in order) "
+                  "or '+' (interleaved), e.g. pydoc+pkgdocs")
 Source = Callable[["CorpusStats"], Iterator["Document"]]
 
 
@@ -96,8 +103,36 @@ def iter_documents(spec: str, text_column: str | None = None, stats: CorpusStats
     parts = [part.strip() for part in spec.split(",")]
     if not spec.strip() or not all(parts):
         raise ValueError(f"empty corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
-    sources = [_resolve(part, text_column) for part in parts]
+    sources = [_mixture([_resolve(p.strip(), text_column) for p in part.split("+")]) for part in parts]
+    if any(not p.strip() for part in parts for p in part.split("+")):
+        raise ValueError(f"empty part in corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
     return _stream(spec, sources, stats)
+
+
+def _mixture(sources: list[Source]) -> Source:
+    """One source, or several interleaved document by document (round robin until all run out)."""
+    if len(sources) == 1:
+        return sources[0]
+
+    def interleave(stats: CorpusStats) -> Iterator[Document]:
+        live = [source(stats) for source in sources]
+        while live:
+            for it in list(live):
+                doc = next(it, None)
+                if doc is None:
+                    live.remove(it)
+                else:
+                    yield doc
+
+    return interleave
+
+
+def describe(spec: str) -> dict:
+    """What the manifest records about a corpus spec: its parts, and for pkgdocs the distributions read."""
+    out: dict = {"spec": spec, "parts": [[p.strip() for p in part.split("+")] for part in spec.split(",")]}
+    if any(p.strip() == "pkgdocs" for part in spec.split(",") for p in part.split("+")):
+        out["pkgdocs"] = [doc.id.split(":", 1)[1] for doc in _pkgdocs_documents()]
+    return out
 
 
 def _stream(spec: str, sources: list[Source], stats: CorpusStats) -> Iterator[Document]:
@@ -116,6 +151,8 @@ def _resolve(part: str, text_column: str | None) -> Source:
         return lambda stats: _pydoc_documents()
     if part == "stdlib":
         return _stdlib_documents
+    if part == "pkgdocs":
+        return lambda stats: _pkgdocs_documents()
     if part.startswith("hf:"):
         hf = parse_hf_spec(part)
         column = _pick_column(part, hf.column, text_column)
@@ -152,6 +189,22 @@ def _pydoc_documents() -> Iterator[Document]:
     for key in sorted(topics):
         if topics[key].strip():
             yield Document(id=f"pydoc:{key}", text=topics[key])
+
+
+def _pkgdocs_documents() -> Iterator[Document]:
+    from importlib import metadata
+
+    seen: dict[str, Document] = {}
+    for dist in metadata.distributions():
+        name = (dist.metadata.get("Name") or "").strip()
+        key = name.lower().replace("_", "-")
+        if not key or key in seen or key == "kvtc-calibration":
+            continue
+        text = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
+        if isinstance(text, str) and len(text.strip()) >= PKGDOCS_MIN_CHARS:
+            seen[key] = Document(id=f"pkgdocs:{name}=={dist.version}", text=text)
+    for key in sorted(seen):
+        yield seen[key]
 
 
 def _stdlib_documents(stats: CorpusStats) -> Iterator[Document]:
