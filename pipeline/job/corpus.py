@@ -103,10 +103,18 @@ def iter_documents(spec: str, text_column: str | None = None, stats: CorpusStats
     parts = [part.strip() for part in spec.split(",")]
     if not spec.strip() or not all(parts):
         raise ValueError(f"empty corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
-    sources = [_mixture([_resolve(p.strip(), text_column) for p in part.split("+")]) for part in parts]
-    if any(not p.strip() for part in parts for p in part.split("+")):
+    mixed = [_mixed_parts(part) for part in parts]
+    if any(not p for m in mixed for p in m):
         raise ValueError(f"empty part in corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
+    sources = [_mixture([_resolve(p, text_column) for p in m]) for m in mixed]
     return _stream(spec, sources, stats)
+
+
+def _mixed_parts(part: str) -> list[str]:
+    """'A+B' -> [A, B]; a path that exists (its name may hold '+') stays whole."""
+    if "+" not in part or Path(part).exists() or glob.has_magic(part):
+        return [part]
+    return [p.strip() for p in part.split("+")]
 
 
 def _mixture(sources: list[Source]) -> Source:
@@ -129,8 +137,9 @@ def _mixture(sources: list[Source]) -> Source:
 
 def describe(spec: str) -> dict:
     """What the manifest records about a corpus spec: its parts, and for pkgdocs the distributions read."""
-    out: dict = {"spec": spec, "parts": [[p.strip() for p in part.split("+")] for part in spec.split(",")]}
-    if any(p.strip() == "pkgdocs" for part in spec.split(",") for p in part.split("+")):
+    parts = [_mixed_parts(part.strip()) for part in spec.split(",")]
+    out: dict = {"spec": spec, "parts": parts}
+    if any(p == "pkgdocs" for m in parts for p in m):
         out["pkgdocs"] = [doc.id.split(":", 1)[1] for doc in _pkgdocs_documents()]
     return out
 
