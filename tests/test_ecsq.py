@@ -176,3 +176,11 @@ def test_tables_round_trip_through_parquet_and_the_registry(tmp_path):
     bad = dict(ecsq[(4.0, "keys", 0)], kept=10_000)
     with pytest.raises(ValueError):
         dataclasses.replace(content, ecsq={(4.0, "keys", 0): bad})
+
+
+def test_eval_settings_take_a_mode():
+    from kvtc.pipeline.evaluation.evaluate import EvalSettings
+
+    assert EvalSettings(mode="fixed").mode == "fixed" and EvalSettings().mode is None
+    with pytest.raises(ValueError, match="mode"):
+        EvalSettings(mode="huffman")

@@ -99,12 +99,13 @@ def chart(rows: list[dict]) -> bytes | None:
     import io
 
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"fixed": ("o-", "fixed-rate (DP blocks)"), "ecsq": ("s-", "ECSQ (entropy-coded)"),
+    styles = {"fixed": ("o-", "fixed-rate (DP blocks, budget before DEFLATE)"), "ecsq": ("s-", "ECSQ (entropy-coded)"),
               "bound_heldout": ("--", "Gaussian bound, held-out variances"),
               "bound_calibration": (":", "Gaussian bound, calibration eigenvalues")}
     for ax, stream in zip(axes, STREAMS):
@@ -115,6 +116,7 @@ def chart(rows: list[dict]) -> bytes | None:
                 b, e = zip(*pts)
                 ax.plot(b, 20 * np.log10(e), style, label=label, markersize=4)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set(xlabel="bits per middle token (group 0)", ylabel="relative error (dB, 20 log10)",
                title=f"{stream}: rate-distortion on held-out rows")
         ax.grid(alpha=0.3)
