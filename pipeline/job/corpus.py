@@ -6,8 +6,9 @@ interleaved document by document, round robin, so any prefix of the stream is a 
     pydoc+pkgdocs                       the default calibration corpus: a mixture of the two below
     pydoc                               Python's documentation prose (pydoc_data.topics), one document per topic, by key
     pkgdocs                             the long descriptions (README prose and markdown on every topic) that the
-                                        installed Python distributions carry in their metadata, one per
-                                        distribution, by name; descriptions under PKGDOCS_MIN_CHARS are skipped
+                                        Python distributions installed in the environment's site-packages carry in
+                                        their metadata, one per distribution, by name; descriptions under
+                                        PKGDOCS_MIN_CHARS are skipped
     stdlib                              the standard library's .py sources, one document per file, by path
                                         (no site-packages, test suites, GUI packages, codec tables, pydoc_data)
     hf:NAME[:CONFIG][@SPLIT][#COLUMN]   a `datasets` dataset, streamed; NAME is a hub id ORG/NAME or a local
@@ -203,8 +204,10 @@ def _pydoc_documents() -> Iterator[Document]:
 def _pkgdocs_documents() -> Iterator[Document]:
     from importlib import metadata
 
+    # the environment's site-packages only: sys.path additions (Ray's vendored packages) must not change the corpus
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     seen: dict[str, Document] = {}
-    for dist in metadata.distributions():
+    for dist in metadata.distributions(path=paths):
         name = (dist.metadata.get("Name") or "").strip()
         key = name.lower().replace("_", "-")
         if not key or key in seen or key == "kvtc-calibration":
