@@ -36,11 +36,13 @@ class KVTCCodec:
     level: zlib level per section (0 = store plain); coder: "zlib", "plain" or "nvcomp".
     mode: "ecsq" (entropy-coded, the default when the artifact carries ECSQ tables for the ratio) or
     "fixed" (per-block fixed-rate codes with per-token scales, DEFLATE). Decode follows the blob's mode.
+    rate_control (ECSQ): coarsen the step of a (stream, group) whose coded bytes would exceed the
+    ratio's budget (text unlike the calibration's); False keeps the calibrated step everywhere.
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
-                 coder: str = "zlib", mode: str | None = None) -> None:
+                 coder: str = "zlib", mode: str | None = None, rate_control: bool = True) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -53,6 +55,7 @@ class KVTCCodec:
             raise ValueError(f"backend must be one of {BACKENDS}, coder one of {CODERS}, level in 0..9")
         self.backend, self.level, self.coder = backend, level, coder
         self.mode = _resolve_mode(self.spec, mode)
+        self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
         self.rope = None
         if self.spec.rope:
@@ -172,10 +175,9 @@ class KVTCCodec:
         for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
             with self._stage("project", dev):
                 z = feat[:, cols] @ comps
-            with self._stage("quantize_pack", dev):
-                q = ecsq.quantize(z, g.step).cpu().numpy()
+            budget = int(16 * g.mean.shape[0] // self.spec.ratio) * z.shape[0] // 8 if self.rate_control else None
             with self._stage("entropy", dev):
-                words, escapes = ecsq.encode_symbols(q, g)
+                words, escapes = ecsq.encode_group(z, g, budget)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
             out.append(self._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
         return out
@@ -184,10 +186,10 @@ class KVTCCodec:
         """Fill feat (mid, p) with one stream's reconstructed centred features."""
         for gi, ((cols, comps, off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
             with self._stage("entropy_decode", dev):
-                q = ecsq.decode_symbols(data[SectionKey(TAG_ECSQ, si, gi, 0)],
-                                        data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g)
+                q, step = ecsq.decode_group(data[SectionKey(TAG_ECSQ, si, gi, 0)],
+                                            data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g)
             with self._stage("dequantize", dev):
-                zhat = ecsq.dequantize(torch.from_numpy(q).to(dev), g.step, off)
+                zhat = ecsq.dequantize(torch.from_numpy(q).to(dev), step, off)
             with self._stage("project", dev):
                 feat[:, cols] = zhat @ comps.T
 

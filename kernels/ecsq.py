@@ -8,10 +8,17 @@ counts so encoder and decoder build identical tables); a model covers symbols [-
 escape symbol, and escaped values follow in a separate int32 list, so any finite input
 round-trips within one step. Symbols are coded with constriction's ANS coder, model by model
 (all tokens of the components that share a model in one call, from lookup tables).
+
+Rate control (`encode_group`): the calibrated step meets the ratio's budget on average over
+held-out text; text that codes larger (another domain) gets a coarser step, step 2^(j / 8) for
+the smallest j found that fits the budget, and j leads the words section (int32), so no blob
+exceeds its budget while in-domain blobs keep the calibrated step.
 """
 from __future__ import annotations
 
 import functools
+import math
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +29,9 @@ from kvtc.kernels.blob import BlobError
 
 MAX_SYMBOL = 1 << 30
 PROBABILITY_TOTAL = 1 << 20
+STEP_GRID = 8  # rate control: step multipliers 2^(j / STEP_GRID)
+MAX_STEP_EXPONENT = 255
+_EXPONENT = struct.Struct("<i")
 
 
 class SymbolModel(NamedTuple):
@@ -149,3 +159,31 @@ def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) 
         raise BlobError("ECSQ stream does not end where its symbols do (leftover words or escapes): "
                         "it is truncated or corrupt")
     return q
+
+
+def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None) -> tuple[bytes, bytes]:
+    """z (N, kept) projections -> (words section: step exponent j then ANS words, escapes section).
+    max_bytes: the two sections' budget; the step grows by 2^(j / STEP_GRID) until they fit."""
+    j, best = 0, None
+    for _ in range(8):
+        q = quantize(z, group.step * 2.0 ** (j / STEP_GRID)).cpu().numpy()
+        words, escapes = encode_symbols(q, group)
+        best = (_EXPONENT.pack(j) + words, escapes)
+        size = len(best[0]) + len(escapes)
+        if max_bytes is None or size <= max_bytes or j >= MAX_STEP_EXPONENT or not q.size:
+            break
+        # a doubled step saves about one bit per token on each component whose symbols are mostly nonzero
+        live = max(1, int((np.abs(q).mean(0) >= 1).sum()))
+        need = (size - max_bytes) * 8 / q.shape[0] / live
+        j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil(need * STEP_GRID)))
+    return best
+
+
+def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) -> tuple[np.ndarray, float]:
+    """Inverse of encode_group -> (symbols (tokens, kept) int32, the step they were quantized with)."""
+    if len(words) < _EXPONENT.size:
+        raise BlobError("ECSQ section is shorter than its step exponent: the stream is truncated")
+    (j,) = _EXPONENT.unpack(words[:_EXPONENT.size])
+    if not 0 <= j <= MAX_STEP_EXPONENT:
+        raise BlobError(f"ECSQ step exponent {j} is outside 0..{MAX_STEP_EXPONENT}: the blob is corrupt")
+    return decode_symbols(words[_EXPONENT.size:], escapes, tokens, group), group.step * 2.0 ** (j / STEP_GRID)

@@ -184,3 +184,24 @@ def test_eval_settings_take_a_mode():
     assert EvalSettings(mode="fixed").mode == "fixed" and EvalSettings().mode is None
     with pytest.raises(ValueError, match="mode"):
         EvalSettings(mode="huffman")
+
+
+def test_rate_control_coarsens_the_step_only_for_text_that_codes_larger():
+    from kvtc.kernels.ecsq import decode_group, encode_group
+
+    p = 48
+    lam = np.exp(-np.arange(p) / 10.0) * 5 + 1e-3
+    fit = fit_ecsq(8.0, _gaussian(lam, 2000), p)
+    group = _group(fit, torch.zeros(p), torch.eye(p))
+    budget = fit.budget_bits * 200 // 8
+    usual = _gaussian(lam, 200, seed=8)[:, :fit.kept]
+    words, esc = encode_group(usual, group, budget * 2)
+    assert decode_group(words, esc, 200, group)[1] == fit.step  # within budget: the calibrated step
+    wide = usual * 4.0  # another domain: four times the calibrated spread
+    words, esc = encode_group(wide, group, budget)
+    q, step = decode_group(words, esc, 200, group)
+    assert len(words) + len(esc) <= budget and step > fit.step
+    zhat = dequantize(torch.from_numpy(q), step, torch.from_numpy(fit.offsets))
+    assert float((zhat - wide).abs().max()) <= step
+    with pytest.raises(BlobError, match="exponent"):
+        decode_group((-1).to_bytes(4, "little", signed=True) + words[4:], esc, 200, group)

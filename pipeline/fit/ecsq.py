@@ -191,7 +191,7 @@ def _offsets(z: torch.Tensor, step: float, sigma_steps: np.ndarray, settings: Ec
 def fit_ecsq(ratio: float, z: torch.Tensor, p: int, settings: EcsqSettings = EcsqSettings(),
              sigma: np.ndarray | None = None) -> EcsqFit:
     """z (N, k) centered held-out projections of one basis of dimension p -> the ratio's ECSQ fit.
-    The mean coded bits per token on the bisection rows are <= floor(16 p / ratio)."""
+    The mean coded bits per token over the rows are <= floor(16 p / ratio)."""
     z = torch.as_tensor(z, dtype=torch.float32)
     if z.ndim != 2 or z.shape[0] < 16:
         raise ValueError(f"ECSQ needs held-out projections (N >= 16, k); got shape {tuple(z.shape)}")
@@ -209,6 +209,13 @@ def fit_ecsq(ratio: float, z: torch.Tensor, p: int, settings: EcsqSettings = Ecs
         else:
             hi = mid
     step = math.exp(hi)
+    full = _RateModel(z, sigma, settings)  # the bisection's rows are a sample: meet the budget on all of them
+    full.cache = rate.cache
+    for _ in range(32):
+        if full.bits(step) <= budget:
+            break
+        step *= 2.0 ** (1 / 64)
+    rate = full
     kept, index, classes = rate.layout(step)
     models = tuple(rate.cache[c] for c in classes)
     offsets = _offsets(z[:, :kept], step, sigma[:kept] / step, settings)
