@@ -10,7 +10,7 @@ round-trips within one step. Symbols are coded with constriction's ANS coder, mo
 (all tokens of the components that share a model in one call, from lookup tables).
 
 Rate control (`encode_group`): the calibrated step meets the ratio's budget on average over
-held-out text; text that codes larger (another domain) gets a coarser step, step 2^(j / 8) for
+held-out text; text that codes larger (another domain) gets a coarser step, step 2^(j / 32) for
 the smallest j found that fits the budget, and j leads the words section (int32), so no blob
 exceeds its budget while in-domain blobs keep the calibrated step.
 """
@@ -29,7 +29,7 @@ from kvtc.kernels.blob import BlobError
 
 MAX_SYMBOL = 1 << 30
 PROBABILITY_TOTAL = 1 << 20
-STEP_GRID = 8  # rate control: step multipliers 2^(j / STEP_GRID)
+STEP_GRID = 32  # rate control: step multipliers 2^(j / STEP_GRID)
 MAX_STEP_EXPONENT = 255
 _EXPONENT = struct.Struct("<i")
 
@@ -165,15 +165,15 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
     """z (N, kept) projections -> (words section: step exponent j then ANS words, escapes section).
     max_bytes: the two sections' budget; the step grows by 2^(j / STEP_GRID) until they fit."""
     j, best = 0, None
-    for _ in range(8):
+    for _ in range(10):
         q = quantize(z, group.step * 2.0 ** (j / STEP_GRID)).cpu().numpy()
         words, escapes = encode_symbols(q, group)
         best = (_EXPONENT.pack(j) + words, escapes)
         size = len(best[0]) + len(escapes)
         if max_bytes is None or size <= max_bytes or j >= MAX_STEP_EXPONENT or not q.size:
             break
-        # a doubled step saves about one bit per token on each component whose symbols are mostly nonzero
-        live = max(1, int((np.abs(q).mean(0) >= 1).sum()))
+        # a doubled step saves about one bit per token on each component coded at a useful rate
+        live = max(1, int((np.abs(q).mean(0) >= 0.5).sum()))
         need = (size - max_bytes) * 8 / q.shape[0] / live
         j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil(need * STEP_GRID)))
     return best
