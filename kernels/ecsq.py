@@ -163,19 +163,33 @@ def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) 
 
 def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None) -> tuple[bytes, bytes]:
     """z (N, kept) projections -> (words section: step exponent j then ANS words, escapes section).
-    max_bytes: the two sections' budget; the step grows by 2^(j / STEP_GRID) until they fit."""
-    j, best = 0, None
-    for _ in range(10):
+    max_bytes: the two sections' budget; j is the smallest exponent (step 2^(j / STEP_GRID)) that fits."""
+
+    def attempt(j: int) -> tuple[tuple[bytes, bytes], int, np.ndarray]:
         q = quantize(z, group.step * 2.0 ** (j / STEP_GRID)).cpu().numpy()
         words, escapes = encode_symbols(q, group)
-        best = (_EXPONENT.pack(j) + words, escapes)
-        size = len(best[0]) + len(escapes)
-        if max_bytes is None or size <= max_bytes or j >= MAX_STEP_EXPONENT or not q.size:
+        return (_EXPONENT.pack(j) + words, escapes), _EXPONENT.size + len(words) + len(escapes), q
+
+    best, size, q = attempt(0)
+    if max_bytes is None or size <= max_bytes or not q.size:
+        return best
+    lo, hi, j = 0, None, 0
+    for _ in range(16):
+        if hi is None:
+            # a doubled step saves about one bit per token on each component coded at a useful rate
+            live = max(1, int((np.abs(q).mean(0) >= 0.5).sum()))
+            j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil((size - max_bytes) * 8 / q.shape[0] / live * STEP_GRID)))
+        else:
+            j = (lo + hi) // 2
+        out, size, q = attempt(j)
+        if size <= max_bytes:
+            hi, best = j, out
+        else:
+            lo = j
+            if j >= MAX_STEP_EXPONENT:
+                return out
+        if hi is not None and hi - lo <= 1:
             break
-        # a doubled step saves about one bit per token on each component coded at a useful rate
-        live = max(1, int((np.abs(q).mean(0) >= 0.5).sum()))
-        need = (size - max_bytes) * 8 / q.shape[0] / live
-        j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil(need * STEP_GRID)))
     return best
 
 
