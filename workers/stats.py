@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtc.artifacts.schema import STREAMS
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 
-STREAMS = ("keys", "values")
 FORMAT = "kvtc-stats/1"
 _TILES = 8
 

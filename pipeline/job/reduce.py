@@ -190,18 +190,16 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
                               ("bound_rel_error", math.sqrt(bound / max(norm, 1e-300))), ("bits_per_token", bits)):
             metrics.append({"ratio": ratio, "stream": stream, "group": None, "split": split, "metric": metric, "value": value})
 
-    calibration = {
-        "sinks": cfg.sinks, "window": cfg.window, "seq_len": cfg.seq_len, "tokens": tokens_in,
-        "tokens_requested": tokens_requested, "groups": [list(g) for g in groups], "group_spec": cfg.groups,
-        "sample": cfg.sample, "seed": cfg.seed, "allocator": alloc.to_dict(), "ratios": list(cfg.ratios),
-        "heldout_rows": int(mid.sum()), "eval_rows": 0 if emid is None else int(emid.sum()),
-        "train_rows": int(stats.metadata()["counts"]["keys/0"]), "notes": notes,
-        # what recalibration needs to repeat this run's shards and settings exactly
-        "seqs_per_shard": cfg.seqs_per_shard, "holdout_fraction": cfg.holdout_fraction,
-        "heldout_rows_cap": cfg.heldout_rows, "eval_tokens": cfg.eval_tokens, "text_column": cfg.text_column,
-        "dtype": cfg.dtype, "model_dtype": model_dtype,
-        "relative_error": "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed",
-    }
+    calibration = artifacts.CalibrationRecord(
+        sinks=cfg.sinks, window=cfg.window, seq_len=cfg.seq_len, seed=cfg.seed, ratios=tuple(cfg.ratios),
+        groups=tuple(groups), allocator=alloc.to_dict(), group_spec=cfg.groups, sample=cfg.sample,
+        tokens_requested=tokens_requested, eval_tokens=cfg.eval_tokens, seqs_per_shard=cfg.seqs_per_shard,
+        holdout_fraction=cfg.holdout_fraction, heldout_rows_cap=cfg.heldout_rows, text_column=cfg.text_column,
+        dtype=cfg.dtype, model_dtype=model_dtype, tokens=tokens_in,
+        train_rows=int(stats.metadata()["counts"]["keys/0"]), heldout_rows=int(mid.sum()),
+        eval_rows=0 if emid is None else int(emid.sum()), notes=tuple(notes),
+        tokens_curve={"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP"},
+    ).to_manifest()
     corpus = corpus_fp or {
         "spec": cfg.corpus, "eval_spec": cfg.eval_corpus, "seq_len": cfg.seq_len, "seed": cfg.seed,
         "train_shards": [s["id"] for s in train], "heldout_shards": heldout_ids, "eval_shards": eval_ids,
@@ -210,7 +208,6 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
     from kvtc.pipeline.job.corpus import describe
 
     corpus = dict(corpus, mixture=describe(str(corpus.get("spec", cfg.corpus))))  # sources, pkgdocs distributions
-    calibration["tokens_curve"] = {"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP"}
     extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}")
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus, bases=bases,

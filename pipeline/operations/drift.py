@@ -123,8 +123,10 @@ def check_drift(target: str, corpus: str | None = None, registry: str | None = N
     from kvtc.pipeline.operations.drift_meter import Meter, sample_rows
     from kvtc.workers.models import load_model
 
-    if threshold < 0:
-        raise ValueError(f"--threshold must be >= 0 (a relative increase, 0.10 = 10% worse), got {threshold}")
+    if not threshold >= 0 or threshold == float("inf"):
+        raise ValueError(f"--threshold must be >= 0 and finite (a relative increase, 0.10 = 10% worse), got {threshold}")
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {tokens}")
     art = artifacts.pull(target, registry=registry)
     manifest = art.manifest
     corpus = corpus or manifest["corpus"]["spec"]
