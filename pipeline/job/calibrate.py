@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 
 from kvtc.pipeline.job.corpus import iter_documents
@@ -105,7 +106,7 @@ def shard_plan(cfg: CalibrateConfig, tokens: int) -> ShardPlan:
 def run(cfg: CalibrateConfig, alias_latest: bool = True, in_process: bool = False) -> dict:
     """Run the whole job; returns the summary that `--json` prints. alias_latest=False publishes
     the version without moving `latest` (recalibration decides after validating it); in_process=True
-    runs the shards in this process, one after another, without Ray (tests, benches, `kvtc eval`)."""
+    runs the shards in this process, one after another, without Ray (tests, benches)."""
     return _execute(cfg, alias_latest, in_process)[0]
 
 
@@ -155,7 +156,7 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
     def payloads():
         for role, shard in plan_shards(shard_plan(cfg, tokens), tokenizer, fingerprint["max_positions"], duplicates):
             cached = store.has(shard.id, "stats" if role == "train" else "rows")
-            shards_seen.append({"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size),
+            shards_seen.append({"id": shard.id, "index": shard.index, "role": role, "tokens": shard.num_tokens,
                                 "cached": cached})
             if not cached:
                 yield {"shard": shard.to_payload(), "role": role}
@@ -226,7 +227,7 @@ def _run_on_ray(cfg: CalibrateConfig, worker_cls: type, worker_kwargs: dict, pay
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
         pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker,
-                                     gpus_per_worker=1.0 if gpus >= 1 else 0.0)
+                                     gpus_per_worker=1.0 if gpus >= 1 else 0.0, env_inherited=started)
         return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing)
     finally:
         if started:
@@ -328,8 +329,13 @@ def print_summary(summary: dict, as_json: bool) -> None:
         print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall {run['wall_seconds']} s")
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"kvtc calibrate: warning: {message}\n"
+
+
 def _handler(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    warnings.formatwarning = _one_line_warning  # the message, not the source line that raised it
     print_summary(run(cfg), args.json)
     return 0
 

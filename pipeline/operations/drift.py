@@ -30,9 +30,9 @@ class ModelMismatchError(ValueError):
 
 def check_model(fingerprint: dict, expected: dict, what: str) -> None:
     """Raise ModelMismatchError naming the fields where `fingerprint` differs from the artifact's."""
-    from kvtc.workers.models import fingerprint_id
+    from kvtc.artifacts.fingerprint import model_id
 
-    if fingerprint_id(fingerprint) == fingerprint_id(expected):
+    if model_id(fingerprint) == model_id(expected):
         return
     keys = sorted(set(fingerprint) | set(expected))
     diff = [k for k in keys if fingerprint.get(k) != expected.get(k) and k not in IGNORED_FINGERPRINT_KEYS]
