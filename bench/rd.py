@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--out", default="rate_distortion_bench.png")
     args = ap.parse_args()
 
-    from kvtc.pipeline.evaluation.evaluate import heldout_sequences
+    from kvtc.pipeline.evaluation.quality import heldout_sequences
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 
