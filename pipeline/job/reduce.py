@@ -17,7 +17,8 @@ from typing import Callable
 import numpy as np
 
 from kvtc.pipeline.evaluation import diagnostics
-from kvtc.pipeline.evaluation import report
+from kvtc.pipeline.evaluation import rate_distortion, report
+from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
 from kvtc.pipeline.fit.pca import pca_from_moments
@@ -121,7 +122,9 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
     allocations: dict = {}
     metrics: list[dict] = []
     curves: dict[str, list[dict]] = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [],
-                                     "pca_error": [], "error_by_tokens": by_tokens}
+                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": []}
+    ecsq_tables: dict = {}  # ECSQ mode: (ratio, stream, group) -> table
+    ecsq_totals: dict = {}
     # per (ratio, stream, split): summed squared error and norm over groups, for stream-level figures
     agg: dict[tuple, list[float]] = {}
 
@@ -134,7 +137,9 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
             z_mid = basis.project(x_mid)  # one GEMM serves the error tables and the held-out metrics
             allocs = allocate(cfg.ratios, basis, settings=alloc, projections=z_mid)
             notes.extend(w for a in allocs for w in a.warnings if w not in notes)
-            kept = max(a.kept for a in allocs)
+            fits = ecsq_fit.fit_ratios(cfg.ratios, z_mid, basis.dim)  # ECSQ mode
+            ecsq_tables.update({(f.ratio, stream, g): f.to_table() for f in fits})
+            kept = max([a.kept for a in allocs] + [f.kept for f in fits])
             curves["spectrum"] += [{"stream": stream, "group": g, "index": i, "eigenvalue": float(v)}
                                    for i, v in enumerate(basis.eigenvalues)]
             ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if k <= basis.k} | {basis.k})
@@ -144,6 +149,8 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
             if evals is not None:
                 splits.append(("eval", getattr(evals, stream)[emid][:, sl], None, None))
             for split, x, pos, z in splits:
+                if pos is None:  # ECSQ mode
+                    metrics += rate_distortion.split_metrics(fits, basis, x, z, split, stream, g, ecsq_totals)
                 norm = float(np.square(x, dtype=np.float64).sum())
                 for a, ev in zip(allocs, evaluate(basis, allocs, x, positions=pos, projections=z)):
                     if split == "heldout_all_positions":
@@ -162,6 +169,11 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
             curves["error_by_position_pca"] += [
                 {"stream": stream, "group": g, **r}
                 for r in diagnostics.pca_error_by_position(basis, allocs, getattr(held, stream)[:, sl], held.positions)]
+            fixed_points = [(m["value"], next(r["value"] for r in metrics if r["metric"] == "rel_error" and
+                                              (r["ratio"], r["stream"], r["group"], r["split"]) == (m["ratio"], stream, g, "heldout")))
+                            for m in metrics if m["metric"] == "bits_per_token" and m["split"] == "heldout"
+                            and m["stream"] == stream and m["group"] == g]
+            curves["rate_distortion"] += rate_distortion.curve_rows(basis, x_mid, z_mid, stream, g, fits, fixed_points)
             for a in allocs:
                 allocations[(a.ratio, stream, g)] = {
                     "budget_bits": a.budget_bits, "cost_bits": a.cost_bits, "kept": a.kept,
@@ -172,6 +184,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
                                   basis.components[:, :kept].astype(np.float32))
             print(f"kvtc reduce: {stream} group {g}: p={basis.dim}, kept {kept}", file=sys.stderr)
 
+    metrics += rate_distortion.stream_metrics(ecsq_totals)
     for (ratio, stream, split), (err, norm, bound, bits) in agg.items():
         for metric, value in (("rel_error", math.sqrt(err / max(norm, 1e-300))),
                               ("bound_rel_error", math.sqrt(bound / max(norm, 1e-300))), ("bits_per_token", bits)):
@@ -192,10 +205,14 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
         "train_shards": [s["id"] for s in train], "heldout_shards": heldout_ids, "eval_shards": eval_ids,
         "tokens": {s["id"]: s["tokens"] for s in shards},
     }
+    from kvtc.pipeline.job.corpus import describe
+
+    corpus = dict(corpus, mixture=describe(str(corpus.get("spec", cfg.corpus))))  # sources, pkgdocs distributions
     extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}")
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus, bases=bases,
         allocations=allocations, metrics=metrics, curves=curves, extra_files=extra, parent=cfg.parent,
+        ecsq=ecsq_tables,
     )
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
     return summarize(ref, metrics, notes)
