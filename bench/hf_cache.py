@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def held_bytes(obj, seen: set[int] | None = None, depth: int = 0) -> int:
     """Bytes of every tensor reachable from obj's attributes (subclass tensors through their inner
-    tensors), each storage counted once."""
+    tensors), each storage counted once, plus the payload of bytes objects (KVTCCache's ECSQ chunks)."""
     import torch
 
     seen = set() if seen is None else seen
@@ -39,6 +39,8 @@ def held_bytes(obj, seen: set[int] | None = None, depth: int = 0) -> int:
             return 0
         seen.add(storage.data_ptr())
         return storage.nbytes()
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
     if isinstance(obj, (list, tuple)):
         return sum(held_bytes(x, seen, depth + 1) for x in obj)
     if isinstance(obj, dict):

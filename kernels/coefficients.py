@@ -1,9 +1,11 @@
 """Quantized PCA coefficients held in memory, and per-layer decode from them.
 
 The blob (kernels/codec.py) is the storage form of a cache; this is its resident form for a cache
-that keeps running: the same quantized blocks (packed codes + fp16 params, no entropy coding, so
-they can be dequantized every step) and a decode of one layer at a time that reads only that
-layer's rows of its group's components.
+that keeps running, in the codec's mode: "fixed" holds the same quantized blocks (packed codes +
+fp16 params, no DEFLATE, so they can be dequantized every step); "ecsq" holds, per stream, group
+and sequence, the ECSQ group's ANS words and escapes (kernels/ecsq.py `encode_group`, with the
+codec's rate control), entropy-decoded when read. Either way a decode of one layer at a time reads
+only that layer's rows of its group's components.
 
 Shapes: a layer's cache (B, H, T, D); a token block of all layers (L, B, H, n, D); coefficients of
 a group z (B * n, kept) float32, rows in (batch, token) order.
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtc.kernels import ecsq
 from kvtc.kernels.backend import Ops, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
 from kvtc.kernels.rope import RopeSpec
@@ -26,14 +29,17 @@ Packed = tuple[torch.Tensor, torch.Tensor]
 class CodedTokens:
     """n consecutive tokens (absolute positions start .. start + n - 1) of B sequences, all layers.
 
-    blocks[stream][group][block] = (packed (B*n, nbytes) uint8, params (B*n, 2) fp16), None for a
-    block without bits.
+    mode "fixed": blocks[stream][group][block] = (packed (B*n, nbytes) uint8, params (B*n, 2) fp16),
+    None for a block without bits. mode "ecsq": blocks[stream][group][sequence] = (words, escapes)
+    bytes of that sequence's n tokens (the codec's ECSQ sections); `device` is where they decode to.
     """
 
     start: int
     tokens: int
     batch: int
-    blocks: dict[str, tuple[tuple[Packed | None, ...], ...]]
+    blocks: dict[str, tuple[tuple, ...]]
+    mode: str = "fixed"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.start < 0 or self.tokens < 1 or self.batch < 1:
@@ -42,12 +48,19 @@ class CodedTokens:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tensors held."""
+        """Bytes held: the tensors' (fixed), or the ANS words and escapes (ecsq; payload bytes, not
+        counting Python's ~33-byte header per bytes object)."""
+        if self.mode == "ecsq":
+            return sum(len(w) + len(e) for groups in self.blocks.values() for seqs in groups for w, e in seqs)
         return sum(t.numel() * t.element_size() for groups in self.blocks.values() for blocks in groups
                    for pair in blocks if pair is not None for t in pair)
 
     def select_batch(self, index: torch.Tensor) -> "CodedTokens":
         """Keep (or repeat, reorder) sequences: index (B',) into the batch."""
+        if self.mode == "ecsq":
+            rows = [int(i) for i in index.tolist()]
+            blocks = {s: tuple(tuple(seqs[i] for i in rows) for seqs in groups) for s, groups in self.blocks.items()}
+            return CodedTokens(self.start, self.tokens, len(rows), blocks, self.mode, self.device)
         def pick(x: torch.Tensor) -> torch.Tensor:
             return x.reshape(self.batch, self.tokens, -1)[index.to(x.device)].reshape(-1, x.shape[-1]).contiguous()
 
@@ -59,13 +72,21 @@ class CodedTokens:
 class CoefficientCoder:
     """Encode token blocks of every layer to CodedTokens; decode one layer of one stream from them.
 
-    Uses only a CodecSpec: its groups' means, kept components and block allocation, and its RoPE
-    (None when the keys were calibrated with RoPE kept).
+    Uses only a CodecSpec: its groups' means, kept components and block allocation (mode "fixed") or
+    ECSQ groups (mode "ecsq", as KVTCCodec codes them: same centring, step, symbol models, centroid
+    offsets and, with rate_control, the same per-sequence budget), and its RoPE (None when the keys
+    were calibrated with RoPE kept).
     """
 
-    def __init__(self, spec: CodecSpec, backend: str = "auto") -> None:
+    def __init__(self, spec: CodecSpec, backend: str = "auto", mode: str = "fixed", rate_control: bool = True) -> None:
+        if mode not in ("fixed", "ecsq"):
+            raise ValueError(f"mode must be 'fixed' or 'ecsq', got {mode!r}")
+        if mode == "ecsq" and spec.ecsq is None:
+            raise ValueError(f"mode 'ecsq' needs a spec with ECSQ tables; {spec.name}@{spec.version} has none "
+                             f"for ratio {spec.ratio:g}")
         self.spec = spec
         self.backend = backend
+        self.mode, self.rate_control = mode, rate_control
         self.rope = RopeSpec.from_dict(spec.rope) if spec.rope else None
         self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         width = spec.kv_heads * spec.head_dim
@@ -73,7 +94,7 @@ class CoefficientCoder:
         # layer -> (group index, row offset of the layer inside the group's features)
         self.layer_group = {l: (gi, (l - g.layers[0]) * width)
                             for gi, g in enumerate(spec.streams["keys"]) for l in range(*g.layers)}
-        for stream in STREAMS:
+        for stream in STREAMS if mode == "fixed" else ():
             for g in spec.streams[stream]:
                 if any(b.qtype not in _BLOCK_TYPES for b in g.blocks):
                     raise ValueError(f"{stream} group {g.layers}: block types {sorted({b.qtype for b in g.blocks})} "
@@ -83,7 +104,15 @@ class CoefficientCoder:
         key = (stream, str(device), gi)
         if key not in self._on_device:
             g = self.spec.streams[stream][gi]
-            self._on_device[key] = (g.mean.to(device), g.components[:, :g.kept].to(device).contiguous())
+            # the codec centres with the fixed-rate groups' mean in both modes
+            comps = self.spec.ecsq[stream][gi].components if self.mode == "ecsq" else g.components[:, :g.kept]
+            self._on_device[key] = (g.mean.to(device), comps.to(device).contiguous())
+        return self._on_device[key]
+
+    def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
+        key = ("offsets", stream, str(device), gi)
+        if key not in self._on_device:
+            self._on_device[key] = self.spec.ecsq[stream][gi].offsets.to(device)
         return self._on_device[key]
 
     def _ops(self, device: torch.device) -> Ops:
@@ -118,13 +147,30 @@ class CoefficientCoder:
                 a, b = g.layers
                 feat = ops.rope_center(cache[a:b], cos, sin, mean, layout)
                 z = (feat @ comps).contiguous()
+                if self.mode == "ecsq":
+                    groups.append(self._encode_ecsq(z, stream, gi, B, n))
+                    continue
                 coded = quantize_pack_blocks(z, g.blocks, reference=ops.name == "torch")
                 groups.append(tuple(None if c is None else (c[0].contiguous(), c[1].contiguous()) for c in coded))
             blocks[stream] = tuple(groups)
-        return CodedTokens(start, n, B, blocks)
+        return CodedTokens(start, n, B, blocks, self.mode, str(dev))
+
+    def _encode_ecsq(self, z: torch.Tensor, stream: str, gi: int, batch: int, n: int
+                     ) -> tuple[tuple[bytes, bytes], ...]:
+        """z (B*n, kept) -> per sequence (words, escapes), budgeted like the codec's sections for n tokens."""
+        g = self.spec.ecsq[stream][gi]
+        budget = int(16 * g.mean.shape[0] // self.spec.ratio) * n // 8 if self.rate_control else None
+        return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget) for b in range(batch))
 
     def coefficients(self, coded: CodedTokens, stream: str, gi: int) -> torch.Tensor:
         """Dequantized coefficients z (B * n, kept) float32 of one group."""
+        if coded.mode == "ecsq":
+            g, dev = self.spec.ecsq[stream][gi], torch.device(coded.device)
+            parts = []
+            for words, escapes in coded.blocks[stream][gi]:
+                q, step = ecsq.decode_group(words, escapes, coded.tokens, g)
+                parts.append(ecsq.dequantize(torch.from_numpy(q).to(dev), step, self._offsets(stream, gi, dev)))
+            return torch.cat(parts)
         g = self.spec.streams[stream][gi]
         parts = coded.blocks[stream][gi]
         dev = next((p[0].device for p in parts if p is not None), torch.device("cpu"))

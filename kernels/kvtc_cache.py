@@ -6,8 +6,9 @@
 Per layer, the first `sinks` positions and the recent tokens stay in the model's dtype. The codec's
 basis spans every layer of a token, so tokens are coded only once all layers hold them: after the
 last layer's update of a forward, when more than `window + chunk - 1` recent tokens wait, all but
-the last `window` are coded in one chunk (packed quantized PCA coefficients, see
-kernels/coefficients.py) and dropped from every layer. Each update decodes the layer's slice of the
+the last `window` are coded in one chunk (in the codec's mode: packed fixed-rate quantized PCA
+coefficients, or ECSQ's ANS-coded symbols per stream, group and sequence; see kernels/coefficients.py)
+and dropped from every layer. Each update decodes the layer's slice of the
 coded tokens from their coefficients (its own rows of the group's components only); a group's
 dequantized coefficients live only while its layers decode in that forward.
 
@@ -186,6 +187,7 @@ class KVTCCache(Cache):
     codec: a KVTCCodec (its artifact and ratio set the basis, the allocation, sinks and window).
     config: the model's config (shapes are checked against the artifact here, not at first use).
     window / sinks: override the artifact's; chunk: tokens coded together (>= 1).
+    The coded chunks follow the codec's mode (`codec.mode`, and `codec.rate_control` for ECSQ).
     Batches code every row with positions = cache index (no left padding).
     """
 
@@ -202,7 +204,8 @@ class KVTCCache(Cache):
             raise ValueError(f"window and sinks must be >= 0 and chunk >= 1; got window={self.window}, "
                              f"sinks={self.sinks}, chunk={self.chunk}")
         self.codec = codec
-        self.store = _CodedStore(CoefficientCoder(spec, backend or codec.backend))
+        self.store = _CodedStore(CoefficientCoder(spec, backend or codec.backend, codec.mode,
+                                                    codec.rate_control))
         super().__init__(layers=[KVTCCacheLayer(i, self.sinks, self.store) for i in range(spec.num_layers)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
