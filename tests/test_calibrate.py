@@ -59,7 +59,7 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     assert rows[4.0]["keys"]["rel_error"] < rows[8.0]["keys"]["rel_error"] < 1.0
     assert "eval_rel_error" in rows[4.0]["values"]
     run_info = summary["run"]
-    assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["stats_bytes_per_shard"] > 0
+    assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["checkpoint_bytes_per_shard"] > 0 and run_info["stats_bytes"] > 0
 
 
 def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):

@@ -70,17 +70,18 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
     return rows
 
 
-def error_by_tokens(store, train_ids: list[str], heldout, evals, ratio: float, sinks: int, window: int,
+def error_by_tokens(store, accumulators: list[str], heldout, evals, ratio: float, sinks: int, window: int,
                     points: int = 4, k: int = 1024, settings=None) -> list[dict]:
     """Curve "error_by_tokens" rows {tokens, stream, split, rel_error}: calibrate on growing prefixes
-    of the training shards (in order, `prefix_points`) and measure each with `prefix_errors`;
-    tokens = rows that built the basis. The calibration job computes the same rows while it folds."""
+    of the stored accumulators (in order, `prefix_points`; the manifest's corpus["accumulators"]) and
+    measure each with `prefix_errors`; tokens = rows that built the basis. The calibration job
+    computes the same rows in its reduce."""
     from kvtc.pipeline.job.reduce import fold_stats
 
-    if not train_ids:
-        raise ValueError("error_by_tokens needs at least one training shard")
+    if not accumulators:
+        raise ValueError("error_by_tokens needs at least one accumulator of training statistics")
     rows: list[dict] = []
-    fold_stats(store, train_ids, checkpoints=prefix_points(len(train_ids), points),
+    fold_stats(store, accumulators, checkpoints=prefix_points(len(accumulators), points),
                on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k, settings)))
     return rows
 

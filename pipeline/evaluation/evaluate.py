@@ -243,6 +243,7 @@ def calibrate_local(cfg) -> tuple[dict, dict]:
     """`kvtc calibrate` without Ray, shards run in this process (tests, benches): a CalibrateConfig ->
     (summary, context) where context holds the store, fingerprint and shard list for the reduce."""
     from kvtc.pipeline.fit.allocator import AllocatorSettings
+    from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
     from kvtc.pipeline.job.reduce import reduce_and_publish
     from kvtc.pipeline.job.shards import make_shards
     from kvtc.pipeline.job.store import default_store_uri
@@ -252,6 +253,7 @@ def calibrate_local(cfg) -> tuple[dict, dict]:
     worker = ShardWorker(cfg.model, capture, cfg.store or default_store_uri(), dtype=cfg.dtype,
                          cache_dir=cfg.cache_dir, threads=cfg.threads_per_worker,
                          rows_per_heldout_shard=max(1, cfg.heldout_rows // 2))
+    planner = FoldPlanner(AccumulatorPlan(cfg.accumulators), worker.store)
     lm, shards, seen = worker.lm, [], set()
     for spec, budget, eval_domain in ((cfg.corpus, cfg.tokens, False),
                                       (cfg.eval_corpus, cfg.eval_tokens or cfg.seqs_per_shard * cfg.seq_len, True)):
@@ -265,12 +267,18 @@ def calibrate_local(cfg) -> tuple[dict, dict]:
                 continue
             seen.add(shard.id)
             role = "eval" if eval_domain else ("heldout" if shard.holdout else "train")
-            if not worker.store.has(shard.id, "stats" if role == "train" else "rows"):
+            if role == "train":
+                for task in planner.add(shard.index, shard.id, {"shard": shard.to_payload()}):
+                    worker.process(task)
+            elif not worker.store.has(shard.id, "rows"):
                 worker.process({"shard": shard.to_payload(), "role": role})
             shards.append({"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size)})
+        if not eval_domain:
+            for task in planner.finish():
+                worker.process(task)
     alloc = AllocatorSettings(block_sizes=tuple(cfg.block_sizes), types=tuple(cfg.types), error_model=cfg.error_model)
-    summary = reduce_and_publish(cfg=cfg, fingerprint=lm.fingerprint, capture=worker.settings, alloc=alloc,
-                                 store=worker.store, shards=shards, registry=cfg.registry, tokens_requested=cfg.tokens)
+    summary = reduce_and_publish(cfg=cfg, fingerprint=lm.fingerprint, alloc=alloc, store=worker.store, shards=shards,
+                                 accumulators=planner.accumulators(), registry=cfg.registry, tokens_requested=cfg.tokens)
     return summary, {"store": worker.store, "shards": shards, "fingerprint": lm.fingerprint}
 
 
