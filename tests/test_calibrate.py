@@ -93,11 +93,14 @@ def _assert_same_artifact(x, y):
 
 
 def test_rerun_reuses_cached_shards_and_extension_runs_only_new_ones(baseline, tmp_path):
+    import shutil
+
     cfg, summary = baseline
     again = run(cfg)
     assert again["run"]["shards_run"] == 0 and again["run"]["shards_cached"] > 0
     doubled = {**TINY, "tokens": 2 * TINY["tokens"]}
-    longer = run(CalibrateConfig(**doubled, workers=1, registry=cfg.registry, store=cfg.store, name="tiny"))
+    shutil.copytree(cfg.store, tmp_path / "extended")  # the baseline's store stays as it is for other tests
+    longer = run(CalibrateConfig(**doubled, workers=1, registry=cfg.registry, store=str(tmp_path / "extended"), name="tiny"))
     assert 0 < longer["run"]["shards_run"] <= longer["run"]["shards_cached"] + 2
     assert longer["run"]["tokens_run"] <= TINY["tokens"]
     # doubling the tokens adds no statistics bytes: one running total per accumulator (ids list aside)
