@@ -20,7 +20,7 @@ import numpy as np
 
 from kvtc.kernels.reference import block_cost_bits
 from kvtc.pipeline.fit.allocator import AllocatorSettings, budget_bits
-from kvtc.pipeline.fit.pca import Basis, pca_from_packed
+from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, pca_from_packed
 from kvtc.pipeline.job.store import ShardStore
 
 
@@ -54,8 +54,11 @@ def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, 
     t0 = time.perf_counter()
     n, total, packed = sum_accumulators(store, names, stream, group)
     t1 = time.perf_counter()
-    basis = pca_from_packed(n, total, packed, k=min(k, total.shape[0]), device=device)
-    return basis, {"sum_s": t1 - t0, "eig_s": time.perf_counter() - t1}
+    p = total.shape[0]
+    k = min(k, p)
+    method = "exact" if device.startswith("cuda") or p <= EXACT_MAX_P or k == p else "subspace"
+    basis = pca_from_packed(n, total, packed, k=k, device=device, method=method)
+    return basis, {"sum_s": t1 - t0, "eig_s": time.perf_counter() - t1, "method": method}
 
 
 def _task_name(names: list[str], stream: str, group: int, k: int) -> str:
@@ -88,4 +91,4 @@ def solve_group(store: ShardStore, names: list[str], stream: str, group: int, k:
     arrays, meta = store.get_basis(out["name"])
     store.drop_basis(out["name"])
     basis = Basis(arrays["mean"], arrays["eigenvalues"], arrays["components"], float(meta["total_variance"]), int(meta["n"]))
-    return basis, {"sum_s": out["sum_s"], "eig_s": out["eig_s"], "device": f"{out['device']} (Ray task)"}
+    return basis, {"sum_s": out["sum_s"], "eig_s": out["eig_s"], "method": out["method"], "device": f"{out['device']} (Ray task)"}

@@ -225,6 +225,9 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
         "pool_seconds": round(pool_seconds, 2),
         "pool_tokens_per_s": round(run_tokens / pool_seconds, 1) if pool_seconds > 0 and run_tokens else None,
         "checkpoint_bytes_per_shard": int(sum(r["bytes"] for r in folded) / max(1, len(folded))),
+        "capture_seconds": round(sum(r.get("capture_s", 0.0) for r in folded), 2),  # summed over workers
+        "fold_seconds": round(sum(r.get("fold_s", 0.0) for r in folded), 2),
+        "checkpoint_seconds": round(sum(r.get("checkpoint_s", 0.0) for r in folded), 2),
         "stats_bytes": store.stats_bytes(),
         "reduce_seconds": round(reduce_timing.get("reduce_s", 0.0), 2),
         "solve_seconds": round(reduce_timing.get("solve_s", 0.0), 2),

@@ -5,7 +5,10 @@ Three steps: `reduce_group` (pure: one stream and group's basis and held-out row
 allocations, metrics and curve rows out; no store), `aggregate` (stream-level figures over
 groups) and `publish_calibration` (manifest fields, report, registry). `reduce_and_publish` runs
 them: one stream and group at a time, its basis from `kvtc.pipeline.job.basis_solver` (a GPU Ray
-task when the cluster has GPUs, this process otherwise).
+task when the cluster has GPUs, this process otherwise). Exact solves (GPU, or p <= 4096) compute
+every component the least aggressive ratio could keep; above that a CPU solves the leading k by
+subspace iteration, starting at max(512, p / 16) and doubling k while an allocation keeps more
+than 80% of it (more components could then change the allocation).
 
 Accumulators are summed in accumulator order, each folded in shard order, so the artifact is
 bit-identical for any number of workers. Held-out rows come from whole held-out shards (never in
@@ -27,12 +30,13 @@ from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
-from kvtc.pipeline.fit.pca import Basis
+from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis
 from kvtc.pipeline.job.basis_solver import max_components, solve_group
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.workers.stats import STREAMS, CalibrationStats
 
 MIN_HELDOUT_ROWS = 16
+KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer than this share of it
 _PCA_KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -215,14 +219,21 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     for stream in STREAMS:
         for g, (a, b) in enumerate(groups):
             p = (b - a) * width
-            basis, solved = solve_group(store, names, stream, g, max_components(p, cfg.ratios, alloc), on_cluster_gpu)
-            solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
-            train_rows = basis.n
-            results.append(reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, slice(a * width, b * width),
-                                        cfg.sinks, cfg.window))
-            del basis
+            bound = max_components(p, cfg.ratios, alloc)
+            k = bound if on_cluster_gpu or p <= EXACT_MAX_P else min(bound, max(512, p // 16))
+            while True:  # subspace iteration: widen until the least aggressive allocation stops short of k
+                basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu)
+                solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
+                result = reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, slice(a * width, b * width),
+                                      cfg.sinks, cfg.window)
+                train_rows = basis.n
+                del basis
+                if k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
+                    break
+                k = min(bound, 2 * k)
+            results.append(result)
             print(f"kvtc reduce: {stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on "
-                  f"{solved['device']} in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}", file=sys.stderr)
+                  f"{solved['device']} ({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}", file=sys.stderr)
     for r in results:
         notes.extend(w for w in r.notes if w not in notes)
     timing.update(curve_s=t_curve - t0, solve_s=sum(t["sum_s"] + t["eig_s"] for t in solve_timings),

@@ -81,13 +81,15 @@ class ShardWorker:
         role = payload["role"]
         self._maybe_die(shard)
         if role == "train":
-            nbytes, rows = self._fold(shard, payload["acc"], payload.get("after"), bool(payload.get("restart")))
+            nbytes, rows, split = self._fold(shard, payload["acc"], payload.get("after"), bool(payload.get("restart")))
             if rows is None:
                 return {"shard_id": shard.id, "index": shard.index, "role": role, "tokens_run": 0, "rows": 0,
                         "bytes": 0, "seconds": time.perf_counter() - t0, "skipped": True}
         else:
             nbytes, rows = self._store_rows(shard)
+            split = {}
         return {
+            **split,
             "shard_id": shard.id,
             "index": shard.index,
             "role": role,
@@ -107,30 +109,39 @@ class ShardWorker:
             self.totals[name] = self.store.get_acc(name)
         return self.totals[name]
 
-    def _fold(self, shard: Shard, name: str, after: str | None, restart: bool) -> tuple[int, int | None]:
+    def _fold(self, shard: Shard, name: str, after: str | None, restart: bool) -> tuple[int, int | None, dict]:
         """Fold a shard into accumulator `name` after shard `after`, then checkpoint it.
-        -> (bytes written, rows folded), rows None when the total already holds the shard."""
+        -> (bytes written, rows folded, seconds {capture_s, fold_s, checkpoint_s}), rows None when
+        the total already holds the shard."""
+        t0 = time.perf_counter()
         total = self._total(name, restart)
         if total is not None and shard.id in total.shard_ids:
-            return 0, None
+            return 0, None, {}
         last = total.shard_ids[-1] if total is not None and total.shard_ids else None
         if last != after:
             raise RuntimeError(f"accumulator {self.store.acc_uri(name)} ends at shard {last} but shard {shard.id} "
                                f"must follow {after}; rerun the calibration (it resumes from the stored totals)")
         if total is None:
             total = self.totals[name] = CalibrationStats.new(self.lm.fingerprint, self.settings)
-        rows = 0
+        rows, capture_s, fold_s = 0, 0.0, 0.0
+        load_s = time.perf_counter() - t0
         try:
             for batch in self._batches(shard):
+                t1 = time.perf_counter()
                 captured = capture_kv(self.lm, batch, self.settings)
+                t2 = time.perf_counter()
                 total.update(captured)
+                fold_s += time.perf_counter() - t2
+                capture_s += t2 - t1
                 rows += captured.keys.shape[0]
             total.shard_ids = total.shard_ids + (shard.id,)
+            t3 = time.perf_counter()
             nbytes = self.store.put_acc(name, total)
         except BaseException:
             self.totals.pop(name, None)  # half-folded: reload the last checkpoint next time
             raise
-        return nbytes, rows
+        return nbytes, rows, {"capture_s": capture_s, "fold_s": fold_s,
+                              "checkpoint_s": load_s + time.perf_counter() - t3}
 
     def _store_rows(self, shard: Shard) -> tuple[int, int]:
         """Whole sequences, every position, until the row cap: keys, values, positions."""
