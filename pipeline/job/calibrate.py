@@ -200,6 +200,9 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
         results = ray_pool.run_pool(ShardWorker, actor_kwargs, all_payloads(), pool, timing=timing,
                                     route=lambda payload: payload.get("acc_index"))
         pool_seconds = timing["run_s"]
+        if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
+            ray.shutdown()
+            started = False
         reduce_timing: dict = {}
         summary = reduce_and_publish(
             cfg=cfg, fingerprint=fingerprint, alloc=alloc, store=store, shards=shards_seen,
