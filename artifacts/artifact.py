@@ -4,14 +4,16 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from kvtc.artifacts import bundle, tables
 from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError
-from kvtc.artifacts.manifest import MANIFEST, decode_manifest
-from kvtc.artifacts.schema import STREAMS, Block
+from kvtc.artifacts.blocks import Block
+from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
+from kvtc.artifacts.schema import STREAMS
 
 
 def file_sha256(path: Path) -> str:
@@ -29,18 +31,51 @@ def safe_relpath(rel: str) -> str:
     return rel
 
 
-def verify_folder(folder: Path, manifest: dict, where: str) -> None:
-    """Check every file listed in the manifest exists with its size and sha256; raise IntegrityError naming it."""
+def contained(folder: Path, rel: str) -> Path:
+    """folder / rel, refusing unsafe paths and symlinks that resolve outside `folder`."""
+    path = folder / safe_relpath(rel)
+    root = os.path.realpath(folder)
+    if not os.path.realpath(path).startswith(root.rstrip(os.sep) + os.sep):
+        raise IntegrityError(f"file {rel!r} resolves outside {folder}; refusing it")
+    return path
+
+
+def check_kernel_bundle(manifest: dict, where: str) -> None:
+    """The bundle hash recorded twice in the manifest must be the hash of the kernels/ files it lists."""
+    section = manifest.get("kernels") or {}
+    sources = {rel[len("kernels/"):]: entry["sha256"] for rel, entry in manifest["files"].items()
+               if rel.startswith("kernels/")}
+    lines = "".join(f"{rel} {sources[rel]}\n" for rel in sorted(sources))
+    actual = hashlib.sha256(lines.encode()).hexdigest() if sources else None
+    if section.get("bundle_sha256") != actual or manifest.get("kernel_bundle_hash") != actual \
+            or sorted(section.get("files") or []) != sorted(sources):
+        raise IntegrityError(f"{where}: the kernel bundle hash does not match the kernels/ files listed "
+                             "(tampered); refusing it")
+
+
+def verify_folder(folder: Path, manifest: dict, where: str) -> list[str]:
+    """Check every file listed in the manifest exists with its size and sha256, and the kernel bundle hash.
+
+    Raises IntegrityError naming the first bad file needed to decode; returns the damaged optional
+    files (manifest "extras": charts, report.md), which decoding does not need."""
+    check_kernel_bundle(manifest, where)
+    extras = set(manifest.get("extras") or [])
+    damaged = []
     for rel, expected in manifest["files"].items():
-        path = folder / safe_relpath(rel)
+        problem = None
+        path = contained(folder, rel)
         if not path.is_file():
-            raise IntegrityError(f"{where}: file {rel} is missing")
-        size = path.stat().st_size
-        if size != expected["size"]:
-            raise IntegrityError(f"{where}: file {rel} has {size} bytes, manifest says {expected['size']} "
-                                 "(truncated or replaced); refusing it")
-        if file_sha256(path) != expected["sha256"]:
-            raise IntegrityError(f"{where}: file {rel} fails its sha256 check (tampered or corrupt); refusing it")
+            problem = f"{where}: file {rel} is missing"
+        elif path.stat().st_size != expected["size"]:
+            problem = (f"{where}: file {rel} has {path.stat().st_size} bytes, manifest says {expected['size']} "
+                       "(truncated or replaced); refusing it")
+        elif file_sha256(path) != expected["sha256"]:
+            problem = f"{where}: file {rel} fails its sha256 check (tampered or corrupt); refusing it"
+        if problem and rel not in extras:
+            raise IntegrityError(problem)
+        if problem:
+            damaged.append(rel)
+    return damaged
 
 
 class Artifact:
@@ -48,7 +83,7 @@ class Artifact:
 
     basis(stream, group) -> (mean (p,), eigenvalues (k,), components (p, k)) float32, components as
     columns, features ordered layer, kv head, head_dim; keys in RoPE-removed space.
-    allocation(ratio, stream, group) -> [Block(start, size, type, bits)] in component order.
+    allocation(ratio, stream, group) -> [Block(start, size, qtype, bits)] in component order.
     """
 
     def __init__(self, path: str | os.PathLike, manifest: dict | None = None, verify: bool = True) -> None:
@@ -57,12 +92,16 @@ class Artifact:
             manifest_path = self.path / MANIFEST
             if not manifest_path.is_file():
                 raise ArtifactNotFoundError(f"{self.path} holds no {MANIFEST}; is it an artifact version folder?")
-            manifest = decode_manifest(manifest_path.read_bytes(), str(self.path))
+            data = manifest_path.read_bytes()
+            digest_path = self.path / DIGEST_FILE
+            check_digest(data, digest_path.read_bytes() if digest_path.is_file() else None, None, str(self.path))
+            manifest = decode_manifest(data, str(self.path))
         self.manifest = manifest
         self.name: str = manifest["name"]
         self.version: str = manifest["version"]
         self._bases: dict = {}
         self._allocations: dict | None = None
+        self.damaged: list[str] = []
         if verify:
             self.verify()
 
@@ -70,14 +109,21 @@ class Artifact:
         return f"Artifact({self.name}@{self.version}, path={str(self.path)!r})"
 
     def verify(self) -> None:
-        """Re-check every file's size and sha256 against the manifest."""
-        verify_folder(self.path, self.manifest, f"{self.name}@{self.version}")
+        """Re-check every file's size and sha256 and the kernel bundle hash against the manifest.
+
+        A damaged optional file (chart, report) only warns and is listed in `.damaged`; `file()` refuses it."""
+        self.damaged = verify_folder(self.path, self.manifest, f"{self.name}@{self.version}")
+        if self.damaged:
+            warnings.warn(f"{self.name}@{self.version}: optional files fail their checks and are refused: "
+                          f"{', '.join(self.damaged)} (decoding does not need them)", stacklevel=2)
 
     def file(self, rel: str) -> Path:
         """Local path of a listed file (charts, report.md, kernels/...)."""
         if rel not in self.manifest["files"]:
             raise ArtifactNotFoundError(f"{self.name}@{self.version} has no file {rel!r}")
-        return self.path / safe_relpath(rel)
+        if rel in self.damaged:
+            raise IntegrityError(f"{self.name}@{self.version}: file {rel} fails its sha256 check; refusing it")
+        return contained(self.path, rel)
 
     def groups(self) -> list[tuple[int, int]]:
         return [tuple(g) for g in self.manifest["calibration"]["groups"]]

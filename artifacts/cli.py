@@ -1,6 +1,6 @@
-"""`kvtc list | show | pull | verify | alias | export`: the registry from the command line.
+"""`kvtc list | show | pull | verify | alias | export | sign | keygen`: the registry from the command line.
 
-Every command takes --registry URI (default $KVTC_REGISTRY or ./registry) and --json.
+Every registry command takes --registry URI (default $KVTC_REGISTRY or ./registry) and --json.
 Only argparse/json are imported here; the artifact modules load inside the handlers.
 """
 from __future__ import annotations
@@ -29,10 +29,17 @@ def cmd_list(args: argparse.Namespace) -> int:
         lines = [f"{n}  {v['versions']} version(s)  latest={v['aliases'].get('latest', '-')}" for n, v in names.items()]
         return _print(args, names, "\n".join(lines) or f"(no artifacts in {reg.uri})")
     aliases = reg.aliases(args.name)
-    rows = [{"version": v, "created": reg.read_manifest(args.name, v)["created"],
-             "aliases": sorted(a for a, t in aliases.items() if t == v)} for v in reg.versions(args.name)]
+    rows = []
+    for v in reg.versions(args.name):
+        row = {"version": v, "created": "", "aliases": sorted(a for a, t in aliases.items() if t == v)}
+        try:
+            row["created"] = reg.read_manifest(args.name, v)["created"]
+        except (ValueError, OSError, RuntimeError) as exc:  # one bad version must not hide the others
+            row["error"] = str(exc)
+        rows.append(row)
     rows.sort(key=lambda r: (r["created"], r["version"]))
-    lines = [f"{r['version']}  {r['created']}  {' '.join(r['aliases'])}".rstrip() for r in rows]
+    lines = [f"{r['version']}  {r['created'] or 'UNREADABLE: ' + r.get('error', '')}  {' '.join(r['aliases'])}".rstrip()
+             for r in rows]
     return _print(args, rows, "\n".join(lines) or f"(no versions of {args.name})")
 
 
@@ -41,7 +48,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     reg = _registry(args)
     name, ref = split_ref(args.ref)
-    manifest = reg.read_manifest(name, reg.resolve(name, ref))
+    manifest = reg.read_manifest(name, *reg.resolve_pinned(name, ref))
     cal, model = manifest["calibration"], manifest["model"]
     text = "\n".join([
         f"{manifest['name']}@{manifest['version']}  created {manifest['created']}  parent {manifest.get('parent') or '-'}",
@@ -60,19 +67,53 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     from kvtc.artifacts.pull import copy_to, pull
 
-    artifact = pull(args.ref, registry=_registry(args), cache_dir=args.cache_dir)
+    artifact = pull(args.ref, registry=_registry(args), cache_dir=args.cache_dir, public_key=args.key,
+                    require_signature=args.require_signature or None)
     path = copy_to(artifact, args.to) if args.to else artifact.path
     return _print(args, {"name": artifact.name, "version": artifact.version, "path": str(path)}, str(path))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from kvtc.artifacts.errors import IntegrityError
+    from kvtc.artifacts.manifest import manifest_digest
     from kvtc.artifacts.pull import pull
 
+    reg = _registry(args)
     with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
-        artifact = pull(args.ref, registry=_registry(args), cache_dir=scratch)
-        n = len(artifact.manifest["files"])
-        data = {"name": artifact.name, "version": artifact.version, "files": n, "ok": True}
-        return _print(args, data, f"ok: {artifact.name}@{artifact.version}, {n} files match their sha256 and size")
+        artifact = pull(args.ref, registry=reg, cache_dir=scratch, public_key=args.key,
+                        require_signature=args.require_signature or None)
+    if artifact.damaged:
+        raise IntegrityError(f"{artifact.name}@{artifact.version}: optional files fail their sha256 check: "
+                             f"{', '.join(artifact.damaged)} (decoding does not need them)")
+    n = len(artifact.manifest["files"])
+    unlisted = reg.unlisted(artifact.name, artifact.version, artifact.manifest)
+    digest = manifest_digest(reg.read_manifest_bytes(artifact.name, artifact.version)[0])
+    signed = "signature checked" if args.key and reg.read_signature(artifact.name, artifact.version) else \
+        "signature not checked (pass --key)" if reg.read_signature(artifact.name, artifact.version) else "unsigned"
+    data = {"name": artifact.name, "version": artifact.version, "digest": digest, "files": n, "ok": True,
+            "signature": signed, "unlisted": unlisted}
+    text = f"ok: {artifact.name}@{artifact.version} ({digest}), {n} files match their sha256 and size; {signed}"
+    if unlisted:
+        text += f"\nwarning: {len(unlisted)} file(s) not in the manifest, ignored by pull: {', '.join(unlisted)}"
+    return _print(args, data, text)
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    from kvtc.artifacts.registry import split_ref
+
+    reg = _registry(args)
+    name, ref = split_ref(args.ref)
+    version = reg.resolve(name, ref)
+    key_id = reg.sign(name, version, args.key)
+    return _print(args, {"name": name, "version": version, "key_id": key_id}, f"signed {name}@{version} (key {key_id[:16]})")
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from kvtc.artifacts.signing import generate_keypair
+
+    private, public = generate_keypair(args.out)
+    return _print(args, {"private": str(private), "public": str(public)},
+                  f"private key {private} (keep it secret; mode 0600)\npublic key {public} (give it to servers: --key)")
 
 
 def cmd_alias(args: argparse.Namespace) -> int:
@@ -100,19 +141,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--registry", default=None, help="registry root: path or fsspec URI (default $KVTC_REGISTRY or ./registry)")
     common.add_argument("--json", action="store_true", help="machine-readable output")
-    ref_help = "NAME, NAME@VERSION or NAME@ALIAS (default alias: latest)"
+    ref_help = "NAME, NAME@VERSION, NAME@ALIAS or NAME@sha256:HEX (default alias: latest)"
     p = subparsers.add_parser("list", parents=[common], help="list artifacts, or the versions of one")
     p.add_argument("name", nargs="?", help="artifact name")
     p.set_defaults(func=cmd_list)
     p = subparsers.add_parser("show", parents=[common], help="summarise a version's manifest")
     p.add_argument("ref", help=ref_help)
     p.set_defaults(func=cmd_show)
-    p = subparsers.add_parser("pull", parents=[common], help="fetch and verify a version into the cache")
+    signed = argparse.ArgumentParser(add_help=False)
+    signed.add_argument("--key", default=None, help="Ed25519 public key (PEM) to check the signature with "
+                        "(default $KVTC_PUBLIC_KEY)")
+    signed.add_argument("--require-signature", action="store_true", help="refuse a version without a valid signature")
+    p = subparsers.add_parser("pull", parents=[common, signed], help="fetch and verify a version into the cache")
     p.add_argument("ref", help=ref_help)
     p.add_argument("--to", help="also copy the verified folder here")
     p.add_argument("--cache-dir", help="cache directory (default $KVTC_CACHE or ~/.cache/kvtc)")
     p.set_defaults(func=cmd_pull)
-    p = subparsers.add_parser("verify", parents=[common], help="check every file of a version against its manifest")
+    p = subparsers.add_parser("verify", parents=[common, signed],
+                              help="check a version's manifest digest, every file, the kernel bundle and the signature")
     p.add_argument("ref", help=ref_help)
     p.set_defaults(func=cmd_verify)
     p = subparsers.add_parser("alias", parents=[common], help="point an alias (production, ...) at a version")
@@ -126,6 +172,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, help="output directory")
     p.add_argument("--cache-dir", help="cache directory (default $KVTC_CACHE or ~/.cache/kvtc)")
     p.set_defaults(func=cmd_export)
+    p = subparsers.add_parser("sign", parents=[common], help="sign a published version's manifest (Ed25519)")
+    p.add_argument("ref", help=ref_help)
+    p.add_argument("--key", required=True, help="Ed25519 private key (PEM, e.g. from `kvtc keygen`)")
+    p.set_defaults(func=cmd_sign)
+    p = subparsers.add_parser("keygen", help="write an Ed25519 key pair for signing artifacts")
+    p.add_argument("--out", required=True, help="path prefix: writes PREFIX.pem (private) and PREFIX.pub.pem")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_keygen)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvtc")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    from kvtc.artifacts.errors import IntegrityError
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, PermissionError, RuntimeError) as exc:
-        print(f"kvtc {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"kvtc {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 6 if isinstance(exc, IntegrityError) else 2
 
 
 if __name__ == "__main__":

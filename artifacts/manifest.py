@@ -11,9 +11,14 @@ from pathlib import Path
 import numpy as np
 
 from kvtc.artifacts import bundle, tables
+from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.schema import SCHEMA_VERSION, ArtifactContent, check_name, normalize_block, to_json
 
 MANIFEST = "manifest.json"
+DIGEST_FILE = "manifest.sha256"   # "sha256:HEX\n" of manifest.json, written with it
+SIGNATURE_FILE = "manifest.sig"   # optional Ed25519 signature of manifest.json (see signing.py)
+SIDECARS = (MANIFEST, DIGEST_FILE, SIGNATURE_FILE, ".claim")
+_HEX64 = set("0123456789abcdef")
 
 
 def sha256(data: bytes) -> str:
@@ -94,7 +99,7 @@ def build_manifest(content: ArtifactContent, version: str | None, files: dict[st
                    parent: str | None) -> dict:
     """The full manifest; `version` None -> a fresh sortable id from the content hash."""
     listing = {rel: {"sha256": sha256(data), "size": len(data)} for rel, data in sorted(files.items())}
-    content_hash = sha256("".join(f"{rel} {v['sha256']}\n" for rel, v in listing.items()).encode())
+    content_hash = listing_hash(listing)
     now = dt.datetime.now(dt.timezone.utc)
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -118,15 +123,85 @@ def encode_manifest(manifest: dict) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
 
-def decode_manifest(data: bytes, where: str) -> dict:
-    """Parse and sanity-check a manifest.json; errors name `where`."""
+def manifest_digest(data: bytes) -> str:
+    """The content address of a version: "sha256:" + hex digest of its manifest.json bytes."""
+    return "sha256:" + sha256(data)
+
+
+def listing_hash(files: dict) -> str:
+    """content_sha256: hash of the sorted "<path> <sha256>" lines of the file listing."""
+    return sha256("".join(f"{rel} {files[rel]['sha256']}\n" for rel in sorted(files)).encode())
+
+
+def _is_hex64(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX64
+
+
+def _shape_errors(m: dict) -> list[str]:
+    errors = []
+    if not isinstance(m.get("schema_version"), int) or isinstance(m.get("schema_version"), bool):
+        errors.append("schema_version is not an integer")
+    for key in ("name", "version"):
+        try:
+            check_name(key, m.get(key))
+        except ValueError as exc:
+            errors.append(str(exc))
+    files = m.get("files")
+    if not isinstance(files, dict):
+        errors.append("files is not an object {path: {sha256, size}}")
+    else:
+        for rel, entry in files.items():
+            if not (isinstance(entry, dict) and _is_hex64(entry.get("sha256")) and isinstance(entry.get("size"), int)
+                    and not isinstance(entry.get("size"), bool) and entry["size"] >= 0):
+                errors.append(f"files[{rel!r}] is not {{sha256: 64 hex digits, size: int >= 0}}")
+                break
+    for key in ("model", "calibration", "bases", "corpus"):
+        if not isinstance(m.get(key), dict):
+            errors.append(f"section {key!r} is missing or not an object")
+    if isinstance(m.get("bases"), dict) and not isinstance(m["bases"].get("entries"), list):
+        errors.append("bases.entries is not a list")
+    for key in ("allocations", "kernels"):
+        if m.get(key) is not None and not isinstance(m[key], dict):
+            errors.append(f"section {key!r} is not an object")
+    if not isinstance(m.get("curves", {}), dict) or not isinstance(m.get("extras", []), list):
+        errors.append("curves must be an object and extras a list")
+    return errors
+
+
+def decode_manifest(data: bytes, where: str, name: str | None = None, version: str | None = None) -> dict:
+    """Parse and check a manifest.json: JSON shape, its listing hash and, when given, that it names
+    `name` and `version` (the folder it was read from). Errors name `where`; tampering is an IntegrityError."""
     try:
         manifest = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}: manifest.json is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or "files" not in manifest or "version" not in manifest:
-        raise ValueError(f"{where}: manifest.json lacks 'version' or 'files'")
-    if manifest.get("schema_version", 0) > SCHEMA_VERSION:
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
+        raise IntegrityError(f"{where}: manifest.json is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise IntegrityError(f"{where}: manifest.json is not a JSON object")
+    if isinstance(manifest.get("schema_version"), int) and manifest["schema_version"] > SCHEMA_VERSION:
         raise ValueError(f"{where}: schema version {manifest['schema_version']} is newer than this reader "
                          f"({SCHEMA_VERSION}); upgrade kvtc-calibration")
+    errors = _shape_errors(manifest)
+    if errors:
+        raise IntegrityError(f"{where}: manifest.json is malformed: {'; '.join(errors)}")
+    if manifest.get("content_sha256") != listing_hash(manifest["files"]):
+        raise IntegrityError(f"{where}: manifest's content_sha256 does not match its file listing (tampered)")
+    for key, want in (("name", name), ("version", version)):
+        if want is not None and manifest[key] != want:
+            raise IntegrityError(f"{where}: manifest says {key} {manifest[key]!r} but was stored as {want!r} "
+                                 "(a version folder copied or renamed); refusing it")
     return manifest
+
+
+def check_digest(data: bytes, recorded: bytes | None, expected: str | None, where: str) -> str:
+    """Compare manifest bytes with the digest file stored beside them and with a pinned `expected`
+    digest (a NAME@sha256:HEX ref or an alias's record); return the digest."""
+    digest = manifest_digest(data)
+    if recorded is None:
+        raise IntegrityError(f"{where}: {DIGEST_FILE} is missing; the version was not published by this kvtc "
+                             "(republish it) or was tampered with")
+    if recorded.decode(errors="replace").strip() != digest:
+        raise IntegrityError(f"{where}: manifest.json does not match its recorded digest (tampered); refusing it")
+    if expected is not None and expected != digest:
+        raise IntegrityError(f"{where}: manifest digest is {digest}, expected {expected} (tampered or another "
+                             "version); refusing it")
+    return digest

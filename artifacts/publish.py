@@ -20,13 +20,15 @@ import uuid
 from dataclasses import dataclass
 
 from kvtc.artifacts.errors import ArtifactNotFoundError, VersionExistsError
-from kvtc.artifacts.manifest import MANIFEST, build_files, build_manifest, encode_manifest
+from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIGNATURE_FILE, build_files, build_manifest,
+                                     encode_manifest, manifest_digest)
 from kvtc.artifacts.registry import Registry, as_registry, split_ref
 from kvtc.artifacts.schema import ArtifactContent
 
 CLAIM_STALE_S = 600.0
 STAGING_STALE_S = 86400.0
 PAUSE_ENV = "KVTC_TEST_PAUSE_AT"  # test hook: sleep at this point so a test can kill the publisher
+SIGNING_KEY_ENV = "KVTC_SIGNING_KEY"  # default Ed25519 private key (PEM path) every publish signs with
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,16 @@ def _sweep_staging(directory: str) -> None:
                 shutil.rmtree(entry.path, ignore_errors=True)
         except FileNotFoundError:
             continue
+
+
+def _sidecars(manifest: bytes, signing_key: str | None) -> dict[str, bytes]:
+    """The digest file (always) and the signature (with a key), written just before the manifest."""
+    out = {DIGEST_FILE: (manifest_digest(manifest) + "\n").encode()}
+    if signing_key:
+        from kvtc.artifacts.signing import sign_manifest
+
+        out[SIGNATURE_FILE] = sign_manifest(manifest, signing_key)
+    return out
 
 
 def _commit_local(reg: Registry, name: str, version: str, files: dict[str, bytes], manifest: bytes) -> None:
@@ -134,13 +146,19 @@ def _commit_object(reg: Registry, name: str, version: str, files: dict[str, byte
 
 
 def publish(content: ArtifactContent, registry: "Registry | str | None" = None, version: str | None = None,
-            alias_latest: bool = True) -> ArtifactRef:
-    """Write `content` as a new immutable version of `content.name`; move `latest` to it.
+            alias_latest: bool = True, signing_key: "str | os.PathLike | None" = None) -> ArtifactRef:
+    """Write `content` as a new immutable version of `content.name`; move `latest` to the newest version.
 
     version: explicit id (letters, digits, '.', '_', '-'); default UTC time + content hash (sortable).
+    signing_key: Ed25519 private key (PEM path) to sign the manifest with; default $KVTC_SIGNING_KEY.
     Raises VersionExistsError for an explicit id that exists; retries a fresh auto id on a collision.
     """
     reg = as_registry(registry)
+    signing_key = signing_key or os.environ.get(SIGNING_KEY_ENV) or None
+    if signing_key:
+        from kvtc.artifacts.signing import load_private_key
+
+        load_private_key(signing_key)  # a bad key fails before anything is written
     parent = content.parent
     if parent is not None:
         pname, pref = split_ref(parent if "@" in parent else f"{content.name}@{parent}")
@@ -152,15 +170,17 @@ def publish(content: ArtifactContent, registry: "Registry | str | None" = None, 
     commit = _commit_local if reg.local else _commit_object
     for attempt in range(5):
         manifest = build_manifest(content, version, files, parts, parent)
+        manifest_bytes = encode_manifest(manifest)
         try:
-            commit(reg, content.name, manifest["version"], files, encode_manifest(manifest))
+            commit(reg, content.name, manifest["version"], {**files, **_sidecars(manifest_bytes, signing_key)},
+                   manifest_bytes)
             break
         except VersionExistsError:
             if version is not None or attempt == 4:
                 raise
             print(f"kvtc: version id {manifest['version']} collided; retrying", file=sys.stderr)
     if alias_latest:
-        reg.set_alias(content.name, "latest", manifest["version"])
+        reg.move_latest(content.name, manifest["version"])
     path = reg.version_path(content.name, manifest["version"])
     return ArtifactRef(reg.uri, content.name, manifest["version"], path if reg.local else reg.fs.unstrip_protocol(path),
                        manifest)

@@ -10,53 +10,99 @@ import hashlib
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
-from kvtc.artifacts.artifact import Artifact, safe_relpath, verify_folder
+from kvtc.artifacts.artifact import Artifact, contained, verify_folder
 from kvtc.artifacts.errors import IntegrityError
-from kvtc.artifacts.manifest import MANIFEST, decode_manifest
+from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manifest_digest
 from kvtc.artifacts.registry import Registry, as_registry, split_ref
+
+PUBLIC_KEY_ENV = "KVTC_PUBLIC_KEY"            # default Ed25519 public key (PEM path) to check signatures with
+REQUIRE_SIGNATURE_ENV = "KVTC_REQUIRE_SIGNATURE"  # "1": refuse unsigned versions
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir or os.environ.get("KVTC_CACHE") or Path.home() / ".cache" / "kvtc").expanduser()
 
 
-def _download(reg: Registry, name: str, version: str, manifest_bytes: bytes, manifest: dict, dest: Path) -> None:
+def _within(root: Path, path: Path) -> Path:
+    real_root, real = os.path.realpath(root), os.path.realpath(path)
+    if not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise IntegrityError(f"{path} resolves outside the cache {root}; refusing it")
+    return path
+
+
+def _download(reg: Registry, name: str, version: str, manifest_bytes: bytes, manifest: dict, dest: Path,
+              signature: bytes | None) -> list[str]:
+    """Fetch only the listed files into a staging folder, verify, rename into place; -> damaged optional files."""
     staging = dest.parent / f".tmp-{version}-{uuid.uuid4().hex}"
     try:
         prefix = reg.version_path(name, version)
+        staging.mkdir(parents=True)
         for rel in manifest["files"]:
-            target = staging / safe_relpath(rel)
+            target = contained(staging, rel)
             target.parent.mkdir(parents=True, exist_ok=True)
-            reg.fs.get_file(f"{prefix}/{rel}", str(target))
-        verify_folder(staging, manifest, f"{reg.uri}: {name}@{version}")
+            reg.fs.get_file(reg.check_under_root(f"{prefix}/{rel}"), str(target))
+        damaged = verify_folder(staging, manifest, f"{reg.uri}: {name}@{version}")
+        (staging / DIGEST_FILE).write_bytes((manifest_digest(manifest_bytes) + "\n").encode())
+        if signature is not None:
+            (staging / SIGNATURE_FILE).write_bytes(signature)
         (staging / MANIFEST).write_bytes(manifest_bytes)
         try:
             os.rename(staging, dest)
         except OSError:
             if not (dest / MANIFEST).is_file():
                 raise
+        return damaged
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = None,
-         cache_dir: str | os.PathLike | None = None, verify: bool = True) -> Artifact:
-    """`name`, `name@version` or `name@alias` -> verified local Artifact.
+def check_signature(reg: Registry, name: str, version: str, manifest_bytes: bytes,
+                    public_key: "str | os.PathLike | None", require_signature: bool) -> str | None:
+    """Verify manifest.sig with `public_key` when given; -> the signer's key id, or None when unchecked."""
+    where = f"{reg.uri}: {name}@{version}"
+    if require_signature and not public_key:
+        raise ValueError("requiring a signature needs the signer's public key: pass --key PUBLIC.pem "
+                         f"(or set ${PUBLIC_KEY_ENV})")
+    if not public_key:
+        return None
+    from kvtc.artifacts.signing import load_public_key, verify_signature
 
-    Raises ArtifactNotFoundError (unknown name/ref) or IntegrityError naming a tampered or truncated file.
+    load_public_key(public_key)  # a bad key file fails even when there is nothing to check
+    signature = reg.read_signature(name, version)
+    if signature is None and not require_signature:
+        warnings.warn(f"{where} is not signed; loading it unverified (require signatures with "
+                      "--require-signature)", stacklevel=3)
+        return None
+    return verify_signature(manifest_bytes, signature, public_key, where)
+
+
+def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = None,
+         cache_dir: str | os.PathLike | None = None, verify: bool = True, *,
+         public_key: "str | os.PathLike | None" = None, require_signature: bool | None = None) -> Artifact:
+    """`name`, `name@version`, `name@alias` or `name@sha256:HEX` -> verified local Artifact.
+
+    The manifest is checked against its digest (and the digest an alias or a sha256 ref pins); with
+    `public_key` (default $KVTC_PUBLIC_KEY) its signature is checked, and `require_signature` (default
+    $KVTC_REQUIRE_SIGNATURE=1) refuses unsigned versions. Files the manifest does not list are ignored.
+    Raises ArtifactNotFoundError (unknown name/ref) or IntegrityError naming what was tampered with.
     """
     reg = as_registry(registry)
+    public_key = public_key or os.environ.get(PUBLIC_KEY_ENV) or None
+    if require_signature is None:
+        require_signature = os.environ.get(REQUIRE_SIGNATURE_ENV, "") not in ("", "0")
     name, ref = split_ref(name, ref)
-    version = reg.resolve(name, ref)
+    version, digest = reg.resolve_pinned(name, ref)
     prefix = reg.version_path(name, version)
-    manifest_bytes = reg.fs.cat_file(f"{prefix}/{MANIFEST}")
-    manifest = decode_manifest(manifest_bytes, f"{reg.uri}: {name}@{version}")
+    manifest_bytes, manifest = reg.read_manifest_bytes(name, version, digest)
+    check_signature(reg, name, version, manifest_bytes, public_key, require_signature)
     if reg.local:
         return Artifact(prefix, manifest, verify=verify)
     key = hashlib.sha256(reg.uri.encode()).hexdigest()[:16]
-    dest = cache_root(cache_dir) / key / name / version
+    root = cache_root(cache_dir)
+    dest = _within(root, root / key / name / version)
     dest.parent.mkdir(parents=True, exist_ok=True)
     if (dest / MANIFEST).is_file():
         try:
@@ -65,14 +111,28 @@ def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = Non
             return Artifact(dest, manifest, verify=verify)
         except IntegrityError:
             shutil.rmtree(dest, ignore_errors=True)
-    _download(reg, name, version, manifest_bytes, manifest, dest)
-    return Artifact(dest, manifest, verify=False)
+    damaged = _download(reg, name, version, manifest_bytes, manifest, dest, reg.read_signature(name, version))
+    artifact = Artifact(dest, manifest, verify=False)
+    artifact.damaged = damaged
+    if damaged:
+        warnings.warn(f"{name}@{version}: optional files fail their checks and are refused: {', '.join(damaged)} "
+                      "(decoding does not need them)", stacklevel=2)
+    return artifact
 
 
 def copy_to(artifact: Artifact, directory: str | os.PathLike) -> Path:
-    """Copy a verified version folder to `directory` (created; must not already hold a manifest)."""
+    """Copy a verified version's listed files, manifest, digest and signature to `directory`
+    (created; must not already hold an artifact, and must not be a file)."""
     target = Path(directory)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} exists and is not a directory; choose a new or empty directory")
     if (target / MANIFEST).exists():
         raise ValueError(f"{target} already holds an artifact; choose an empty directory")
-    shutil.copytree(artifact.path, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".claim"))
+    for rel in [*artifact.manifest["files"], DIGEST_FILE, SIGNATURE_FILE, MANIFEST]:
+        source = artifact.path / rel
+        if rel in artifact.damaged or not source.is_file():
+            continue
+        out = contained(target, rel) if target.exists() else target / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, out)
     return target

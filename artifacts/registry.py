@@ -1,40 +1,85 @@
 """The registry: `<root>/<name>/versions/<version>/...` and `<root>/<name>/aliases/<alias>` on a local
 path or any fsspec URI. A version is visible once its manifest.json exists (written last, or the
 staged folder renamed into place on a local disk); an alias is one small JSON object
-{"version": ...} replaced in a single write.
+{"version": ..., "digest": ...} replaced in a single write.
+
+Every name, version and alias that becomes a path segment matches schema.NAME_PATTERN in full, and
+every path is checked to stay under the root. Every manifest read checks the manifest against its
+digest file (and against the digest an alias recorded or a NAME@sha256:HEX ref pinned), that it
+names the folder it was read from, and that its listing hash holds.
 """
 from __future__ import annotations
 
 import datetime as dt
 import json
 import os
+import posixpath
 import tempfile
 import uuid
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvtc.artifacts.errors import ArtifactNotFoundError, RegistryNotWritableError
-from kvtc.artifacts.manifest import MANIFEST, decode_manifest
-from kvtc.artifacts.schema import check_name
+from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError, RegistryNotWritableError
+from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIDECARS, SIGNATURE_FILE, check_digest, decode_manifest,
+                                     manifest_digest)
+from kvtc.artifacts.schema import DIGEST_PATTERN, NAME_PATTERN, check_name
 
 DEFAULT_ROOT = "registry"
 
 
+def check_ref(ref: str) -> str:
+    """A version id, an alias, or a content digest "sha256:<64 hex>"."""
+    if isinstance(ref, str) and DIGEST_PATTERN.fullmatch(ref):
+        return ref
+    return check_name("ref", ref)
+
+
 def split_ref(spec: str, ref: str | None = None) -> tuple[str, str]:
-    """"name", "name@version" or "name@alias" (+ optional explicit ref) -> (name, ref); default ref "latest"."""
+    """"name", "name@version", "name@alias" or "name@sha256:HEX" (+ optional explicit ref) -> (name, ref);
+    default ref "latest"."""
+    if not isinstance(spec, str):
+        raise ValueError(f"an artifact reference is a string NAME[@REF], got {type(spec).__name__}")
     name, _, inline = spec.partition("@")
     if inline and ref not in (None, "latest", inline):
         raise ValueError(f"{spec!r} already names a ref; do not also pass ref={ref!r}")
-    return check_name("artifact name", name), check_name("ref", inline or ref or "latest")
+    return check_name("artifact name", name), check_ref(inline or ref or "latest")
+
+
+def write_local_atomic(target: str, data: bytes) -> None:
+    """Temp file + fsync + rename, created with the process umask (mkstemp alone would leave 0600)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 class Registry:
     """One registry root. `root`: local path or fsspec URI; default $KVTC_REGISTRY or ./registry."""
 
     def __init__(self, root: str | os.PathLike | None = None, storage_options: dict | None = None) -> None:
+        if root is not None and not str(root).strip():
+            raise ValueError("the registry URI is empty; pass --registry PATH_OR_URI (or unset it to use "
+                             "$KVTC_REGISTRY or ./registry)")
         self.uri = str(root or os.environ.get("KVTC_REGISTRY") or DEFAULT_ROOT)
-        self.fs, self.root = fsspec.core.url_to_fs(self.uri, **(storage_options or {}))
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.uri, **(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise ValueError(f"registry {self.uri!r} cannot be opened ({exc}); use a path or a supported fsspec URI "
+                             "(s3://, gs://, ... with its package installed)") from None
+        except OSError as exc:
+            raise ConnectionError(f"registry {self.uri} cannot be reached ({type(exc).__name__}: {exc})") from None
         self.root = self.root.rstrip("/") or "/"
         self.local = isinstance(self.fs, LocalFileSystem)
 
@@ -42,7 +87,24 @@ class Registry:
         return f"Registry({self.uri!r})"
 
     def path(self, *parts: str) -> str:
-        return "/".join([self.root.rstrip("/"), *parts]) if self.root != "/" else "/" + "/".join(parts)
+        """Join path segments under the root; refuse any that would leave it."""
+        for part in parts:
+            if not isinstance(part, str) or not part or "/" in part or "\\" in part or part in (".", "..") \
+                    or "\0" in part:
+                raise IntegrityError(f"unsafe path segment {part!r} under registry {self.uri}; refusing it")
+        joined = "/".join([self.root.rstrip("/"), *parts]) if self.root != "/" else "/" + "/".join(parts)
+        self.check_under_root(joined)
+        return joined
+
+    def check_under_root(self, path: str) -> str:
+        """Raise IntegrityError unless `path` (symlinks resolved on a local disk) lies under the root."""
+        if self.local:
+            root, real = os.path.realpath(self.root), os.path.realpath(path)
+        else:
+            root, real = posixpath.normpath(self.root), posixpath.normpath(path)
+        if real != root and not real.startswith(root.rstrip("/") + "/"):
+            raise IntegrityError(f"path {path} resolves outside registry {self.uri}; refusing it")
+        return path
 
     def version_path(self, name: str, version: str) -> str:
         return self.path(name, "versions", version)
@@ -68,7 +130,7 @@ class Registry:
         out = []
         for path in found:
             parts = path.rstrip("/").split("/")
-            if not parts[-2].startswith("."):
+            if NAME_PATTERN.fullmatch(parts[-4]) and NAME_PATTERN.fullmatch(parts[-2]):
                 out.append((parts[-4], parts[-2]))
         return out
 
@@ -82,49 +144,149 @@ class Registry:
         for path in sorted(self.fs.ls(directory, detail=False)):
             alias = path.rstrip("/").rsplit("/", 1)[-1]
             if not alias.startswith("."):
-                out[alias] = self._read_alias(path)
+                out[alias] = self._read_alias(path)[0]
         return out
 
-    def _read_alias(self, path: str) -> str:
+    def _read_alias(self, path: str) -> tuple[str, str | None]:
+        """-> (version, recorded manifest digest or None); the version must be a valid id."""
         try:
-            return json.loads(self.fs.cat_file(path))["version"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"alias file {path} is unreadable ({exc}); re-set it with `kvtc alias`") from None
+            record = json.loads(self.fs.cat_file(path))
+            version, digest = record["version"], record.get("digest")
+        except (ValueError, KeyError, TypeError, AttributeError, IsADirectoryError) as exc:
+            raise ValueError(f"alias file {path} is unreadable ({type(exc).__name__}); re-set it with "
+                             "`kvtc alias`") from None
+        try:
+            check_name("version", version)
+            if digest is not None:
+                check_ref(digest)
+                if not digest.startswith("sha256:"):
+                    raise ValueError(digest)
+        except ValueError:
+            raise IntegrityError(f"alias file {path} points at an invalid version or digest {version!r}; "
+                                 "refusing it (re-set it with `kvtc alias`)") from None
+        return version, digest
 
     def resolve(self, name: str, ref: str = "latest") -> str:
-        """Alias or version id -> committed version id (aliases win over versions of the same spelling)."""
+        """Alias, version id or sha256 digest -> committed version id (aliases win over versions of the same spelling)."""
+        return self.resolve_pinned(name, ref)[0]
+
+    def resolve_pinned(self, name: str, ref: str = "latest") -> tuple[str, str | None]:
+        """-> (version id, the manifest digest the ref pins: a digest ref's, an alias's record, or None)."""
         name, ref = split_ref(name, ref)
         self._fresh()
+        if ref.startswith("sha256:"):
+            return self.find_digest(name, ref), ref
         alias_path = self.path(name, "aliases", ref)
-        version = self._read_alias(alias_path) if self.exists(alias_path) else ref
+        version, digest = self._read_alias(alias_path) if self.exists(alias_path) else (ref, None)
         if not self.exists(self.path(name, "versions", version, MANIFEST)):
             known = self.versions(name)
             if not known:
                 raise ArtifactNotFoundError(f"no artifact named {name!r} in registry {self.uri}")
             what = f"alias {ref!r} -> version {version!r}" if version != ref else f"version or alias {ref!r}"
             raise ArtifactNotFoundError(f"{name}: {what} not found in {self.uri}; versions: {', '.join(known[-5:])}")
-        return version
+        return version, digest
 
-    def read_manifest(self, name: str, version: str) -> dict:
-        data = self.fs.cat_file(self.path(name, "versions", version, MANIFEST))
-        return decode_manifest(data, f"{self.uri}/{name}/versions/{version}")
+    def find_digest(self, name: str, digest: str) -> str:
+        """The version whose manifest has this digest (reads the recorded digests, newest first)."""
+        for version in reversed(self.versions(name)):
+            try:
+                recorded = self.fs.cat_file(self.path(name, "versions", version, DIGEST_FILE)).decode().strip()
+            except (OSError, UnicodeDecodeError):
+                continue
+            if recorded == digest:
+                return version
+        raise ArtifactNotFoundError(f"{name}: no version with manifest digest {digest} in {self.uri}")
+
+    def _cat_optional(self, path: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+
+    def read_manifest_bytes(self, name: str, version: str, digest: str | None = None) -> tuple[bytes, dict]:
+        """-> (manifest.json bytes, checked manifest); IntegrityError when tampered (see the module doc)."""
+        where = f"{self.uri}: {name}@{version}"
+        prefix = self.version_path(check_name("artifact name", name), check_name("version", version))
+        try:
+            data = self.fs.cat_file(f"{prefix}/{MANIFEST}")
+        except FileNotFoundError:
+            raise ArtifactNotFoundError(f"{where}: no {MANIFEST}") from None
+        except (IsADirectoryError, PermissionError, NotADirectoryError) as exc:
+            raise IntegrityError(f"{where}: {MANIFEST} cannot be read as a file ({type(exc).__name__})") from None
+        try:
+            recorded = self._cat_optional(f"{prefix}/{DIGEST_FILE}")
+        except (IsADirectoryError, PermissionError, NotADirectoryError):
+            recorded = b""
+        check_digest(data, recorded, digest, where)
+        return data, decode_manifest(data, where, name, version)
+
+    def read_manifest(self, name: str, version: str, digest: str | None = None) -> dict:
+        return self.read_manifest_bytes(name, version, digest)[1]
+
+    def read_signature(self, name: str, version: str) -> bytes | None:
+        return self._cat_optional(f"{self.version_path(name, version)}/{SIGNATURE_FILE}")
+
+    def unlisted(self, name: str, version: str, manifest: dict) -> list[str]:
+        """Files in the version folder that its manifest does not list (ignored by pull)."""
+        prefix = self.version_path(name, version).rstrip("/")
+        self._fresh()
+        found = self.fs.find(prefix)
+        rels = [path[len(prefix) + 1:] if path.startswith(prefix + "/") else path for path in found]
+        return sorted(rel for rel in rels if rel not in manifest["files"] and rel not in SIDECARS)
+
+    def sign(self, name: str, version: str, private_key: str | os.PathLike) -> str:
+        """Sign a committed version's manifest (adds manifest.sig; the version's files are untouched) -> key id."""
+        from kvtc.artifacts import signing
+
+        data, _ = self.read_manifest_bytes(name, version)
+        signature = signing.sign_manifest(data, private_key)
+        target = f"{self.version_path(name, version)}/{SIGNATURE_FILE}"
+        if self.local:
+            write_local_atomic(target, signature)
+        else:
+            self.fs.pipe_file(target, signature)
+        return json.loads(signature)["key_id"]
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
-        """Point `alias` at a committed `version`, atomically (temp file + rename, or one PUT)."""
+        """Point `alias` at a committed `version` (recording its manifest digest), atomically
+        (temp file + rename with the process umask, or one PUT)."""
         check_name("alias", alias)
         version = self.resolve(name, version)
-        data = json.dumps({"version": version, "set": dt.datetime.now(dt.timezone.utc).isoformat()}).encode()
+        data, _ = self.read_manifest_bytes(name, version)
+        record = json.dumps({"version": version, "digest": manifest_digest(data),
+                             "set": dt.datetime.now(dt.timezone.utc).isoformat()}).encode()
         target = self.path(name, "aliases", alias)
         if self.local:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)
+            write_local_atomic(target, record)
         else:
-            self.fs.pipe_file(target, data)
+            self.fs.pipe_file(target, record)
+
+    def move_latest(self, name: str, version: str) -> str:
+        """Point `latest` at the newest version published for it (by creation time, then id), whoever writes last.
+
+        Each such publish leaves a marker <name>/published/<created>.<version>; after its own write a
+        publisher re-lists the markers and rewrites until they agree, so concurrent publishers converge on
+        the newest version rather than on the last writer. Versions published without `latest` (a
+        recalibration candidate) leave no marker and never become `latest` this way."""
+        created = str(self.read_manifest(name, version).get("created", ""))
+        stamp = "".join(ch for ch in created if ch.isalnum()) or "0"
+        marker = self.path(name, "published", f"{stamp}.{version}")
+        if self.local:
+            write_local_atomic(marker, b"")
+        else:
+            self.fs.pipe_file(marker, b"")
+        written = None
+        for _ in range(20):
+            self._fresh()
+            found = [path.rstrip("/").rsplit("/", 1)[-1] for path in self.fs.ls(self.path(name, "published"), detail=False)]
+            entries = sorted(f for f in found if "." in f and f.split(".", 1)[0].isalnum()
+                             and NAME_PATTERN.fullmatch(f.split(".", 1)[1]))
+            newest = entries[-1].split(".", 1)[1] if entries else version
+            if newest == written:
+                break
+            self.set_alias(name, "latest", newest)
+            written = newest
+        return written
 
     def check_writable(self) -> None:
         """Write and delete a probe object under the root; raise RegistryNotWritableError if that fails."""

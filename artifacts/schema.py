@@ -9,42 +9,25 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
+
+from kvtc.artifacts.blocks import qtype_bits, scale_bits
 
 SCHEMA_VERSION = 1
 STREAMS = ("keys", "values")
 BASES_DTYPES = ("float32", "float16")
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: "$" would accept "x\n"
+DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 REQUIRED_MODEL_KEYS = ("spec", "num_layers", "num_kv_heads", "head_dim", "rope")
 REQUIRED_CALIBRATION_KEYS = ("sinks", "window", "seq_len", "tokens", "groups", "seed", "allocator", "ratios")
 RESERVED_TOP_LEVEL = ("manifest.json", "bases", "allocations.parquet", "metrics.parquet", "curves", "kernels")
 
 
-class Block(NamedTuple):
-    """One allocation block: components [start, start + size) quantized as `type` with `bits` per component."""
-
-    start: int
-    size: int
-    type: str
-    bits: int
-
-
-def type_bits(qtype: str) -> int:
-    """Bits per component of a block type (same definition as kernels/reference.py)."""
-    if qtype == "none":
-        return 0
-    if qtype == "fp8":
-        return 8
-    if qtype.startswith("int") and qtype[3:].isdigit() and 1 <= int(qtype[3:]) <= 8:
-        return int(qtype[3:])
-    raise ValueError(f"unknown block type {qtype!r}; expected none, int1..int8 or fp8")
-
-
 def check_name(kind: str, value: str) -> str:
     """Names, versions and aliases become path segments: letters, digits, '.', '_', '-' only."""
-    if not isinstance(value, str) or not NAME_PATTERN.match(value) or value in (".", ".."):
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
         raise ValueError(f"invalid {kind} {value!r}: use letters, digits, '.', '_', '-' (start with a letter or digit)")
     return value
 
@@ -82,10 +65,10 @@ def normalize_block(block: Any, where: str) -> tuple[int, int, str, int, int]:
     start, size, qtype, bits, scale = fields
     if qtype is None or start is None or size is None:
         raise ValueError(f"{where}: block {block!r} lacks start, size or type")
-    bits = type_bits(str(qtype)) if bits is None else int(bits)
-    if bits != type_bits(str(qtype)):
-        raise ValueError(f"{where}: block type {qtype} has {type_bits(str(qtype))} bits, not {bits}")
-    scale = (0 if qtype == "none" else 16 if qtype == "fp8" else 32) if scale is None else int(scale)
+    bits = qtype_bits(str(qtype)) if bits is None else int(bits)
+    if bits != qtype_bits(str(qtype)):
+        raise ValueError(f"{where}: block type {qtype} has {qtype_bits(str(qtype))} bits, not {bits}")
+    scale = scale_bits(str(qtype)) if scale is None else int(scale)
     if int(size) <= 0 or int(start) < 0 or scale < 0:
         raise ValueError(f"{where}: block {block!r} needs start >= 0, size > 0, scale_bits >= 0")
     return int(start), int(size), str(qtype), bits, scale

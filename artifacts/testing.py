@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtc.artifacts.schema import STREAMS, ArtifactContent, type_bits
+from kvtc.artifacts.blocks import block_cost_bits, qtype_bits
+from kvtc.artifacts.schema import STREAMS, ArtifactContent
 
 PATTERN = (("fp8", 4), ("int4", 8), ("int2", 16))
 
@@ -15,10 +16,10 @@ def toy_allocation(p: int, ratio: float) -> dict:
     blocks, start, cost = [], 0, 0
     for qtype, size in PATTERN:
         size = min(size, p - start)
-        block_cost = size * type_bits(qtype) + (16 if qtype == "fp8" else 32)
+        block_cost = block_cost_bits(qtype, size)
         if size <= 0 or cost + block_cost > budget:
             break
-        blocks.append((start, size, qtype, type_bits(qtype), block_cost - size * type_bits(qtype)))
+        blocks.append((start, size, qtype, qtype_bits(qtype), block_cost - size * qtype_bits(qtype)))
         start, cost = start + size, cost + block_cost
     if start < p:
         blocks.append((start, p - start, "none", 0, 0))

@@ -36,7 +36,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from kvtc import artifacts
-    from kvtc.pipeline.evaluation import diagnostics
+    from kvtc.pipeline.evaluation.error_by_tokens import error_by_tokens
     from kvtc.pipeline.evaluation import evaluate
     from kvtc.pipeline.evaluation import report
 
@@ -67,7 +67,7 @@ def main() -> int:
         ratio = ratios[len(ratios) // 2]
         k = max(art.allocation_info(ratio, s)["kept"] for s in ("keys", "values"))
         t1 = time.perf_counter()
-        curves["error_by_tokens"] = diagnostics.error_by_tokens(store, corpus["accumulators"], held, evals, ratio,
+        curves["error_by_tokens"] = error_by_tokens(store, corpus["accumulators"], held, evals, ratio,
                                                                 cal["sinks"], cal["window"], points=3, k=k)
         print(f"error by calibration tokens at CR {ratio:g} ({time.perf_counter() - t1:.0f} s):")
         for r in curves["error_by_tokens"]:

@@ -26,6 +26,7 @@ from kvtc.kernels.spec import STREAMS, CodecSpec
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_TOKENS = 1 << 31
 _MAX_START = 1 << 62
+DEFAULT_MAX_TOKENS = 1 << 17  # 131072: decode refuses longer blobs unless the caller raises the limit
 
 
 class KVTCCodec:
@@ -33,11 +34,12 @@ class KVTCCodec:
 
     backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (interpreter on CPU).
     level: zlib level per section (0 = store plain); coder: "zlib", "plain" or "nvcomp".
+    max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
-                 coder: str = "zlib") -> None:
+                 coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -48,7 +50,9 @@ class KVTCCodec:
             self.spec = CodecSpec.from_artifact(artifact, ratio)
         if backend not in BACKENDS or coder not in CODERS or not 0 <= level <= 9:
             raise ValueError(f"backend must be one of {BACKENDS}, coder one of {CODERS}, level in 0..9")
-        self.backend, self.level, self.coder = backend, level, coder
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        self.backend, self.level, self.coder, self.max_tokens = backend, level, coder, max_tokens
         self.profile: dict[str, float] | None = None
         self.rope = None
         if self.spec.rope:
@@ -56,11 +60,14 @@ class KVTCCodec:
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
 
     @classmethod
-    def from_registry(cls, ref: str, ratio: float, registry: Any = None, **kwargs: Any) -> "KVTCCodec":
-        """ref "name@version|alias" pulled through artifacts.pull (imported lazily)."""
+    def from_registry(cls, ref: str, ratio: float, registry: Any = None, *, public_key: Any = None,
+                      require_signature: bool | None = None, **kwargs: Any) -> "KVTCCodec":
+        """ref "name@version|alias|sha256:HEX" pulled and verified through artifacts.pull (imported lazily);
+        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull)."""
         from kvtc.artifacts import pull
 
-        return cls(pull(ref, registry=registry), ratio, **kwargs)
+        return cls(pull(ref, registry=registry, public_key=public_key, require_signature=require_signature),
+                   ratio, **kwargs)
 
     @contextmanager
     def _stage(self, name: str, device: torch.device) -> Iterator[None]:
@@ -181,11 +188,28 @@ class KVTCCodec:
         if h.tokens >= _MAX_TOKENS or h.start >= _MAX_START or (h.head_raw, h.tail_raw) != (head, tail):
             raise BlobError(f"blob declares inconsistent token counts (tokens={h.tokens}, start={h.start})")
 
-    def decode(self, blob: bytes | bytearray | memoryview, device: str | torch.device = "cpu"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """blob -> (keys, values) (L, H, T, D) in the encoded dtype on `device`; BlobError on any bad blob."""
+    def decode(self, blob: bytes | bytearray | memoryview, device: str | torch.device = "cpu", *,
+               max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """blob -> (keys, values) (L, H, T, D) in the encoded dtype on `device`.
+
+        Every failure caused by the blob is a BlobError (a ValueError), including a blob declaring more
+        than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating.
+        """
         dev = torch.device(device)
+        limit = self.max_tokens if max_tokens is None else max_tokens
+        try:
+            return self._decode(blob, dev, limit)
+        except BlobError:
+            raise
+        except Exception as exc:  # anything else a hostile blob provokes is still a bad blob
+            raise BlobError(f"blob cannot be decoded ({type(exc).__name__}: {exc})") from exc
+
+    def _decode(self, blob: bytes | bytearray | memoryview, dev: torch.device, max_tokens: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         header, sections = read_blob(blob)
+        if header.tokens > max_tokens:
+            raise BlobError(f"blob declares {header.tokens} tokens, over this decoder's limit of {max_tokens}; "
+                            "pass max_tokens= to KVTCCodec or decode() if such long caches are expected")
         self._check_header(header)
         expected = self.expected_sections(header)
         if [(s.key, s.raw_len) for s in sections] != expected:

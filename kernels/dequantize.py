@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from kvtc.kernels.bitpack import unpack_codes
-from kvtc.kernels.reference import dequantize_block, qtype_bits
+from kvtc.artifacts.blocks import qtype_bits
+from kvtc.kernels.reference import dequantize_block
 
 
 @triton.jit

@@ -3,6 +3,8 @@
 Codes: packed (N, nbytes) uint8 stored byte-column major (nbytes, N): one component's symbols of
 all tokens are adjacent. Params: (N, 2) fp16 stored as four byte planes (shift lo, shift hi,
 scale lo, scale hi), each (N,). Raw tensors: C-contiguous native little-endian bytes.
+Every inverse copies into a fresh C-contiguous tensor before reinterpreting bytes: a transposed view
+of one token, (1, 4), is "contiguous" with strides (1, 1), which a dtype view refuses.
 """
 from __future__ import annotations
 
@@ -19,6 +21,13 @@ def bytes_to_tensor(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> tor
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
+def _transposed_copy(planes: torch.Tensor) -> torch.Tensor:
+    """(a, n) -> a fresh (n, a) tensor with C strides (a, 1), whatever n is."""
+    out = torch.empty(planes.shape[1], planes.shape[0], dtype=planes.dtype)
+    out.copy_(planes.t())
+    return out
+
+
 def codes_bytes(packed: torch.Tensor) -> bytes:
     """packed (N, nbytes) uint8 -> bytes in (nbytes, N) order."""
     return packed.t().contiguous().cpu().numpy().tobytes()
@@ -27,7 +36,7 @@ def codes_bytes(packed: torch.Tensor) -> bytes:
 def codes_from_bytes(b: bytes, n: int, device: torch.device) -> torch.Tensor:
     """bytes of (nbytes, N) -> packed (N, nbytes) uint8 on device."""
     planes = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(-1, n)
-    return planes.t().contiguous().to(device)
+    return _transposed_copy(planes).to(device)
 
 
 def params_bytes(params: torch.Tensor) -> bytes:
@@ -38,4 +47,4 @@ def params_bytes(params: torch.Tensor) -> bytes:
 def params_from_bytes(b: bytes, n: int, device: torch.device) -> torch.Tensor:
     """Inverse of params_bytes -> (N, 2) fp16 on device."""
     planes = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(4, n)
-    return planes.t().contiguous().view(torch.float16).to(device)
+    return _transposed_copy(planes).view(torch.float16).to(device)

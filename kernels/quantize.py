@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from kvtc.kernels.bitpack import pack_codes, packed_nbytes
-from kvtc.kernels.reference import FP8_MAX, FP16_MAX, qtype_bits, quantize_block
+from kvtc.artifacts.blocks import qtype_bits
+from kvtc.kernels.reference import FP8_MAX, FP16_MAX, quantize_block
 from kvtc.kernels.spec import CodedBlock
 
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 to nearest even

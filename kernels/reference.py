@@ -1,7 +1,8 @@
 """Plain-torch reference quantizers: the definition every kernel and the allocator's error
 tables must match.
 
-A block is a contiguous range of PCA components, quantized per token (per row):
+A block is a contiguous range of PCA components, quantized per token (per row); types, bit widths
+and costs are defined in kvtc.artifacts.blocks:
 
 - ``intB`` (B in 1..8): shift = min, scale = (max - min) / (2^B - 1), both stored as fp16;
   code = clamp(round((z - shift) / scale), 0, 2^B - 1); z_hat = shift + code * scale.
@@ -18,32 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from kvtc.artifacts.blocks import qtype_bits
+
 FP8_MAX = 448.0
 FP16_MAX = 65504.0
-QTYPES = ("none", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8")
-
-
-def qtype_bits(qtype: str) -> int:
-    """Bits per component of a block type."""
-    if qtype == "none":
-        return 0
-    if qtype == "fp8":
-        return 8
-    if qtype.startswith("int") and qtype[3:].isdigit() and 1 <= int(qtype[3:]) <= 8:
-        return int(qtype[3:])
-    raise ValueError(f"unknown block type {qtype!r}; expected one of {', '.join(QTYPES)}")
-
-
-def scale_bits(qtype: str) -> int:
-    """Per-token side information of one block, in bits (fp16 shift+scale, or fp16 scale)."""
-    if qtype == "none":
-        return 0
-    return 16 if qtype == "fp8" else 32
-
-
-def block_cost_bits(qtype: str, size: int) -> int:
-    """Bits per token that a block of `size` components of type `qtype` costs."""
-    return size * qtype_bits(qtype) + scale_bits(qtype)
 
 
 def quantize_block(z: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:

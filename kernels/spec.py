@@ -6,32 +6,18 @@ features (layer, kv head, head_dim order) get one basis.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from kvtc.kernels.reference import qtype_bits
-
-STREAMS = ("keys", "values")
-
-
-class CodedBlock(NamedTuple):
-    """Contiguous PCA components [start, start + size) quantized with `qtype` (bits per component)."""
-
-    start: int
-    size: int
-    qtype: str
-    bits: int
+from kvtc.artifacts.blocks import Block, qtype_bits
+from kvtc.artifacts.fingerprint import model_id
+from kvtc.artifacts.schema import STREAMS
 
 
-def model_id(fingerprint: dict[str, Any]) -> str:
-    """Short hex id of a model fingerprint dict (sha256 of canonical JSON, 16 hex digits)."""
-    canon = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+CodedBlock = Block  # the allocation block of kvtc.artifacts.blocks, under the runtime's name
 
 
 @dataclass(frozen=True, eq=False)

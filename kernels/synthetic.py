@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from kvtc.kernels.reference import QTYPES, block_cost_bits, qtype_bits
+from kvtc.artifacts.blocks import QTYPES, block_cost_bits, qtype_bits
 from kvtc.kernels.rope import RopeSpec
 from kvtc.kernels.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
 

@@ -3,12 +3,23 @@
 Each command module exposes `register(subparsers)`; it must import only light modules at
 import time (argparse, json, ...) and load torch, Ray or transformers inside its handlers,
 so that `kvtc list` stays fast.
+
+One handler here turns every expected failure into one line on stderr and an exit code
+(EXIT_CODES; a traceback only with --debug or KVTC_DEBUG=1), checks the options shared by the
+commands before any of them starts work (cli_checks.py), and keeps `--json` stdout pure: while a
+command runs, file descriptor 1 and every thread but the main one write to stderr (Ray's worker
+logs, child processes), and only what the command itself prints reaches stdout.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import io
+import os
 import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 COMMAND_MODULES = (
     "kvtc.pipeline.job.calibrate",
@@ -20,9 +31,24 @@ COMMAND_MODULES = (
     "kvtc.artifacts.cli",
 )
 
+EXIT_OK, EXIT_INTERNAL, EXIT_ERROR, EXIT_INTEGRITY, EXIT_INTERRUPTED = 0, 1, 2, 6, 130
+EXIT_CODES = {
+    0: "success",
+    1: "internal error (a bug: rerun with --debug and report the traceback)",
+    2: "bad input, unknown name, unreachable or unwritable registry/cluster, or another expected failure",
+    3: "drift: the artifact drifted past --threshold",
+    4: "drift/recalibrate: the model is not the artifact's",
+    5: "recalibrate: the new version was not promoted",
+    6: "integrity: a tampered, corrupt or unsigned artifact was refused",
+    130: "interrupted",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtc", description="KV-cache transform coding: calibration service")
+    codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES.items())
+    parser = argparse.ArgumentParser(prog="kvtc", description="KV-cache transform coding: calibration service",
+                                     epilog=f"exit codes:\n{codes}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="print tracebacks (also KVTC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         try:
@@ -35,17 +61,104 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
+    """Accept --debug anywhere before a '--' (after it, the words belong to a scheduled command)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = "--debug" in argv[:end]
+    return [a for i, a in enumerate(argv) if not (i < end and a == "--debug")], debug
+
+
+class _MainThreadStdout(io.TextIOBase):
+    """stdout for the main thread only; any other thread's writes (Ray's log monitor) go to stderr."""
+
+    def __init__(self, out: io.TextIOBase, main: threading.Thread) -> None:
+        self.out, self.main = out, main
+
+    def _target(self) -> io.TextIOBase:
+        return self.out if threading.current_thread() is self.main else sys.stderr
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return 1  # now stderr: a child process handed this descriptor never writes into the JSON
+
+
+@contextmanager
+def _json_stdout() -> Iterator[None]:
+    """Route fd 1 to stderr and keep the real stdout for the main thread's prints."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
+    real = io.TextIOWrapper(os.fdopen(saved, "wb", closefd=True), encoding="utf-8", line_buffering=True)
+    previous = sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = _MainThreadStdout(real, threading.current_thread())
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = previous
+        real.flush()
+        os.dup2(real.fileno(), 1)
+        real.close()
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit code of an expected failure, or None for a bug."""
+    from kvtc.artifacts.errors import IntegrityError
+
+    if isinstance(exc, IntegrityError):
+        return EXIT_INTEGRITY
+    if isinstance(exc, (ValueError, LookupError, OSError, RuntimeError, TimeoutError)):
+        return EXIT_ERROR  # OSError covers missing files, permissions and unreachable hosts
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    debug = debug or os.environ.get("KVTC_DEBUG", "") not in ("", "0")
     parser = build_parser()
     args = parser.parse_args(argv)
+    name = next((a for a in argv if not a.startswith("-")), "")  # args.command may be a sub-command's own field
     try:
+        from kvtc.pipeline.cli_checks import check_args
+
+        check_args(args)
+        if getattr(args, "json", False):
+            with _json_stdout():
+                return int(args.func(args) or 0)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError, PermissionError, RuntimeError) as exc:
-        print(f"kvtc {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        print("kvtc: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        code = exit_code(exc)
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        if code is None:
+            hint = "" if debug else " (a bug: rerun with --debug for the traceback)"
+            print(f"kvtc {name}: internal error: {type(exc).__name__}: {_one_line(exc)}{hint}", file=sys.stderr)
+            return EXIT_INTERNAL
+        print(f"kvtc {name}: error: {_one_line(exc)}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

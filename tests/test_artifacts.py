@@ -38,7 +38,7 @@ def test_manifest_and_parquet_layout(tmp_path):
     for key in ("sinks", "window", "seq_len", "tokens", "groups", "seed", "allocator", "ratios"):
         assert key in manifest["calibration"]
     listed = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    assert listed - set(manifest["files"]) == {"manifest.json"}
+    assert listed - set(manifest["files"]) == {"manifest.json", "manifest.sha256"}
     assert not any(name.endswith((".pkl", ".pickle", ".pt")) for name in listed)
     table = pq.read_table(folder / "bases/keys-g0.components.parquet")
     assert str(table.schema.field("component").type).startswith("extension<arrow.fixed_shape_tensor")
@@ -83,8 +83,14 @@ def test_memory_registry_round_trip_and_tamper(tmp_path):
     assert Artifact(art.path).version == ref.version
     path = f"{reg.version_path('toy', ref.version)}/report.md"
     reg.fs.pipe_file(path, b"# tampered report\n")
+    with pytest.warns(UserWarning, match="report.md"):  # optional files never stop a decoder
+        damaged = pull("toy", registry=reg, cache_dir=tmp_path / "c2")
+    assert damaged.damaged == ["report.md"] and damaged.basis("keys", 0)[0].shape
     with pytest.raises(IntegrityError, match="report.md"):
-        pull("toy", registry=reg, cache_dir=tmp_path / "c2")
+        damaged.file("report.md")
+    reg.fs.pipe_file(f"{reg.version_path('toy', ref.version)}/bases/keys-g0.mean.parquet", b"x")
+    with pytest.raises(IntegrityError, match="keys-g0.mean.parquet"):
+        pull("toy", registry=reg, cache_dir=tmp_path / "c3")
 
 
 def test_dynamo_export(tmp_path):

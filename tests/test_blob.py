@@ -115,3 +115,57 @@ def test_zip_bomb_is_refused_without_inflating(small):
     sections[j] = dataclasses.replace(sections[j], coding=1, stored=bomb)
     with pytest.raises(BlobError, match="does not inflate"):
         codec.decode(write_blob(header, sections))
+
+
+def _with_meta(blob: bytes, meta: bytes) -> bytes:
+    """Replace a blob's metadata and recompute the prefix's length and CRC (payloads unchanged)."""
+    magic, fmt, flags, meta_len, _ = struct.unpack_from("<4sHHII", blob)
+    return struct.pack("<4sHHII", magic, fmt, flags, len(meta), zlib.crc32(meta)) + meta + blob[16 + meta_len:]
+
+
+def test_fuzz_header_bytes_with_recomputed_crc(small):
+    codec, blob, keys, _ = small
+    meta_len = struct.unpack_from("<I", blob, 8)[0]
+    meta = blob[16:16 + meta_len]
+    rng = random.Random(2)
+    outcomes = {"decoded": 0, "BlobError": 0}
+    for i in range(2000):
+        m = bytearray(meta)
+        if i % 5 == 0:
+            m = m[: rng.randrange(len(m))] if i % 10 else m + bytes(rng.randrange(1, 40))
+        else:
+            for _ in range(rng.choice([1, 1, 2, 4])):
+                j = rng.randrange(len(m))
+                m[j] = rng.randrange(256) if rng.random() < 0.5 else m[j] ^ (1 << rng.randrange(8))
+        try:
+            k, v = codec.decode(_with_meta(blob, bytes(m)))
+        except BlobError:
+            outcomes["BlobError"] += 1
+            continue
+        assert k.ndim == 4 and k.shape[:2] == keys.shape[:2] and k.shape[3] == keys.shape[3]
+        outcomes["decoded"] += 1
+    assert outcomes["BlobError"] > 1500
+
+
+def test_declared_size_over_max_tokens_is_refused_before_allocating(small):
+    codec, blob, _, _ = small
+    header, _ = read_blob(blob)
+    huge = write_blob(dataclasses.replace(header, tokens=200_000, head_raw=1, tail_raw=3), [])
+    with pytest.raises(BlobError, match="200000 tokens, over this decoder's limit of 131072"):
+        codec.decode(huge)
+    with pytest.raises(BlobError, match="limit of 10"):
+        codec.decode(blob, max_tokens=10)
+    assert codec.decode(blob, max_tokens=12)[0].shape[2] == 12
+    with pytest.raises(ValueError, match="max_tokens"):
+        KVTCCodec(codec.spec, max_tokens=-1)
+
+
+def test_every_decode_failure_is_a_blob_error(small, monkeypatch):
+    codec, blob, _, _ = small
+
+    def boom(*_args, **_kwargs):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr("kvtc.kernels.codec.params_from_bytes", boom)
+    with pytest.raises(BlobError, match="RuntimeError: kernel failed"):
+        codec.decode(blob)

@@ -9,7 +9,8 @@ import torch
 from kvtc.kernels.bitpack import pack_codes, packed_nbytes, unpack_codes
 from kvtc.kernels.dequantize import unpack_dequantize, unpack_dequantize_reference
 from kvtc.kernels.quantize import quantize_pack, quantize_pack_blocks, quantize_pack_reference
-from kvtc.kernels.reference import QTYPES, quantize_block
+from kvtc.artifacts.blocks import QTYPES
+from kvtc.kernels.reference import quantize_block
 from kvtc.kernels.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
 from kvtc.kernels.spec import CodedBlock
 from kvtc.kernels.synthetic import random_blocks

@@ -9,8 +9,8 @@ from kvtc import artifacts
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.fit.allocator import AllocatorSettings
-from kvtc.pipeline.job.calibrate import CalibrateConfig
-from kvtc.pipeline.evaluation.evaluate import calibrate_local
+from kvtc.pipeline.evaluation.error_by_tokens import error_by_tokens
+from kvtc.pipeline.job.calibrate import CalibrateConfig, calibrate_local
 from kvtc.pipeline.job.reduce import load_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +31,7 @@ def _curve(ctx, art, settings=None):
     corpus = art.manifest["corpus"]
     held = load_rows(ctx["store"], corpus["heldout_shards"], 1024)
     evals = load_rows(ctx["store"], corpus["eval_shards"], 1024)
-    return diagnostics.error_by_tokens(ctx["store"], corpus["accumulators"], held, evals, 8.0, 4, 16, settings=settings)
+    return error_by_tokens(ctx["store"], corpus["accumulators"], held, evals, 8.0, 4, 16, settings=settings)
 
 
 def test_error_by_tokens_grows_prefixes_and_ends_at_the_calibration(calibrated):

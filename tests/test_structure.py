@@ -61,3 +61,54 @@ def test_hugging_face_kernels_package_coexists(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path)  # outside the checkout, as in a server's environment
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(("kvtc", *parts))
+
+
+def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """kvtc modules a file imports when it is imported (statements outside functions and classes)."""
+    out: set[str] = set()
+    pending = list(ast.parse(path.read_text()).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        pending.extend(n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt))
+    return {m for m in out if m in modules}
+
+
+def test_no_import_cycle():
+    """The module-level import graph of kvtc is acyclic (a package's __init__ may import its own modules)."""
+    files = {_module_name(p): p for _, p in _module_files()}
+    modules = set(files)
+    graph = {m: {t for t in _module_level_imports(p, modules) if t != m and not m.startswith(t + ".")}
+             for m, p in files.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvtc.artifacts.fingerprint import model_id as fingerprint_id  # noqa: F401  (the store's and drift's name)
 from kvtc.kernels.rope import RopeSpec
 from kvtc.workers.rope import rope_from_config
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
@@ -55,11 +56,6 @@ class LoadedModel:
     @property
     def base(self) -> torch.nn.Module:
         return self.model.model
-
-
-def fingerprint_id(fp: dict[str, Any]) -> str:
-    """Short hex sha256 of the canonical JSON of a fingerprint dict."""
-    return hashlib.sha256(json.dumps(fp, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:

@@ -18,11 +18,11 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from kvtc.artifacts.schema import STREAMS
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
 from kvtc.workers.triangle import add_upper_rows, packed_len, symmetric
 
-STREAMS = ("keys", "values")
 FORMAT = "kvtc-stats/2"
 _TILE_ROWS = 1024
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
+from kvtc.kernels.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, read_blob
 from kvtc.kernels.reference import quantize_dequantize
 
 PCA_UNIFORM_BLOCK = 64
@@ -166,8 +168,6 @@ def evict(keys: torch.Tensor, values: torch.Tensor, ratio: float, sinks: int, wi
 
 def blob_middle_bytes(blob: bytes) -> int:
     """Bytes of a KVTC blob minus its raw sink and window sections (header and tables stay counted)."""
-    from kvtc.kernels.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, read_blob
-
     _, sections = read_blob(blob)
     return len(blob) - sum(len(s.stored) for s in sections if s.key.tag in (TAG_RAW_HEAD, TAG_RAW_TAIL))
 
@@ -207,8 +207,6 @@ def uniform_blocks(eigenvalues, p: int, ratio: float, block: int = PCA_UNIFORM_B
 
 def pca_uniform_codec(artifact, ratio: float):
     """A KVTCCodec on the artifact's basis with `uniform_blocks` instead of the DP allocation."""
-    from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
-
     spec = CodecSpec.from_artifact(artifact, max(artifact.ratios()))
     groups = {}
     for stream in ("keys", "values"):

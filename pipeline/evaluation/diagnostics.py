@@ -1,22 +1,24 @@
 """Diagnostic curves computed from shard statistics and held-out rows, stored in every artifact:
-error against calibration tokens (growing prefixes of the in-order fold, `prefix_errors`) and
+error against calibration tokens (growing prefixes of the in-order fold, `prefix_errors`; the
+store-based curve of a finished calibration is `error_by_tokens`) and
 the PCA-only error by context position. `kvtc.pipeline.evaluation.report` draws them.
 """
 from __future__ import annotations
 
 import math
 
-STREAMS = ("keys", "values")
+import numpy as np
+import torch
+
+from kvtc.artifacts.schema import STREAMS
+from kvtc.pipeline.evaluation.metrics import default_edges, evaluate, pca_rel_error
+from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
+from kvtc.pipeline.fit.pca import Basis, fix_signs
 
 
 def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
     """Leading k principal components of merged moments by randomized subspace iteration (float32
     GEMMs, float64 Rayleigh-Ritz): far cheaper than a full eigh at p in the thousands."""
-    import numpy as np
-    import torch
-
-    from kvtc.pipeline.fit.pca import Basis, fix_signs
-
     mu = np.asarray(sum_, dtype=np.float64) / n
     cov = torch.from_numpy(np.asarray(gram, dtype=np.float64) / n - np.outer(mu, mu)).float()
     p = cov.shape[0]
@@ -41,11 +43,6 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
     """Rows {tokens, stream, split, rel_error} of one prefix: `total` is the CalibrationStats folded
     so far; a top-k basis (`top_basis`), one DP allocation at `ratio` (analytic error model unless
     `settings` says), stream-level error over all groups on held-out (and eval) rows."""
-    import numpy as np
-
-    from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
-    from kvtc.pipeline.evaluation.metrics import evaluate
-
     settings = settings or AllocatorSettings(error_model="analytic")
     splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
     groups = [tuple(g) for g in total.groups]
@@ -70,30 +67,10 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
     return rows
 
 
-def error_by_tokens(store, accumulators: list[str], heldout, evals, ratio: float, sinks: int, window: int,
-                    points: int = 4, k: int = 1024, settings=None) -> list[dict]:
-    """Curve "error_by_tokens" rows {tokens, stream, split, rel_error}: calibrate on growing prefixes
-    of the stored accumulators (in order, `prefix_points`; the manifest's corpus["accumulators"]) and
-    measure each with `prefix_errors`; tokens = rows that built the basis. The calibration job
-    computes the same rows in its reduce."""
-    from kvtc.pipeline.job.reduce import fold_stats
-
-    if not accumulators:
-        raise ValueError("error_by_tokens needs at least one accumulator of training statistics")
-    rows: list[dict] = []
-    fold_stats(store, accumulators, checkpoints=prefix_points(len(accumulators), points),
-               on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k, settings)))
-    return rows
-
-
 def pca_error_by_position(basis, allocations, x, positions, edges=None) -> list[dict]:
     """PCA-only relative error by position bucket: rows {ratio, lo, hi, rows, rel_error}, one per
     allocation and bucket, with each allocation's kept components unquantized. x (N, p) raw rows at
     `positions` (N,); buckets as kvtc.pipeline.evaluation.metrics.default_edges."""
-    import numpy as np
-
-    from kvtc.pipeline.evaluation.metrics import default_edges, pca_rel_error
-
     pos = np.asarray(positions).reshape(-1)
     edges = edges or default_edges(int(pos.max()) if pos.size else 0)
     ks = sorted({a.kept for a in allocations})

@@ -17,6 +17,10 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from kvtc.pipeline.evaluation.report import limit_rows, limit_table, quality_table
+from kvtc.pipeline.job.calibrate import config_from_manifest, shard_plan
+from kvtc.pipeline.job.shards import make_shards, plan_shards
+
 BASELINES = ("kivi", "fp8", "pca_uniform", "evict", "deflate")
 KIVI_CONFIGS = ((2, 32), (2, 128), (4, 32), (4, 128))
 
@@ -121,11 +125,12 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     ppl_ratio, kl, tokens, sequences."""
     import torch
 
+    from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.evaluation import baselines as bl
     from kvtc.workers.capture import raw_cache
 
-    cal = artifact.manifest["calibration"]
-    sinks, window = int(cal["sinks"]), int(cal["window"])
+    record = CalibrationRecord.from_manifest(artifact.manifest)
+    sinks, window = record.sinks, record.window
     tallies: dict[str, _Tally] = {}
     count = 0
     for seq in sequences:
@@ -170,41 +175,21 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     return rows
 
 
-def limit_rows(metrics: list[dict], split: str = "heldout") -> list[dict]:
-    """Per ratio and stream: the codec's calibration error, the Gaussian reverse water-filling bound
-    at the same bits (KVTC.md section 7) and the gap 20 log10(error / bound) in dB."""
-    got: dict[tuple, dict] = {}
-    for m in metrics:
-        if m.get("group") is None and m.get("split") == split and m.get("metric") in ("rel_error", "bound_rel_error"):
-            got.setdefault((float(m["ratio"]), m["stream"]), {})[m["metric"]] = float(m["value"])
-    rows = []
-    for (ratio, stream), v in sorted(got.items()):
-        if "rel_error" in v and "bound_rel_error" in v:
-            gap = 20 * math.log10(v["rel_error"] / v["bound_rel_error"]) if v["bound_rel_error"] > 0 else float("inf")
-            rows.append({"ratio": ratio, "stream": stream, "rel_error": v["rel_error"],
-                         "bound_rel_error": v["bound_rel_error"], "gap_db": gap})
-    return rows
-
-
 def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None = None):
     """Up to `count` (T,) token arrays of held-out text (see the module docstring)."""
-    from kvtc.pipeline.job.shards import make_shards
-
-    cal, corpus = artifact.manifest["calibration"], artifact.manifest.get("corpus", {})
-    seq_len = int(cal.get("seq_len", 1024))
+    corpus = artifact.manifest.get("corpus", {})
     own = spec is None or spec == corpus.get("spec")
     spec = spec or corpus.get("spec")
     if not spec:
         raise ValueError("the artifact names no corpus; pass --corpus")
+    cfg = config_from_manifest(artifact.manifest, corpus=spec, eval_corpus=None)
+    seq_len = cfg.seq_len
     out = []
     if own:
         held = set(corpus.get("heldout_shards") or [])
-        budget = int(cal.get("tokens_requested") or cal.get("tokens") or count * seq_len)
-        shards = make_shards(spec, tokenizer, seq_len=seq_len, seqs_per_shard=int(cal.get("seqs_per_shard", 4)),
-                             max_tokens=budget, seed=int(cal.get("seed", 0)), text_column=cal.get("text_column"),
-                             holdout_fraction=float(cal.get("holdout_fraction", 0.2)), max_seq_len=max_seq_len)
-        for shard in shards:
-            if shard.id in held:
+        plan = shard_plan(cfg, cfg.tokens or count * seq_len)
+        for role, shard in plan_shards(plan, tokenizer, max_seq_len):
+            if role == "heldout" and shard.id in held:
                 out.extend(shard.input_ids[: count - len(out)])
             if len(out) >= count:
                 break
@@ -239,52 +224,7 @@ def run(name: str, registry: str | None, settings: EvalSettings, corpus: str | N
             "rows": rows, "limit": limit_rows(art.metrics())}
 
 
-def calibrate_local(cfg) -> tuple[dict, dict]:
-    """`kvtc calibrate` without Ray, shards run in this process (tests, benches): a CalibrateConfig ->
-    (summary, context) where context holds the store, fingerprint and shard list for the reduce."""
-    from kvtc.pipeline.fit.allocator import AllocatorSettings
-    from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
-    from kvtc.pipeline.job.reduce import reduce_and_publish
-    from kvtc.pipeline.job.shards import make_shards
-    from kvtc.pipeline.job.store import default_store_uri
-    from kvtc.pipeline.job.shard_worker import ShardWorker
-
-    capture = {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed}
-    worker = ShardWorker(cfg.model, capture, cfg.store or default_store_uri(), dtype=cfg.dtype,
-                         cache_dir=cfg.cache_dir, threads=cfg.threads_per_worker,
-                         rows_per_heldout_shard=max(1, cfg.heldout_rows // 2))
-    planner = FoldPlanner(AccumulatorPlan(cfg.accumulators), worker.store)
-    lm, shards, seen = worker.lm, [], set()
-    for spec, budget, eval_domain in ((cfg.corpus, cfg.tokens, False),
-                                      (cfg.eval_corpus, cfg.eval_tokens or cfg.seqs_per_shard * cfg.seq_len, True)):
-        if not spec:
-            continue
-        for shard in make_shards(spec, lm.tokenizer, seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard,
-                                 max_tokens=budget, seed=cfg.seed, text_column=cfg.text_column,
-                                 holdout_fraction=0.0 if eval_domain else cfg.holdout_fraction,
-                                 min_holdout_shards=0 if eval_domain else 1, max_seq_len=lm.max_positions):
-            if shard.id in seen:
-                continue
-            seen.add(shard.id)
-            role = "eval" if eval_domain else ("heldout" if shard.holdout else "train")
-            if role == "train":
-                for task in planner.add(shard.index, shard.id, {"shard": shard.to_payload()}):
-                    worker.process(task)
-            elif not worker.store.has(shard.id, "rows"):
-                worker.process({"shard": shard.to_payload(), "role": role})
-            shards.append({"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size)})
-        if not eval_domain:
-            for task in planner.finish():
-                worker.process(task)
-    alloc = AllocatorSettings(block_sizes=tuple(cfg.block_sizes), types=tuple(cfg.types), error_model=cfg.error_model)
-    summary = reduce_and_publish(cfg=cfg, fingerprint=lm.fingerprint, alloc=alloc, store=worker.store, shards=shards,
-                                 accumulators=planner.accumulators(), registry=cfg.registry, tokens_requested=cfg.tokens)
-    return summary, {"store": worker.store, "shards": shards, "fingerprint": lm.fingerprint}
-
-
 def _handler(args: argparse.Namespace) -> int:
-    from kvtc.pipeline.evaluation.report import limit_table, quality_table
-
     try:
         ratios = tuple(float(x) for x in args.ratios.split(",") if x.strip())
     except ValueError:

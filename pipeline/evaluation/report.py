@@ -16,7 +16,8 @@ import math
 import os
 import sys
 
-STREAMS = ("keys", "values")
+from kvtc.artifacts.schema import STREAMS
+
 SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
 
 
@@ -37,10 +38,26 @@ def quality_table(rows: list[dict]) -> str:
 
 
 def limit_table(rows: list[dict]) -> str:
-    """Markdown table of `evaluate.limit_rows`."""
+    """Markdown table of `limit_rows`."""
     return _md(["CR", "stream", "codec rel. err", "Gaussian bound", "gap (dB)"],
                [[f"{r['ratio']:g}", r["stream"], _pct(r["rel_error"]), _pct(r["bound_rel_error"]), f"{r['gap_db']:.2f}"]
                 for r in rows])
+
+
+def limit_rows(metrics: list[dict], split: str = "heldout") -> list[dict]:
+    """Per ratio and stream: the codec's calibration error, the Gaussian reverse water-filling bound
+    at the same bits (KVTC.md section 7) and the gap 20 log10(error / bound) in dB."""
+    got: dict[tuple, dict] = {}
+    for m in metrics:
+        if m.get("group") is None and m.get("split") == split and m.get("metric") in ("rel_error", "bound_rel_error"):
+            got.setdefault((float(m["ratio"]), m["stream"]), {})[m["metric"]] = float(m["value"])
+    rows = []
+    for (ratio, stream), v in sorted(got.items()):
+        if "rel_error" in v and "bound_rel_error" in v:
+            gap = 20 * math.log10(v["rel_error"] / v["bound_rel_error"]) if v["bound_rel_error"] > 0 else float("inf")
+            rows.append({"ratio": ratio, "stream": stream, "rel_error": v["rel_error"],
+                         "bound_rel_error": v["bound_rel_error"], "gap_db": gap})
+    return rows
 
 
 def error_table(metrics: list[dict]) -> str:
@@ -78,8 +95,10 @@ def _png(plt, fig) -> bytes:
     return buf.getvalue()
 
 
-def chart_error_by_tokens(rows: list[dict]) -> bytes | None:
-    """rows {tokens, stream, split, rel_error}; None when there are none."""
+def chart_error_by_tokens(rows: list[dict], ratio: float | None = None, run_tokens: int | None = None) -> bytes | None:
+    """rows {tokens, stream, split, rel_error} measured at compression ratio `ratio`; the x-axis runs
+    to `run_tokens` (every token the calibration ran, held-out shards, sinks and window included),
+    marked by a dotted line. None when there are no rows."""
     if not rows:
         return None
     plt, fig, axes = _figure(1)
@@ -90,7 +109,14 @@ def chart_error_by_tokens(rows: list[dict]) -> bytes | None:
             if pts:
                 ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], style, color=color,
                         label=f"{stream}, {SPLIT_LABELS.get(split, split)}")
-    ax.set(xlabel="calibration tokens", ylabel="relative error (%)", title="Error vs calibration tokens")
+    right = max(r["tokens"] for r in rows)
+    if run_tokens:
+        ax.axvline(run_tokens, color="grey", ls=":", lw=1, label=f"calibration run: {run_tokens} tokens (train + held-out)")
+        right = max(right, run_tokens)
+    ax.set_xlim(0, right * 1.04)
+    at = f" at CR {ratio:g}" if ratio else ""
+    ax.set(xlabel="calibration tokens (rows that built the basis)", ylabel="relative error (%)",
+           title=f"Error vs calibration tokens{at}")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     return _png(plt, fig)
@@ -101,9 +127,12 @@ def _stream_rows(rows: list[dict], stream: str) -> list[dict]:
     return [r for r in rows if r["stream"] == stream and r.get("group", 0) in (0, None)]
 
 
-def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None, ratio: float | None = None) -> bytes | None:
+def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None, ratio: float | None = None,
+                            sinks: int | None = None, window: int | None = None,
+                            seq_len: int | None = None) -> bytes | None:
     """rows {stream, group, ratio, lo, hi, rows, rel_error}: one panel per stream, `ratio` (default
-    the middle stored ratio) bold, other ratios thin; pca_rows (same schema, optional) dashed."""
+    the middle stored ratio) bold, other ratios thin; pca_rows (same schema, optional) dashed. With
+    sinks, window and seq_len, the positions the codec keeps raw are shaded. None when no rows."""
     if not rows:
         return None
     ratios = sorted({float(r["ratio"]) for r in rows})
@@ -118,6 +147,11 @@ def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None
                 label = f"CR {r:g}" + (" PCA only" if style == "--" else "")
                 ax.plot(xs, [100 * e for *_, e in pts], style + "o", lw=2 if r == ratio else 0.8,
                         ms=4 if r == ratio else 2, alpha=1 if r == ratio else 0.5, label=label)
+        if sinks:
+            ax.axvspan(0, sinks - 0.5, color="grey", alpha=0.15, label=f"kept raw: {sinks} sinks")
+        if window and seq_len:
+            ax.axvspan(seq_len - window - 0.5, seq_len - 1, color="green", alpha=0.1,
+                       label=f"kept raw: last {window} (window)")
         ax.set_xscale("symlog", linthresh=1)
         ax.set(xlabel="context position (bucket centre)", ylabel="relative error (%)", title=f"{stream}: error vs position")
         ax.set_ylim(bottom=0)
@@ -136,19 +170,26 @@ def bits_per_component(blocks) -> list[float]:
     return out
 
 
-def chart_allocation(allocations: dict) -> bytes | None:
-    """allocations {(ratio, stream, group): {"blocks": [...]}}; group 0, one panel per stream."""
+def chart_allocation(allocations: dict, features: int | None = None) -> bytes | None:
+    """allocations {(ratio, stream, group): {"blocks": [...]}}; group 0, one panel per stream. Each
+    curve drops to 0 bits after its last kept component; the x-axis runs to `features` (group 0's p)
+    when given, so the dropped tail shows."""
     if not allocations:
         return None
     plt, fig, axes = _figure(2)
     for ax, stream in zip(axes, STREAMS):
+        right = 2
         for (ratio, s, g), info in sorted(allocations.items()):
             if s != stream or g != 0:
                 continue
             bits = bits_per_component(info["blocks"])
             if bits:
-                ax.step(range(1, len(bits) + 2), bits + bits[-1:], where="post", label=f"CR {ratio:g} ({len(bits)} kept)")
+                tail = max(len(bits) + 1, features or 0, 2 * len(bits))
+                ax.step([*range(1, len(bits) + 2), tail], [*bits, 0.0, 0.0], where="post",
+                        label=f"CR {ratio:g} ({len(bits)} kept)")
+                right = max(right, tail)
         ax.set_xscale("log")
+        ax.set_xlim(1, right)
         ax.set_ylim(bottom=0)
         ax.set(xlabel="component index", ylabel="bits per component (scale amortised)", title=f"{stream}: DP bit allocation")
         ax.legend(fontsize=8)
@@ -158,14 +199,21 @@ def chart_allocation(allocations: dict) -> bytes | None:
 def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
           model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
     """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
-    from kvtc.pipeline.evaluation.evaluate import limit_rows
-
     files: dict[str, bytes] = {}
+    cal = calibration or {}
+    curve = cal.get("tokens_curve") or {}
+    groups = cal.get("groups") or []
+    features = None
+    if model and groups:
+        features = (int(groups[0][1]) - int(groups[0][0])) * int(model["num_kv_heads"]) * int(model["head_dim"])
     charts = {
-        "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", [])),
+        "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", []), curve.get("ratio"),
+                                                            cal.get("tokens")),
         "charts/error_by_position.png": chart_error_by_position(curves.get("error_by_position", []),
-                                                                curves.get("error_by_position_pca")),
-        "charts/allocation.png": chart_allocation(allocations),
+                                                                curves.get("error_by_position_pca"),
+                                                                sinks=cal.get("sinks"), window=cal.get("window"),
+                                                                seq_len=cal.get("seq_len")),
+        "charts/allocation.png": chart_allocation(allocations, features),
     }
     md = [f"# {title}", ""]
     if model:
@@ -200,6 +248,7 @@ def build_from_artifact(art, quality: dict | None = None) -> dict[str, bytes]:
 
 def _handler(args: argparse.Namespace) -> int:
     from kvtc import artifacts
+    from kvtc.artifacts.schema import check_name
 
     ref = args.artifact if "@" in args.artifact else f"{args.artifact}@latest"
     art = artifacts.pull(ref, registry=args.registry)
@@ -207,9 +256,12 @@ def _handler(args: argparse.Namespace) -> int:
     if args.quality:
         with open(args.quality) as f:
             quality = json.load(f)
-    out = args.out or f"kvtc-report-{art.name}-{art.version}"
+    out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
+    root = os.path.realpath(out)
     for rel, data in build_from_artifact(art, quality).items():
         path = os.path.join(out, rel)
+        if not os.path.realpath(path).startswith(root + os.sep):
+            raise ValueError(f"report file {rel!r} would be written outside {out}; refusing it")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtc.kernels.reference import block_cost_bits, qtype_bits, scale_bits
+from kvtc.artifacts.blocks import Block, block_cost_bits, qtype_bits
 from kvtc.pipeline.fit.block_errors import ErrorTables, analytic_tables, measured_tables
 from kvtc.pipeline.fit.pca import Basis
 
@@ -76,29 +76,6 @@ class AllocatorSettings:
         if unknown:
             raise ValueError(f"unknown allocator settings {sorted(unknown)}")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-
-
-@dataclass(frozen=True)
-class Block:
-    """Components [start, start + size) stored as `qtype` (bits per component, per-token scale bits)."""
-
-    start: int
-    size: int
-    qtype: str
-    bits: int
-    scale_bits: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.size
-
-    @property
-    def cost_bits(self) -> int:
-        return self.size * self.bits + self.scale_bits
-
-    def to_dict(self) -> dict:
-        return {"start": self.start, "size": self.size, "type": self.qtype, "bits": self.bits,
-                "scale_bits": self.scale_bits}
 
 
 @dataclass(frozen=True)
@@ -208,7 +185,7 @@ def solve_budget(tables: ErrorTables, settings: AllocatorSettings, budget: int):
     while j > 0:
         ci = int(choice[j, u])
         s, t = choices[ci]
-        blocks.append(Block(j - s, s, t, qtype_bits(t), scale_bits(t)))
+        blocks.append(Block(j - s, s, t, qtype_bits(t)))
         j, u = j - s, u - ucost[ci]
     blocks.reverse()
     while blocks and blocks[-1].qtype == "none":

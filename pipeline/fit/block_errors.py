@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtc.kernels.reference import qtype_bits, quantize_dequantize
+from kvtc.artifacts.blocks import qtype_bits
+from kvtc.kernels.reference import quantize_dequantize
 from kvtc.pipeline.fit.pca import Basis
 
 FP16_REL_MSE = 2.0 ** -21 * 0.54 / 12

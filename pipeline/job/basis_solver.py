@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from kvtc.kernels.reference import block_cost_bits
+from kvtc.artifacts.blocks import block_cost_bits
 from kvtc.pipeline.fit.allocator import AllocatorSettings, budget_bits
 from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, pca_from_packed
 from kvtc.pipeline.job.store import ShardStore

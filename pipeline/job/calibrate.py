@@ -8,11 +8,15 @@ Also runnable as `python -m kvtc.pipeline.job.calibrate ...` (for `ray job submi
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from kvtc.pipeline.job.corpus import iter_documents
+from kvtc.pipeline.job.shards import ShardPlan, plan_shards
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "pydoc"
@@ -21,7 +25,6 @@ DEFAULT_EVAL_CORPUS = "stdlib"
 # 347 s wall (2.3 min of model work at 338 tok/s, the rest start-up and reduce), so 80K take ~8 min.
 DEFAULT_CPU_TOKENS = 80 * 1024
 DEFAULT_GPU_TOKENS = 2_000_000
-DEFAULT_EVAL_SEQS = 4
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,18 @@ class CalibrateConfig:
             raise ValueError(f"holdout fraction must be in (0, 1), got {self.holdout_fraction}")
         if self.accumulators < 1:
             raise ValueError(f"--accumulators must be >= 1, got {self.accumulators}")
+        from kvtc.artifacts.schema import check_name
+
+        if self.name is not None:
+            check_name("artifact name (--name)", self.name)  # before the run, not at publish time
+        if self.registry is not None and not str(self.registry).strip():
+            raise ValueError("--registry is empty; pass a path or URI, or omit it for $KVTC_REGISTRY or ./registry")
+        for flag, value in (("--workers", self.workers), ("--threads-per-worker", self.threads_per_worker),
+                            ("--tokens", self.tokens), ("--eval-tokens", self.eval_tokens), ("--seq-len", self.seq_len)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if len(set(self.ratios)) != len(self.ratios) or not all(math.isfinite(r) for r in self.ratios):
+            raise ValueError(f"compression ratios must be finite and distinct, got {list(self.ratios)}")
 
     @property
     def artifact_name(self) -> str:
@@ -83,6 +98,26 @@ def _capture_dict(cfg: CalibrateConfig) -> dict:
     return {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed}
 
 
+def shard_plan(cfg: CalibrateConfig, tokens: int) -> ShardPlan:
+    """The job's ShardPlan for `tokens` training-corpus tokens."""
+    return ShardPlan(corpus=cfg.corpus, tokens=tokens, eval_corpus=cfg.eval_corpus, eval_tokens=cfg.eval_tokens,
+                     seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard, seed=cfg.seed,
+                     holdout_fraction=cfg.holdout_fraction, text_column=cfg.text_column)
+
+
+def run(cfg: CalibrateConfig, alias_latest: bool = True, in_process: bool = False) -> dict:
+    """Run the whole job; returns the summary that `--json` prints. alias_latest=False publishes
+    the version without moving `latest` (recalibration decides after validating it); in_process=True
+    runs the shards in this process, one after another, without Ray (tests, benches, `kvtc eval`)."""
+    return _execute(cfg, alias_latest, in_process)[0]
+
+
+def calibrate_local(cfg: CalibrateConfig) -> tuple[dict, dict]:
+    """`run(cfg, in_process=True)` -> (summary, context); context holds the shard "store", the
+    "shards" ({id, index, role, tokens, cached}) and the model "fingerprint", for diagnostics."""
+    return _execute(cfg, True, in_process=True)
+
+
 def _memory_estimate(cfg: CalibrateConfig, num_layers: int, width: int, groups: str, workers: int, alloc):
     from kvtc.pipeline.job.basis_solver import max_components
     from kvtc.pipeline.job.memory_plan import estimate
@@ -93,25 +128,19 @@ def _memory_estimate(cfg: CalibrateConfig, num_layers: int, width: int, groups: 
                     heldout_rows=cfg.heldout_rows, kept_max=max(max_components(p, cfg.ratios, alloc) for p in dims))
 
 
-def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
-    """Run the whole job; returns the summary that `--json` prints. alias_latest=False publishes
-    the version without moving `latest` (recalibration decides after validating it)."""
+def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
     import psutil
-    import ray
     import torch
 
     from kvtc import artifacts
-    from kvtc.pipeline.job import ray_pool
     from kvtc.pipeline.fit.allocator import AllocatorSettings, validate_ratios
     from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
-    from kvtc.pipeline.job.corpus import iter_documents
     from kvtc.pipeline.job.memory_plan import check_fits
     from kvtc.pipeline.job.reduce import reduce_and_publish
-    from kvtc.pipeline.job.shards import make_shards
+    from kvtc.pipeline.job.shard_worker import ShardWorker
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
     from kvtc.workers.capture import CaptureSettings, check_seq_len
     from kvtc.workers.models import fingerprint_id, load_spec, resolve_dtype
-    from kvtc.pipeline.job.shard_worker import ShardWorker
 
     t_start = time.perf_counter()
     alloc = AllocatorSettings(block_sizes=tuple(cfg.block_sizes), types=tuple(cfg.types), error_model=cfg.error_model)
@@ -124,12 +153,11 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
 
     info = load_spec(cfg.model, cache_dir=cfg.cache_dir)  # config and tokenizer only: the driver never loads weights
     check_seq_len(info, cfg.seq_len, capture)
-    groups = capture.group_layers(info.num_layers)
     width = info.num_kv_heads * info.head_dim
-    for a, b in groups:
+    for a, b in capture.group_layers(info.num_layers):
         validate_ratios(cfg.ratios, (b - a) * width, alloc)
-    if not cfg.address and not os.environ.get("RAY_ADDRESS"):  # a local run: this machine holds everything
-        local_workers = cfg.workers or max(1, (os.cpu_count() or 1) // cfg.threads_per_worker)
+    if in_process or not (cfg.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
+        local_workers = 1 if in_process else cfg.workers or max(1, (os.cpu_count() or 1) // cfg.threads_per_worker)
         est = _memory_estimate(cfg, info.num_layers, width, cfg.groups, local_workers, alloc)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, cfg.groups,
                    lambda k: _memory_estimate(cfg, info.num_layers, width, f"layers:{k}", local_workers, alloc))
@@ -142,23 +170,12 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
     store_root = cfg.store or default_store_uri()
 
     shards_seen: list[dict] = []
-    seen_ids: set[str] = set()
     duplicates: list[str] = []
     rows_planned = {"heldout": 0, "eval": 0}
     rows_per_heldout_shard = max(1, cfg.heldout_rows // 2)
 
-    def payloads(spec: str, budget: int, eval_domain: bool):
-        for shard in make_shards(
-            spec, tokenizer, seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard, max_tokens=budget,
-            seed=cfg.seed, text_column=cfg.text_column,
-            holdout_fraction=0.0 if eval_domain else cfg.holdout_fraction, min_holdout_shards=0 if eval_domain else 1,
-            max_seq_len=fingerprint["max_positions"],
-        ):
-            if shard.id in seen_ids:
-                duplicates.append(shard.id)  # identical tokens, identical statistics: fold once
-                continue
-            seen_ids.add(shard.id)
-            role = "eval" if eval_domain else ("heldout" if shard.holdout else "train")
+    def payloads(store: ShardStore, planner: FoldPlanner):
+        for role, shard in plan_shards(shard_plan(cfg, tokens), tokenizer, fingerprint["max_positions"], duplicates):
             entry = {"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size), "cached": False}
             shards_seen.append(entry)
             if role == "train":
@@ -166,6 +183,8 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
                 entry["cached"] = not tasks
                 yield from tasks
                 continue
+            if role == "eval":
+                yield from planner.finish()  # the training stream has ended
             if rows_planned[role] >= cfg.heldout_rows:
                 entry["role"] = "spare" if role == "heldout" else "eval_spare"  # held out, but its rows are not needed
                 continue
@@ -173,32 +192,33 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
             entry["cached"] = store.has(shard.id, "rows")
             if not entry["cached"]:
                 yield {"shard": shard.to_payload(), "role": role}
-        if not eval_domain:
-            yield from planner.finish()
+        yield from planner.finish()
 
-    def all_payloads():
-        yield from payloads(cfg.corpus, tokens, eval_domain=False)
-        if cfg.eval_corpus:
-            yield from payloads(cfg.eval_corpus, cfg.eval_tokens or DEFAULT_EVAL_SEQS * cfg.seq_len, eval_domain=True)
+    started, gpus = False, 0.0
+    if not in_process:
+        import ray
 
-    started = ray_pool.start_ray(cfg.address, num_cpus=None)
+        from kvtc.pipeline.job import ray_pool
+
+        started = ray_pool.start_ray(cfg.address, num_cpus=None)
     try:
-        gpus = ray_pool.cluster_gpus()
+        if not in_process:
+            gpus = ray_pool.cluster_gpus()
         # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
-        model_dtype = str(resolve_dtype(cfg.dtype, torch.device("cuda" if gpus >= 1 else "cpu"))).removeprefix("torch.")
+        worker_gpu = on_gpu if in_process else gpus >= 1
+        model_dtype = str(resolve_dtype(cfg.dtype, torch.device("cuda" if worker_gpu else "cpu"))).removeprefix("torch.")
         store = ShardStore(store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
         planner = FoldPlanner(plan, store)
-        cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-        workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
-        pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker, gpus_per_worker=1.0 if gpus >= 1 else 0.0)
         actor_kwargs = dict(
             model=cfg.model, capture=capture.to_dict(), store_root=store_root, dtype=cfg.dtype, cache_dir=cfg.cache_dir,
             threads=cfg.threads_per_worker, rows_per_heldout_shard=rows_per_heldout_shard, fingerprint=fingerprint,
             model_dtype=model_dtype,
         )
         timing: dict = {}
-        results = ray_pool.run_pool(ShardWorker, actor_kwargs, all_payloads(), pool, timing=timing,
-                                    route=lambda payload: payload.get("acc_index"))
+        if in_process:
+            workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
+        else:
+            workers, results = _run_on_ray(cfg, gpus, ShardWorker, actor_kwargs, payloads(store, planner), timing)
         pool_seconds = timing["run_s"]
         if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
             ray.shutdown()
@@ -238,7 +258,42 @@ def run(cfg: CalibrateConfig, alias_latest: bool = True) -> dict:
         "curve_seconds": round(reduce_timing.get("curve_s", 0.0), 2),
         "wall_seconds": round(time.perf_counter() - t_start, 2),
     }
-    return summary
+    return summary, {"store": store, "shards": shards_seen, "fingerprint": fingerprint}
+
+
+def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dict) -> list[dict]:
+    """The shards one after another in this process; the model loads only when a shard must run."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    it = iter(payloads)
+    first = next(it, None)
+    if first is None:
+        timing.update(startup_s=0.0, run_s=0.0)
+        return []
+    worker = worker_cls(**worker_kwargs)
+    timing["startup_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    results = [worker.process(p) for p in tqdm([first, *it], unit="shard", desc="calibrate", dynamic_ncols=True,
+                                                disable=None)]
+    timing["run_s"] = time.perf_counter() - t0
+    return results
+
+
+def _run_on_ray(cfg: CalibrateConfig, gpus: float, worker_cls: type, worker_kwargs: dict, payloads,
+                timing: dict) -> tuple[int, list[dict]]:
+    """(workers, results) of the shards on a Ray actor pool (Ray already started); fold tasks are
+    pinned to the actor that owns their accumulator."""
+    import ray
+
+    from kvtc.pipeline.job import ray_pool
+
+    cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+    workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
+    pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker,
+                                 gpus_per_worker=1.0 if gpus >= 1 else 0.0)
+    return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing,
+                                      route=lambda payload: payload.get("acc_index"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -278,27 +333,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
 
 
-def config_from_args(args: argparse.Namespace, **overrides) -> CalibrateConfig:
-    def floats(s: str) -> tuple[float, ...]:
+def config_values(options: dict) -> dict:
+    """`kvtc calibrate` option values (argparse dests, as given on the command line) -> CalibrateConfig
+    field values, for the options present (others, like `json` or the sub-command, are ignored)."""
+    def numbers(name: str, kind: type) -> tuple:
         try:
-            return tuple(float(x) for x in s.split(",") if x.strip())
+            return tuple(kind(x) for x in str(options[name]).split(",") if x.strip())
         except ValueError:
-            raise ValueError(f"--ratios must be comma-separated numbers, got {s!r}") from None
+            raise ValueError(f"--{name.replace('_', '-')} must be comma-separated numbers, got {options[name]!r}") from None
 
-    eval_corpus = None if (args.eval_corpus or "").lower() in ("", "none") else args.eval_corpus
-    kw = dict(
-        model=args.model, corpus=args.corpus, eval_corpus=eval_corpus, ratios=floats(args.ratios), tokens=args.tokens,
-        eval_tokens=args.eval_tokens, seq_len=args.seq_len, seqs_per_shard=args.seqs_per_shard, registry=args.registry,
-        name=args.name, address=args.address, workers=args.workers, threads_per_worker=args.threads_per_worker,
-        sinks=args.sinks, window=args.window, groups=args.groups, sample=args.sample, seed=args.seed,
-        holdout_fraction=args.holdout_fraction, heldout_rows=args.heldout_rows,
-        tokens_curve_points=args.tokens_curve_points, accumulators=args.accumulators, store=args.store, dtype=args.dtype,
-        cache_dir=args.cache_dir, text_column=args.text_column,
-        block_sizes=tuple(int(x) for x in args.block_sizes.split(",")), types=tuple(args.types.split(",")),
-        error_model=args.error_model,
+    settings = {f.name for f in fields(CalibrateConfig)}
+    out = {k: v for k, v in options.items() if k in settings}
+    if "eval_corpus" in out:
+        out["eval_corpus"] = None if (out["eval_corpus"] or "").lower() in ("", "none") else out["eval_corpus"]
+    if "ratios" in out:
+        out["ratios"] = numbers("ratios", float)
+    if "block_sizes" in out:
+        out["block_sizes"] = numbers("block_sizes", int)
+    if "types" in out:
+        out["types"] = tuple(t.strip() for t in str(out["types"]).split(",") if t.strip())
+    return out
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> CalibrateConfig:
+    return CalibrateConfig(**{**config_values(vars(args)), **overrides})
+
+
+def config_from_manifest(manifest: dict, **overrides) -> CalibrateConfig:
+    """The settings that repeat the calibration of `manifest` (a published version), then `overrides`
+    (CalibrateConfig fields); settings the manifest did not record keep CalibrateConfig's defaults."""
+    from kvtc.artifacts.calibration import CalibrationRecord
+
+    rec = CalibrationRecord.from_manifest(manifest)
+    corpus = manifest["corpus"]
+    recorded = dict(
+        model=manifest["model"]["spec"], corpus=corpus["spec"], eval_corpus=corpus.get("eval_spec") or None,
+        ratios=rec.ratios, tokens=rec.tokens_requested, eval_tokens=rec.eval_tokens, seq_len=rec.seq_len,
+        seqs_per_shard=rec.seqs_per_shard, sinks=rec.sinks, window=rec.window, groups=rec.group_spec,
+        sample=rec.sample, seed=rec.seed, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
+        text_column=rec.text_column, dtype=rec.dtype, block_sizes=tuple(rec.allocator["block_sizes"]),
+        types=tuple(rec.allocator["types"]), error_model=rec.allocator["error_model"],
     )
-    kw.update(overrides)
-    return CalibrateConfig(**kw)
+    unrecorded = {"holdout_fraction", "heldout_rows", "seqs_per_shard"}  # None: keep the default
+    recorded = {k: v for k, v in recorded.items() if v is not None or k not in unrecorded}
+    return CalibrateConfig(**{**recorded, **overrides})
 
 
 def print_summary(summary: dict, as_json: bool) -> None:

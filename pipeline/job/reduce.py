@@ -239,20 +239,19 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     timing.update(curve_s=t_curve - t0, solve_s=sum(t["sum_s"] + t["eig_s"] for t in solve_timings),
                   eig_s=sum(t["eig_s"] for t in solve_timings), groups=solve_timings)
 
-    calibration = {
-        "sinks": cfg.sinks, "window": cfg.window, "seq_len": cfg.seq_len, "tokens": tokens_in,
-        "tokens_requested": tokens_requested, "groups": [list(g) for g in groups], "group_spec": cfg.groups,
-        "sample": cfg.sample, "seed": cfg.seed, "allocator": alloc.to_dict(), "ratios": list(cfg.ratios),
-        "heldout_rows": int(mid.sum()), "eval_rows": 0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
-        "train_rows": int(train_rows), "notes": notes,
-        # what recalibration needs to repeat this run's shards and settings exactly
-        "seqs_per_shard": cfg.seqs_per_shard, "holdout_fraction": cfg.holdout_fraction,
-        "heldout_rows_cap": cfg.heldout_rows, "eval_tokens": cfg.eval_tokens, "text_column": cfg.text_column,
-        "dtype": cfg.dtype, "model_dtype": model_dtype, "accumulators": len(names),
-        "relative_error": "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed",
-        "tokens_curve": {"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP",
-                         "prefixes": "whole accumulators, in order"},
-    }
+    from kvtc import artifacts
+
+    calibration = artifacts.CalibrationRecord(
+        sinks=cfg.sinks, window=cfg.window, seq_len=cfg.seq_len, seed=cfg.seed, ratios=tuple(cfg.ratios),
+        groups=tuple(groups), allocator=alloc.to_dict(), group_spec=cfg.groups, sample=cfg.sample,
+        tokens_requested=tokens_requested, eval_tokens=cfg.eval_tokens, seqs_per_shard=cfg.seqs_per_shard,
+        holdout_fraction=cfg.holdout_fraction, heldout_rows_cap=cfg.heldout_rows, text_column=cfg.text_column,
+        dtype=cfg.dtype, model_dtype=model_dtype, tokens=tokens_in, train_rows=int(train_rows),
+        heldout_rows=int(mid.sum()), eval_rows=0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
+        notes=tuple(notes),
+        tokens_curve={"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP",
+                      "prefixes": "whole accumulators, in order"},
+    ).to_manifest()
     corpus = {
         "spec": cfg.corpus, "eval_spec": cfg.eval_corpus, "seq_len": cfg.seq_len, "seed": cfg.seed,
         "train_shards": [s["id"] for s in by_index if s["role"] == "train"], "heldout_shards": heldout_ids,

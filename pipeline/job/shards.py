@@ -249,3 +249,54 @@ def corpus_fingerprint(spec: str, shards: Iterable[Shard], *, seed: int,
     canonical = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
     fingerprint["id"] = hashlib.sha256(canonical.encode()).hexdigest()[:ID_HEX_DIGITS]
     return fingerprint
+
+
+DEFAULT_EVAL_SEQS = 4  # sequences of the second domain when no eval token count is given
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What a calibration cuts into shards: `tokens` of `corpus` (train and held-out shards) and
+    `eval_tokens` (default DEFAULT_EVAL_SEQS sequences) of `eval_corpus` (eval shards)."""
+
+    corpus: str
+    tokens: int
+    eval_corpus: str | None
+    eval_tokens: int | None
+    seq_len: int
+    seqs_per_shard: int
+    seed: int
+    holdout_fraction: float
+    text_column: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens < self.seq_len:
+            raise ValueError(f"tokens {self.tokens} is below one sequence of seq_len {self.seq_len}")
+        if not 0 < self.holdout_fraction < 1:
+            raise ValueError(f"holdout fraction must be in (0, 1), got {self.holdout_fraction}")
+
+    @property
+    def eval_budget(self) -> int:
+        return self.eval_tokens or DEFAULT_EVAL_SEQS * self.seq_len
+
+
+def plan_shards(plan: ShardPlan, tokenizer: Any, max_seq_len: int | None = None,
+                duplicates: list[str] | None = None) -> Iterator[tuple[str, Shard]]:
+    """The one shard plan of a calibration: (role, shard) with role "train", "heldout" or "eval", in
+    stream order, the training corpus first. A shard whose tokens repeat an earlier shard's is
+    skipped (its id is appended to `duplicates`): identical tokens fold once."""
+    seen: set[str] = set()
+    domains = [(plan.corpus, plan.tokens, False)]
+    if plan.eval_corpus:
+        domains.append((plan.eval_corpus, plan.eval_budget, True))
+    for spec, budget, is_eval in domains:
+        for shard in make_shards(spec, tokenizer, seq_len=plan.seq_len, seqs_per_shard=plan.seqs_per_shard,
+                                 max_tokens=budget, seed=plan.seed, text_column=plan.text_column,
+                                 holdout_fraction=0.0 if is_eval else plan.holdout_fraction,
+                                 min_holdout_shards=0 if is_eval else 1, max_seq_len=max_seq_len):
+            if shard.id in seen:
+                if duplicates is not None:
+                    duplicates.append(shard.id)
+                continue
+            seen.add(shard.id)
+            yield ("eval" if is_eval else "heldout" if shard.holdout else "train"), shard

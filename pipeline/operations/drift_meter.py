@@ -8,12 +8,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 
-from kvtc.pipeline.fit.allocator import Allocation, Block
+from kvtc.artifacts.blocks import Block
+from kvtc.artifacts.calibration import CalibrationRecord
+from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.metrics import evaluate
+from kvtc.pipeline.fit.allocator import Allocation
 from kvtc.pipeline.fit.pca import Basis
-
-STREAMS = ("keys", "values")
+from kvtc.pipeline.job.shards import make_shards
+from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
 
 
 def total_variances(art) -> dict[tuple[str, int], float]:
@@ -29,7 +33,8 @@ def total_variances(art) -> dict[tuple[str, int], float]:
 def artifact_models(art) -> dict[tuple[str, int], tuple[Basis, list[Allocation]]]:
     """{(stream, group): (Basis, allocations in ratio order)} rebuilt from a pulled Artifact."""
     tv = total_variances(art)
-    n = int(art.manifest["calibration"].get("train_rows", 0))
+    rec = CalibrationRecord.from_manifest(art.manifest)
+    n = rec.train_rows
     out = {}
     for stream in STREAMS:
         for g in range(len(art.groups())):
@@ -40,10 +45,10 @@ def artifact_models(art) -> dict[tuple[str, int], tuple[Basis, list[Allocation]]
             allocs = []
             for ratio in sorted(art.ratios()):
                 info = art.allocation_info(ratio, stream, g)
-                blocks = tuple(Block(int(s), int(z), str(q), int(b), int(sb)) for s, z, q, b, sb in info["blocks"])
+                blocks = tuple(Block(int(s), int(z), str(q), int(b)) for s, z, q, b, *_ in info["blocks"])
                 allocs.append(Allocation(float(ratio), int(info["budget_bits"]), blocks, int(info["cost_bits"]),
                                          int(info["kept"]), float(info.get("expected_error", 0.0)), basis.total_variance,
-                                         art.manifest["calibration"]["allocator"]["error_model"], 0,
+                                         rec.allocator["error_model"], 0,
                                          int(info.get("heldout_rows", 0))))
             out[(stream, g)] = (basis, allocs)
     return out
@@ -82,33 +87,17 @@ class Meter:
         return errors, explained
 
 
-def seqs_per_shard(manifest: dict) -> int:
-    """The calibration's sequences per shard: recorded, else inferred from the largest shard."""
-    cal = manifest["calibration"]
-    if cal.get("seqs_per_shard"):
-        return int(cal["seqs_per_shard"])
-    corpus = manifest["corpus"]
-    ids = list(corpus.get("train_shards", [])) + list(corpus.get("heldout_shards", []))
-    sizes = [int(corpus.get("tokens", {}).get(i, 0)) for i in ids]
-    return max(1, max(sizes, default=0) // int(cal["seq_len"]))
-
-
 def sample_rows(lm, manifest: dict, corpus: str, tokens: int, exclude: set[str],
                 text_column: str | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """Capture sequences of `corpus` (shards not in `exclude`) until `tokens`, one at a time:
     yields (keys (n, p), values (n, p), tokens) float32 rows at positions [sinks, seq_len - window)."""
-    import torch
-
-    from kvtc.pipeline.job.shards import make_shards
-    from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
-
-    cal = manifest["calibration"]
-    seq_len = int(cal["seq_len"])
-    settings = CaptureSettings(sinks=int(cal["sinks"]), window=int(cal["window"]), seed=int(cal.get("seed", 0)))
+    rec = CalibrationRecord.from_manifest(manifest)
+    seq_len = rec.seq_len
+    settings = CaptureSettings(**rec.capture())
     check_seq_len(lm, seq_len, settings)
     used = 0
-    for shard in make_shards(corpus, lm.tokenizer, seq_len=seq_len, seqs_per_shard=seqs_per_shard(manifest),
-                             seed=int(cal.get("seed", 0)), text_column=text_column, holdout_fraction=0.0,
+    for shard in make_shards(corpus, lm.tokenizer, seq_len=seq_len, seqs_per_shard=rec.seqs_per_shard,
+                             seed=rec.seed, text_column=text_column, holdout_fraction=0.0,
                              min_holdout_shards=0, max_seq_len=lm.max_positions):
         if shard.id in exclude:
             continue

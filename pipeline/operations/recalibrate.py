@@ -43,25 +43,25 @@ class Result:
 
 def heldout_store(manifest: dict, store_root: str | None):
     """The shard store scope (model, capture settings) where the parent's held-out rows live."""
+    from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
     from kvtc.workers.capture import CaptureSettings
     from kvtc.workers.models import fingerprint_id
 
-    cal = manifest["calibration"]
-    capture = CaptureSettings(sinks=cal["sinks"], window=cal["window"], groups=cal.get("group_spec", "model"),
-                              sample=cal.get("sample", 1.0), seed=cal["seed"])
+    rec = CalibrationRecord.from_manifest(manifest)
     return ShardStore(store_root or default_store_uri(), fingerprint_id(manifest["model"]),
-                      capture_key(capture.to_dict(), cal.get("model_dtype", "float32")))
+                      capture_key(CaptureSettings(**rec.capture()).to_dict(), rec.model_dtype))
 
 
 def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:
     """Both artifacts on the parent's held-out rows -> (comparison rows, reasons the child is worse)."""
-    from kvtc.pipeline.operations.drift_meter import measure_rows
+    from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.job.reduce import load_rows
+    from kvtc.pipeline.operations.drift_meter import measure_rows
 
-    cal = parent.manifest["calibration"]
-    held = load_rows(store, list(parent.manifest["corpus"]["heldout_shards"]), int(cal.get("heldout_rows_cap") or 1 << 62))
-    mid = held.middle(int(cal["sinks"]), int(cal["window"]))
+    rec = CalibrationRecord.from_manifest(parent.manifest)
+    held = load_rows(store, list(parent.manifest["corpus"]["heldout_shards"]), rec.heldout_rows_cap or 1 << 62)
+    mid = held.middle(rec.sinks, rec.window)
     old = measure_rows(parent, held.keys[mid], held.values[mid])
     new = measure_rows(child, held.keys[mid], held.values[mid])
     rows, reasons = [], []

@@ -1,16 +1,16 @@
 """What a recalibration would compute, and whether that exists already.
 
-The parent's manifest gives the default settings (as `kvtc calibrate` option values); options the
-user gave override them. A recalibration is redundant when its settings and its planned shards
+The parent's calibration record gives the default settings; the `kvtc calibrate` options the user
+gave override them (`dataclasses.replace`). A recalibration is redundant when its settings and its planned shards
 (train, held-out and eval ids, in order) are exactly those of the parent or of an earlier
 recalibration of the same parent: it would publish the same bases and allocations again.
 """
 from __future__ import annotations
 
-import argparse
-from dataclasses import fields
+from dataclasses import fields, replace
 
-from kvtc.pipeline.job.calibrate import add_arguments, config_from_args
+from kvtc.pipeline.job.calibrate import CalibrateConfig, config_from_manifest, config_values, shard_plan
+from kvtc.pipeline.job.shards import plan_shards
 
 # settings that say where and how fast a job runs, not what it computes
 RUNTIME_FIELDS = ("registry", "store", "address", "workers", "threads_per_worker", "cache_dir", "name", "parent",
@@ -20,62 +20,27 @@ PARENT_DESTS = ("model", "corpus", "eval_corpus", "ratios", "tokens", "eval_toke
                 "heldout_rows", "text_column", "dtype")
 
 
-def parent_arguments(manifest: dict) -> dict:
-    """The parent's calibration as `kvtc calibrate` option values (argparse dests)."""
-    from kvtc.pipeline.operations.drift_meter import seqs_per_shard
-
-    cal, corpus, alloc = manifest["calibration"], manifest["corpus"], manifest["calibration"]["allocator"]
-    tokens = corpus.get("tokens", {})
-    eval_tokens = cal.get("eval_tokens") or sum(int(tokens.get(i, 0)) for i in corpus.get("eval_shards", [])) or None
-    out = dict(model=manifest["model"]["spec"], corpus=corpus["spec"], eval_corpus=corpus.get("eval_spec") or "none",
-               ratios=",".join(f"{r:g}" for r in cal["ratios"]), tokens=cal.get("tokens_requested", cal["tokens"]),
-               eval_tokens=eval_tokens, seq_len=cal["seq_len"], seqs_per_shard=seqs_per_shard(manifest),
-               sinks=cal["sinks"], window=cal["window"], groups=cal.get("group_spec", "model"),
-               sample=cal.get("sample", 1.0), seed=cal["seed"], block_sizes=",".join(map(str, alloc["block_sizes"])),
-               types=",".join(alloc["types"]), error_model=alloc["error_model"])
-    for key, dest in (("holdout_fraction", "holdout_fraction"), ("heldout_rows_cap", "heldout_rows"),
-                      ("text_column", "text_column"), ("dtype", "dtype")):
-        if key in cal:
-            out[dest] = cal[key]
-    return out
-
-
-def build_configs(manifest: dict, given: dict, parent: str):
-    """(config to run, config that would repeat the parent) from the parent and the options given."""
-    base = argparse.ArgumentParser()
-    add_arguments(base)
-    derived = {**vars(base.parse_args([])), **parent_arguments(manifest)}
+def build_configs(manifest: dict, given: dict, parent: str | None) -> tuple[CalibrateConfig, CalibrateConfig]:
+    """(config to run, config that would repeat the parent): the parent's recorded settings, then the
+    `kvtc calibrate` options the user gave (argparse dests and values)."""
     if given.get("name") not in (None, manifest["name"]):
         raise ValueError(f"recalibrate publishes under the parent's name {manifest['name']!r}; drop --name "
                          "(or use `kvtc calibrate --name ...` for a new artifact)")
-    common = dict(name=manifest["name"], parent=parent)
-    return (config_from_args(argparse.Namespace(**{**derived, **given}), **common),
-            config_from_args(argparse.Namespace(**derived), **common))
+    repeat = config_from_manifest(manifest, name=manifest["name"], parent=parent)
+    return replace(repeat, **config_values({k: v for k, v in given.items() if k != "name"})), repeat
 
 
-def planned_shards(cfg, tokenizer, max_positions: int) -> dict[str, list[str]]:
+def planned_shards(cfg: CalibrateConfig, tokenizer, max_positions: int) -> dict[str, list[str]]:
     """Shard ids per role that `calibrate.run(cfg)` would fold (train, heldout) and evaluate (eval)."""
-    from kvtc.pipeline.job.shards import make_shards
-
     roles: dict[str, list[str]] = {"train": [], "heldout": [], "eval": []}
-    seen: set[str] = set()
-    plans = [(cfg.corpus, cfg.tokens, False)]
-    if cfg.eval_corpus:
-        plans.append((cfg.eval_corpus, cfg.eval_tokens or 2 * cfg.seqs_per_shard * cfg.seq_len, True))
-    for spec, budget, is_eval in plans:
-        for shard in make_shards(spec, tokenizer, seq_len=cfg.seq_len, seqs_per_shard=cfg.seqs_per_shard,
-                                 max_tokens=budget, seed=cfg.seed, text_column=cfg.text_column,
-                                 holdout_fraction=0.0 if is_eval else cfg.holdout_fraction,
-                                 min_holdout_shards=0 if is_eval else 1, max_seq_len=max_positions):
-            if shard.id not in seen:
-                seen.add(shard.id)
-                roles["eval" if is_eval else "heldout" if shard.holdout else "train"].append(shard.id)
+    for role, shard in plan_shards(shard_plan(cfg, cfg.tokens), tokenizer, max_positions):
+        roles[role].append(shard.id)
     return roles
 
 
-def unchanged(cfg, manifest: dict, planned: dict[str, list[str]]) -> bool:
+def unchanged(cfg: CalibrateConfig, manifest: dict, planned: dict[str, list[str]]) -> bool:
     """True when `cfg` would recompute the version of `manifest`: same settings, same shards in each role."""
-    repeat = build_configs(manifest, {}, None)[1]
+    repeat = config_from_manifest(manifest)
     content = [f.name for f in fields(cfg) if f.name not in RUNTIME_FIELDS]
     corpus = manifest["corpus"]
     return (all(getattr(cfg, k) == getattr(repeat, k) for k in content)

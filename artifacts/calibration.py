@@ -1,0 +1,102 @@
+"""`CalibrationRecord`: how a version was calibrated, the manifest's "calibration" section.
+
+The settings are what a rerun needs to repeat the calibration exactly (the shard plan, the capture
+settings, the allocator); the results say what it measured on. Written by the calibration job's
+reduce, read by evaluation, drift measurement and recalibration. Settings that older manifests
+did not record are None (the reader's default applies).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+RELATIVE_ERROR = "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed"
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """sinks, window: positions kept raw; seq_len: tokens per sequence; seed: corpus shuffle and
+    position sampling; ratios: compression ratios allocated; groups: layer ranges [a, b), one basis
+    each, cut by `group_spec` (model, layer, layers:K); sample: fraction of positions captured;
+    allocator: the allocator settings as a dict; tokens_requested / eval_tokens: corpus budgets;
+    seqs_per_shard, holdout_fraction: the shard plan; heldout_rows_cap: held-out rows kept per
+    stream; dtype: the dtype asked for, model_dtype: the one the model ran in.
+    Results: tokens (train + held-out), train/heldout/eval rows, notes (warnings of the run),
+    tokens_curve (how the error-by-tokens curve was measured)."""
+
+    sinks: int
+    window: int
+    seq_len: int
+    seed: int
+    ratios: tuple[float, ...]
+    groups: tuple[tuple[int, int], ...]
+    allocator: dict[str, Any]
+    group_spec: str = "model"
+    sample: float = 1.0
+    tokens_requested: int | None = None
+    eval_tokens: int | None = None
+    seqs_per_shard: int | None = None
+    holdout_fraction: float | None = None
+    heldout_rows_cap: int | None = None
+    text_column: str | None = None
+    dtype: str | None = None
+    model_dtype: str = "float32"
+    tokens: int = 0
+    train_rows: int = 0
+    heldout_rows: int = 0
+    eval_rows: int = 0
+    notes: tuple[str, ...] = ()
+    tokens_curve: dict[str, Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.window < 0 or self.seq_len < 2:
+            raise ValueError(f"calibration record: sinks {self.sinks} and window {self.window} must be >= 0 and "
+                             f"seq_len {self.seq_len} >= 2")
+        if not self.ratios or any(not float(r) > 1 for r in self.ratios):
+            raise ValueError(f"calibration record: ratios must be > 1, got {list(self.ratios)}")
+        try:
+            groups = tuple((int(a), int(b)) for a, b in self.groups)
+        except (TypeError, ValueError):
+            raise ValueError(f"calibration record: groups must be [start, end) layer ranges, got {self.groups!r}") from None
+        if not groups or any(b <= a for a, b in groups):
+            raise ValueError(f"calibration record: groups must be non-empty [start, end) layer ranges, got {groups}")
+        if self.holdout_fraction is not None and not 0 < self.holdout_fraction < 1:
+            raise ValueError(f"calibration record: holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
+        if self.seqs_per_shard is not None and self.seqs_per_shard < 1:
+            raise ValueError(f"calibration record: seqs_per_shard must be >= 1, got {self.seqs_per_shard}")
+        object.__setattr__(self, "ratios", tuple(float(r) for r in self.ratios))
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def capture(self) -> dict[str, Any]:
+        """The five capture settings (keyword arguments of kvtc.workers.capture.CaptureSettings)."""
+        return {"sinks": self.sinks, "window": self.window, "groups": self.group_spec, "sample": self.sample,
+                "seed": self.seed}
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The manifest's "calibration" section (plain JSON values)."""
+        out = asdict(self)
+        out["ratios"], out["groups"], out["notes"] = list(self.ratios), [list(g) for g in self.groups], list(self.notes)
+        out["relative_error"] = RELATIVE_ERROR
+        return out
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> "CalibrationRecord":
+        """Read a whole manifest's "calibration" section; for manifests that did not record them,
+        seqs_per_shard is inferred from the largest shard and eval_tokens from the eval shards."""
+        cal = dict(manifest["calibration"])
+        missing = [k for k in ("sinks", "window", "seq_len", "seed", "ratios", "groups", "allocator") if k not in cal]
+        if missing:
+            raise ValueError(f"the manifest's calibration section lacks {', '.join(missing)}; is it a kvtc artifact?")
+        known = {f.name for f in fields(cls)}
+        record = {k: v for k, v in cal.items() if k in known}
+        corpus = manifest.get("corpus") or {}
+        tokens = corpus.get("tokens") or {}
+        if not record.get("seqs_per_shard"):
+            sizes = [int(tokens.get(i, 0)) for i in [*corpus.get("train_shards", []), *corpus.get("heldout_shards", [])]]
+            record["seqs_per_shard"] = max(1, max(sizes, default=0) // int(cal["seq_len"]))
+        if not record.get("eval_tokens"):
+            record["eval_tokens"] = sum(int(tokens.get(i, 0)) for i in corpus.get("eval_shards", [])) or None
+        if record.get("tokens_requested") is None:
+            record["tokens_requested"] = cal.get("tokens")
+        return cls(**record)

@@ -1,0 +1,86 @@
+"""The typed record of a calibration (manifest round trip, older manifests, bad input), the settings
+a recalibration derives from it, and the one shard plan every path uses."""
+import dataclasses
+
+import pytest
+
+from kvtc.artifacts import CalibrationRecord
+from kvtc.pipeline.job.calibrate import CalibrateConfig, config_from_manifest, shard_plan
+from kvtc.pipeline.job.shards import DEFAULT_EVAL_SEQS, plan_shards
+from kvtc.pipeline.operations.recalibrate_plan import build_configs
+
+ALLOCATOR = {"block_sizes": [1, 16], "types": ["none", "int4"], "error_model": "analytic"}
+
+
+def _record(**kw) -> CalibrationRecord:
+    base = dict(sinks=4, window=16, seq_len=128, seed=3, ratios=(4.0, 8.0), groups=((0, 2), (2, 3)), allocator=ALLOCATOR,
+                group_spec="layers:2", sample=0.5, tokens_requested=2048, seqs_per_shard=2, holdout_fraction=0.25,
+                heldout_rows_cap=512, text_column="text", dtype="float32", tokens=2048, train_rows=1000,
+                heldout_rows=200, notes=("a note",))
+    return CalibrationRecord(**{**base, **kw})
+
+
+def _manifest(record: CalibrationRecord) -> dict:
+    return {"name": "tiny", "version": "v1", "model": {"spec": "tiny:llama"}, "calibration": record.to_manifest(),
+            "corpus": {"spec": "pydoc", "eval_spec": "stdlib", "train_shards": ["a", "b"], "heldout_shards": ["c"],
+                       "eval_shards": ["d"], "tokens": {"a": 256, "b": 256, "c": 256, "d": 384}}}
+
+
+def test_record_round_trips_through_the_manifest():
+    rec = _record()
+    section = rec.to_manifest()
+    assert section["groups"] == [[0, 2], [2, 3]] and section["ratios"] == [4.0, 8.0] and "relative_error" in section
+    assert CalibrationRecord.from_manifest(_manifest(rec)) == dataclasses.replace(rec, eval_tokens=384)
+    assert rec.capture() == {"sinks": 4, "window": 16, "groups": "layers:2", "sample": 0.5, "seed": 3}
+
+
+def test_older_manifests_infer_what_they_did_not_record():
+    manifest = _manifest(_record())
+    for key in ("seqs_per_shard", "eval_tokens", "tokens_requested", "holdout_fraction", "heldout_rows_cap"):
+        manifest["calibration"].pop(key)
+    rec = CalibrationRecord.from_manifest(manifest)
+    assert rec.seqs_per_shard == 2 and rec.eval_tokens == 384 and rec.tokens_requested == 2048
+    assert rec.holdout_fraction is None and rec.heldout_rows_cap is None
+    cfg = config_from_manifest(manifest)
+    assert cfg.holdout_fraction == CalibrateConfig().holdout_fraction and cfg.heldout_rows == CalibrateConfig().heldout_rows
+
+
+def test_bad_records_are_refused_with_the_field_named():
+    with pytest.raises(ValueError, match="ratios must be > 1"):
+        _record(ratios=(1.0,))
+    with pytest.raises(ValueError, match="groups"):
+        _record(groups=((2, 2),))
+    with pytest.raises(ValueError, match="holdout_fraction"):
+        _record(holdout_fraction=1.5)
+    manifest = _manifest(_record())
+    del manifest["calibration"]["allocator"]
+    with pytest.raises(ValueError, match="lacks allocator"):
+        CalibrationRecord.from_manifest(manifest)
+
+
+def test_recalibration_replaces_only_the_options_given():
+    manifest = _manifest(_record())
+    run_cfg, repeat = build_configs(manifest, {"ratios": "4,16", "eval_corpus": "none", "registry": "r"}, "v1")
+    assert repeat == config_from_manifest(manifest, name="tiny", parent="v1")
+    assert repeat.ratios == (4.0, 8.0) and repeat.eval_corpus == "stdlib" and repeat.sample == 0.5
+    assert repeat.block_sizes == (1, 16) and repeat.types == ("none", "int4") and repeat.error_model == "analytic"
+    assert run_cfg == dataclasses.replace(repeat, ratios=(4.0, 16.0), eval_corpus=None, registry="r")
+    with pytest.raises(ValueError, match="parent's name"):
+        build_configs(manifest, {"name": "other"}, "v1")
+
+
+def test_one_shard_plan_with_one_eval_default():
+    from kvtc.workers.models import embedded_tokenizer
+
+    cfg = CalibrateConfig(corpus="pydoc", eval_corpus="stdlib", seq_len=64, seqs_per_shard=2, tokens=64 * 12)
+    plan = shard_plan(cfg, cfg.tokens)
+    assert plan.eval_budget == DEFAULT_EVAL_SEQS * 64
+    roles = list(plan_shards(plan, embedded_tokenizer()))
+    order = [r for r, _ in roles]
+    assert order == sorted(order, key=lambda r: r == "eval") and {"train", "heldout", "eval"} == set(order)
+    assert sum(s.input_ids.shape[0] for r, s in roles if r == "eval") == DEFAULT_EVAL_SEQS
+    assert len({s.id for _, s in roles}) == len(roles)
+    duplicates: list[str] = []
+    same = list(plan_shards(dataclasses.replace(plan, eval_corpus="pydoc", eval_tokens=64 * 2), embedded_tokenizer(),
+                            duplicates=duplicates))
+    assert duplicates and all(r != "eval" or s.id not in {t.id for q, t in roles if q != "eval"} for r, s in same)
