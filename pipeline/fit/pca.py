@@ -155,7 +155,7 @@ def unpack_rows(packed: np.ndarray, p: int, a: int, b: int) -> np.ndarray:
     return out
 
 
-def subspace_eigh(cov: torch.Tensor, k: int, tol: float = 1e-6, max_iters: int = 30, seed: int = 0
+def subspace_eigh(cov: torch.Tensor, k: int, tol: float = 1e-5, max_iters: int = 12, seed: int = 0
                   ) -> tuple[np.ndarray, np.ndarray, int]:
     """Leading k eigenpairs of a symmetric (p, p) float32 matrix by subspace iteration with
     Rayleigh-Ritz (float32 GEMMs, float64 Ritz step), oversampled by max(32, k/4) columns; stops when
