@@ -4,7 +4,8 @@ Each run is the full job (Ray pool, accumulators, reducer, publish) on a random 
 model's KV geometry and a tiny hidden size (`tiny:llama@LAYERSxKV_HEADSxHEAD_DIM`), in a fresh
 shard store and registry under --root. Printed per run: statistics bytes in the store (and the
 bound: accumulators x streams x packed float64 Gram of each group), peak RSS of the whole job
-(this process plus every descendant: Ray's processes and workers, sampled every 0.2 s), and wall
+(this process plus every descendant, e.g. Ray's processes and workers with --ray, sampled every
+0.2 s), and wall
 time split into capture, fold (Gram accumulation), checkpoints and reduce (of which the
 eigensolver). The baseline of a figure is named next to it (e.g. 4 vs 8 shards in one run).
 
@@ -73,12 +74,12 @@ def one_run(spec: str, args: argparse.Namespace) -> dict:
     cfg = CalibrateConfig(
         model=f"tiny:llama@{parts[0]}", corpus=args.corpus, eval_corpus=None, tokens=tokens, seq_len=args.seq_len,
         seqs_per_shard=seqs, window=args.window, ratios=tuple(float(r) for r in args.ratios.split(",")), groups=groups,
-        accumulators=args.accumulators, workers=args.workers, heldout_rows=args.heldout_rows, tokens_curve_points=0,
+        accumulators=args.accumulators, workers=args.workers, threads_per_worker=1 if args.ray else os.cpu_count() or 1, heldout_rows=args.heldout_rows, tokens_curve_points=0,
         registry=os.path.join(root, "registry"), store=os.path.join(root, "store"), name="scale",
     )
     t0 = time.perf_counter()
     with TreeRSS() as rss:
-        summary = run(cfg)
+        summary = run(cfg, in_process=not args.ray)
     wall = time.perf_counter() - t0
     width = geometry.kv_heads * geometry.head_dim
     dims = [(b - a) * width for a, b in CaptureSettings(groups=groups).group_layers(geometry.layers)]
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout-rows", type=int, default=1024)
     ap.add_argument("--root", default=None, help="where the per-run stores and registries go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the stores and registries")
+    ap.add_argument("--ray", action="store_true", help="run the shards on a local Ray pool (default: in this process, "
+                    "the job's in-process mode: one worker, the same accumulators and reducer)")
     args = ap.parse_args(argv)
     rows = []
     for spec in args.runs:
