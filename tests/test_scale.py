@@ -82,11 +82,14 @@ def test_planner_resumes_extends_and_restarts_an_accumulator_that_is_not_a_prefi
     tasks = []
     for i in range(4):  # a shorter run for accumulator 0 (s0, s2), a longer one for 1 (s1, s3)
         tasks += planner.add(i, f"s{i}", {"shard": i})
-    assert [(t["acc_index"], t["shard"], t["after"], t["restart"]) for t in tasks] == [(1, 3, "s1", False)]
-    tasks = planner.finish()  # accumulator 0 holds s4, which this run lacks: rerun from a fresh total
-    assert [(t["acc_index"], t["shard"], t["after"], t["restart"]) for t in tasks] == [(0, 0, None, True), (0, 2, "s0", False)]
+    assert [(t["acc_index"], t["shard"], t["after"]) for t in tasks] == [(1, 3, "s1")]
+    tasks = planner.finish()  # accumulator 0 holds s4, which this run lacks: set aside, rerun into a fresh total
+    assert [(t["acc_index"], t["shard"], t["after"]) for t in tasks] == [(0, 0, None), (0, 2, "s0")]
+    assert store.acc_shards(plan.name(0, "s0")) is None
+    assert list(tmp_path.rglob("*.stats.stale"))
     assert planner.accumulators() == [(plan.name(0, "s0"), ["s0", "s2"]), (plan.name(1, "s1"), ["s1", "s3"])]
     assert store.acc_shards(plan.name(1, "s1")) == ["s1"] and store.acc_shards("absent") is None
+    assert FoldPlanner(plan, store).finish() == []
     assert store.get_acc(plan.name(1, "s1")).packed("keys", 0)[1][0] == 2.0
 
 

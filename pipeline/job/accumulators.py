@@ -9,7 +9,9 @@ accumulator order, so it is bit-identical for any number of workers, and a kille
 restarted actor resumes from the last checkpoint (a shard already listed is skipped).
 
 A stored total that is not a prefix of this run's shard list (a shorter run of the same corpus)
-cannot have shards taken out: its shards are rerun from a fresh total, which replaces it.
+cannot have shards taken out: it is moved aside (``.stale``) before any of its shards is
+submitted, and its shards are rerun into a fresh total. A task never resets a stored total, so a
+retried task (a killed worker) can only find its shard already folded, never undo later shards.
 """
 from __future__ import annotations
 
@@ -47,20 +49,21 @@ class _Accumulator:
 
 class FoldPlanner:
     """Turns training shards, in stream order, into fold tasks: {"shard", "role": "train",
-    "acc", "acc_index", "after" (the shard folded just before in that accumulator, or None),
-    "restart" (start from an empty total)}. Shards already in a stored total yield no task."""
+    "acc", "acc_index", "after" (the shard folded just before in that accumulator, or None)}.
+    Shards already in a stored total yield no task."""
 
     def __init__(self, plan: AccumulatorPlan, store: ShardStore) -> None:
         self.plan, self.store = plan, store
         self._accs: dict[int, _Accumulator] = {}
 
-    def _task(self, acc: _Accumulator, payload: dict, position: int, restart: bool) -> dict:
+    def _task(self, acc: _Accumulator, payload: dict, position: int) -> dict:
         after = acc.planned[position - 1] if position else None
-        return {**payload, "role": "train", "acc": acc.name, "acc_index": acc.index, "after": after, "restart": restart}
+        return {**payload, "role": "train", "acc": acc.name, "acc_index": acc.index, "after": after}
 
     def _rerun(self, acc: _Accumulator) -> list[dict]:
         acc.diverged = True
-        tasks = [self._task(acc, p, i, restart=i == 0) for i, p in enumerate(acc.skipped)]
+        self.store.set_aside(acc.name, "stale")  # no task of this accumulator was submitted yet
+        tasks = [self._task(acc, p, i) for i, p in enumerate(acc.skipped)]
         acc.skipped = []
         return tasks
 
@@ -78,12 +81,11 @@ class FoldPlanner:
                 acc.skipped.append(payload)
                 return []
             return self._rerun_with(acc, payload)
-        return [self._task(acc, payload, position, restart=position == 0)]
+        return [self._task(acc, payload, position)]
 
     def _rerun_with(self, acc: _Accumulator, payload: dict) -> list[dict]:
         tasks = self._rerun(acc)
-        position = len(acc.planned) - 1
-        return tasks + [self._task(acc, payload, position, restart=position == 0)]
+        return tasks + [self._task(acc, payload, len(acc.planned) - 1)]
 
     def finish(self) -> list[dict]:
         """Tasks for accumulators whose stored total holds shards this run does not have."""

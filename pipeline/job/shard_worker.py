@@ -81,7 +81,7 @@ class ShardWorker:
         role = payload["role"]
         self._maybe_die(shard)
         if role == "train":
-            nbytes, rows, split = self._fold(shard, payload["acc"], payload.get("after"), bool(payload.get("restart")))
+            nbytes, rows, split = self._fold(shard, payload["acc"], payload.get("after"))
             if rows is None:
                 return {"shard_id": shard.id, "index": shard.index, "role": role, "tokens_run": 0, "rows": 0,
                         "bytes": 0, "seconds": time.perf_counter() - t0, "skipped": True}
@@ -99,22 +99,19 @@ class ShardWorker:
             "seconds": time.perf_counter() - t0,
         }
 
-    def _total(self, name: str, restart: bool) -> CalibrationStats | None:
-        if restart:
-            self.totals.pop(name, None)
-            return None
+    def _total(self, name: str) -> CalibrationStats | None:
         if name not in self.totals:
             if self.store.acc_shards(name) is None:
                 return None
             self.totals[name] = self.store.get_acc(name)
         return self.totals[name]
 
-    def _fold(self, shard: Shard, name: str, after: str | None, restart: bool) -> tuple[int, int | None, dict]:
+    def _fold(self, shard: Shard, name: str, after: str | None) -> tuple[int, int | None, dict]:
         """Fold a shard into accumulator `name` after shard `after`, then checkpoint it.
         -> (bytes written, rows folded, seconds {capture_s, fold_s, checkpoint_s}), rows None when
         the total already holds the shard."""
         t0 = time.perf_counter()
-        total = self._total(name, restart)
+        total = self._total(name)
         if total is not None and shard.id in total.shard_ids:
             return 0, None, {}
         last = total.shard_ids[-1] if total is not None and total.shard_ids else None

@@ -180,10 +180,14 @@ class ShardStore:
 
     def quarantine(self, name: str) -> None:
         """Move a bad accumulator aside (kept for inspection, never read again)."""
+        self.set_aside(name, "corrupt")
+
+    def set_aside(self, name: str, why: str) -> None:
+        """Rename accumulator `name` to `<name>.stats.<why>` (replacing an older one set aside)."""
         fs, _ = self._fs_and_base
         path = self._acc_path(name)
         if fs.exists(path):
-            fs.mv(path, f"{path}.corrupt")
+            fs.mv(path, f"{path}.{why}")
 
     def stats_bytes(self) -> int:
         """Bytes of all statistics objects in this scope (accumulators)."""
