@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 RELATIVE_ERROR = "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed"
+KEY_FORMS = ("rope-removed", "rope-kept")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class CalibrationRecord:
     each, cut by `group_spec` (model, layer, layers:K); sample: fraction of positions captured;
     allocator: the allocator settings as a dict; tokens_requested / eval_tokens: corpus budgets;
     seqs_per_shard, holdout_fraction: the shard plan; heldout_rows_cap: held-out rows kept per
-    stream; dtype: the dtype asked for, model_dtype: the one the model ran in.
+    stream; dtype: the dtype asked for, model_dtype: the one the model ran in; keys: "rope-removed"
+    or "rope-kept" (keys calibrated as the model caches them, for consumers without positions).
     Results: tokens (train + held-out), train/heldout/eval rows, notes (warnings of the run),
     tokens_curve (how the error-by-tokens curve was measured)."""
 
@@ -41,6 +43,7 @@ class CalibrationRecord:
     text_column: str | None = None
     dtype: str | None = None
     model_dtype: str = "float32"
+    keys: str = "rope-removed"
     tokens: int = 0
     train_rows: int = 0
     heldout_rows: int = 0
@@ -62,6 +65,8 @@ class CalibrationRecord:
             raise ValueError(f"calibration record: groups must be non-empty [start, end) layer ranges, got {groups}")
         if self.holdout_fraction is not None and not 0 < self.holdout_fraction < 1:
             raise ValueError(f"calibration record: holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
+        if self.keys not in KEY_FORMS:
+            raise ValueError(f"calibration record: keys must be one of {KEY_FORMS}, got {self.keys!r}")
         if self.seqs_per_shard is not None and self.seqs_per_shard < 1:
             raise ValueError(f"calibration record: seqs_per_shard must be >= 1, got {self.seqs_per_shard}")
         object.__setattr__(self, "ratios", tuple(float(r) for r in self.ratios))
@@ -69,15 +74,18 @@ class CalibrationRecord:
         object.__setattr__(self, "notes", tuple(self.notes))
 
     def capture(self) -> dict[str, Any]:
-        """The five capture settings (keyword arguments of kvtc.workers.capture.CaptureSettings)."""
-        return {"sinks": self.sinks, "window": self.window, "groups": self.group_spec, "sample": self.sample,
-                "seed": self.seed}
+        """The capture settings (keyword arguments of kvtc.workers.capture.CaptureSettings); `keys`
+        only when not the default, as CaptureSettings.to_dict leaves it out."""
+        out = {"sinks": self.sinks, "window": self.window, "groups": self.group_spec, "sample": self.sample,
+               "seed": self.seed}
+        return out if self.keys == "rope-removed" else {**out, "keys": self.keys}
 
     def to_manifest(self) -> dict[str, Any]:
         """The manifest's "calibration" section (plain JSON values)."""
         out = asdict(self)
         out["ratios"], out["groups"], out["notes"] = list(self.ratios), [list(g) for g in self.groups], list(self.notes)
-        out["relative_error"] = RELATIVE_ERROR
+        out["relative_error"] = RELATIVE_ERROR if self.keys == "rope-removed" else \
+            RELATIVE_ERROR.replace("RoPE-removed", "with RoPE (as cached)")
         return out
 
     @classmethod

@@ -25,10 +25,21 @@ def _registry(args: argparse.Namespace):
 def cmd_list(args: argparse.Namespace) -> int:
     reg = _registry(args)
     if not args.name:
-        names = {n: {"versions": len(reg.versions(n)), "aliases": reg.aliases(n)} for n in reg.names()}
-        lines = [f"{n}  {v['versions']} version(s)  latest={v['aliases'].get('latest', '-')}" for n, v in names.items()]
+        names = {}
+        for n in reg.names():
+            names[n] = {"versions": len(reg.versions(n)), "aliases": {}}
+            try:
+                names[n]["aliases"] = reg.aliases(n)
+            except (ValueError, OSError, RuntimeError) as exc:  # one bad alias must not hide the other artifacts
+                names[n]["error"] = str(exc)
+        lines = [f"{n}  {v['versions']} version(s)  latest={v['aliases'].get('latest', '-')}"
+                 + (f"  UNREADABLE ALIASES: {v['error']}" if "error" in v else "") for n, v in names.items()]
         return _print(args, names, "\n".join(lines) or f"(no artifacts in {reg.uri})")
-    aliases = reg.aliases(args.name)
+    try:
+        aliases = reg.aliases(args.name)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"kvtc list: warning: {exc}", file=sys.stderr)
+        aliases = {}
     rows = []
     for v in reg.versions(args.name):
         row = {"version": v, "created": "", "aliases": sorted(a for a, t in aliases.items() if t == v)}
@@ -79,9 +90,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kvtc.artifacts.pull import pull
 
     reg = _registry(args)
-    with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
-        artifact = pull(args.ref, registry=reg, cache_dir=scratch, public_key=args.key,
-                        require_signature=args.require_signature or None)
+    adopted = None
+    if args.adopt:
+        from kvtc.artifacts.registry import split_ref
+
+        name, ref = split_ref(args.ref)
+        version = reg.resolve(name, ref)
+        adopted = reg.adopt(name, version)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
+            artifact = pull(args.ref, registry=reg, cache_dir=scratch, public_key=args.key,
+                            require_signature=args.require_signature or None)
+    except Exception:
+        if adopted:
+            reg.fs.rm_file(f"{reg.version_path(name, version)}/manifest.sha256")  # adopt only what verifies
+        raise
     if artifact.damaged:
         raise IntegrityError(f"{artifact.name}@{artifact.version}: optional files fail their sha256 check: "
                              f"{', '.join(artifact.damaged)} (decoding does not need them)")
@@ -127,13 +150,16 @@ def cmd_alias(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kvtc.artifacts.export import export_dynamo
+    from kvtc.artifacts.export import DynamoExportOptions, export_dynamo
     from kvtc.artifacts.pull import pull
 
+    options = DynamoExportOptions(fp8=args.fp8, layout=args.layout, allow_rope_removed=args.allow_rope_removed)
     artifact = pull(args.ref, registry=_registry(args), cache_dir=args.cache_dir)
-    path = export_dynamo(artifact, args.ratio, args.to)
-    return _print(args, {"name": artifact.name, "version": artifact.version, "ratio": args.ratio, "path": str(path)},
-                  str(path))
+    path = export_dynamo(artifact, args.ratio, args.to, options)
+    real = json.loads(path.read_text())["dynamo_ratio"]
+    return _print(args, {"name": artifact.name, "version": artifact.version, "ratio": args.ratio, "path": str(path),
+                         "dynamo_ratio": real},
+                  f"{path}\nratio {args.ratio:g} as allocated; {real}x with Dynamo's 64-bit min/max per range per row")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -160,6 +186,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("verify", parents=[common, signed],
                               help="check a version's manifest digest, every file, the kernel bundle and the signature")
     p.add_argument("ref", help=ref_help)
+    p.add_argument("--adopt", action="store_true", help="record the manifest digest of a version published before "
+                   "digests existed, if all its files verify (trust on first use)")
     p.set_defaults(func=cmd_verify)
     p = subparsers.add_parser("alias", parents=[common], help="point an alias (production, ...) at a version")
     p.add_argument("ref", help=ref_help)
@@ -170,6 +198,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ratio", type=float, required=True, help="compression ratio to export")
     p.add_argument("--format", choices=["dynamo"], default="dynamo", help="target runtime format")
     p.add_argument("--to", required=True, help="output directory")
+    p.add_argument("--fp8", choices=["int8", "refuse"], default="int8",
+                   help="scaled fp8 blocks: export as 8-bit IntX (default) or refuse (Dynamo's Fp8 has no scale)")
+    p.add_argument("--layout", choices=["paged", "token-major"], default="paged",
+                   help="paged (default): only per-layer groups; token-major: all layers of a token contiguous")
+    p.add_argument("--allow-rope-removed", action="store_true",
+                   help="export a RoPE-removed key basis (the consumer removes and re-applies RoPE itself)")
     p.add_argument("--cache-dir", help="cache directory (default $KVTC_CACHE or ~/.cache/kvtc)")
     p.set_defaults(func=cmd_export)
     p = subparsers.add_parser("sign", parents=[common], help="sign a published version's manifest (Ed25519)")

@@ -1,17 +1,36 @@
 """Export one ratio of an artifact in the form NVIDIA Dynamo's KVBM KVTC kernels take (`KvtcConfig`).
 
+Dynamo's kernels compute, per row x of `features` float elements read from a block pointer,
+c = (x - mean) @ P, quantize each range of c, and decode x_hat = c_hat @ P.T + mean. Ranges are
+`IntX` (1, 2, 4 or 8 bits, min/max affine per row per range, both float32: 64 bits of metadata per
+range per row) or `Fp8` (a plain e4m3 cast, no scale). They apply to rows exactly as stored: no
+RoPE removal, and a row is contiguous memory.
+
+What this export does about it:
+- this project's fp8 blocks carry a per-token scale; an unscaled e4m3 cast of PCA coefficients
+  would clip or flush them, so they are exported as 8-bit IntX (`fp8="int8"`) or refused
+  (`fp8="refuse"`); intB with B not in {1, 2, 4, 8} is exported at the next Dynamo width;
+- the real cost per row is summed with Dynamo's metadata and the real ratio reported;
+- a group spanning several layers is not contiguous in a paged KV layout (each layer's pages are
+  stored apart), so with `layout="paged"` only per-layer groups export (recalibrate with
+  `--groups layer`); `layout="token-major"` accepts any group, for layouts that keep all layers of
+  a token contiguous;
+- a basis of RoPE-removed keys needs a consumer that removes RoPE itself: refused unless
+  `allow_rope_removed=True` (or calibrate with `--keys rope-kept`).
+
 For each stream and group, in DIR:
   <stream>-g<group>.mean.f32        float32 little-endian, shape (features,)
   <stream>-g<group>.projection.f32  float32 little-endian, row-major (features, pca_components)
-  dynamo_kvtc.json                  shapes, sha256 of each array file, and the ordered range list
-                                    {"start_idx", "end_idx", "quant_type": "Fp8"|"IntX", "int_bits"}
-Only components that get bits are exported: components of "none" blocks are dropped from the
-projection (they reconstruct as the mean), so ranges are contiguous from 0 to pca_components.
+  dynamo_kvtc.json                  shapes, sha256 of each array file, the ordered ranges
+                                    {"start_idx", "end_idx", "quant_type": "IntX", "int_bits"},
+                                    bits per row and the real ratio
+Components of "none" blocks are dropped from the projection (they reconstruct as the mean).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,29 +38,66 @@ import numpy as np
 from kvtc.artifacts.artifact import Artifact
 from kvtc.artifacts.schema import STREAMS
 
-FORMAT = "kvtc-dynamo/1"
+FORMAT = "kvtc-dynamo/2"
 DYNAMO_INT_BITS = (1, 2, 4, 8)
+DYNAMO_RANGE_METADATA_BITS = 64  # float32 min and max per row per IntX range
+FP8_CHOICES = ("int8", "refuse")
+LAYOUTS = ("paged", "token-major")
 
 
-def _ranges(blocks: list, where: str) -> tuple[list[int], list[dict]]:
-    """Blocks -> (kept component indices, contiguous Dynamo ranges over them)."""
+class ExportError(ValueError):
+    """The artifact cannot be expressed in the target runtime's terms as asked."""
+
+
+@dataclass(frozen=True)
+class DynamoExportOptions:
+    """fp8: how scaled fp8 blocks map ("int8" or "refuse"); layout: "paged" (per-layer groups only) or
+    "token-major"; allow_rope_removed: export a RoPE-removed key basis for a consumer that removes RoPE."""
+
+    fp8: str = "int8"
+    layout: str = "paged"
+    allow_rope_removed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fp8 not in FP8_CHOICES:
+            raise ValueError(f"fp8 must be one of {FP8_CHOICES}, got {self.fp8!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+
+def _dynamo_bits(block_type: str, bits: int, fp8: str, where: str) -> int:
+    if block_type == "fp8":
+        if fp8 == "refuse":
+            raise ExportError(f"{where}: the allocation uses scaled fp8 blocks; Dynamo's Fp8 is an unscaled e4m3 "
+                              "cast that would clip or flush PCA coefficients. Export them as 8-bit IntX "
+                              "(--fp8 int8) or recalibrate with --types none,int2,int4,int8")
+        return 8
+    wider = [b for b in DYNAMO_INT_BITS if b >= bits]
+    if not wider:
+        raise ExportError(f"{where}: block type {block_type} has no Dynamo IntX width")
+    return wider[0]
+
+
+def dynamo_ranges(blocks: list, fp8: str, where: str) -> tuple[list[int], list[dict]]:
+    """Allocation blocks -> (kept component indices, contiguous IntX ranges over them), one range per block."""
     columns: list[int] = []
     ranges: list[dict] = []
     for block in blocks:
-        if block.type == "none":
+        start, size, block_type, bits = block[0], block[1], block[2], block[3]
+        if block_type == "none":
             continue
-        if block.type == "fp8":
-            quant, bits = "Fp8", 0
-        elif block.bits in DYNAMO_INT_BITS:
-            quant, bits = "IntX", block.bits
-        else:
-            raise ValueError(f"{where}: block {tuple(block)} uses {block.type}, but Dynamo's IntX takes "
-                             f"{DYNAMO_INT_BITS} bits only; recalibrate with allocator types among int1/int2/int4/int8/fp8")
-        start = len(columns)
-        columns.extend(range(block.start, block.start + block.size))
-        # one range per block, never merged: IntX takes its min/max per range, as the allocator assumed per block
-        ranges.append({"start_idx": start, "end_idx": len(columns), "quant_type": quant, "int_bits": bits})
+        int_bits = _dynamo_bits(block_type, bits, fp8, where)
+        first = len(columns)
+        columns.extend(range(start, start + size))
+        # never merged: IntX takes one min/max per range, as the allocator assumed per block
+        ranges.append({"start_idx": first, "end_idx": len(columns), "quant_type": "IntX", "int_bits": int_bits,
+                       "from": block_type})
     return columns, ranges
+
+
+def row_bits(ranges: list[dict]) -> int:
+    """Bits one row costs in Dynamo: packed codes plus 64 bits of min/max per range."""
+    return sum((r["end_idx"] - r["start_idx"]) * r["int_bits"] + DYNAMO_RANGE_METADATA_BITS for r in ranges)
 
 
 def _write(path: Path, array: np.ndarray) -> dict:
@@ -51,30 +107,62 @@ def _write(path: Path, array: np.ndarray) -> dict:
             "order": "row-major", "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path) -> Path:
-    """Write the Dynamo form of `ratio` for every stream and group into `directory`; -> the JSON path."""
+def _check(artifact: Artifact, options: DynamoExportOptions) -> str:
+    """-> the key form; raises ExportError for what Dynamo cannot run as asked."""
+    cal = artifact.manifest["calibration"]
+    keys = cal.get("keys", "rope-removed")
+    if keys == "rope-removed" and not options.allow_rope_removed:
+        raise ExportError(f"{artifact.name}@{artifact.version} holds a basis of RoPE-removed keys, but Dynamo applies "
+                          "the projection to keys as stored, with RoPE. Recalibrate with --keys rope-kept, or pass "
+                          "--allow-rope-removed if your consumer removes RoPE before compressing and re-applies it")
+    if options.layout == "paged":
+        wide = [g for g in cal.get("groups") or [[0, artifact.manifest["model"]["num_layers"]]] if g[1] - g[0] > 1]
+        if wide:
+            raise ExportError(f"{artifact.name}@{artifact.version} has groups spanning several layers {wide}: in a "
+                              "paged KV layout each layer's pages are stored apart, so such a row is not contiguous. "
+                              "Recalibrate with --groups layer, or export with --layout token-major if your layout "
+                              "keeps all layers of a token contiguous")
+    return keys
+
+
+def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
+                  options: DynamoExportOptions = DynamoExportOptions()) -> Path:
+    """Write the Dynamo form of `ratio` for every stream and group into `directory`; -> the JSON path.
+    Checks everything before writing anything."""
+    keys = _check(artifact, options)
+    plans = []
+    for entry in artifact.manifest["bases"]["entries"]:
+        stream, group = entry["stream"], entry["group"]
+        where = f"{artifact.name}@{artifact.version} ratio {ratio:g} {stream} group {group}"
+        plans.append((entry, *dynamo_ranges(artifact.allocation(ratio, stream, group), options.fp8, where)))
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     configs = []
-    for entry in artifact.manifest["bases"]["entries"]:
+    for entry, columns, ranges in plans:
         stream, group = entry["stream"], entry["group"]
-        where = f"{artifact.name}@{artifact.version} ratio {ratio} {stream} group {group}"
-        columns, ranges = _ranges(artifact.allocation(ratio, stream, group), where)
         mean, _, components = artifact.basis(stream, group)
         stem = f"{stream}-g{group}"
+        features = int(mean.shape[0])
+        bits = row_bits(ranges)
+        info = artifact.allocation_info(ratio, stream, group)
         configs.append({
             "stream": stream, "group": group, "layers": entry["layers"],
-            "features": int(mean.shape[0]), "pca_components": len(columns),
-            "budget_bits": artifact.allocation_info(ratio, stream, group)["budget_bits"],
-            "rope_removed": stream == "keys",
+            "features": features, "pca_components": len(columns),
+            "budget_bits": info["budget_bits"], "dynamo_bits_per_row": bits,
+            "dynamo_ratio": round(16 * features / bits, 3) if bits else None,
+            "rope_removed": stream == "keys" and keys == "rope-removed",
             "mean": _write(out / f"{stem}.mean.f32", mean),
             "projection": _write(out / f"{stem}.projection.f32", components[:, columns]),
             "ranges": ranges,
         })
     model = artifact.manifest["model"]
     calibration = artifact.manifest["calibration"]
+    total_features = sum(c["features"] for c in configs)
+    total_bits = sum(c["dynamo_bits_per_row"] for c in configs)
     doc = {"format": FORMAT, "artifact": artifact.name, "version": artifact.version, "ratio": float(ratio),
-           "streams": list(STREAMS), "feature_order": ["layer", "kv_head", "head_dim"],
+           "dynamo_ratio": round(16 * total_features / total_bits, 3) if total_bits else None,
+           "streams": list(STREAMS), "feature_order": ["layer", "kv_head", "head_dim"], "layout": options.layout,
+           "keys": keys, "fp8_blocks": options.fp8,
            "num_kv_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "rope": model["rope"],
            "sinks": calibration["sinks"], "window": calibration["window"],
            "kernel_bundle_hash": artifact.manifest.get("kernel_bundle_hash"), "configs": configs}

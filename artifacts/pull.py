@@ -128,11 +128,12 @@ def copy_to(artifact: Artifact, directory: str | os.PathLike) -> Path:
         raise ValueError(f"{target} exists and is not a directory; choose a new or empty directory")
     if (target / MANIFEST).exists():
         raise ValueError(f"{target} already holds an artifact; choose an empty directory")
+    target.mkdir(parents=True, exist_ok=True)
     for rel in [*artifact.manifest["files"], DIGEST_FILE, SIGNATURE_FILE, MANIFEST]:
         source = artifact.path / rel
         if rel in artifact.damaged or not source.is_file():
             continue
-        out = contained(target, rel) if target.exists() else target / rel
+        out = contained(target, rel)
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, out)
     return target

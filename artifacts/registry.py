@@ -46,14 +46,26 @@ def split_ref(spec: str, ref: str | None = None) -> tuple[str, str]:
     return check_name("artifact name", name), check_ref(inline or ref or "latest")
 
 
+def process_umask() -> int:
+    """The umask, read without changing it where the OS allows (os.umask(0) would race other threads)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
 def write_local_atomic(target: str, data: bytes) -> None:
     """Temp file + fsync + rename, created with the process umask (mkstemp alone would leave 0600)."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, 0o666 & ~process_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -246,6 +258,22 @@ class Registry:
         else:
             self.fs.pipe_file(target, signature)
         return json.loads(signature)["key_id"]
+
+    def adopt(self, name: str, version: str) -> str:
+        """Write the digest file of a version published before digests existed (trust on first use:
+        run `kvtc verify --adopt` where the registry is trusted); -> its digest. The caller verifies the files."""
+        prefix = self.version_path(check_name("artifact name", name), check_name("version", version))
+        if self._cat_optional(f"{prefix}/{DIGEST_FILE}") is not None:
+            raise ValueError(f"{name}@{version} already has a {DIGEST_FILE}; nothing to adopt")
+        data = self.fs.cat_file(f"{prefix}/{MANIFEST}")
+        decode_manifest(data, f"{self.uri}: {name}@{version}", name, version)
+        digest = manifest_digest(data)
+        record = (digest + "\n").encode()
+        if self.local:
+            write_local_atomic(f"{prefix}/{DIGEST_FILE}", record)
+        else:
+            self.fs.pipe_file(f"{prefix}/{DIGEST_FILE}", record)
+        return digest
 
     def set_alias(self, name: str, alias: str, version: str) -> None:
         """Point `alias` at a committed `version` (recording its manifest digest), atomically

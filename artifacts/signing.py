@@ -39,8 +39,9 @@ def _read_key_file(path: str | os.PathLike, what: str) -> bytes:
 
 def load_private_key(path: str | os.PathLike):
     serialization, ed25519, _ = _crypto()
+    data = _read_key_file(path, "private")
     try:
-        key = serialization.load_pem_private_key(_read_key_file(path, "private"), password=None)
+        key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path} is not an unencrypted PEM private key ({exc})") from None
     if not isinstance(key, ed25519.Ed25519PrivateKey):
@@ -50,8 +51,9 @@ def load_private_key(path: str | os.PathLike):
 
 def load_public_key(path: str | os.PathLike):
     serialization, ed25519, _ = _crypto()
+    data = _read_key_file(path, "public")
     try:
-        key = serialization.load_pem_public_key(_read_key_file(path, "public"))
+        key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path} is not a PEM public key ({exc})") from None
     if not isinstance(key, ed25519.Ed25519PublicKey):

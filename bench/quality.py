@@ -37,13 +37,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from kvtc import artifacts
     from kvtc.pipeline.evaluation.error_by_tokens import error_by_tokens
-    from kvtc.pipeline.evaluation import evaluate
+    from kvtc.pipeline.evaluation import quality
     from kvtc.pipeline.evaluation import report
 
     ratios = tuple(float(r) for r in args.ratios.split(","))
     t0 = time.perf_counter()
-    settings = evaluate.EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences)
-    result = evaluate.run(args.name, args.registry, settings, args.corpus,
+    settings = quality.EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences)
+    result = quality.run(args.name, args.registry, settings, args.corpus,
                           progress=lambda m: print(f"  {m} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr))
     print(f"{result['artifact']} on {result['corpus']}: {result['settings']['sequences']} sequences, "
           f"{args.continuation} tokens scored each, eval {time.perf_counter() - t0:.0f} s\n")
@@ -54,21 +54,18 @@ def main() -> int:
     curves = {name: art.curve(name) for name in art.curves()}
     if args.store and "error_by_tokens" not in curves:
         from kvtc.pipeline.job.reduce import load_rows
-        from kvtc.pipeline.job.store import ShardStore, capture_key
-        from kvtc.workers.models import fingerprint_id
+        from kvtc.pipeline.operations.recalibrate import heldout_store
 
-        m, cal = art.manifest, art.manifest["calibration"]
-        capture = {"sinks": cal["sinks"], "window": cal["window"], "groups": cal["group_spec"], "sample": cal["sample"],
-                   "seed": cal["seed"]}
-        store = ShardStore(args.store, fingerprint_id(m["model"]), capture_key(capture, cal.get("model_dtype", "float32")))
+        m, rec = art.manifest, artifacts.CalibrationRecord.from_manifest(art.manifest)
+        store = heldout_store(m, args.store)
         corpus = m["corpus"]
-        held = load_rows(store, corpus["heldout_shards"], cal["heldout_rows_cap"])
-        evals = load_rows(store, corpus["eval_shards"], cal["heldout_rows_cap"]) if corpus["eval_shards"] else None
+        held = load_rows(store, corpus["heldout_shards"], rec.heldout_rows_cap)
+        evals = load_rows(store, corpus["eval_shards"], rec.heldout_rows_cap) if corpus["eval_shards"] else None
         ratio = ratios[len(ratios) // 2]
         k = max(art.allocation_info(ratio, s)["kept"] for s in ("keys", "values"))
         t1 = time.perf_counter()
-        curves["error_by_tokens"] = error_by_tokens(store, corpus["accumulators"], held, evals, ratio,
-                                                                cal["sinks"], cal["window"], points=3, k=k)
+        curves["error_by_tokens"] = error_by_tokens(store, corpus["accumulators"], held, evals, ratio, rec.sinks,
+                                                    rec.window, points=3, k=k)
         print(f"error by calibration tokens at CR {ratio:g} ({time.perf_counter() - t1:.0f} s):")
         for r in curves["error_by_tokens"]:
             print(f"  {r['tokens']:>7} rows  {r['stream']:<6} {r['split']:<7} {100 * r['rel_error']:.2f}%")

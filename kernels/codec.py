@@ -18,7 +18,7 @@ from kvtc.kernels.blob import (TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL
 from kvtc.kernels.bitpack import packed_nbytes
 from kvtc.kernels.entropy import CODERS, decode_section, encode_section
 from kvtc.kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
-from kvtc.kernels.ops import BACKENDS, resolve_ops
+from kvtc.kernels.backend import BACKENDS, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
 from kvtc.kernels.rope import RopeSpec
 from kvtc.kernels.spec import STREAMS, CodecSpec

@@ -53,7 +53,10 @@ class GroupCode:
 
 @dataclass(frozen=True, eq=False)
 class CodecSpec:
-    """Runtime codec parameters for one artifact at one compression ratio."""
+    """Runtime codec parameters for one artifact at one compression ratio.
+
+    rope: the model's RoPE, removed from keys before coding; None for keys calibrated with RoPE kept.
+    """
 
     name: str
     version: str
@@ -112,4 +115,5 @@ class CodecSpec:
             streams[stream] = tuple(codes)
         return cls(name=str(m["name"]), version=str(m["version"]), ratio=float(ratio), model_id=model_id(fp),
                    num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
-                   sinks=int(cal["sinks"]), window=int(cal["window"]), rope=fp.get("rope"), streams=streams)
+                   sinks=int(cal["sinks"]), window=int(cal["window"]), streams=streams,
+                   rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"))

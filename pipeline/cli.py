@@ -27,7 +27,7 @@ COMMAND_MODULES = (
     "kvtc.pipeline.operations.drift",
     "kvtc.pipeline.operations.schedule",
     "kvtc.pipeline.evaluation.report",
-    "kvtc.pipeline.evaluation.evaluate",
+    "kvtc.pipeline.evaluation.quality",
     "kvtc.artifacts.cli",
 )
 
@@ -93,25 +93,33 @@ class _MainThreadStdout(io.TextIOBase):
 
 @contextmanager
 def _json_stdout() -> Iterator[None]:
-    """Route fd 1 to stderr and keep the real stdout for the main thread's prints."""
-    sys.stdout.flush()
+    """Route fd 1 to stderr; the main thread's prints keep going to the real stdout."""
+    previous = sys.stdout
+    previous.flush()
+    try:
+        on_fd1 = previous.fileno() == 1
+    except (AttributeError, OSError, ValueError):
+        on_fd1 = False  # stdout is already a Python object (a capture): keep printing to it
     try:
         saved = os.dup(1)
     except OSError:
         yield
         return
-    real = io.TextIOWrapper(os.fdopen(saved, "wb", closefd=True), encoding="utf-8", line_buffering=True)
-    previous = sys.stdout
+    real = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb"), encoding="utf-8", line_buffering=True) if on_fd1 else previous
     os.dup2(2, 1)
     sys.stdout = _MainThreadStdout(real, threading.current_thread())
     try:
         yield
     finally:
+        ray = sys.modules.get("ray")
+        if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+            ray.shutdown()  # its log thread must not print onto stdout once the JSON is out
         sys.stdout.flush()
         sys.stdout = previous
-        real.flush()
-        os.dup2(real.fileno(), 1)
-        real.close()
+        os.dup2(saved, 1)
+        os.close(saved)
+        if real is not previous:
+            real.close()
 
 
 def exit_code(exc: BaseException) -> int | None:

@@ -40,7 +40,7 @@ def parse_ratios(text: str, flag: str = "--ratios") -> tuple[float, ...]:
         raise ValueError(f"{flag} is empty; pass e.g. {flag} 8,16,32")
     for r in ratios:
         if not math.isfinite(r) or r <= 1:
-            raise ValueError(f"{flag}: compression ratio {r:g} must be a finite number > 1")
+            raise ValueError(f"{flag}: compression ratio {r:g} must be > 1 and finite")
         if 16 * MAX_FEATURES / r < CHEAPEST_BLOCK_BITS:
             raise ValueError(f"{flag}: compression ratio {r:g} leaves no model enough bits for one quantized "
                              f"component; use a ratio <= {16 * MAX_FEATURES / CHEAPEST_BLOCK_BITS:.0f} (8 to 64 is usual)")
@@ -92,7 +92,7 @@ def check_args(args: argparse.Namespace) -> None:
             continue
         if not math.isfinite(value) or value < 0 or (dest in POSITIVE_FLOATS and value == 0):
             want = "> 0" if dest in POSITIVE_FLOATS else ">= 0"
-            raise ValueError(f"{_flag(dest)} must be a finite number {want}, got {value}")
+            raise ValueError(f"{_flag(dest)} must be {want} and finite, got {value}")
     for dest, lo, hi in (("sample", 0.0, 1.0), ("holdout_fraction", 0.0, 1.0)):
         value = values.get(dest)
         if value is not None and not (lo < value <= hi if dest == "sample" else lo < value < hi):
@@ -120,5 +120,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(dest)} {path} does not exist or is not a file")
     if values.get("require_signature") and not (values.get("key") or os.environ.get("KVTC_PUBLIC_KEY")):
         raise ValueError("--require-signature needs the signer's public key: pass --key PUBLIC.pem")
+    if "seq_len" in values and os.environ.get("KVTC_SIGNING_KEY"):  # a publishing command: check the key now
+        from kvtc.artifacts.signing import load_private_key
+
+        load_private_key(os.environ["KVTC_SIGNING_KEY"])
     if values.get("address") is not None:
         check_address(values["address"])

@@ -14,7 +14,6 @@ import pytest
 from kvtc.artifacts import ArtifactContent, IntegrityError, Registry, publish, pull
 from kvtc.artifacts.artifact import Artifact
 from kvtc.artifacts.cli import main as cli
-from kvtc.artifacts.export import export_dynamo
 from kvtc.artifacts.testing import toy_content
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,27 +92,6 @@ def test_memory_registry_round_trip_and_tamper(tmp_path):
         pull("toy", registry=reg, cache_dir=tmp_path / "c3")
 
 
-def test_dynamo_export(tmp_path):
-    content = toy_content(groups=[[0, 1], [1, 2]])
-    art = pull("toy", registry=publish(content, tmp_path / "reg").registry)
-    doc = json.loads(export_dynamo(art, 4, tmp_path / "out").read_text())
-    assert doc["format"] == "kvtc-dynamo/1" and len(doc["configs"]) == 4
-    config = next(c for c in doc["configs"] if c["stream"] == "keys" and c["group"] == 1)
-    blocks = [b for b in content.allocations[(4.0, "keys", 1)]["blocks"] if b[2] != "none"]
-    assert [(r["quant_type"], r["int_bits"], r["end_idx"] - r["start_idx"]) for r in config["ranges"]] == [
-        ("Fp8" if b[2] == "fp8" else "IntX", 0 if b[2] == "fp8" else b[3], b[1]) for b in blocks]
-    p, k = config["features"], config["pca_components"]
-    projection = np.fromfile(tmp_path / "out" / config["projection"]["file"], dtype="<f4").reshape(p, k)
-    columns = [i for b in blocks for i in range(b[0], b[0] + b[1])]
-    np.testing.assert_array_equal(projection, content.bases[("keys", 1)][2][:, columns])
-    mean = np.fromfile(tmp_path / "out" / config["mean"]["file"], dtype="<f4")
-    np.testing.assert_array_equal(mean, content.bases[("keys", 1)][0])
-    content.allocations[(8.0, "values", 0)]["blocks"][0] = (0, 4, "int3", 3, 32)
-    art3 = pull("toy", registry=publish(content, tmp_path / "reg3").registry)
-    with pytest.raises(ValueError, match="int3"):
-        export_dynamo(art3, 8, tmp_path / "out3")
-
-
 def test_cli_commands(tmp_path, capsys):
     reg = str(tmp_path / "reg")
     first = publish(toy_content(seed=1), reg, version="v1")
@@ -131,7 +109,8 @@ def test_cli_commands(tmp_path, capsys):
     pulled = run("pull", "toy@production", "--to", str(tmp_path / "copy"))
     assert Artifact(pulled["path"]).version == "v1"
     assert run("verify", "toy")["ok"] is True
-    assert Path(run("export", "toy", "--ratio", "8", "--format", "dynamo", "--to", str(tmp_path / "dyn"))["path"]).is_file()
+    assert Path(run("export", "toy", "--ratio", "8", "--format", "dynamo", "--to", str(tmp_path / "dyn"),
+                    "--layout", "token-major", "--allow-rope-removed")["path"]).is_file()
     assert cli(["show", "toy@nope", "--registry", reg]) == 2
     assert "nope" in capsys.readouterr().err
     assert cli(["list", "--registry", reg]) == 0 and "toy" in capsys.readouterr().out

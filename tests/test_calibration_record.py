@@ -84,3 +84,11 @@ def test_one_shard_plan_with_one_eval_default():
     same = list(plan_shards(dataclasses.replace(plan, eval_corpus="pydoc", eval_tokens=64 * 2), embedded_tokenizer(),
                             duplicates=duplicates))
     assert duplicates and all(r != "eval" or s.id not in {t.id for q, t in roles if q != "eval"} for r, s in same)
+
+
+def test_rope_kept_keys_travel_through_the_record():
+    rec = _record(keys="rope-kept")
+    assert rec.capture()["keys"] == "rope-kept" and "with RoPE" in rec.to_manifest()["relative_error"]
+    assert CalibrationRecord.from_manifest(_manifest(rec)).keys == "rope-kept"
+    with pytest.raises(ValueError, match="keys"):
+        _record(keys="rope")

@@ -126,3 +126,18 @@ def test_capture_on_gpu_matches_cpu():
     bf16 = capture_kv(load_model("tiny:qwen3", device="cuda"), ids, SETTINGS)
     assert bf16.source_dtype == "bfloat16" and bf16.keys.dtype == torch.float32
     assert (bf16.keys.cpu() - cpu.keys).abs().max() / cpu.keys.abs().max() < 5e-2
+
+
+def test_rope_kept_keys_and_zero_sinks_window_are_the_cached_rows():
+    lm = load_model("tiny:llama", device="cpu")
+    ids = _ids(1, 24, seed=3)
+    settings = CaptureSettings(sinks=0, window=0, keys="rope-kept")
+    cap = capture_kv(lm, ids, settings)
+    raw_k, raw_v = raw_cache(lm, ids)
+    p = lm.num_layers * lm.num_kv_heads * lm.head_dim
+    assert cap.positions.tolist() == list(range(24))
+    torch.testing.assert_close(cap.keys, raw_k.permute(2, 0, 1, 3).reshape(24, p).float())
+    torch.testing.assert_close(cap.values, raw_v.permute(2, 0, 1, 3).reshape(24, p).float())
+    assert "keys" not in CaptureSettings().to_dict() and settings.to_dict()["keys"] == "rope-kept"
+    with pytest.raises(ValueError, match="keys must be one of"):
+        CaptureSettings(keys="rope")

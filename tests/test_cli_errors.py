@@ -44,11 +44,11 @@ def _bad_inputs(reg: str, tmp: Path) -> list[tuple[list[str], int, str]]:
         (["calibrate", "--threads-per-worker", "0"], 2, "--threads-per-worker must be >= 1"),
         (["calibrate", "--ratios", "1e9"], 2, "leaves no model enough bits"),
         (["calibrate", "--ratios", "16,16"], 2, "lists a ratio twice"),
-        (["calibrate", "--ratios", "8,nan"], 2, "finite number > 1"),
+        (["calibrate", "--ratios", "8,nan"], 2, "must be > 1 and finite"),
         (["calibrate", "--address", "127.0.0.1:1"], 2, "nothing answers at 127.0.0.1:1"),
         (["drift", "toy", "--tokens", "0", "--registry", reg], 2, "--tokens must be >= 1"),
-        (["drift", "toy", "--threshold", "nan", "--registry", reg], 2, "--threshold must be a finite number"),
-        (["schedule", "--every", "inf", "--", "list"], 2, "--every must be a finite number > 0"),
+        (["drift", "toy", "--threshold", "nan", "--registry", reg], 2, "--threshold must be >= 0 and finite"),
+        (["schedule", "--every", "inf", "--", "list"], 2, "--every must be > 0 and finite"),
         (["pull", "toy", "--to", afile, "--registry", reg], 2, "is an existing file"),
         (["report", "toy", "--out", afile, "--registry", reg], 2, "is an existing file"),
         (["list", "--registry", "ftp://127.0.0.1:1"], 2, "cannot be reached"),
@@ -140,3 +140,83 @@ def test_sign_and_verify_from_the_command_line(reg, tmp_path, capfd):
                       "--json")
     assert rc == 0 and json.loads(out)["signature"] == "signature checked"
     assert _run(capsys, "keygen", "--out", prefix)[0] == 2  # never overwrites a key
+
+
+def test_list_survives_a_corrupt_alias(reg, capsys):
+    publish(toy_content(), reg, version="v2")
+    Path(reg, "toy", "aliases", "broken").write_text("{not json")
+    rc, out, err = _run(capsys, "list", "--registry", reg)
+    assert rc == 0 and "toy" in out and "UNREADABLE ALIASES" in out
+    rc, out, err = _run(capsys, "list", "toy", "--registry", reg)
+    assert rc == 0 and "v2" in out and "warning" in err
+
+
+def test_a_version_published_before_digests_is_refused_then_adopted(reg, capsys):
+    version = os.listdir(f"{reg}/toy/versions")[0]
+    digest_file = Path(reg, "toy", "versions", version, "manifest.sha256")
+    digest_file.unlink()
+    rc, _, err = _run(capsys, "verify", "toy", "--registry", reg)
+    assert rc == 6 and "manifest.sha256 is missing" in err
+    rc, out, _ = _run(capsys, "verify", "toy", "--adopt", "--registry", reg)
+    assert rc == 0 and digest_file.is_file() and "ok:" in out
+    digest_file.unlink()
+    metrics = Path(reg, "toy", "versions", version, "metrics.parquet")
+    metrics.write_bytes(metrics.read_bytes()[:-1])
+    rc, _, err = _run(capsys, "verify", "toy", "--adopt", "--registry", reg)
+    assert rc == 6 and not digest_file.exists()  # only what verifies is adopted
+
+
+RAY_JSON = """
+import json, sys, time
+from kvtc.pipeline import cli
+
+def noisy(args):
+    import ray
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=True)
+
+    @ray.remote
+    def work():
+        print("WORKER-LOG-LINE", flush=True)
+
+    ray.get(work.remote())
+    time.sleep(2)
+    print(json.dumps({"ok": True}))
+    ray.get(work.remote())  # and after the JSON
+    time.sleep(1)
+    return 0
+
+parser = cli.build_parser()
+parser._subparsers._group_actions[0].choices["list"].set_defaults(func=noisy)
+cli.build_parser = lambda: parser
+sys.exit(cli.main(["list", "--json"]))
+"""
+
+
+def test_json_stdout_with_real_ray_worker_logs(tmp_path):
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", RAY_JSON], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == {"ok": True}
+    assert "WORKER-LOG-LINE" in proc.stderr
+
+
+def test_report_of_a_manifest_naming_another_place_writes_nothing(reg, tmp_path, capsys, monkeypatch):
+    from kvtc.artifacts.manifest import encode_manifest, listing_hash, manifest_digest
+
+    version = os.listdir(f"{reg}/toy/versions")[0]
+    folder = Path(reg, "toy", "versions", version)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["name"] = "../../escaped"
+    manifest["content_sha256"] = listing_hash(manifest["files"])
+    data = encode_manifest(manifest)
+    (folder / "manifest.json").write_bytes(data)
+    (folder / "manifest.sha256").write_text(manifest_digest(data) + "\n")
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    before = {p for p in tmp_path.rglob("*")}
+    rc, _, err = _run(capsys, "report", f"toy@{version}", "--registry", reg)
+    assert rc == 6 and "invalid name" in err
+    assert {p for p in tmp_path.rglob("*")} - before == set()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
-from kvtc.kernels.hf_cache import cache_tensors, compress_cache, restore_cache
+from kvtc.kernels.kvtc_cache import cache_tensors, compress_cache, restore_cache
 from kvtc.kernels.rope import RopeSpec
 from kvtc.workers.rope import rope_from_config
 
@@ -122,3 +122,25 @@ def test_smollm2_cr8_restored_cache_gives_same_next_tokens():
     differing = sum(a != b for a, b in zip(want, got))
     print(f"SmolLM2 CR8: {differing}/{steps} continued tokens differ ({mid} of {ids.shape[1] - 1} tokens coded)")
     assert got[0] == want[0] and differing <= 2
+
+
+@pytest.mark.embedded
+def test_smollm2_kvtc_cache_generates_like_dynamic_cache():
+    from transformers import DynamicCache
+
+    from kvtc.kernels import KVTCCache
+    from kvtc.workers.models import load_model
+
+    lm = load_model(device="cpu", dtype=torch.float32)
+    codec = _calibrated_smollm2_codec(lm, 8.0, sinks=4, window=16)
+    prompt = "The Python tutorial explains how to define functions, use lists and dictionaries, and handle errors"
+    ids = lm.tokenizer(prompt * 3, return_tensors="pt").input_ids
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+              pad_token_id=lm.tokenizer.eos_token_id)
+    want = lm.model.generate(ids, past_key_values=DynamicCache(config=lm.config), **kw)[0, ids.shape[1]:].tolist()
+    cache = KVTCCache(codec, config=lm.config, chunk=8)
+    got = lm.model.generate(ids, past_key_values=cache, **kw)[0, ids.shape[1]:].tolist()
+    differing = sum(a != b for a, b in zip(want, got))
+    print(f"SmolLM2 KVTCCache CR8: {differing}/8 tokens differ, {cache.coded_tokens} coded, "
+          f"{cache.resident_bytes()} resident bytes")
+    assert cache.coded_tokens > 20 and got[0] == want[0] and differing <= 2

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvtc import artifacts
-from kvtc.pipeline.evaluation import evaluate
+from kvtc.pipeline.evaluation import quality
 from kvtc.pipeline.job.calibrate import CalibrateConfig, calibrate_local
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
@@ -26,8 +26,8 @@ def calibrated(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def result(calibrated):
-    settings = evaluate.EvalSettings(ratios=(4.0, 8.0), continuation=12, sequences=2)
-    return evaluate.run("tiny", calibrated["registry"], settings)
+    settings = quality.EvalSettings(ratios=(4.0, 8.0), continuation=12, sequences=2)
+    return quality.run("tiny", calibrated["registry"], settings)
 
 
 def test_every_number_is_finite_and_uncompressed_is_exact(result):
@@ -70,15 +70,15 @@ def test_heldout_sequences_are_the_calibration_heldout_shards(calibrated):
     from kvtc.workers.models import embedded_tokenizer
 
     art = artifacts.pull("tiny@latest", registry=calibrated["registry"])
-    seqs = evaluate.heldout_sequences(art, embedded_tokenizer(), None, 3)
+    seqs = quality.heldout_sequences(art, embedded_tokenizer(), None, 3)
     assert len(seqs) == 3 and all(len(s) == 128 for s in seqs)
-    other = evaluate.heldout_sequences(art, embedded_tokenizer(), "stdlib", 2)
+    other = quality.heldout_sequences(art, embedded_tokenizer(), "stdlib", 2)
     assert len(other) == 2 and not any((a == b).all() for a in seqs for b in other)
 
 
 def test_cli_prints_json_and_rejects_bad_input(calibrated):
     parser = argparse.ArgumentParser()
-    evaluate.register(parser.add_subparsers())
+    quality.register(parser.add_subparsers())
     args = parser.parse_args(["eval", "tiny", "--registry", calibrated["registry"], "--ratios", "8", "--sequences", "1",
                               "--continuation", "4", "--baselines", "fp8", "--json"])
     out = io.StringIO()
@@ -87,6 +87,6 @@ def test_cli_prints_json_and_rejects_bad_input(calibrated):
     data = json.loads(out.getvalue())
     assert [r["method"] for r in data["rows"]] == ["uncompressed", "kvtc-8x", "fp8-e4m3"]
     with pytest.raises(ValueError, match="unknown baselines"):
-        evaluate.EvalSettings(baselines=("gzip",))
+        quality.EvalSettings(baselines=("gzip",))
     with pytest.raises(ValueError, match="ratios must be > 1"):
-        evaluate.EvalSettings(ratios=(1.0,))
+        quality.EvalSettings(ratios=(1.0,))

@@ -41,6 +41,9 @@ def registry(request, tmp_path, monkeypatch) -> Registry:
     if request.param == "local":
         return Registry(str(tmp_path / "root" / "registry"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", request.getfixturevalue("s3_endpoint"))
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # an instance cached by another module points at its own server
     bucket = f"kvtc-{uuid.uuid4().hex[:12]}"
     reg = Registry(f"s3://{bucket}/reg")
     reg.fs.mkdir(bucket)

@@ -79,6 +79,13 @@ def test_bits_per_component_amortises_scales():
     assert bits[:16] == [6.0] * 16 and bits[16:80] == [2.5] * 64 and len(bits) == 80
 
 
+def test_allocation_chart_drops_to_zero_bits_after_the_kept_components():
+    bits = report.bits_per_component([(0, 16, "int4", 4, 32), (16, 64, "int2", 2, 32)])
+    xs, ys = report.allocation_steps(bits, features=96)
+    assert xs[:2] == [1, 2] and ys[:80] == bits and ys[80:] == [0.0, 0.0] and xs[80] == 81 and xs[-1] == 160
+    assert report.allocation_steps(bits, features=400)[0][-1] == 400
+
+
 def test_cli_writes_report_folder(calibrated, tmp_path):
     summary, _, _ = calibrated
     parser = argparse.ArgumentParser()

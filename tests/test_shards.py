@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtc.pipeline.job.corpus import CorpusWarning
-from kvtc.pipeline.job.shards import Shard, ShardStats, corpus_fingerprint, is_holdout, make_shards, shard_id
+from kvtc.pipeline.job.shards import Shard, ShardStats, is_holdout, make_shards, shard_id
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -127,12 +127,3 @@ def test_skipped_files_are_counted_through_make_shards(tok, tmp_path: Path) -> N
         got = shards(str(tmp_path), tok, seq_len=32, stats=stats)
     assert got and stats.files_skipped == 2 and stats.files_read == 1
     assert sum(issubclass(w.category, CorpusWarning) for w in caught) == 2
-
-
-def test_corpus_fingerprint(tok) -> None:
-    got = shards("pydoc", tok, max_tokens=64 * 8, seed=3, holdout_fraction=0.0)
-    fp = corpus_fingerprint("pydoc", reversed(got), seed=3)
-    assert fp["spec"] == "pydoc" and fp["seed"] == 3 and fp["seq_len"] == 64
-    assert fp["shard_ids"] == [s.id for s in got] and fp["token_counts"] == [128] * 4 and fp["tokens"] == 512
-    assert fp["holdout_ids"] == [got[-1].id] and fp["holdout_tokens"] == 128
-    assert fp["id"] == corpus_fingerprint("pydoc", got, seed=3)["id"] != corpus_fingerprint("pydoc", got, seed=4)["id"]

@@ -1,4 +1,5 @@
-"""KV capture: forward a batch, take every layer's keys and values, remove RoPE from the keys.
+"""KV capture: forward a batch, take every layer's keys and values, remove RoPE from the keys
+(or keep it, `keys="rope-kept"`, for consumers that store and code keys as the model cached them).
 
 Feature order of a captured row: layer, then KV head, then head_dim (p = layers*kv_heads*head_dim).
 """
@@ -12,6 +13,8 @@ import torch
 
 from kvtc.workers.models import LoadedModel
 
+KEY_FORMS = ("rope-removed", "rope-kept")
+
 
 @dataclass(frozen=True)
 class CaptureSettings:
@@ -22,8 +25,11 @@ class CaptureSettings:
     groups: str = "model"
     sample: float = 1.0
     seed: int = 0
+    keys: str = "rope-removed"
 
     def __post_init__(self) -> None:
+        if self.keys not in KEY_FORMS:
+            raise ValueError(f"keys must be one of {KEY_FORMS}, got {self.keys!r}")
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks}, window={self.window}")
         if not 0.0 < self.sample <= 1.0:
@@ -44,7 +50,10 @@ class CaptureSettings:
         return seq_len - self.sinks - self.window
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if self.keys == "rope-removed":
+            del d["keys"]  # the default stays out, so shard-store keys written before the option still match
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
@@ -53,7 +62,7 @@ class CaptureSettings:
 
 @dataclass
 class CapturedKV:
-    """keys, values (N, p) float32 (keys RoPE-removed); positions, sequence (N,) int64 (row in the batch).
+    """keys, values (N, p) float32 (keys RoPE-removed unless settings.keys is "rope-kept"); positions, sequence (N,) int64 (row in the batch).
 
     source_dtype: the dtype the model computed in ("float32", "bfloat16", ...).
     """
@@ -128,7 +137,8 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
 
         krows = gather(keys)
         flat_pos = pos.reshape(-1)
-        krows = lm.rope.remove(krows.permute(1, 2, 0, 3), flat_pos).permute(2, 0, 1, 3)
+        if settings.keys == "rope-removed":
+            krows = lm.rope.remove(krows.permute(1, 2, 0, 3), flat_pos).permute(2, 0, 1, 3)
         vrows = gather(values)
     n = b * k
     return CapturedKV(

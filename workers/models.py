@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvtc.artifacts.fingerprint import model_id as fingerprint_id  # noqa: F401  (the store's and drift's name)
+from kvtc.artifacts.fingerprint import model_id as fingerprint_id  # noqa: F401  (the shard store scope's name)
 from kvtc.kernels.rope import RopeSpec
 from kvtc.workers.rope import rope_from_config
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config

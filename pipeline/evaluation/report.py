@@ -170,6 +170,13 @@ def bits_per_component(blocks) -> list[float]:
     return out
 
 
+def allocation_steps(bits: list[float], features: int | None = None) -> tuple[list[int], list[float]]:
+    """Step-plot points of one allocation (`bits_per_component`, 1-based component index): the kept
+    components, then 0 bits from the first dropped one to `features` (at least twice the kept)."""
+    tail = max(len(bits) + 1, features or 0, 2 * len(bits))
+    return [*range(1, len(bits) + 2), tail], [*bits, 0.0, 0.0]
+
+
 def chart_allocation(allocations: dict, features: int | None = None) -> bytes | None:
     """allocations {(ratio, stream, group): {"blocks": [...]}}; group 0, one panel per stream. Each
     curve drops to 0 bits after its last kept component; the x-axis runs to `features` (group 0's p)
@@ -184,10 +191,9 @@ def chart_allocation(allocations: dict, features: int | None = None) -> bytes | 
                 continue
             bits = bits_per_component(info["blocks"])
             if bits:
-                tail = max(len(bits) + 1, features or 0, 2 * len(bits))
-                ax.step([*range(1, len(bits) + 2), tail], [*bits, 0.0, 0.0], where="post",
-                        label=f"CR {ratio:g} ({len(bits)} kept)")
-                right = max(right, tail)
+                xs, ys = allocation_steps(bits, features)
+                ax.step(xs, ys, where="post", label=f"CR {ratio:g} ({len(bits)} kept)")
+                right = max(right, xs[-1])
         ax.set_xscale("log")
         ax.set_xlim(1, right)
         ax.set_ylim(bottom=0)

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, fields
 
 from kvtc.pipeline.job.corpus import iter_documents
@@ -47,6 +48,7 @@ class CalibrateConfig:
     groups: str = "model"
     sample: float = 1.0
     seed: int = 0
+    keys: str = "rope-removed"
     holdout_fraction: float = 0.2
     heldout_rows: int = 8192
     tokens_curve_points: int = 3
@@ -95,7 +97,8 @@ class CalibrateConfig:
 
 
 def _capture_dict(cfg: CalibrateConfig) -> dict:
-    return {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed}
+    return {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed,
+            "keys": cfg.keys}
 
 
 def shard_plan(cfg: CalibrateConfig, tokens: int) -> ShardPlan:
@@ -108,7 +111,7 @@ def shard_plan(cfg: CalibrateConfig, tokens: int) -> ShardPlan:
 def run(cfg: CalibrateConfig, alias_latest: bool = True, in_process: bool = False) -> dict:
     """Run the whole job; returns the summary that `--json` prints. alias_latest=False publishes
     the version without moving `latest` (recalibration decides after validating it); in_process=True
-    runs the shards in this process, one after another, without Ray (tests, benches, `kvtc eval`)."""
+    runs the shards in this process, one after another, without Ray (tests, benches)."""
     return _execute(cfg, alias_latest, in_process)[0]
 
 
@@ -218,7 +221,7 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
         if in_process:
             workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
         else:
-            workers, results = _run_on_ray(cfg, gpus, ShardWorker, actor_kwargs, payloads(store, planner), timing)
+            workers, results = _run_on_ray(cfg, gpus, started, ShardWorker, actor_kwargs, payloads(store, planner), timing)
         pool_seconds = timing["run_s"]
         if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
             ray.shutdown()
@@ -280,10 +283,10 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dic
     return results
 
 
-def _run_on_ray(cfg: CalibrateConfig, gpus: float, worker_cls: type, worker_kwargs: dict, payloads,
+def _run_on_ray(cfg: CalibrateConfig, gpus: float, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
                 timing: dict) -> tuple[int, list[dict]]:
-    """(workers, results) of the shards on a Ray actor pool (Ray already started); fold tasks are
-    pinned to the actor that owns their accumulator."""
+    """(workers, results) of the shards on a Ray actor pool (Ray already started, by this job when
+    `started`); fold tasks are pinned to the actor that owns their accumulator."""
     import ray
 
     from kvtc.pipeline.job import ray_pool
@@ -291,7 +294,7 @@ def _run_on_ray(cfg: CalibrateConfig, gpus: float, worker_cls: type, worker_kwar
     cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
     pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker,
-                                 gpus_per_worker=1.0 if gpus >= 1 else 0.0)
+                                 gpus_per_worker=1.0 if gpus >= 1 else 0.0, env_inherited=started)
     return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing,
                                       route=lambda payload: payload.get("acc_index"))
 
@@ -316,6 +319,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--groups", default=d.groups, help="model (default), layer, or layers:K")
     p.add_argument("--sample", type=float, default=d.sample, help="fraction of positions sampled (default 1.0)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--keys", choices=("rope-removed", "rope-kept"), default=d.keys,
+                   help="rope-removed (default): keys calibrated and coded without RoPE; rope-kept: as servers store "
+                        "them, for consumers that cannot remove RoPE (Dynamo, chunk stores without positions)")
     p.add_argument("--holdout-fraction", type=float, default=d.holdout_fraction)
     p.add_argument("--heldout-rows", type=int, default=d.heldout_rows, help="cap on held-out rows per stream")
     p.add_argument("--tokens-curve-points", type=int, default=d.tokens_curve_points,
@@ -371,7 +377,7 @@ def config_from_manifest(manifest: dict, **overrides) -> CalibrateConfig:
         ratios=rec.ratios, tokens=rec.tokens_requested, eval_tokens=rec.eval_tokens, seq_len=rec.seq_len,
         seqs_per_shard=rec.seqs_per_shard, sinks=rec.sinks, window=rec.window, groups=rec.group_spec,
         sample=rec.sample, seed=rec.seed, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
-        text_column=rec.text_column, dtype=rec.dtype, block_sizes=tuple(rec.allocator["block_sizes"]),
+        text_column=rec.text_column, dtype=rec.dtype, keys=rec.keys, block_sizes=tuple(rec.allocator["block_sizes"]),
         types=tuple(rec.allocator["types"]), error_model=rec.allocator["error_model"],
     )
     unrecorded = {"holdout_fraction", "heldout_rows", "seqs_per_shard"}  # None: keep the default
@@ -394,8 +400,13 @@ def print_summary(summary: dict, as_json: bool) -> None:
         print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall {run['wall_seconds']} s")
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"kvtc calibrate: warning: {message}\n"
+
+
 def _handler(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    warnings.formatwarning = _one_line_warning  # the message, not the source line that raised it
     print_summary(run(cfg), args.json)
     return 0
 

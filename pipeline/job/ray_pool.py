@@ -9,6 +9,7 @@ classes), so nothing is double-counted: the reducer folds each shard's stored en
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ class PoolSettings:
     threads_per_worker: int = 1
     in_flight: int = 2
     gpus_per_worker: float = 0.0
+    env_inherited: bool = False  # the workers inherit this process's KVTC_* environment (a local Ray it started)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -38,17 +40,36 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0.0))
 
 
+def job_env() -> dict[str, str]:
+    """Environment a joined cluster's workers get: usage stats off, and this process's KVTC_* settings."""
+    return {"RAY_USAGE_STATS_ENABLED": "0", **{k: v for k, v in os.environ.items() if k.startswith("KVTC_")}}
+
+
+def actor_env_options(kvtc_env: dict[str, str], job_env_vars: dict[str, str], env_inherited: bool) -> dict:
+    """Actor options that hand `kvtc_env` to the workers: none when they have it already (inherited
+    by a local Ray, or in the job's runtime environment), so the actors can run in the workers Ray
+    started with the job; else a runtime environment of their own."""
+    if env_inherited or all(job_env_vars.get(k) == v for k, v in kvtc_env.items()):
+        return {}
+    return {"runtime_env": {"env_vars": dict(kvtc_env)}}
+
+
 def start_ray(address: str | None, num_cpus: int | None) -> bool:
     """Join `address` (or $RAY_ADDRESS, as inside `ray job submit`), else start a local Ray.
-    Returns True when this call started Ray and the caller should shut it down."""
+    Returns True when this call started Ray and the caller should shut it down.
+
+    A joined cluster gets the KVTC_* settings through the job's runtime environment. A local Ray
+    gets them as its processes' inherited environment and no runtime environment at all: the
+    worker processes it starts with the first driver then serve the actors (pass
+    PoolSettings(env_inherited=True)); with a runtime environment they could not, and Ray would
+    shut them down as idle, which at times crashes in Ray's teardown and prints a stack dump."""
     if ray.is_initialized():
         return False
-    env = {"RAY_USAGE_STATS_ENABLED": "0"}
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or None, log_to_driver=True, runtime_env={"env_vars": env})
+        ray.init(address=address or None, log_to_driver=True, runtime_env={"env_vars": job_env()})
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env})
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     return True
 
 
@@ -72,12 +93,14 @@ def run_pool(
         timing.update(startup_s=0.0, run_s=0.0)
         return []
     it = itertools.chain([first], it)
+    kvtc_env = {k: v for k, v in job_env().items() if k.startswith("KVTC_")}
+    job_env_vars = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
     remote_cls = ray.remote(actor_cls).options(
         num_cpus=settings.threads_per_worker,
         num_gpus=settings.gpus_per_worker,
         max_restarts=-1,
         max_task_retries=-1,
-        runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("KVTC_")}},
+        **actor_env_options(kvtc_env, job_env_vars, settings.env_inherited),
     )
     actors = [remote_cls.remote(**actor_kwargs) for _ in range(settings.workers)]
     load = {i: 0 for i in range(len(actors))}

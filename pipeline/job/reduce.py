@@ -246,7 +246,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
         groups=tuple(groups), allocator=alloc.to_dict(), group_spec=cfg.groups, sample=cfg.sample,
         tokens_requested=tokens_requested, eval_tokens=cfg.eval_tokens, seqs_per_shard=cfg.seqs_per_shard,
         holdout_fraction=cfg.holdout_fraction, heldout_rows_cap=cfg.heldout_rows, text_column=cfg.text_column,
-        dtype=cfg.dtype, model_dtype=model_dtype, tokens=tokens_in, train_rows=int(train_rows),
+        dtype=cfg.dtype, model_dtype=model_dtype, keys=cfg.keys, tokens=tokens_in, train_rows=int(train_rows),
         heldout_rows=int(mid.sum()), eval_rows=0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
         notes=tuple(notes),
         tokens_curve={"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP",

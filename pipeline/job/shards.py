@@ -16,7 +16,6 @@ stream is yielded `max(min_holdout_shards, 1)` shards behind.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -231,24 +230,6 @@ def _holdout_stream(shards: Iterator[Shard], settings: ShardSettings, stats: Sha
 def _counted(shard: Shard, stats: ShardStats) -> Shard:
     stats.holdout_shards += shard.holdout
     return shard
-
-
-def corpus_fingerprint(spec: str, shards: Iterable[Shard], *, seed: int,
-                       text_column: str | None = None) -> dict[str, Any]:
-    """JSON-able description of exactly which token shards a calibration used."""
-    shards = sorted(shards, key=lambda s: s.index)
-    seq_lens = {s.input_ids.shape[1] for s in shards}
-    if len(seq_lens) > 1:
-        raise ValueError(f"shards mix sequence lengths {sorted(seq_lens)}; they cannot come from one corpus run")
-    fingerprint = {
-        "spec": spec, "text_column": text_column, "seed": seed, "seq_len": seq_lens.pop() if seq_lens else None,
-        "shard_ids": [s.id for s in shards], "token_counts": [s.num_tokens for s in shards],
-        "tokens": sum(s.num_tokens for s in shards), "holdout_ids": [s.id for s in shards if s.holdout],
-        "holdout_tokens": sum(s.num_tokens for s in shards if s.holdout),
-    }
-    canonical = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
-    fingerprint["id"] = hashlib.sha256(canonical.encode()).hexdigest()[:ID_HEX_DIGITS]
-    return fingerprint
 
 
 DEFAULT_EVAL_SEQS = 4  # sequences of the second domain when no eval token count is given

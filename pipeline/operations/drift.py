@@ -30,9 +30,9 @@ class ModelMismatchError(ValueError):
 
 def check_model(fingerprint: dict, expected: dict, what: str) -> None:
     """Raise ModelMismatchError naming the fields where `fingerprint` differs from the artifact's."""
-    from kvtc.workers.models import fingerprint_id
+    from kvtc.artifacts.fingerprint import model_id
 
-    if fingerprint_id(fingerprint) == fingerprint_id(expected):
+    if model_id(fingerprint) == model_id(expected):
         return
     keys = sorted(set(fingerprint) | set(expected))
     diff = [k for k in keys if fingerprint.get(k) != expected.get(k) and k not in IGNORED_FINGERPRINT_KEYS]
@@ -123,8 +123,10 @@ def check_drift(target: str, corpus: str | None = None, registry: str | None = N
     from kvtc.pipeline.operations.drift_meter import Meter, sample_rows
     from kvtc.workers.models import load_model
 
-    if threshold < 0:
-        raise ValueError(f"--threshold must be >= 0 (a relative increase, 0.10 = 10% worse), got {threshold}")
+    if not threshold >= 0 or threshold == float("inf"):
+        raise ValueError(f"--threshold must be >= 0 and finite (a relative increase, 0.10 = 10% worse), got {threshold}")
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {tokens}")
     art = artifacts.pull(target, registry=registry)
     manifest = art.manifest
     corpus = corpus or manifest["corpus"]["spec"]

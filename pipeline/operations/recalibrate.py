@@ -44,12 +44,12 @@ class Result:
 def heldout_store(manifest: dict, store_root: str | None):
     """The shard store scope (model, capture settings) where the parent's held-out rows live."""
     from kvtc.artifacts.calibration import CalibrationRecord
+    from kvtc.artifacts.fingerprint import model_id
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
     from kvtc.workers.capture import CaptureSettings
-    from kvtc.workers.models import fingerprint_id
 
     rec = CalibrationRecord.from_manifest(manifest)
-    return ShardStore(store_root or default_store_uri(), fingerprint_id(manifest["model"]),
+    return ShardStore(store_root or default_store_uri(), model_id(manifest["model"]),
                       capture_key(CaptureSettings(**rec.capture()).to_dict(), rec.model_dtype))
 
 

@@ -36,8 +36,8 @@ class Schedule:
     def __post_init__(self) -> None:
         if (self.cron is None) == (self.every is None):
             raise ValueError("give exactly one of --cron EXPR and --every SECONDS")
-        if self.every is not None and not self.every > 0:
-            raise ValueError(f"--every must be a positive number of seconds, got {self.every}")
+        if self.every is not None and not 0 < self.every < float("inf"):
+            raise ValueError(f"--every must be a positive, finite number of seconds, got {self.every}")
         if self.cron is not None:
             from croniter import croniter
 

@@ -5,7 +5,7 @@ compress and restore that cache with each method, then feed tokens [T - n - 1, T
 restored cache and score the next-token distributions of the last n tokens. Reported per method:
 perplexity relative to the uncompressed cache (exp of the mean NLL difference), the mean
 KL(uncompressed || method) of the next-token distributions, key and value relative errors and
-the stored bytes per middle token (see pipeline/baselines.py for what each method stores).
+the stored bytes per middle token (see kvtc.pipeline.evaluation.baselines for what each method stores).
 Held-out text: with the artifact's own corpus, the shards the calibration held out (rebuilt with
 its settings and matched by id); with another corpus, its first sequences.
 """

@@ -1,0 +1,153 @@
+"""Quantized PCA coefficients held in memory, and per-layer decode from them.
+
+The blob (kernels/codec.py) is the storage form of a cache; this is its resident form for a cache
+that keeps running: the same quantized blocks (packed codes + fp16 params, no entropy coding, so
+they can be dequantized every step) and a decode of one layer at a time that reads only that
+layer's rows of its group's components.
+
+Shapes: a layer's cache (B, H, T, D); a token block of all layers (L, B, H, n, D); coefficients of
+a group z (B * n, kept) float32, rows in (batch, token) order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtc.kernels.backend import Ops, resolve_ops
+from kvtc.kernels.quantize import quantize_pack_blocks
+from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.spec import STREAMS, CodecSpec
+
+Packed = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class CodedTokens:
+    """n consecutive tokens (absolute positions start .. start + n - 1) of B sequences, all layers.
+
+    blocks[stream][group][block] = (packed (B*n, nbytes) uint8, params (B*n, 2) fp16), None for a
+    block without bits.
+    """
+
+    start: int
+    tokens: int
+    batch: int
+    blocks: dict[str, tuple[tuple[Packed | None, ...], ...]]
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.tokens < 1 or self.batch < 1:
+            raise ValueError(f"coded tokens need start >= 0, tokens >= 1, batch >= 1; got {self.start}, "
+                             f"{self.tokens}, {self.batch}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors held."""
+        return sum(t.numel() * t.element_size() for groups in self.blocks.values() for blocks in groups
+                   for pair in blocks if pair is not None for t in pair)
+
+    def select_batch(self, index: torch.Tensor) -> "CodedTokens":
+        """Keep (or repeat, reorder) sequences: index (B',) into the batch."""
+        def pick(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(self.batch, self.tokens, -1)[index.to(x.device)].reshape(-1, x.shape[-1]).contiguous()
+
+        blocks = {s: tuple(tuple(None if p is None else (pick(p[0]), pick(p[1])) for p in bl) for bl in groups)
+                  for s, groups in self.blocks.items()}
+        return CodedTokens(self.start, self.tokens, int(index.numel()), blocks)
+
+
+class CoefficientCoder:
+    """Encode token blocks of every layer to CodedTokens; decode one layer of one stream from them.
+
+    Uses only a CodecSpec: its groups' means, kept components and block allocation, and its RoPE
+    (None when the keys were calibrated with RoPE kept).
+    """
+
+    def __init__(self, spec: CodecSpec, backend: str = "auto") -> None:
+        self.spec = spec
+        self.backend = backend
+        self.rope = RopeSpec.from_dict(spec.rope) if spec.rope else None
+        self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        width = spec.kv_heads * spec.head_dim
+        self.width = width
+        # layer -> (group index, row offset of the layer inside the group's features)
+        self.layer_group = {l: (gi, (l - g.layers[0]) * width)
+                            for gi, g in enumerate(spec.streams["keys"]) for l in range(*g.layers)}
+        for stream in STREAMS:
+            for g in spec.streams[stream]:
+                if any(b.qtype not in _BLOCK_TYPES for b in g.blocks):
+                    raise ValueError(f"{stream} group {g.layers}: block types {sorted({b.qtype for b in g.blocks})} "
+                                     f"are not all per-block min/max or fp8 types {_BLOCK_TYPES}")
+
+    def _group(self, stream: str, gi: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (stream, str(device), gi)
+        if key not in self._on_device:
+            g = self.spec.streams[stream][gi]
+            self._on_device[key] = (g.mean.to(device), g.components[:, :g.kept].to(device).contiguous())
+        return self._on_device[key]
+
+    def _ops(self, device: torch.device) -> Ops:
+        return resolve_ops(self.backend, device)
+
+    def _cos_sin(self, stream: str, start: int, tokens: int, batch: int, device: torch.device
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+        if stream != "keys" or self.rope is None:
+            return None, None, "half"
+        positions = torch.arange(start, start + tokens, device=device).repeat(batch)
+        cos, sin = self.rope.cos_sin(positions)
+        return cos.contiguous(), sin.contiguous(), self.rope.layout
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedTokens:
+        """keys, values (L, B, H, n, D) as the model cached them, first token at position `start`."""
+        s = self.spec
+        if keys.shape != values.shape or keys.ndim != 5 or keys.shape[0] != s.num_layers \
+                or keys.shape[2] != s.kv_heads or keys.shape[4] != s.head_dim:
+            raise ValueError(f"expected keys and values (layers, batch, kv_heads, tokens, head_dim) with "
+                             f"layers={s.num_layers}, kv_heads={s.kv_heads}, head_dim={s.head_dim}; got "
+                             f"{tuple(keys.shape)} and {tuple(values.shape)}")
+        L, B, H, n, D = keys.shape
+        dev = keys.device
+        ops = self._ops(dev)
+        blocks: dict[str, tuple] = {}
+        for stream, x in zip(STREAMS, (keys, values)):
+            cache = x.permute(0, 2, 1, 3, 4).reshape(L, H, B * n, D)  # tokens in (batch, token) order
+            cos, sin, layout = self._cos_sin(stream, start, n, B, dev)
+            groups = []
+            for gi, g in enumerate(s.streams[stream]):
+                mean, comps = self._group(stream, gi, dev)
+                a, b = g.layers
+                feat = ops.rope_center(cache[a:b], cos, sin, mean, layout)
+                z = (feat @ comps).contiguous()
+                coded = quantize_pack_blocks(z, g.blocks, reference=ops.name == "torch")
+                groups.append(tuple(None if c is None else (c[0].contiguous(), c[1].contiguous()) for c in coded))
+            blocks[stream] = tuple(groups)
+        return CodedTokens(start, n, B, blocks)
+
+    def coefficients(self, coded: CodedTokens, stream: str, gi: int) -> torch.Tensor:
+        """Dequantized coefficients z (B * n, kept) float32 of one group."""
+        g = self.spec.streams[stream][gi]
+        parts = coded.blocks[stream][gi]
+        dev = next((p[0].device for p in parts if p is not None), torch.device("cpu"))
+        z = torch.zeros(coded.batch * coded.tokens, g.kept, dtype=torch.float32, device=dev)
+        ops = self._ops(dev)
+        for b, pair in zip(g.blocks, parts):
+            if pair is not None:
+                ops.unpack_dequantize(pair[0], pair[1], b.qtype, z, b.start, b.size)
+        return z
+
+    def decode_layer(self, coded: CodedTokens, z: torch.Tensor, stream: str, layer: int, dtype: torch.dtype
+                     ) -> torch.Tensor:
+        """z of the layer's group (from `coefficients`) -> that layer's cache (B, H, n, D) in `dtype`."""
+        gi, row = self.layer_group[layer]
+        dev = z.device
+        mean, comps = self._group(stream, gi, dev)
+        rows = slice(row, row + self.width)
+        feat = z @ comps[rows].T  # (B*n, H*D): only this layer's rows of the components
+        H, D, B, n = self.spec.kv_heads, self.spec.head_dim, coded.batch, coded.tokens
+        out = torch.empty(1, H, B * n, D, dtype=dtype, device=dev)
+        cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev)
+        self._ops(dev).rope_restore(feat, cos, sin, mean[rows].contiguous(), out, layout)
+        return out[0].reshape(H, B, n, D).transpose(0, 1)
+
+
+_BLOCK_TYPES = ("int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8", "none")

@@ -1,0 +1,276 @@
+"""KVTCCache: a transformers cache that holds older tokens as KVTC coefficients.
+
+    cache = KVTCCache(codec, config=model.config)
+    model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+Per layer, the first `sinks` positions and the recent tokens stay in the model's dtype. The codec's
+basis spans every layer of a token, so tokens are coded only once all layers hold them: after the
+last layer's update of a forward, when more than `window + chunk - 1` recent tokens wait, all but
+the last `window` are coded in one chunk (packed quantized PCA coefficients, see
+kernels/coefficients.py) and dropped from every layer. Each update decodes the layer's slice of the
+coded tokens from their coefficients (its own rows of the group's components only); a group's
+dequantized coefficients live only while its layers decode in that forward.
+
+Also here: `compress_cache` / `restore_cache`, a DynamicCache <-> blob for one sequence. This module
+imports transformers; `kvtc.kernels` imports it only when `KVTCCache` is first used.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from kvtc.kernels.codec import KVTCCodec
+from kvtc.kernels.coefficients import CodedTokens, CoefficientCoder
+from kvtc.kernels.spec import CodecSpec
+
+DEFAULT_CHUNK = 64
+
+
+class _CodedStore:
+    """The coded chunks of a cache, shared by its layers, and the per-forward decode of each group."""
+
+    def __init__(self, coder: CoefficientCoder) -> None:
+        self.coder = coder
+        self.chunks: list[CodedTokens] = []
+        self._z: dict[tuple[str, int], list[torch.Tensor]] = {}
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.tokens for c in self.chunks)
+
+    def add(self, chunk: CodedTokens) -> None:
+        self.chunks.append(chunk)
+        self._z.clear()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self.chunks = [c.select_batch(index) for c in self.chunks]
+        self._z.clear()
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self._z.clear()
+
+    def layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coded tokens of `layer` -> keys, values (B, H, coded tokens, D) in `dtype`."""
+        gi, _ = self.coder.layer_group[layer]
+        last = self.coder.spec.streams["keys"][gi].layers[1] - 1
+        out = []
+        for stream in ("keys", "values"):
+            zs = self._z.get((stream, gi))
+            if zs is None:
+                zs = [self.coder.coefficients(c, stream, gi) for c in self.chunks]
+                self._z[(stream, gi)] = zs
+            out.append(torch.cat([self.coder.decode_layer(c, z, stream, layer, dtype)
+                                  for c, z in zip(self.chunks, zs)], dim=2))
+            if layer == last:
+                del self._z[(stream, gi)]
+        return out[0], out[1]
+
+
+class KVTCCacheLayer(DynamicLayer):
+    """One layer: raw sinks and recent tokens (model dtype), plus the shared coded store.
+
+    `keys` / `values` hold the recent raw tokens (B, H, t, D); `sink_keys` / `sink_values` the first
+    positions. The returned states are sinks, decoded coded tokens, recent tokens, in that order.
+    """
+
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, sinks: int, store: _CodedStore) -> None:
+        super().__init__()
+        self.layer_idx, self.sinks, self.store = layer_idx, sinks, store
+        self.cumulative_length = 0
+        self.sink_keys: torch.Tensor | None = None
+        self.sink_values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.keys = key_states[:, :, :0].clone()
+        self.values = value_states[:, :, :0].clone()
+        self.sink_keys, self.sink_values = self.keys.clone(), self.values.clone()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states (B, H, q, D) -> all cached keys, values (B, H, seen + q, D)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        room = self.sinks - self.sink_keys.shape[-2]
+        if room > 0:
+            self.sink_keys = torch.cat([self.sink_keys, key_states[:, :, :room]], dim=-2)
+            self.sink_values = torch.cat([self.sink_values, value_states[:, :, :room]], dim=-2)
+            key_states, value_states = key_states[:, :, room:], value_states[:, :, room:]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        parts_k, parts_v = [self.sink_keys], [self.sink_values]
+        if self.store.chunks:
+            k, v = self.store.layer(self.layer_idx, self.keys.dtype)
+            parts_k.append(k)
+            parts_v.append(v)
+        return torch.cat([*parts_k, self.keys], dim=-2), torch.cat([*parts_v, self.values], dim=-2)
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def take_oldest(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove and return the oldest n recent tokens (B, H, n, D); the rest is copied so memory is freed."""
+        k, v = self.keys[:, :, :n], self.values[:, :, :n]
+        self.keys, self.values = self.keys[:, :, n:].clone(), self.values[:, :, n:].clone()
+        return k, v
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.sink_keys, self.sink_values))
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length = 0
+        self.sink_keys = self.sink_values = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("KVTCCache cannot crop coded tokens; use DynamicCache for assisted decoding")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select(torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats))
+
+    def _select(self, index: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        index = index.to(self.keys.device)
+        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        self.sink_keys = self.sink_keys.index_select(0, index)
+        self.sink_values = self.sink_values.index_select(0, index)
+        if self.layer_idx == 0:  # the coded store is shared: select it once
+            self.store.select_batch(index)
+
+
+def _config_dims(config: Any) -> tuple[int, int, int]:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim
+
+
+def check_config(spec: CodecSpec, config: Any) -> None:
+    """Raise ValueError unless the model config has the artifact's shape and only full-attention layers."""
+    layers, kv_heads, head_dim = _config_dims(config)
+    if (layers, kv_heads, head_dim) != (spec.num_layers, spec.kv_heads, spec.head_dim):
+        raise ValueError(f"the codec's artifact {spec.name}@{spec.version} is for a model with {spec.num_layers} "
+                         f"layers x {spec.kv_heads} KV heads x head_dim {spec.head_dim}; this model has {layers} x "
+                         f"{kv_heads} x {head_dim}: use an artifact calibrated for this model")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types, _ = get_layer_types_and_kwargs(text)
+    other = sorted(set(types) - {"full_attention"})
+    if other:
+        raise ValueError(f"KVTCCache needs full-attention layers only; this model also has {other}")
+    theta = (getattr(text, "rope_parameters", None) or {}).get("rope_theta", getattr(text, "rope_theta", None))
+    if spec.rope and theta is not None and abs(float(theta) - float(spec.rope["theta"])) > 1e-6 * float(theta):
+        raise ValueError(f"the artifact was calibrated with RoPE theta {spec.rope['theta']}, this model uses {theta}: "
+                         "use an artifact calibrated for this model")
+
+
+class KVTCCache(Cache):
+    """A transformers Cache holding tokens past the recent window as KVTC coefficients.
+
+    codec: a KVTCCodec (its artifact and ratio set the basis, the allocation, sinks and window).
+    config: the model's config (shapes are checked against the artifact here, not at first use).
+    window / sinks: override the artifact's; chunk: tokens coded together (>= 1).
+    Batches code every row with positions = cache index (no left padding).
+    """
+
+    def __init__(self, codec: KVTCCodec, config: Any, *, window: int | None = None, sinks: int | None = None,
+                 chunk: int = DEFAULT_CHUNK, backend: str | None = None) -> None:
+        if not isinstance(codec, KVTCCodec):
+            raise TypeError(f"KVTCCache(codec, config=...): codec must be a KVTCCodec, got {type(codec).__name__}")
+        spec = codec.spec
+        check_config(spec, config)
+        self.window = spec.window if window is None else int(window)
+        self.sinks = spec.sinks if sinks is None else int(sinks)
+        self.chunk = int(chunk)
+        if self.window < 0 or self.sinks < 0 or self.chunk < 1:
+            raise ValueError(f"window and sinks must be >= 0 and chunk >= 1; got window={self.window}, "
+                             f"sinks={self.sinks}, chunk={self.chunk}")
+        self.codec = codec
+        self.store = _CodedStore(CoefficientCoder(spec, backend or codec.backend))
+        super().__init__(layers=[KVTCCacheLayer(i, self.sinks, self.store) for i in range(spec.num_layers)])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == len(self.layers) - 1:
+            self._code_due_tokens()
+        return out
+
+    def _code_due_tokens(self) -> None:
+        recent = {layer.keys.shape[-2] for layer in self.layers if layer.is_initialized}
+        if len(recent) != 1 or not all(layer.is_initialized for layer in self.layers):
+            raise RuntimeError("KVTCCache: the layers hold different token counts; every layer must be updated "
+                               "with the same tokens in each forward")
+        (n,) = recent
+        if n < self.window + self.chunk:
+            return
+        n -= self.window
+        start = self.sinks + self.store.tokens
+        pairs = [layer.take_oldest(n) for layer in self.layers]
+        keys = torch.stack([k for k, _ in pairs])
+        values = torch.stack([v for _, v in pairs])
+        self.store.add(self.store.coder.encode(keys, values, start))
+
+    @property
+    def coded_tokens(self) -> int:
+        """Tokens per sequence held as coefficients."""
+        return self.store.tokens
+
+    def resident_bytes(self) -> int:
+        """Bytes of every tensor the cache holds: raw sinks and recent tokens, packed codes and params."""
+        return sum(layer.nbytes() for layer in self.layers) + sum(c.nbytes for c in self.store.chunks)
+
+    def reset(self) -> None:
+        super().reset()
+        self.store.clear()
+
+
+def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(f"expected a transformers DynamicCache, got {type(cache).__name__}")
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def cache_tensors(cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """DynamicCache with batch 1 -> keys, values (layers, kv_heads, tokens, head_dim)."""
+    pairs = _layers(cache)
+    if not pairs or any(k is None or k.ndim != 4 for k, _ in pairs):
+        raise ValueError("the cache is empty or not initialised; run the model with use_cache=True first")
+    if len({k.shape[2] for k, _ in pairs}) != 1:
+        raise ValueError("cache layers hold different token counts (sliding-window layers?); the codec needs "
+                         "full-attention caches")
+    if pairs[0][0].shape[0] != 1:
+        raise ValueError(f"compress_cache handles one sequence; the cache has batch size {pairs[0][0].shape[0]}")
+    return torch.stack([k[0] for k, _ in pairs]), torch.stack([v[0] for _, v in pairs])
+
+
+def compress_cache(codec: KVTCCodec, cache: Any, start: int = 0) -> bytes:
+    """DynamicCache (batch 1, tokens from absolute position `start`) -> blob bytes."""
+    keys, values = cache_tensors(cache)
+    return codec.encode(keys, values, start=start)
+
+
+def restore_cache(codec: KVTCCodec, blob: bytes, config: Any = None, device: str | torch.device = "cpu") -> Any:
+    """blob -> DynamicCache the model can continue from (pass the model config for sliding-window models)."""
+    keys, values = codec.decode(blob, device=device)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    for layer in range(keys.shape[0]):
+        cache.update(keys[layer][None].contiguous(), values[layer][None].contiguous(), layer)
+    return cache

@@ -1,0 +1,114 @@
+"""Dynamo export: what Dynamo's KVTC kernels can run, refusals, the real ratio, and a numpy round trip
+with Dynamo's documented math ((x - mean) @ P, IntX min/max per row per range, c @ P.T + mean)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvtc.artifacts import publish, pull
+from kvtc.artifacts.cli import main as cli
+from kvtc.artifacts.export import DynamoExportOptions, ExportError, export_dynamo
+from kvtc.artifacts.testing import toy_content
+
+PAGED_KEPT = dict(groups=[[0, 1], [1, 2]])
+
+
+def _artifact(tmp_path, keys: str = "rope-kept", **kw):
+    content = toy_content(**{**PAGED_KEPT, **kw})
+    content.calibration["keys"] = keys
+    return pull("toy", registry=publish(content, tmp_path / "reg").registry), content
+
+
+def _load(out, config):
+    p, k = config["features"], config["pca_components"]
+    mean = np.fromfile(out / config["mean"]["file"], dtype="<f4")
+    projection = np.fromfile(out / config["projection"]["file"], dtype="<f4").reshape(p, k)
+    return mean, projection
+
+
+def _intx(c: np.ndarray, bits: int) -> np.ndarray:
+    """Dynamo IntX on one range: per-row float32 min/max, (2^bits - 1) steps, round to nearest."""
+    lo, hi = c.min(axis=1, keepdims=True), c.max(axis=1, keepdims=True)
+    scale = np.where(hi > lo, (hi - lo) / (2**bits - 1), 1.0).astype(np.float32)
+    return lo + np.clip(np.rint((c - lo) / scale), 0, 2**bits - 1) * scale
+
+
+def test_round_trip_with_dynamos_math(tmp_path):
+    art, content = _artifact(tmp_path)
+    out = tmp_path / "out"
+    doc = json.loads(export_dynamo(art, 4, out).read_text())
+    assert doc["keys"] == "rope-kept" and doc["layout"] == "paged" and len(doc["configs"]) == 4
+    rng = np.random.default_rng(0)
+    for config in doc["configs"]:
+        mean, P = _load(out, config)
+        src_mean, _, comps = content.bases[(config["stream"], config["group"])]
+        np.testing.assert_array_equal(mean, src_mean)
+        k = P.shape[1]
+        # rows living in the exported subspace come back exactly without quantization ...
+        z = rng.standard_normal((33, k)).astype(np.float32) * (np.arange(k, dtype=np.float32) + 1) ** -0.5
+        x = mean + z @ P.T
+        c = (x - mean) @ P
+        np.testing.assert_allclose(c @ P.T + mean, x, rtol=1e-4, atol=1e-4)
+        # ... and within the quantizers' step with IntX per range, ranges contiguous from 0 to k
+        ranges = config["ranges"]
+        assert ranges[0]["start_idx"] == 0 and ranges[-1]["end_idx"] == k
+        assert all(a["end_idx"] == b["start_idx"] for a, b in zip(ranges, ranges[1:]))
+        c_hat = np.concatenate([_intx(c[:, r["start_idx"]:r["end_idx"]], r["int_bits"]) for r in ranges], axis=1)
+        x_hat = c_hat @ P.T + mean
+        rel = np.linalg.norm(x_hat - x) / np.linalg.norm(x - mean)
+        assert 0 < rel < 0.35
+        # exported components are the allocation's kept ones, in order
+        blocks = [b for b in content.allocations[(4.0, config["stream"], config["group"])]["blocks"] if b[2] != "none"]
+        columns = [i for b in blocks for i in range(b[0], b[0] + b[1])]
+        np.testing.assert_array_equal(P, comps[:, columns])
+
+
+def test_fp8_blocks_become_int8_and_the_real_ratio_counts_64_bits_per_range(tmp_path):
+    art, content = _artifact(tmp_path)
+    doc = json.loads(export_dynamo(art, 4, tmp_path / "out").read_text())
+    for config in doc["configs"]:
+        ranges = config["ranges"]
+        assert all(r["quant_type"] == "IntX" and r["int_bits"] in (1, 2, 4, 8) for r in ranges)
+        assert [r["int_bits"] for r in ranges if r["from"] == "fp8"] == [8] * sum(r["from"] == "fp8" for r in ranges)
+        bits = sum((r["end_idx"] - r["start_idx"]) * r["int_bits"] + 64 for r in ranges)
+        assert config["dynamo_bits_per_row"] == bits > 0
+        assert config["dynamo_ratio"] == round(16 * config["features"] / bits, 3) < 4
+    assert doc["dynamo_ratio"] < 4
+
+
+def test_refusals_name_the_fix_and_write_nothing(tmp_path):
+    removed, _ = _artifact(tmp_path / "a", keys="rope-removed")
+    with pytest.raises(ExportError, match="--allow-rope-removed"):
+        export_dynamo(removed, 4, tmp_path / "o1")
+    assert json.loads(export_dynamo(removed, 4, tmp_path / "o1b", DynamoExportOptions(allow_rope_removed=True))
+                      .read_text())["configs"][0]["rope_removed"] is True
+    wide, _ = _artifact(tmp_path / "b", groups=[[0, 2]])
+    with pytest.raises(ExportError, match="--groups layer"):
+        export_dynamo(wide, 4, tmp_path / "o2")
+    assert export_dynamo(wide, 4, tmp_path / "o2b", DynamoExportOptions(layout="token-major")).is_file()
+    kept, _ = _artifact(tmp_path / "c")
+    with pytest.raises(ExportError, match="fp8"):
+        export_dynamo(kept, 4, tmp_path / "o3", DynamoExportOptions(fp8="refuse"))
+    assert not any((tmp_path / d).exists() for d in ("o1", "o2", "o3"))
+
+
+def test_odd_widths_export_at_the_next_dynamo_width(tmp_path):
+    content = toy_content(**PAGED_KEPT)
+    content.calibration["keys"] = "rope-kept"
+    content.allocations[(8.0, "values", 0)]["blocks"][0] = (0, 4, "int3", 3, 32)
+    art = pull("toy", registry=publish(content, tmp_path / "reg").registry)
+    doc = json.loads(export_dynamo(art, 8, tmp_path / "out").read_text())
+    config = next(c for c in doc["configs"] if c["stream"] == "values" and c["group"] == 0)
+    assert config["ranges"][0]["int_bits"] == 4 and config["ranges"][0]["from"] == "int3"
+
+
+def test_cli_prints_the_real_ratio_and_exits_2_on_refusal(tmp_path, capsys):
+    art, _ = _artifact(tmp_path, keys="rope-removed")
+    reg = str(tmp_path / "reg")
+    assert cli(["export", "toy", "--ratio", "4", "--to", str(tmp_path / "o"), "--registry", reg]) == 2
+    assert "--allow-rope-removed" in capsys.readouterr().err
+    assert cli(["export", "toy", "--ratio", "4", "--to", str(tmp_path / "o"), "--registry", reg,
+                "--allow-rope-removed"]) == 0
+    assert "Dynamo's 64-bit min/max" in capsys.readouterr().out

@@ -1,0 +1,135 @@
+"""KVTCCache: a transformers cache holding older tokens as KVTC coefficients, on tiny random models."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCache, KVTCCodec  # noqa: E402
+from kvtc.kernels.coefficients import CoefficientCoder  # noqa: E402
+from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
+from kvtc.workers.rope import rope_from_config  # noqa: E402
+from kvtc.workers.tiny import build_tiny  # noqa: E402
+
+
+def near_lossless_spec(model, sinks: int = 3, window: int = 5, groups=None, rope: bool = True) -> CodecSpec:
+    """Full orthonormal basis per group and int8 blocks: decode error ~1e-3, enough to test the plumbing."""
+    cfg = model.config
+    L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    streams = {}
+    for stream in ("keys", "values"):
+        codes = []
+        for a, b in groups or [(0, L)]:
+            p = (b - a) * H * D
+            q, _ = torch.linalg.qr(torch.randn(p, p, generator=g))
+            blocks = tuple(CodedBlock(s, min(16, p - s), "int8", 8) for s in range(0, p, 16))
+            codes.append(GroupCode((a, b), torch.randn(p, generator=g) * 0.1, q.contiguous(), blocks))
+        streams[stream] = tuple(codes)
+    return CodecSpec("tiny", "v0", 2.0, "tiny", L, H, D, sinks, window,
+                     rope_from_config(cfg).to_dict() if rope else None, streams)
+
+
+def greedy_loop(model, cache, ids: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
+    """Plain forward loop: prompt, then one token at a time -> (tokens, logits of every step)."""
+    out = model(ids, past_key_values=cache, use_cache=True)
+    logits, tokens = [out.logits[:, -1]], []
+    for _ in range(steps):
+        nxt = logits[-1].argmax(-1, keepdim=True)
+        tokens.append(int(nxt))
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_forward_loop_matches_dynamic_cache(arch):
+    model = build_tiny(arch)
+    ids = torch.randint(3, 2000, (1, 21), generator=torch.Generator().manual_seed(1))
+    codec = KVTCCodec(near_lossless_spec(model))
+    cache = KVTCCache(codec, config=model.config, chunk=4)
+    with torch.no_grad():
+        want_tokens, want = greedy_loop(model, DynamicCache(config=model.config), ids, 12)
+        got_tokens, got = greedy_loop(model, cache, ids, 12)
+    assert cache.get_seq_length() == 21 + 12
+    assert cache.coded_tokens >= 21 + 12 - 3 - 5 - 3  # all but sinks, window and a partial chunk
+    assert cache.layers[0].keys.shape[-2] < 5 + 4
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * float(want.abs().max()))
+    assert got_tokens == want_tokens
+    dynamic = 2 * model.config.num_hidden_layers * 2 * 33 * 16 * 4  # (keys + values) x layers x heads x T x D x fp32
+    assert cache.resident_bytes() < 0.6 * dynamic
+
+
+def test_generate_with_kvtc_cache_batch_and_per_layer_groups():
+    model = build_tiny("llama")
+    ids = torch.randint(3, 2000, (2, 17), generator=torch.Generator().manual_seed(2))
+    spec = near_lossless_spec(model, sinks=2, window=3, groups=[(0, 1), (1, 3)])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    cache = KVTCCache(KVTCCodec(spec), config=model.config, chunk=2)
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
+    assert cache.coded_tokens > 0
+    assert torch.equal(got, want)
+
+
+def test_window_and_sinks_zero_code_every_completed_chunk():
+    model = build_tiny("qwen2")
+    ids = torch.randint(3, 2000, (1, 10), generator=torch.Generator().manual_seed(3))
+    cache = KVTCCache(KVTCCodec(near_lossless_spec(model, sinks=0, window=0)), config=model.config, chunk=1)
+    with torch.no_grad():
+        want_tokens, want = greedy_loop(model, DynamicCache(config=model.config), ids, 5)
+        got_tokens, got = greedy_loop(model, cache, ids, 5)
+    assert cache.coded_tokens == 15 and cache.layers[0].keys.shape[-2] == 0
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * float(want.abs().max()))
+
+
+def test_rope_kept_basis_runs_without_rope_removal():
+    model = build_tiny("llama")
+    ids = torch.randint(3, 2000, (1, 16), generator=torch.Generator().manual_seed(4))
+    cache = KVTCCache(KVTCCodec(near_lossless_spec(model, rope=False)), config=model.config, chunk=4)
+    with torch.no_grad():
+        want_tokens, _ = greedy_loop(model, DynamicCache(config=model.config), ids, 6)
+        got_tokens, _ = greedy_loop(model, cache, ids, 6)
+    assert cache.coded_tokens > 0 and got_tokens == want_tokens
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_layer_decode_matches_codec_decode(backend):
+    """Per-layer decode from the coefficients equals the blob codec's decode of the same tokens."""
+    spec = synthetic_spec(3, 2, 8, 4.0, groups=[(0, 2), (2, 3)], sinks=0, window=0, seed=5)
+    keys, values = synthetic_cache(spec, 13, dtype=torch.float32, start=40)
+    codec = KVTCCodec(spec, backend=backend)
+    want_k, want_v = codec.decode(codec.encode(keys, values, start=40))
+    coder = CoefficientCoder(spec, backend)
+    coded = coder.encode(keys[:, None], values[:, None], 40)
+    for layer in range(3):
+        gi, _ = coder.layer_group[layer]
+        for stream, want in (("keys", want_k), ("values", want_v)):
+            got = coder.decode_layer(coded, coder.coefficients(coded, stream, gi), stream, layer, torch.float32)
+            assert got.shape == (1, 2, 13, 8)
+            torch.testing.assert_close(got[0], want[layer], rtol=1e-4, atol=1e-4)
+
+
+def test_construction_refuses_another_models_shape_and_bad_arguments():
+    small, other = build_tiny("llama"), build_tiny("qwen2")
+    codec = KVTCCodec(near_lossless_spec(small))
+    other.config.num_hidden_layers = 4
+    with pytest.raises(ValueError, match="use an artifact calibrated for this model"):
+        KVTCCache(codec, config=other.config)
+    with pytest.raises(ValueError, match="chunk"):
+        KVTCCache(codec, config=small.config, chunk=0)
+    with pytest.raises(TypeError, match="KVTCCodec"):
+        KVTCCache(codec.spec, config=small.config)
+
+
+def test_reset_empties_raw_and_coded_tokens():
+    model = build_tiny("llama")
+    cache = KVTCCache(KVTCCodec(near_lossless_spec(model)), config=model.config, chunk=2)
+    with torch.no_grad():
+        model(torch.randint(3, 2000, (1, 20)), past_key_values=cache, use_cache=True)
+    assert cache.coded_tokens > 0 and cache.resident_bytes() > 0
+    cache.reset()
+    assert cache.coded_tokens == 0 and cache.get_seq_length() == 0 and cache.resident_bytes() == 0
