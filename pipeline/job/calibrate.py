@@ -174,7 +174,6 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
 
     shards_seen: list[dict] = []
     duplicates: list[str] = []
-    rows_planned = {"heldout": 0, "eval": 0}
     rows_per_heldout_shard = max(1, cfg.heldout_rows // 2)
 
     def payloads(store: ShardStore, planner: FoldPlanner):
@@ -188,10 +187,6 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
                 continue
             if role == "eval":
                 yield from planner.finish()  # the training stream has ended
-            if rows_planned[role] >= cfg.heldout_rows:
-                entry["role"] = "spare" if role == "heldout" else "eval_spare"  # held out, but its rows are not needed
-                continue
-            rows_planned[role] += min(rows_per_heldout_shard, int(shard.input_ids.size))
             entry["cached"] = store.has(shard.id, "rows")
             if not entry["cached"]:
                 yield {"shard": shard.to_payload(), "role": role}

@@ -183,7 +183,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     by_index = sorted(shards, key=lambda s: s["index"])
     heldout_ids = [s["id"] for s in by_index if s["role"] == "heldout"]
     eval_ids = [s["id"] for s in by_index if s["role"] == "eval"]
-    tokens_in = sum(s["tokens"] for s in shards if s["role"] in ("train", "heldout", "spare"))
+    tokens_in = sum(s["tokens"] for s in shards if s["role"] in ("train", "heldout"))
     if tokens_in < tokens_requested:
         msg = f"the corpus ran out after {tokens_in} tokens of the {tokens_requested} requested; calibrated on what exists"
         warnings.warn(msg, stacklevel=2)
