@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtc.artifacts import bundle, tables
+from kvtc.artifacts import bundle, ecsq_tables, tables
 from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError
 from kvtc.artifacts.blocks import Block
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
@@ -101,6 +101,7 @@ class Artifact:
         self.version: str = manifest["version"]
         self._bases: dict = {}
         self._allocations: dict | None = None
+        self._ecsq: dict | None = None
         self.damaged: list[str] = []
         if verify:
             self.verify()
@@ -150,6 +151,23 @@ class Artifact:
             section = self.manifest.get("allocations")
             self._allocations = tables.decode_allocations(str(self.file(section["file"]))) if section else {}
         return self._allocations
+
+    def ecsq_tables(self) -> dict:
+        """{(ratio, stream, group): ECSQ table} ({} for an artifact calibrated before the ECSQ mode)."""
+        if self._ecsq is None:
+            section = self.manifest.get("ecsq")
+            self._ecsq = ecsq_tables.decode_ecsq(str(self.file(section["file"]))) if section else {}
+        return self._ecsq
+
+    def ecsq_ratios(self) -> list[float]:
+        return list((self.manifest.get("ecsq") or {}).get("ratios", []))
+
+    def ecsq(self, ratio: float, stream: str, group: int = 0) -> dict | None:
+        """The ECSQ table (step, kept, scales, model, offsets, models) or None when the artifact has none."""
+        for (r, s, g), table in self.ecsq_tables().items():
+            if math.isclose(r, float(ratio)) and s == stream and g == group:
+                return table
+        return None
 
     def allocation_info(self, ratio: float, stream: str, group: int = 0) -> dict:
         for (r, s, g), alloc in self.allocations().items():

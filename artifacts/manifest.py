@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtc.artifacts import bundle, tables
+from kvtc.artifacts import bundle, ecsq_tables, tables
 from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.schema import SCHEMA_VERSION, ArtifactContent, check_name, normalize_block, to_json
 
@@ -54,6 +54,10 @@ def kept_components(content: ArtifactContent, stream: str, group: int) -> int:
             found = True
             blocks = [normalize_block(b, "block") for b in alloc["blocks"]]
             ends += [start + size for start, size, qtype, _, _ in blocks if qtype != "none"]
+    for (_, s, g), table in content.ecsq.items():  # ECSQ mode may code more components than any allocation
+        if (s, g) == (stream, group):
+            found = True
+            ends.append(int(table["kept"]))
     return max(ends) if found else np.asarray(content.bases[(stream, group)][2]).shape[1]
 
 
@@ -78,6 +82,10 @@ def build_files(content: ArtifactContent, kernels_dir: Path | None = None) -> tu
         files["allocations.parquet"] = tables.encode_allocations(content.allocations)
         parts["allocations"] = {"file": "allocations.parquet",
                                 "ratios": sorted({float(r) for r, _, _ in content.allocations})}
+    parts["ecsq"] = None
+    if content.ecsq:
+        files["ecsq.parquet"] = ecsq_tables.encode_ecsq(content.ecsq)
+        parts["ecsq"] = {"file": "ecsq.parquet", "ratios": sorted({float(r) for r, _, _ in content.ecsq})}
     parts["metrics"] = None
     if content.metrics:
         files["metrics.parquet"] = tables.encode_rows(content.metrics, tables.METRIC_TYPES)

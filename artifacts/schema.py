@@ -22,7 +22,8 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmat
 DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 REQUIRED_MODEL_KEYS = ("spec", "num_layers", "num_kv_heads", "head_dim", "rope")
 REQUIRED_CALIBRATION_KEYS = ("sinks", "window", "seq_len", "tokens", "groups", "seed", "allocator", "ratios")
-RESERVED_TOP_LEVEL = ("manifest.json", "bases", "allocations.parquet", "metrics.parquet", "curves", "kernels")
+RESERVED_TOP_LEVEL = ("manifest.json", "bases", "allocations.parquet", "ecsq.parquet", "metrics.parquet", "curves",
+                      "kernels")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -87,6 +88,7 @@ class ArtifactContent:
     curves: {name: rows of scalars}, e.g. "error_by_position": {"position", "stream", "ratio", "rel_error"}.
     extra_files: {relative path: bytes}, e.g. charts PNG and "report.md".
     parent: version id (same name) or "name@version" this recalibrates; code_version defaults to the package's.
+    ecsq: {(ratio, stream, group): table} of the entropy-coded codec mode (artifacts/ecsq_tables.py).
     """
 
     name: str
@@ -101,6 +103,7 @@ class ArtifactContent:
     parent: str | None = None
     code_version: str | None = None
     bases_dtype: str = "float32"
+    ecsq: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_name("artifact name", self.name)
@@ -118,6 +121,8 @@ class ArtifactContent:
         self._check_bases()
         for key, alloc in self.allocations.items():
             self._check_allocation(key, alloc)
+        for key, table in self.ecsq.items():  # ECSQ mode hook
+            self._check_ecsq(key, table)
         for name, rows in self.curves.items():
             check_name("curve name", name)
             if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
@@ -155,6 +160,18 @@ class ArtifactContent:
             if mean.shape != (p,) or comp.ndim != 2 or comp.shape[0] != p or eig.shape != (comp.shape[1],):
                 raise ValueError(f"basis {key!r}: expected mean ({p},), eigenvalues (k,), components ({p}, k); "
                                  f"got {mean.shape}, {eig.shape}, {comp.shape}")
+
+    def _check_ecsq(self, key: tuple, table: dict) -> None:
+        from kvtc.artifacts.ecsq_tables import check_table
+
+        ratio, stream, group = key
+        if (stream, group) not in self.bases:
+            raise ValueError(f"ECSQ table {key!r} has no basis ({stream!r}, {group})")
+        if not any(math.isclose(float(ratio), float(r)) for r in self.calibration["ratios"]):
+            raise ValueError(f"ECSQ table {key!r}: ratio {ratio} is not in calibration ratios {self.calibration['ratios']}")
+        check_table(key, table)
+        if int(table["kept"]) > np.asarray(self.bases[(stream, group)][2]).shape[1]:
+            raise ValueError(f"ECSQ table {key!r} codes {table['kept']} components, the basis has fewer")
 
     def _check_allocation(self, key: tuple, alloc: dict) -> None:
         ratio, stream, group = key

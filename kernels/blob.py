@@ -1,7 +1,8 @@
 """The self-describing blob: fixed prefix, CRC-checked metadata with a section table, payloads.
 
 Layout (little endian):
-  prefix   "<4sHHII": magic b"KVTC", format version, flags (0), meta length, CRC32 of meta
+  prefix   "<4sHHII": magic b"KVTC", format version, flags (bit 0: ECSQ mode; 0: fixed-rate mode),
+           meta length, CRC32 of meta
   meta     name, version, model id (each u16 length + UTF-8), then "<dBIIIIQIIIII": ratio, dtype code,
            layers, kv_heads, tokens, head_dim, start position, sinks, window, raw head tokens,
            raw tail tokens, section count; then per section "<BBHHBQQI": tag, stream, group, block,
@@ -20,6 +21,9 @@ MAGIC = b"KVTC"
 FORMAT_VERSION = 1
 DTYPES = ("float16", "bfloat16", "float32")
 TAG_RAW_HEAD, TAG_RAW_TAIL, TAG_PARAMS, TAG_CODES = 1, 2, 3, 4
+TAG_ECSQ, TAG_ESCAPES = 5, 6  # ECSQ mode: per (stream, group) the ANS words, then the escaped symbols
+MODES = ("fixed", "ecsq")
+FLAG_ECSQ = 1
 _PREFIX = struct.Struct("<4sHHII")
 _FIELDS = struct.Struct("<dBIIIIQIIIII")
 _SECTION = struct.Struct("<BBHHBQQI")
@@ -55,6 +59,11 @@ class BlobHeader:
     window: int
     head_raw: int
     tail_raw: int
+    mode: str = "fixed"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"blob mode must be one of {MODES}, got {self.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,8 @@ def write_blob(header: BlobHeader, sections: list[Section]) -> bytes:
     for s in sections:
         meta.append(_SECTION.pack(*s.key, s.coding, len(s.stored), s.raw_len, zlib.crc32(s.stored)))
     meta_b = b"".join(meta)
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(meta_b), zlib.crc32(meta_b))
+    flags = FLAG_ECSQ if header.mode == "ecsq" else 0
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(meta_b), zlib.crc32(meta_b))
     return b"".join([prefix, meta_b, *(bytes(s.stored) for s in sections)])
 
 
@@ -119,7 +129,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     if fmt != FORMAT_VERSION:
         raise BlobError(f"blob format version {fmt} is not supported by this reader (version {FORMAT_VERSION}); "
                         "decode it with the kernels release that wrote it")
-    if flags != 0:
+    if flags & ~FLAG_ECSQ:
         raise BlobError(f"blob has unknown flags {flags:#x}")
     r.what = "metadata"
     meta = r.take(meta_len)
@@ -130,7 +140,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     f = m.unpack(_FIELDS)
     if f[1] >= len(DTYPES):
         raise BlobError(f"blob has unknown dtype code {f[1]}")
-    header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11])
+    header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11], mode=MODES[flags & FLAG_ECSQ])
     count = f[11]
     if count > _MAX_SECTIONS or count * _SECTION.size > len(meta) - m.pos:
         raise BlobError(f"blob section table declares {count} sections, metadata holds fewer")

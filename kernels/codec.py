@@ -13,10 +13,11 @@ from typing import Any, Iterator
 
 import torch
 
-from kvtc.kernels.blob import (TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section,
-                          SectionKey, read_blob, write_blob)
+from kvtc.kernels import ecsq
+from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
+                               BlobHeader, Section, SectionKey, read_blob, write_blob)
 from kvtc.kernels.bitpack import packed_nbytes
-from kvtc.kernels.entropy import CODERS, decode_section, encode_section
+from kvtc.kernels.entropy import CODERS, PLAIN, decode_section, encode_section
 from kvtc.kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
 from kvtc.kernels.backend import BACKENDS, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
@@ -34,12 +35,17 @@ class KVTCCodec:
 
     backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (interpreter on CPU).
     level: zlib level per section (0 = store plain); coder: "zlib", "plain" or "nvcomp".
+    mode: "ecsq" (entropy-coded, the default when the artifact carries ECSQ tables for the ratio) or
+    "fixed" (per-block fixed-rate codes with per-token scales, DEFLATE). Decode follows the blob's mode.
+    rate_control (ECSQ): coarsen the step of a (stream, group) whose coded bytes would exceed the
+    ratio's budget (text unlike the calibration's); False keeps the calibrated step everywhere.
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
-                 coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
+                 rate_control: bool = True) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -53,6 +59,8 @@ class KVTCCodec:
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         self.backend, self.level, self.coder, self.max_tokens = backend, level, coder, max_tokens
+        self.mode = _resolve_mode(self.spec, mode)
+        self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
         self.rope = None
         if self.spec.rope:
@@ -143,6 +151,9 @@ class KVTCCodec:
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
                     feat = ops.rope_center(x[:, :, head:head + mid], cos, sin, mean, layout)
+                if self.mode == "ecsq":
+                    sections += self._encode_ecsq(feat, si, stream, dev)
+                    continue
                 for gi, (cols, comps, code) in enumerate(parts):
                     with self._stage("project", dev):
                         z = (feat[:, cols] @ comps).contiguous()
@@ -155,17 +166,52 @@ class KVTCCodec:
                             sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPES[keys.dtype], L, H, T, D, start,
-                            s.sinks, s.window, head, tail)
+                            s.sinks, s.window, head, tail, mode=self.mode)
         return write_blob(header, sections)
 
-    def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int]]:
-        """(key, raw length) of every section a blob with this header must hold, in order."""
+    def _ecsq_params(self, stream: str, device: torch.device) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+        key = (f"ecsq:{stream}", str(device))
+        if key not in self._on_device:
+            width = self.spec.kv_heads * self.spec.head_dim
+            self._on_device[key] = [(slice(g.layers[0] * width, g.layers[1] * width), g.components.to(device),
+                                     g.offsets.to(device)) for g in self.spec.ecsq[stream]]
+        return self._on_device[key]
+
+    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device) -> list[Section]:
+        """Centred features (mid, p) of one stream -> per group: ANS words section, escapes section."""
+        out = []
+        for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
+            with self._stage("project", dev):
+                z = feat[:, cols] @ comps
+            budget = int(16 * g.mean.shape[0] // self.spec.ratio) * z.shape[0] // 8 if self.rate_control else None
+            with self._stage("entropy", dev):
+                words, escapes = ecsq.encode_group(z, g, budget)
+            out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
+            out.append(self._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
+        return out
+
+    def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device) -> None:
+        """Fill feat (mid, p) with one stream's reconstructed centred features."""
+        for gi, ((cols, comps, off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
+            with self._stage("entropy_decode", dev):
+                q, step = ecsq.decode_group(data[SectionKey(TAG_ECSQ, si, gi, 0)],
+                                            data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g)
+            with self._stage("dequantize", dev):
+                zhat = ecsq.dequantize(torch.from_numpy(q).to(dev), step, off)
+            with self._stage("project", dev):
+                feat[:, cols] = zhat @ comps.T
+
+    def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
+        """(key, raw length; None where it varies) of every section a blob with this header must hold, in order."""
         L, H, D, T = header.layers, header.kv_heads, header.head_dim, header.tokens
         item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
         head, mid, tail = self.split(T, header.start)
         out = [(SectionKey(tag, si, 0, 0), L * H * n * D * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
-        if mid:
+        if mid and header.mode == "ecsq":
+            out += [(SectionKey(tag, si, gi, 0), None) for si, stream in enumerate(STREAMS)
+                    for gi in range(len(self.spec.streams[stream])) for tag in (TAG_ECSQ, TAG_ESCAPES)]
+        elif mid:
             for si, stream in enumerate(STREAMS):
                 for gi, g in enumerate(self.spec.streams[stream]):
                     for bi, b in enumerate(g.blocks):
@@ -211,8 +257,13 @@ class KVTCCodec:
             raise BlobError(f"blob declares {header.tokens} tokens, over this decoder's limit of {max_tokens}; "
                             "pass max_tokens= to KVTCCodec or decode() if such long caches are expected")
         self._check_header(header)
+        if header.mode == "ecsq" and self.spec.ecsq is None:
+            raise BlobError(f"blob was written in the ECSQ mode; artifact {self.spec.name}@{self.spec.version} has no "
+                            f"ECSQ tables for ratio {self.spec.ratio:g}")
         expected = self.expected_sections(header)
-        if [(s.key, s.raw_len) for s in sections] != expected:
+        got = [(s.key, s.raw_len) for s in sections]
+        if len(got) != len(expected) or any(k != ek or (n is not None and r != n)
+                                            for (k, r), (ek, n) in zip(got, expected)):
             raise BlobError("blob section table does not match the artifact's allocation for this ratio")
         with self._stage("entropy_decode", dev):
             data = {s.key: decode_section(s.coding, s.stored, s.raw_len, str(tuple(s.key))) for s in sections}
@@ -229,7 +280,9 @@ class KVTCCodec:
             for si, stream in enumerate(STREAMS):
                 mean, parts = self._params(stream, dev)
                 feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
-                for gi, (cols, comps, code) in enumerate(parts):
+                if header.mode == "ecsq":
+                    self._decode_ecsq(data, si, stream, mid, feat, dev)
+                for gi, (cols, comps, code) in enumerate(parts if header.mode == "fixed" else ()):
                     zhat = torch.zeros(mid, code.kept, dtype=torch.float32, device=dev)
                     with self._stage("dequantize", dev):
                         for bi, b in enumerate(code.blocks):
@@ -243,3 +296,16 @@ class KVTCCodec:
                 with self._stage("rope_restore", dev):
                     ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
         return out[0], out[1]
+
+
+def _resolve_mode(spec: CodecSpec, mode: str | None) -> str:
+    """None -> "ecsq" where the spec carries ECSQ tables, else "fixed"; an unavailable mode is a clear error."""
+    if mode is None:
+        return "ecsq" if spec.ecsq is not None else "fixed"
+    if mode not in ("ecsq", "fixed"):
+        raise ValueError(f"mode must be 'ecsq' or 'fixed', got {mode!r}")
+    if mode == "ecsq" and spec.ecsq is None:
+        raise ValueError(f"artifact {spec.name}@{spec.version} has no ECSQ tables for ratio {spec.ratio:g} (calibrated "
+                         f"before the ECSQ mode existed, or without it): recalibrate with this release, e.g. "
+                         f"`kvtc recalibrate {spec.name} --corpus SPEC` (cached shards are reused), or use mode='fixed'")
+    return mode

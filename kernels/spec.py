@@ -10,11 +10,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtc.artifacts.blocks import Block, qtype_bits
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.artifacts.schema import STREAMS
+from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
 
 
 CodedBlock = Block  # the allocation block of kvtc.artifacts.blocks, under the runtime's name
@@ -69,6 +71,7 @@ class CodecSpec:
     window: int
     rope: dict[str, Any] | None
     streams: dict[str, tuple[GroupCode, ...]] = field(default_factory=dict)
+    ecsq: dict[str, tuple[EcsqGroup, ...]] | None = None  # the ECSQ mode's groups, when calibrated
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or self.sinks < 0 or self.window < 0:
@@ -88,6 +91,10 @@ class CodecSpec:
                 pos = b
             if pos != self.num_layers:
                 raise ValueError(f"{stream}: groups cover {pos} of {self.num_layers} layers")
+        if self.ecsq is not None:
+            if set(self.ecsq) != set(STREAMS) or any(
+                    [e.layers for e in self.ecsq[st]] != [g.layers for g in self.streams[st]] for st in STREAMS):
+                raise ValueError("ECSQ groups must match the fixed-rate groups stream by stream")
 
     @property
     def features(self) -> int:
@@ -116,4 +123,27 @@ class CodecSpec:
         return cls(name=str(m["name"]), version=str(m["version"]), ratio=float(ratio), model_id=model_id(fp),
                    num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
                    sinks=int(cal["sinks"]), window=int(cal["window"]), streams=streams,
-                   rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"))
+                   rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"),
+                   ecsq=_ecsq_groups(artifact, ratio, groups))
+
+
+def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[EcsqGroup, ...]] | None:
+    """The artifact's ECSQ tables at `ratio` as runtime groups; None when it has none for every group."""
+    if not hasattr(artifact, "ecsq"):
+        return None
+    out = {}
+    for stream in STREAMS:
+        codes = []
+        for gi, layers in enumerate(groups):
+            table = artifact.ecsq(ratio, stream, gi)
+            if table is None:
+                return None
+            mean, _eig, comps = artifact.basis(stream, gi)
+            kept = int(table["kept"])
+            codes.append(EcsqGroup(tuple(layers), torch.as_tensor(mean, dtype=torch.float32).contiguous(),
+                                   torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(),
+                                   float(table["step"]), np.asarray(table["model"], dtype=np.int64),
+                                   torch.as_tensor(table["offsets"], dtype=torch.float32),
+                                   tuple(SymbolModel(int(r), np.asarray(c, dtype=np.int64)) for r, c in table["models"])))
+        out[stream] = tuple(codes)
+    return out

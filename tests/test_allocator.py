@@ -24,9 +24,9 @@ def _gaussian(lam: np.ndarray, n: int, seed: int = 0) -> torch.Tensor:
 
 def _brute_force(tables, settings, budget):
     """Minimum error over every aligned tiling of [0, k) (each block any allowed type, the
-    tail after the last block free to be dropped) with cost <= budget."""
+    tail after the last block free to be dropped, nothing dropped before a coded block) with cost <= budget."""
     k, best = tables.k, math.inf
-    mids = settings.types
+    mids = settings.quantized_types
 
     def rec(i, cost, err):
         nonlocal best
@@ -151,3 +151,24 @@ def test_settings_validation():
     assert AllocatorSettings.from_dict(custom.to_dict()) == custom
     with pytest.raises(ValueError, match="unknown allocator settings"):
         AllocatorSettings.from_dict({"blocks": [1]})
+
+
+def test_never_drops_a_component_and_codes_a_weaker_one():
+    """Held-out noise can make a later component look stronger than earlier ones (the CR 32 anomaly:
+    components dropped, then one coded alone); the DP must code a prefix and drop only the tail."""
+    lam = (np.arange(1, 97) ** -1.5).astype(np.float64)
+    z = _gaussian(lam, 512, seed=5)
+    z[:, 40] *= 12.0  # one late component with a large held-out variance
+    settings = AllocatorSettings(block_sizes=(1, 16), types=("none", "int2", "int4", "fp8"))
+    for a in allocate([8, 16, 32, 48], _basis(lam), settings=settings, projections=z):
+        assert all(b.qtype != "none" for b in a.blocks)
+        assert [b.start for b in a.blocks] == [0] + [b.end for b in a.blocks[:-1]]
+
+
+def test_analytic_tables_use_heldout_variances_when_given_projections():
+    lam = (np.arange(1, 65) ** -1.0).astype(np.float64)
+    z = _gaussian(lam * 2.0, 2048, seed=2)  # held-out rows carry twice the calibration variance
+    settings = AllocatorSettings(error_model="analytic")
+    tables, _ = error_tables(_basis(lam), settings=settings, projections=z)
+    assert tables.variance.sum() == pytest.approx(2.0 * lam.sum(), rel=0.1)
+    assert np.all(np.diff(tables.variance) <= 1e-12)

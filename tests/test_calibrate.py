@@ -60,6 +60,16 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     assert "eval_rel_error" in rows[4.0]["values"]
     run_info = summary["run"]
     assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["checkpoint_bytes_per_shard"] > 0 and run_info["stats_bytes"] > 0
+    # ECSQ mode: tables beside the allocations, within budget, better than fixed-rate, and its chart
+    assert art.ecsq_ratios() == [4.0, 8.0] and (folder / "charts/rate_distortion.png").stat().st_size > 0
+    for stream in ("keys", "values"):
+        for r in (4.0, 8.0):
+            table = art.ecsq(r, stream)
+            assert 0 < table["bits_per_token"] <= table["budget_bits"] == int(16 * p // r)
+            assert table["kept"] <= arrays[stream][2].shape[1]
+        assert rows[8.0][stream]["ecsq_rel_error"] < rows[8.0][stream]["rel_error"]
+        assert rows[8.0][stream]["heldout_bound_rel_error"] <= rows[8.0][stream]["ecsq_rel_error"]
+    assert {r["mode"] for r in art.curve("rate_distortion")} == {"fixed", "ecsq", "bound_heldout", "bound_calibration"}
 
 
 def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):

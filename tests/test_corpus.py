@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvtc.pipeline.job.corpus import CorpusStats, CorpusWarning, HFSpec, iter_documents, parse_hf_spec
+from kvtc.pipeline.job.corpus import (PKGDOCS_MIN_CHARS, CorpusStats, CorpusWarning, HFSpec, describe, iter_documents,
+                                      parse_hf_spec)
 
 
 def docs(spec: str, **kwargs) -> list:
@@ -107,7 +108,7 @@ def test_hf_local_dataset_directory_streams_offline(tmp_path: Path) -> None:
 
 def test_unknown_spec_lists_accepted_forms() -> None:
     for bad in ("wikipedia", "corpus.csv", "", "pydoc,,stdlib"):
-        with pytest.raises(ValueError, match=r"accepted forms: pydoc \| stdlib \| hf:ORG/NAME"):
+        with pytest.raises(ValueError, match=r"accepted forms: pydoc \| pkgdocs \| stdlib \| hf:ORG/NAME"):
             iter_documents(bad)
 
 
@@ -138,3 +139,21 @@ def test_nothing_usable_is_a_clear_error(tmp_path: Path) -> None:
             docs(str(tmp_path))
         with pytest.raises(ValueError, match="no .txt/.jsonl/.parquet file matched"):
             docs(str(tmp_path / "nothing*.jsonl"))
+
+
+def test_mixture_interleaves_pydoc_and_installed_package_descriptions(files: Path) -> None:
+    docs = list(iter_documents("pydoc+pkgdocs"))
+    kinds = [d.id.split(":")[0] for d in docs]
+    assert kinds[:6] == ["pydoc", "pkgdocs"] * 3  # any prefix is a mixture
+    pkg = [d for d in docs if d.id.startswith("pkgdocs:")]
+    assert len(pkg) >= 5 and all(len(d.text) >= PKGDOCS_MIN_CHARS and "==" in d.id for d in pkg)
+    assert [d.id for d in pkg] == sorted((d.id for d in pkg), key=lambda i: i.split(":")[1].split("==")[0].lower().replace("_", "-"))
+    assert not any(d.id.startswith("pkgdocs:kvtc-calibration") for d in pkg)
+    described = describe("pydoc+pkgdocs,stdlib")
+    assert described["parts"] == [["pydoc", "pkgdocs"], ["stdlib"]]
+    assert described["pkgdocs"] == [d.id.split(":", 1)[1] for d in pkg]
+    plus = files / "a+b.txt"
+    plus.write_text("a file whose name holds a plus")
+    assert [d.text for d in iter_documents(str(plus))] == ["a file whose name holds a plus"]
+    with pytest.raises(ValueError, match="empty part"):
+        iter_documents("pydoc+")

@@ -28,15 +28,19 @@ KIVI_CONFIGS = ((2, 32), (2, 128), (4, 32), (4, 128))
 @dataclass(frozen=True)
 class EvalSettings:
     """ratios: codec ratios (also the budgets of pca_uniform and evict); continuation: tokens scored
-    per sequence; sequences: how many held-out sequences; baselines: subset of BASELINES."""
+    per sequence; sequences: how many held-out sequences; baselines: subset of BASELINES; mode: the
+    codec's mode, "ecsq" or "fixed" (None: the codec's default, ECSQ where the artifact has its tables)."""
 
     ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
     continuation: int = 64
     sequences: int = 4
     baselines: tuple[str, ...] = BASELINES
     kivi_configs: tuple[tuple[int, int], ...] = KIVI_CONFIGS
+    mode: str | None = None
 
     def __post_init__(self) -> None:
+        if self.mode not in (None, "ecsq", "fixed"):
+            raise ValueError(f"mode must be 'ecsq' or 'fixed', got {self.mode!r}")
         if not self.ratios or any(not r > 1 for r in self.ratios):
             raise ValueError(f"ratios must be > 1, got {list(self.ratios)}; pass e.g. --ratios 8,16,32")
         if self.continuation < 1 or self.sequences < 1:
@@ -101,7 +105,7 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
                                                   4 * keys[:, :, 0].numel() * bl.split(keys.shape[2], sinks, window)[1],
                                                   bl.split(keys.shape[2], sinks, window)[1], keys[:, :, 0].numel())
     for r in settings.ratios:
-        yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r), keys, values)
+        yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r, mode=settings.mode), keys, values)
     if "pca_uniform" in settings.baselines:
         for r in settings.ratios:
             yield f"pca-uniform-{r:g}x", r, bl.run_codec(bl.pca_uniform_codec(artifact, r), keys, values,
@@ -220,7 +224,8 @@ def run(name: str, registry: str | None, settings: EvalSettings, corpus: str | N
     rows = evaluate_sequences(lm, art, seqs, settings, progress)
     return {"artifact": f"{art.name}@{art.version}", "corpus": corpus or art.manifest.get("corpus", {}).get("spec"),
             "settings": {"ratios": list(settings.ratios), "continuation": settings.continuation,
-                         "sequences": len(seqs), "baselines": list(settings.baselines)},
+                         "sequences": len(seqs), "baselines": list(settings.baselines),
+                         "mode": settings.mode or ("ecsq" if art.ecsq_ratios() else "fixed")},
             "rows": rows, "limit": limit_rows(art.metrics())}
 
 
@@ -230,7 +235,8 @@ def _handler(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--ratios must be comma-separated numbers, got {args.ratios!r}") from None
     base = () if args.baselines == "none" else BASELINES if args.baselines == "all" else tuple(args.baselines.split(","))
-    settings = EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences, baselines=base)
+    settings = EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences, baselines=base,
+                            mode=args.mode)
     result = run(args.artifact, args.registry, settings, args.corpus, args.model, args.dtype,
                  progress=lambda msg: print(f"kvtc eval: {msg}", file=sys.stderr))
     if args.json:
@@ -256,5 +262,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baselines", default="all", help=f"all (default), none, or a comma list of {','.join(BASELINES)}")
     p.add_argument("--model", default=None, help="model spec (default: the one the artifact was calibrated on)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    p.add_argument("--mode", choices=("ecsq", "fixed"), default=None,
+                   help="codec mode: ecsq (entropy-coded; the default where the artifact has its tables) or fixed")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
     p.set_defaults(func=_handler)

@@ -6,7 +6,8 @@ Components, in PCA order, are cut into contiguous blocks; a block has one size f
 then hold K/s entries per size instead of K, which is what makes measured errors affordable).
 The DP runs over (component index, cost units) and minimises the summed squared error subject
 to cost <= B = floor(16 p / CR); components after the last block that got bits are dropped
-(error: their variance). Cost unit g: the gcd of all block costs (exact DP); when
+(error: their variance), and only those: a component is never dropped while a later (weaker)
+one gets bits, so noisy held-out errors cannot make the DP skip components. Cost unit g: the gcd of all block costs (exact DP); when
 (K+1) * (B/g + 1) would exceed `max_dp_states`, g is the smallest multiple of that gcd that
 fits, and each block's cost is rounded UP to a multiple of g, so B is never exceeded (the
 only loss is slack on blocks whose cost is not a multiple of g, in practice size-1 blocks).
@@ -14,6 +15,7 @@ Error tables are built once per basis (`error_tables`) and shared by every ratio
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -150,7 +152,7 @@ def solve_budget(tables: ErrorTables, settings: AllocatorSettings, budget: int):
     k, unit = tables.k, _cost_unit(settings, tables.k, budget)
     units = budget // unit
     width = units + 1
-    mids = ["none"] if "none" in settings.types else []
+    mids: list[str] = []  # no "none" block before a coded one: never drop a component and code a weaker one
     choices = [(s, t) for s in settings.block_sizes if s <= k for t in mids + list(settings.quantized_types)]
     ucost = [-(-block_cost_bits(t, s) // unit) for s, t in choices]
     cum = np.concatenate([[0.0], np.cumsum(tables.variance)])
@@ -213,7 +215,12 @@ def error_tables(basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,
     rows (N, p) or from centered projections (N, >= k). Returns (tables, warnings)."""
     k = basis.k if k is None else min(int(k), basis.k)
     if settings.error_model == "analytic":
-        return analytic_tables(basis, k, settings.block_sizes, settings.quantized_types), ()
+        variances = None
+        if projections is not None:  # held-out variances (isotonic) generalize better than the eigenvalues
+            from kvtc.pipeline.fit.ecsq import heldout_variances
+
+            variances = heldout_variances(torch.as_tensor(projections, dtype=torch.float32))
+        return analytic_tables(basis, k, settings.block_sizes, settings.quantized_types, variances), ()
     if projections is None:
         if heldout is None:
             raise ValueError("error_model='measured' needs held-out rows; pass heldout=(N, p) rows or use 'analytic'")
@@ -221,6 +228,9 @@ def error_tables(basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,
     z = torch.as_tensor(projections, dtype=torch.float32)
     if z.ndim != 2:
         raise ValueError(f"held-out projections must be (N, k), got shape {tuple(z.shape)}")
+    beyond = None
+    if z.ndim == 2 and z.shape[1] == basis.dim > k:  # the dropped tail's variance as held-out rows show it
+        beyond = float(z[:, k:].double().square().sum() / max(z.shape[0], 1))
     z = z[:, :k]
     n, notes = int(z.shape[0]), ()
     if n < settings.min_rows:
@@ -229,7 +239,10 @@ def error_tables(basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,
     if n < settings.recommended_rows:
         notes = (f"only {n} held-out rows (recommended >= {settings.recommended_rows}); measured errors are noisy",)
         warnings.warn(notes[0], stacklevel=2)
-    return measured_tables(basis, z, settings.block_sizes, settings.quantized_types), notes
+    tables = measured_tables(basis, z, settings.block_sizes, settings.quantized_types)
+    if beyond is not None:
+        tables = dataclasses.replace(tables, beyond=beyond)
+    return tables, notes
 
 
 def allocate(ratios, basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,

@@ -40,9 +40,11 @@ class ErrorTables:
         return float(self.errors[(size, qtype)][index])
 
 
-def _tables(basis: Basis, variance: np.ndarray, errors: dict, model: str, rows: int) -> ErrorTables:
+def _tables(basis: Basis, variance: np.ndarray, errors: dict, model: str, rows: int,
+            beyond: float | None = None) -> ErrorTables:
     k = variance.shape[0]
-    beyond = max(basis.total_variance - float(basis.eigenvalues[:k].sum()), 0.0)
+    if beyond is None:
+        beyond = max(basis.total_variance - float(basis.eigenvalues[:k].sum()), 0.0)
     return ErrorTables(basis.dim, k, model, rows, variance, errors, beyond, basis.total_variance)
 
 
@@ -81,13 +83,14 @@ def _expected_max(lam: torch.Tensor) -> torch.Tensor:
     return (lo + hi) / 2
 
 
-def analytic_tables(basis: Basis, k: int, sizes, qtypes) -> ErrorTables:
-    """Gaussian model on the calibrated spectrum. intB, block of s: range r = 2 m (m from
+def analytic_tables(basis: Basis, k: int, sizes, qtypes, variances: np.ndarray | None = None) -> ErrorTables:
+    """Gaussian model on the calibrated spectrum, or on `variances` (p,) measured on held-out rows. intB, block of s: range r = 2 m (m from
     `_expected_max`), step r / (2^B - 1), uniform error step^2 / 12 on the s - 2 components that
     are not the block's min or max (those two are stored exactly in fp16). fp8 e4m3: relative
     error of a 3-bit mantissa, 2^-6 E[1/m^2] / 12 with Benford mantissas (E = 0.54), on all
     components but the absmax one. Every entry adds fp16 rounding (2^-21 * 0.54 / 12 relative, as measured)."""
-    lam_all = np.asarray(basis.eigenvalues[:k], dtype=np.float64)
+    source = basis.eigenvalues if variances is None else variances
+    lam_all = np.asarray(source[:k], dtype=np.float64)
     errors = {}
     for s in sizes:
         nb = k // s
@@ -103,4 +106,5 @@ def analytic_tables(basis: Basis, k: int, sizes, qtypes) -> ErrorTables:
                 step = 2 * m / ((1 << qtype_bits(t)) - 1)
                 err = max(s - 2, 0) * step.square() / 12
             errors[(s, t)] = (err + total * FP16_REL_MSE).numpy()
-    return _tables(basis, lam_all.copy(), errors, "analytic", 0)
+    beyond = None if variances is None or len(variances) < basis.dim else float(np.sum(variances[k:]))
+    return _tables(basis, lam_all.copy(), errors, "analytic", 0, beyond)

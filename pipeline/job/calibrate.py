@@ -20,7 +20,7 @@ from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.shards import ShardPlan, plan_shards
 
 DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_CORPUS = "pydoc"
+DEFAULT_CORPUS = "pydoc+pkgdocs"  # prose mixture; stdlib code stays the evaluation domain
 DEFAULT_EVAL_CORPUS = "stdlib"
 # Sized for about 10 minutes end to end on a 2-core CPU with the embedded model: 40K tokens took
 # 347 s wall (2.3 min of model work at 338 tok/s, the rest start-up and reduce), so 80K take ~8 min.
@@ -297,7 +297,7 @@ def _run_on_ray(cfg: CalibrateConfig, gpus: float, started: bool, worker_cls: ty
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = CalibrateConfig()
     p.add_argument("--model", default=d.model, help="smollm2-135m (default), a hub id, a model dir, a .gguf path, or tiny:ARCH")
-    p.add_argument("--corpus", default=d.corpus, help="pydoc (default), stdlib, hf:ORG/NAME, or local .txt/.jsonl/.parquet files, dirs, globs")
+    p.add_argument("--corpus", default=d.corpus, help="pydoc+pkgdocs (default: a mixture, + interleaves), pydoc, pkgdocs, stdlib, hf:ORG/NAME, or local .txt/.jsonl/.parquet files, dirs, globs")
     p.add_argument("--eval-corpus", default=d.eval_corpus, help="second domain for cross-domain errors (default stdlib; 'none' to skip)")
     p.add_argument("--ratios", default="8,16,32", help="compression ratios, comma separated (default 8,16,32)")
     p.add_argument("--tokens", type=int, default=None, help="tokens to run through the model (default: sized for ~10 min on a 2-core CPU)")

@@ -1,8 +1,14 @@
 """Calibration corpora: turn a corpus spec into a stream of text documents.
 
-Spec grammar (several specs may be joined with ',' and are read in that order):
+Spec grammar (several specs may be joined with ',' and are read in that order, or with '+' and
+interleaved document by document, round robin, so any prefix of the stream is a mixture):
 
+    pydoc+pkgdocs                       the default calibration corpus: a mixture of the two below
     pydoc                               Python's documentation prose (pydoc_data.topics), one document per topic, by key
+    pkgdocs                             the long descriptions (README prose and markdown on every topic) that the
+                                        Python distributions installed in the environment's site-packages carry in
+                                        their metadata, one per distribution, by name; descriptions under
+                                        PKGDOCS_MIN_CHARS are skipped
     stdlib                              the standard library's .py sources, one document per file, by path
                                         (no site-packages, test suites, GUI packages, codec tables, pydoc_data)
     hf:NAME[:CONFIG][@SPLIT][#COLUMN]   a `datasets` dataset, streamed; NAME is a hub id ORG/NAME or a local
@@ -34,8 +40,10 @@ STDLIB_EXCLUDED_DIRS = frozenset({
     "site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo",
     "lib2to3", "ensurepip", "encodings", "pydoc_data", "lib-dynload", "__pycache__",
 })
-ACCEPTED_FORMS = ("pydoc | stdlib | hf:ORG/NAME[:CONFIG][@SPLIT][#COLUMN] | FILE.txt | FILE.jsonl[#COLUMN] | "
-                  "FILE.parquet[#COLUMN] | DIR/ | GLOB (e.g. data/*.jsonl); join several with ','")
+PKGDOCS_MIN_CHARS = 500
+ACCEPTED_FORMS = ("pydoc | pkgdocs | stdlib | hf:ORG/NAME[:CONFIG][@SPLIT][#COLUMN] | FILE.txt | FILE.jsonl[#COLUMN] | "
+                  "FILE.parquet[#COLUMN] | DIR/ | GLOB (e.g. data/*.jsonl); join several with ',' (in order) "
+                  "or '+' (interleaved), e.g. pydoc+pkgdocs")
 Source = Callable[["CorpusStats"], Iterator["Document"]]
 
 
@@ -96,8 +104,45 @@ def iter_documents(spec: str, text_column: str | None = None, stats: CorpusStats
     parts = [part.strip() for part in spec.split(",")]
     if not spec.strip() or not all(parts):
         raise ValueError(f"empty corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
-    sources = [_resolve(part, text_column) for part in parts]
+    mixed = [_mixed_parts(part) for part in parts]
+    if any(not p for m in mixed for p in m):
+        raise ValueError(f"empty part in corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
+    sources = [_mixture([_resolve(p, text_column) for p in m]) for m in mixed]
     return _stream(spec, sources, stats)
+
+
+def _mixed_parts(part: str) -> list[str]:
+    """'A+B' -> [A, B]; a path that exists (its name may hold '+') stays whole."""
+    if "+" not in part or Path(part).exists() or glob.has_magic(part):
+        return [part]
+    return [p.strip() for p in part.split("+")]
+
+
+def _mixture(sources: list[Source]) -> Source:
+    """One source, or several interleaved document by document (round robin until all run out)."""
+    if len(sources) == 1:
+        return sources[0]
+
+    def interleave(stats: CorpusStats) -> Iterator[Document]:
+        live = [source(stats) for source in sources]
+        while live:
+            for it in list(live):
+                doc = next(it, None)
+                if doc is None:
+                    live.remove(it)
+                else:
+                    yield doc
+
+    return interleave
+
+
+def describe(spec: str) -> dict:
+    """What the manifest records about a corpus spec: its parts, and for pkgdocs the distributions read."""
+    parts = [_mixed_parts(part.strip()) for part in spec.split(",")]
+    out: dict = {"spec": spec, "parts": parts}
+    if any(p == "pkgdocs" for m in parts for p in m):
+        out["pkgdocs"] = [doc.id.split(":", 1)[1] for doc in _pkgdocs_documents()]
+    return out
 
 
 def _stream(spec: str, sources: list[Source], stats: CorpusStats) -> Iterator[Document]:
@@ -116,6 +161,8 @@ def _resolve(part: str, text_column: str | None) -> Source:
         return lambda stats: _pydoc_documents()
     if part == "stdlib":
         return _stdlib_documents
+    if part == "pkgdocs":
+        return lambda stats: _pkgdocs_documents()
     if part.startswith("hf:"):
         hf = parse_hf_spec(part)
         column = _pick_column(part, hf.column, text_column)
@@ -152,6 +199,24 @@ def _pydoc_documents() -> Iterator[Document]:
     for key in sorted(topics):
         if topics[key].strip():
             yield Document(id=f"pydoc:{key}", text=topics[key])
+
+
+def _pkgdocs_documents() -> Iterator[Document]:
+    from importlib import metadata
+
+    # the environment's site-packages only: sys.path additions (Ray's vendored packages) must not change the corpus
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    seen: dict[str, Document] = {}
+    for dist in metadata.distributions(path=paths):
+        name = (dist.metadata.get("Name") or "").strip()
+        key = name.lower().replace("_", "-")
+        if not key or key in seen or key == "kvtc-calibration":
+            continue
+        text = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
+        if isinstance(text, str) and len(text.strip()) >= PKGDOCS_MIN_CHARS:
+            seen[key] = Document(id=f"pkgdocs:{name}=={dist.version}", text=text)
+    for key in sorted(seen):
+        yield seen[key]
 
 
 def _stdlib_documents(stats: CorpusStats) -> Iterator[Document]:

@@ -27,7 +27,8 @@ from typing import Callable
 import numpy as np
 
 from kvtc.pipeline.evaluation import diagnostics
-from kvtc.pipeline.evaluation import report
+from kvtc.pipeline.evaluation import rate_distortion, report
+from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis
@@ -104,22 +105,29 @@ class GroupResult:
     curves: dict[str, list[dict]] = field(default_factory=dict)
     partials: dict[tuple, list[float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    ecsq: dict = field(default_factory=dict)  # ECSQ mode: (ratio, stream, group) -> table
 
 
 def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, held: HeldOut,
-                 evals: HeldOut | None, cols: slice, sinks: int, window: int) -> GroupResult:
+                 evals: HeldOut | None, cols: slice, sinks: int, window: int,
+                 ecsq_totals: dict | None = None) -> GroupResult:
     """One stream and group: DP allocations at `ratios` on the held-out middle rows' projections,
-    metrics on held-out (middle and all positions) and eval rows, spectrum and PCA-error curves."""
+    ECSQ tables, metrics on held-out (middle and all positions) and eval rows, spectrum, PCA-error
+    and rate-distortion curves. `ecsq_totals` gathers the ECSQ stream-level sums over groups."""
+    ecsq_totals = {} if ecsq_totals is None else ecsq_totals
     mid = held.middle(sinks, window)
     rows_all = getattr(held, stream)[:, cols]
     x_mid = rows_all[mid]
     z_mid = basis.project(x_mid)  # one GEMM serves the error tables and the held-out metrics
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
-    kept = max(a.kept for a in allocs)
+    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim)  # ECSQ mode
+    kept = max([a.kept for a in allocs] + [f.kept for f in fits])
     out = GroupResult(stream, group, (basis.mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32),
                                       basis.components[:, :kept].astype(np.float32)))
     out.notes = list(dict.fromkeys(w for a in allocs for w in a.warnings))
-    curves = out.curves = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [], "pca_error": []}
+    out.ecsq = {(f.ratio, stream, group): f.to_table() for f in fits}
+    curves = out.curves = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [], "pca_error": [],
+                           "rate_distortion": []}
     curves["spectrum"] = [{"stream": stream, "group": group, "index": i, "eigenvalue": float(v)}
                           for i, v in enumerate(basis.eigenvalues)]
     ks = sorted({k for k in _PCA_KS if k <= basis.k} | {basis.k})
@@ -129,6 +137,8 @@ def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: Allocator
     if evals is not None:
         splits.append(("eval", getattr(evals, stream)[evals.middle(sinks, window)][:, cols], None, None))
     for split, x, pos, z in splits:
+        if pos is None:  # ECSQ mode
+            out.metrics += rate_distortion.split_metrics(fits, basis, x, z, split, stream, group, ecsq_totals)
         norm = float(np.square(x, dtype=np.float64).sum())
         for a, ev in zip(allocs, evaluate(basis, allocs, x, positions=pos, projections=z)):
             if split == "heldout_all_positions":
@@ -143,6 +153,10 @@ def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: Allocator
                                                       ev.bits_per_token]
     curves["error_by_position_pca"] = [{"stream": stream, "group": group, **r}
                                        for r in diagnostics.pca_error_by_position(basis, allocs, rows_all, held.positions)]
+    fixed_points = [(m["value"], next(r["value"] for r in out.metrics if r["metric"] == "rel_error" and r["split"] == "heldout"
+                                      and r["ratio"] == m["ratio"]))
+                    for m in out.metrics if m["metric"] == "bits_per_token" and m["split"] == "heldout"]
+    curves["rate_distortion"] = rate_distortion.curve_rows(basis, x_mid, z_mid, stream, group, fits, fixed_points)
     for a in allocs:
         out.allocations[(a.ratio, stream, group)] = {
             "budget_bits": a.budget_bits, "cost_bits": a.cost_bits, "kept": a.kept,
@@ -214,6 +228,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     t_curve = time.perf_counter()
 
     results: list[GroupResult] = []
+    ecsq_totals: dict = {}
     solve_timings: list[dict] = []
     train_rows = 0
     for stream in STREAMS:
@@ -224,11 +239,13 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
             while True:  # subspace iteration: widen until the least aggressive allocation stops short of k
                 basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu)
                 solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
+                totals = {key: list(v) if isinstance(v, list) else v for key, v in ecsq_totals.items()}
                 result = reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, slice(a * width, b * width),
-                                      cfg.sinks, cfg.window)
+                                      cfg.sinks, cfg.window, totals)
                 train_rows = basis.n
                 del basis
                 if k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
+                    ecsq_totals = totals
                     break
                 k = min(bound, 2 * k)
             results.append(result)
@@ -257,7 +274,11 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
         "train_shards": [s["id"] for s in by_index if s["role"] == "train"], "heldout_shards": heldout_ids,
         "eval_shards": eval_ids, "accumulators": names, "tokens": {s["id"]: s["tokens"] for s in shards},
     }
-    summary = publish_calibration(cfg, fingerprint, calibration, corpus, results, by_tokens, registry, alias_latest, notes)
+    from kvtc.pipeline.job.corpus import describe
+
+    corpus = dict(corpus, mixture=describe(str(corpus.get("spec", cfg.corpus))))  # sources, pkgdocs distributions
+    summary = publish_calibration(cfg, fingerprint, calibration, corpus, results, by_tokens, registry, alias_latest,
+                                  notes, rate_distortion.stream_metrics(ecsq_totals))
     timing["reduce_s"] = time.perf_counter() - t0
     return summary
 
@@ -269,13 +290,14 @@ def _groups(spec: str, num_layers: int) -> list[tuple[int, int]]:
 
 
 def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],
-                        by_tokens: list[dict], registry: str, alias_latest: bool, notes: list[str]) -> dict:
+                        by_tokens: list[dict], registry: str, alias_latest: bool, notes: list[str],
+                        ecsq_metrics: list[dict]) -> dict:
     """Assemble the artifact from the per-group results, store report and charts, publish."""
     from kvtc import artifacts
 
-    metrics = [m for r in results for m in r.metrics] + aggregate(results)
+    metrics = [m for r in results for m in r.metrics] + ecsq_metrics + aggregate(results)
     curves: dict[str, list[dict]] = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [],
-                                     "pca_error": [], "error_by_tokens": by_tokens}
+                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": []}
     for r in results:
         for name, rows in r.curves.items():
             curves[name] += rows
@@ -285,6 +307,7 @@ def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict,
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus, bases=bases,
         allocations=allocations, metrics=metrics, curves=curves, extra_files=extra, parent=cfg.parent,
+        ecsq={key: table for r in results for key, table in r.ecsq.items()},
     )
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
     return summarize(ref, metrics, notes)

@@ -1,0 +1,203 @@
+"""Entropy-coded scalar quantization (ECSQ), the runtime half: quantize, reconstruct, code symbols.
+
+One group's projections z (N, kept) are quantized with one global step, q = round(z / step), with
+no per-token scale. Symbol q of component j is reconstructed at its calibrated bin centroid,
+sign(q) (|q| - offsets[j, min(|q|, C) - 1]) step (0 for q = 0). Each component is assigned one
+of the group's symbol models (a quantized Gaussian of the component's scale, stored as integer
+counts so encoder and decoder build identical tables); a model covers symbols [-R, R] plus an
+escape symbol, and escaped values follow in a separate int32 list, so any finite input
+round-trips within one step. Symbols are coded with constriction's ANS coder, model by model
+(all tokens of the components that share a model in one call, from lookup tables).
+
+Rate control (`encode_group`): the calibrated step meets the ratio's budget on average over
+held-out text; text that codes larger (another domain) gets a coarser step, step 2^(j / 32) for
+the smallest j found that fits the budget, and j leads the words section (int32), so no blob
+exceeds its budget while in-domain blobs keep the calibrated step.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvtc.kernels.blob import BlobError
+
+MAX_SYMBOL = 1 << 30
+PROBABILITY_TOTAL = 1 << 20
+STEP_GRID = 32  # rate control: step multipliers 2^(j / STEP_GRID)
+MAX_STEP_EXPONENT = 255
+_EXPONENT = struct.Struct("<i")
+
+
+class SymbolModel(NamedTuple):
+    """Symbols [-radius, radius] then one escape: counts (2 radius + 2,) int64, each >= 1."""
+
+    radius: int
+    counts: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class EcsqGroup:
+    """One basis at one ratio: layers [a, b); mean (p,), components (p, kept) float32; step; model
+    (kept,) int index into `models` per component; offsets (kept, C) float32 centroid offsets in steps."""
+
+    layers: tuple[int, int]
+    mean: torch.Tensor
+    components: torch.Tensor
+    step: float
+    model: np.ndarray
+    offsets: torch.Tensor
+    models: tuple[SymbolModel, ...]
+
+    def __post_init__(self) -> None:
+        p, kept = self.components.shape if self.components.ndim == 2 else (-1, -1)
+        if self.mean.ndim != 1 or p != self.mean.shape[0]:
+            raise ValueError(f"ECSQ group {self.layers}: mean {tuple(self.mean.shape)} and components "
+                             f"{tuple(self.components.shape)} must be (p,) and (p, kept)")
+        if not (self.step > 0 and np.isfinite(self.step)):
+            raise ValueError(f"ECSQ group {self.layers}: step must be a positive finite number, got {self.step}")
+        if self.model.shape != (kept,) or self.offsets.ndim != 2 or self.offsets.shape[0] != kept \
+                or self.offsets.shape[1] < 1:
+            raise ValueError(f"ECSQ group {self.layers}: model {self.model.shape} and offsets "
+                             f"{tuple(self.offsets.shape)} must be ({kept},) and ({kept}, C)")
+        if kept and (self.model.min() < 0 or self.model.max() >= len(self.models)):
+            raise ValueError(f"ECSQ group {self.layers}: a component names a symbol model outside 0..{len(self.models) - 1}")
+        for m in self.models:
+            if m.radius < 0 or m.counts.shape != (2 * m.radius + 2,) or m.counts.min() < 1:
+                raise ValueError(f"ECSQ group {self.layers}: a symbol model needs 2 radius + 2 counts, each >= 1")
+
+    @property
+    def kept(self) -> int:
+        return int(self.components.shape[1])
+
+    @functools.cached_property
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """Per model, the component indices that use it (ascending)."""
+        return tuple(np.flatnonzero(self.model == i) for i in range(len(self.models)))
+
+    @functools.cached_property
+    def coders(self) -> tuple:
+        """Per model, constriction's lookup-table categorical model."""
+        import constriction
+
+        return tuple(constriction.stream.model.Categorical(m.counts / m.counts.sum(), perfect=False)
+                     for m in self.models)
+
+
+def quantize(z: torch.Tensor, step: float) -> torch.Tensor:
+    """z (N, kept) float -> symbols (N, kept) int32; ValueError for non-finite or absurdly large values."""
+    q = torch.round(z.float() / step)
+    if not bool(torch.isfinite(q).all()) or (q.numel() and float(q.abs().max()) > MAX_SYMBOL):
+        raise ValueError("the cache holds non-finite values or values beyond 2^30 quantizer steps; "
+                         "ECSQ cannot code them (check the model's numerics, or use mode='fixed')")
+    return q.to(torch.int32)
+
+
+def dequantize(q: torch.Tensor, step: float, offsets: torch.Tensor) -> torch.Tensor:
+    """symbols (N, kept) int32, offsets (kept, C) -> zhat (N, kept) float32 at the bin centroids."""
+    a = q.abs()
+    idx = (a.clamp(1, offsets.shape[1]) - 1).long()
+    off = torch.gather(offsets.expand(q.shape[0], -1, -1), 2, idx.unsqueeze(2)).squeeze(2)
+    return torch.where(a > 0, torch.sign(q).float() * (a.float() - off), torch.zeros((), device=q.device)) * step
+
+
+def encode_symbols(q: np.ndarray, group: EcsqGroup) -> tuple[bytes, bytes]:
+    """symbols (N, kept) int32 -> (ANS words as little-endian bytes, escaped symbols as int32 bytes)."""
+    import constriction
+
+    coder = constriction.stream.stack.AnsCoder()
+    chunks = []
+    for m, cols, model in zip(group.models, group.columns, group.coders):
+        s = q[:, cols].ravel().astype(np.int64)
+        out = (s < -m.radius) | (s > m.radius)
+        chunks.append((np.where(out, 2 * m.radius + 1, s + m.radius).astype(np.int32), s[out], model))
+    for idx, _, model in reversed(chunks):  # a stack: the first chunk is encoded last, decoded first
+        if idx.size:
+            coder.encode_reverse(idx, model)
+    escapes = np.concatenate([c[1] for c in chunks]) if chunks else np.zeros(0)
+    return coder.get_compressed().astype("<u4").tobytes(), escapes.astype("<i4").tobytes()
+
+
+def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) -> np.ndarray:
+    """Inverse of encode_symbols -> symbols (tokens, kept) int32; BlobError for a stream that does
+    not decode to exactly `tokens` rows (truncated, corrupt) or escapes that do not fit the models."""
+    import constriction
+
+    if len(words) % 4 or len(escapes) % 4:
+        raise BlobError("ECSQ section lengths must be multiples of 4 bytes: the stream is truncated or corrupt")
+    esc = np.frombuffer(escapes, dtype="<i4").astype(np.int64)
+    q = np.empty((tokens, group.kept), dtype=np.int32)
+    used = 0
+    try:
+        coder = constriction.stream.stack.AnsCoder(np.frombuffer(words, dtype="<u4").copy())
+        for m, cols, model in zip(group.models, group.columns, group.coders):
+            if not cols.size or not tokens:
+                continue
+            idx = coder.decode(model, tokens * cols.size).astype(np.int64)
+            out = idx == 2 * m.radius + 1
+            n = int(out.sum())
+            if used + n > esc.size:
+                raise BlobError("ECSQ stream names more escaped symbols than the blob holds: it is corrupt")
+            vals = idx - m.radius
+            extra = esc[used:used + n]
+            if n and (np.abs(extra) <= m.radius).any() or (np.abs(extra) > MAX_SYMBOL).any():
+                raise BlobError("ECSQ escaped symbol lies inside its model's range or beyond 2^30: the blob is corrupt")
+            vals[out] = extra
+            used += n
+            q[:, cols] = vals.reshape(tokens, cols.size)
+        empty = coder.is_empty()
+    except BlobError:
+        raise
+    except Exception as exc:  # constriction reports exhausted or invalid data as ValueError/AssertionError
+        raise BlobError(f"ECSQ stream does not decode ({exc}): it is truncated or corrupt") from None
+    if not empty or used != esc.size:
+        raise BlobError("ECSQ stream does not end where its symbols do (leftover words or escapes): "
+                        "it is truncated or corrupt")
+    return q
+
+
+def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None) -> tuple[bytes, bytes]:
+    """z (N, kept) projections -> (words section: step exponent j then ANS words, escapes section).
+    max_bytes: the two sections' budget; j is the smallest exponent (step 2^(j / STEP_GRID)) that fits."""
+
+    def attempt(j: int) -> tuple[tuple[bytes, bytes], int, np.ndarray]:
+        q = quantize(z, group.step * 2.0 ** (j / STEP_GRID)).cpu().numpy()
+        words, escapes = encode_symbols(q, group)
+        return (_EXPONENT.pack(j) + words, escapes), _EXPONENT.size + len(words) + len(escapes), q
+
+    best, size, q = attempt(0)
+    if max_bytes is None or size <= max_bytes or not q.size:
+        return best
+    lo, hi, j = 0, None, 0
+    for _ in range(16):
+        if hi is None:
+            # a doubled step saves about one bit per token on each component coded at a useful rate
+            live = max(1, int((np.abs(q).mean(0) >= 0.5).sum()))
+            j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil((size - max_bytes) * 8 / q.shape[0] / live * STEP_GRID)))
+        else:
+            j = (lo + hi) // 2
+        out, size, q = attempt(j)
+        if size <= max_bytes:
+            hi, best = j, out
+        else:
+            lo = j
+            if j >= MAX_STEP_EXPONENT:
+                return out
+        if hi is not None and hi - lo <= 1:
+            break
+    return best
+
+
+def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) -> tuple[np.ndarray, float]:
+    """Inverse of encode_group -> (symbols (tokens, kept) int32, the step they were quantized with)."""
+    if len(words) < _EXPONENT.size:
+        raise BlobError("ECSQ section is shorter than its step exponent: the stream is truncated")
+    (j,) = _EXPONENT.unpack(words[:_EXPONENT.size])
+    if not 0 <= j <= MAX_STEP_EXPONENT:
+        raise BlobError(f"ECSQ step exponent {j} is outside 0..{MAX_STEP_EXPONENT}: the blob is corrupt")
+    return decode_symbols(words[_EXPONENT.size:], escapes, tokens, group), group.step * 2.0 ** (j / STEP_GRID)

@@ -1,0 +1,128 @@
+"""Rate-distortion of the ECSQ mode against the fixed-rate mode and the Gaussian bounds.
+
+Metric rows per (ratio, stream, group, split): ecsq_rel_error, ecsq_bits_per_token, ecsq_kept,
+heldout_bound_rel_error (reverse water-filling on held-out variances at the ratio's budget).
+Curve rows "rate_distortion": {stream, group, mode (ecsq | fixed | bound_calibration |
+bound_heldout), bits_per_token, rel_error} on the held-out rows, and their chart.
+Relative error: ||X - X_hat||_F / ||X||_F over held-out rows, whole p-vector, keys RoPE-removed.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvtc.pipeline.evaluation.metrics import waterfilling_distortion
+from kvtc.pipeline.fit.ecsq import EcsqFit, EcsqSettings, fit_ecsq, heldout_variances, squared_error
+from kvtc.pipeline.fit.pca import Basis
+
+STREAMS = ("keys", "values")
+
+
+def split_error(fit: EcsqFit, basis: Basis, x: np.ndarray, z: torch.Tensor | None = None) -> tuple[float, float]:
+    """Raw rows x (N, p) -> (summed squared error of the ECSQ reconstruction, summed ||x||^2)."""
+    xt = torch.as_tensor(x, dtype=torch.float32)
+    z = basis.project(xt) if z is None else torch.as_tensor(z, dtype=torch.float32)
+    centered = float((xt - torch.from_numpy(basis.mean).float()).double().square().sum())
+    outside = max(centered - float(z.double().square().sum()), 0.0)  # variance outside the basis's k columns
+    return squared_error(fit, z) + outside, float(xt.double().square().sum())
+
+
+def split_metrics(fits: list[EcsqFit], basis: Basis, x: np.ndarray, z: torch.Tensor | None, split: str,
+                  stream: str, group: int, totals: dict) -> list[dict]:
+    """Metric rows of every ratio's fit on one split; adds (error, norm) into totals[(ratio, stream, split)]."""
+    z = basis.project(torch.as_tensor(x, dtype=torch.float32)) if z is None else z
+    rows = []
+    variance = heldout_variances(z) if split == "heldout" else None
+    for f in fits:
+        err, norm = split_error(f, basis, x, z)
+        acc = totals.setdefault((f.ratio, stream, split), [0.0, 0.0, 0.0])
+        acc[0] += err
+        acc[1] += norm
+        values = {"ecsq_rel_error": math.sqrt(err / max(norm, 1e-300)), "ecsq_kept": f.kept,
+                  "ecsq_bits_per_token": f.bits_per_token}
+        if variance is not None:
+            bound = waterfilling_distortion(variance, f.budget_bits) * z.shape[0]
+            acc[2] += bound
+            values["heldout_bound_rel_error"] = math.sqrt(bound / max(norm, 1e-300))
+        rows += [{"ratio": f.ratio, "stream": stream, "group": group, "split": split, "metric": m, "value": float(v)}
+                 for m, v in values.items()]
+    return rows
+
+
+def stream_metrics(totals: dict) -> list[dict]:
+    """Stream-level rows (group None) from split_metrics' totals."""
+    rows = []
+    for (ratio, stream, split), (err, norm, bound) in sorted(totals.items()):
+        rows.append({"ratio": ratio, "stream": stream, "group": None, "split": split, "metric": "ecsq_rel_error",
+                     "value": math.sqrt(err / max(norm, 1e-300))})
+        if split == "heldout":
+            rows.append({"ratio": ratio, "stream": stream, "group": None, "split": split,
+                         "metric": "heldout_bound_rel_error", "value": math.sqrt(bound / max(norm, 1e-300))})
+    return rows
+
+
+def curve_rows(basis: Basis, x: np.ndarray, z: torch.Tensor, stream: str, group: int, fits: list[EcsqFit],
+               fixed: list[tuple[float, float]], extra_ratios=(4, 12, 24, 64),
+               settings: EcsqSettings = EcsqSettings(iterations=16)) -> list[dict]:
+    """Rate-distortion curve rows on held-out rows x (N, p) with projections z (N, k): the fitted
+    ratios plus `extra_ratios` for ECSQ and both bounds; fixed: (bits per token, rel error) points
+    of the fixed-rate allocations."""
+    norm = float(torch.as_tensor(x, dtype=torch.float32).double().square().sum())
+    n = x.shape[0]
+    tail = max(basis.total_variance - float(basis.eigenvalues.sum()), 0.0)
+    held = heldout_variances(z)
+    sigma = np.sqrt(held)
+    done = {f.ratio for f in fits}
+    fits = list(fits) + [fit_ecsq(r, z, basis.dim, settings, sigma) for r in extra_ratios
+                         if r not in done and 16 * basis.dim / r >= 1]
+    rows = []
+    for f in fits:
+        err, _ = split_error(f, basis, x, z)
+        bits = float(f.budget_bits)
+        for mode, value in (("ecsq", err / norm),
+                            ("bound_calibration", waterfilling_distortion(basis.eigenvalues, bits, tail) * n / norm),
+                            ("bound_heldout", waterfilling_distortion(held, bits) * n / norm)):
+            rows.append({"stream": stream, "group": group, "mode": mode,
+                         "bits_per_token": float(f.bits_per_token if mode == "ecsq" else bits),
+                         "rel_error": math.sqrt(max(value, 0.0))})
+    rows += [{"stream": stream, "group": group, "mode": "fixed", "bits_per_token": float(b), "rel_error": float(e)}
+             for b, e in fixed]
+    return rows
+
+
+def chart(rows: list[dict]) -> bytes | None:
+    """Rate-distortion PNG: relative error (dB) against bits per token, group 0, one panel per stream."""
+    if not rows:
+        return None
+    import io
+
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"fixed": ("o-", "fixed-rate (DP blocks, budget before DEFLATE)"), "ecsq": ("s-", "ECSQ (entropy-coded)"),
+              "bound_heldout": ("--", "Gaussian bound, held-out variances"),
+              "bound_calibration": (":", "Gaussian bound, calibration eigenvalues")}
+    for ax, stream in zip(axes, STREAMS):
+        for mode, (style, label) in styles.items():
+            pts = sorted((r["bits_per_token"], r["rel_error"]) for r in rows
+                         if r["stream"] == stream and r["group"] == 0 and r["mode"] == mode and r["rel_error"] > 0)
+            if pts:
+                b, e = zip(*pts)
+                ax.plot(b, 20 * np.log10(e), style, label=label, markersize=4)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set(xlabel="bits per middle token (group 0)", ylabel="relative error (dB, 20 log10)",
+               title=f"{stream}: rate-distortion on held-out rows")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()

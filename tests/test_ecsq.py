@@ -1,0 +1,207 @@
+"""ECSQ codec mode: fit against the Gaussian bound, ANS coding with escapes, codec dispatch, tables, bad input."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvtc.artifacts import publish, pull
+from kvtc.artifacts.ecsq_tables import decode_ecsq, encode_ecsq
+from kvtc.artifacts.testing import toy_content
+from kvtc.kernels import BlobError, CodecSpec, KVTCCodec, read_blob
+from kvtc.kernels.blob import TAG_ECSQ, Section, write_blob
+from kvtc.kernels.ecsq import EcsqGroup, decode_symbols, dequantize, encode_symbols, quantize
+from kvtc.kernels.spec import STREAMS
+from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from kvtc.pipeline.evaluation.metrics import waterfilling_distortion
+from kvtc.pipeline.fit.ecsq import EcsqFit, fit_ecsq, fit_ratios, isotonic_decreasing, squared_error
+
+
+def _gaussian(lam: np.ndarray, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, lam.shape[0], generator=g, dtype=torch.float64) * torch.from_numpy(np.sqrt(lam))).float()
+
+
+def _group(fit: EcsqFit, mean: torch.Tensor, components: torch.Tensor, layers=(0, 1)) -> EcsqGroup:
+    return EcsqGroup(layers, mean, components[:, :fit.kept].contiguous(), fit.step, fit.model.astype(np.int64),
+                     torch.from_numpy(fit.offsets), fit.models)
+
+
+def test_isotonic_is_non_increasing_least_squares():
+    v = np.array([5.0, 3.0, 4.0, 1.0, 2.0, 2.0, 0.5])
+    out = isotonic_decreasing(v)
+    assert np.all(np.diff(out) <= 1e-12) and out.sum() == pytest.approx(v.sum())
+    assert out.tolist() == pytest.approx([5.0, 3.5, 3.5, 5 / 3, 5 / 3, 5 / 3, 0.5])
+
+
+@pytest.mark.parametrize("ratio", [8.0, 16.0, 32.0])
+def test_fit_meets_budget_near_the_gaussian_bound(ratio):
+    p = 160
+    lam = np.exp(-np.arange(p) / 25.0) * 4 + 1e-4
+    fit = fit_ecsq(ratio, _gaussian(lam, 3000), p)
+    assert fit.bits_per_token <= fit.budget_bits
+    assert fit.bits_per_token >= 0.97 * fit.budget_bits  # bisection spends the budget
+    assert fit.kept < p and np.all(fit.scales[fit.kept - 1] > fit.step * 0.28)
+    test = _gaussian(lam, 3000, seed=1)
+    err = squared_error(fit, test) / test.shape[0]
+    bound = waterfilling_distortion(lam, fit.budget_bits)
+    gap_db = 10 * math.log10(err / bound)
+    assert 0 < gap_db < 1.6  # ECSQ's high-rate gap is 1.53 dB; lower rates do better
+
+
+def test_symbols_round_trip_with_escapes_on_odd_shapes():
+    p = 37
+    lam = np.linspace(9, 0.5, p)
+    fit = fit_ecsq(6.0, _gaussian(lam, 500), p)
+    group = _group(fit, torch.zeros(p), torch.eye(p))
+    z = _gaussian(lam, 13, seed=4)[:, :fit.kept]
+    z[3, 0] = 1e6  # far outside every model: escaped
+    z[7, -1] = -5e4
+    q = quantize(z, fit.step)
+    words, escapes = encode_symbols(q.numpy(), group)
+    assert len(escapes) >= 8
+    back = decode_symbols(words, escapes, 13, group)
+    assert np.array_equal(back, q.numpy())
+    zhat = dequantize(torch.from_numpy(back), fit.step, torch.from_numpy(fit.offsets))
+    assert float((zhat - z).abs().max()) <= fit.step  # within the quantizer's bin, outliers included
+    assert decode_symbols(*encode_symbols(q[:0].numpy(), group), 0, group).shape == (0, fit.kept)
+
+
+def test_truncated_or_corrupt_streams_are_blob_errors():
+    p = 24
+    lam = np.linspace(4, 0.5, p)
+    fit = fit_ecsq(4.0, _gaussian(lam, 400), p)
+    group = _group(fit, torch.zeros(p), torch.eye(p))
+    z = _gaussian(lam, 50, seed=2)[:, :fit.kept]
+    z[0, 0] = 1e5
+    words, escapes = encode_symbols(quantize(z, fit.step).numpy(), group)
+    bad_escape = np.frombuffer(escapes, dtype="<i4").copy()
+    bad_escape[0] = 0  # an escape must lie outside its model's range
+    for w, e, n in ((words[:-4], escapes, 50), (words + words[:4], escapes, 50), (words, escapes[:-4], 50),
+                    (words, escapes + escapes, 50), (words, bad_escape.tobytes(), 50), (words[:-1], escapes, 50),
+                    (words, escapes, 60)):
+        with pytest.raises(BlobError):
+            decode_symbols(w, e, n, group)
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(torch.tensor([[float("nan")]]), 1.0)
+
+
+def _ecsq_spec(ratio: float = 8.0, seed: int = 0) -> CodecSpec:
+    base = synthetic_spec(2, 2, 16, ratio, groups=[(0, 1), (1, 2)], sinks=2, window=3, seed=seed)
+    ecsq = {}
+    for si, stream in enumerate(STREAMS):
+        keys, values = synthetic_cache(base, 400, torch.float32, seed=seed + 7)
+        cache = (keys, values)[si]
+        if base.rope and stream == "keys":
+            from kvtc.kernels.rope import RopeSpec
+
+            cache = RopeSpec.from_dict(base.rope).remove(cache.float(), torch.arange(400))
+        flat = cache.float().permute(2, 0, 1, 3).reshape(400, -1)
+        groups = []
+        for g in base.streams[stream]:
+            cols = slice(g.layers[0] * 32, g.layers[1] * 32)
+            full = synthetic_spec(2, 2, 16, 1.5, groups=[(0, 1), (1, 2)], kept=32, seed=seed)  # all components
+            comps = next(x for x in full.streams[stream] if x.layers == g.layers).components
+            z = (flat[:, cols] - g.mean) @ comps
+            groups.append(_group(fit_ecsq(ratio, z, 32), g.mean, comps, g.layers))
+        ecsq[stream] = tuple(groups)
+    return CodecSpec(**{**{k: getattr(base, k) for k in ("name", "version", "ratio", "model_id", "num_layers", "kv_heads",
+                                                        "head_dim", "sinks", "window", "rope", "streams")}, "ecsq": ecsq})
+
+
+def test_codec_defaults_to_ecsq_and_still_decodes_fixed_blobs():
+    spec = _ecsq_spec()
+    keys, values = synthetic_cache(spec, 41, torch.float32, start=5, seed=3)
+    codec = KVTCCodec(spec)
+    assert codec.mode == "ecsq"
+    blob = codec.encode(keys, values, start=5)
+    header, sections = read_blob(blob)
+    assert header.mode == "ecsq" and any(s.key.tag == TAG_ECSQ for s in sections)
+    k2, v2 = codec.decode(blob)
+    fixed = KVTCCodec(spec, mode="fixed")
+    old = fixed.encode(keys, values, start=5)
+    assert read_blob(old)[0].mode == "fixed"
+    kf, vf = codec.decode(old)  # a fixed-rate blob decodes with an ECSQ-default codec
+    assert torch.equal(kf, fixed.decode(old)[0]) and torch.equal(vf, fixed.decode(old)[1])
+    for x, y in ((keys, k2), (values, v2)):
+        assert float((x - y).norm() / x.norm()) < 0.5
+        assert torch.equal(x[:, :, :0], y[:, :, :0])
+        assert torch.equal(x[:, :, -3:], y[:, :, -3:])  # the window stays raw
+    no_tables = CodecSpec(**{k: getattr(spec, k) for k in ("name", "version", "ratio", "model_id", "num_layers",
+                                                          "kv_heads", "head_dim", "sinks", "window", "rope", "streams")})
+    assert KVTCCodec(no_tables).mode == "fixed"
+    with pytest.raises(ValueError, match="recalibrate"):
+        KVTCCodec(no_tables, mode="ecsq")
+    with pytest.raises(BlobError, match="ECSQ"):
+        KVTCCodec(no_tables).decode(blob)
+    with pytest.raises(ValueError, match="mode"):
+        KVTCCodec(spec, mode="huffman")
+
+
+def test_codec_rejects_a_stream_cut_inside_a_valid_blob():
+    spec = _ecsq_spec()
+    keys, values = synthetic_cache(spec, 30, torch.float32, seed=5)
+    codec = KVTCCodec(spec)
+    header, sections = read_blob(codec.encode(keys, values))
+    cut = [Section(s.key, s.coding, s.raw_len - 4, bytes(s.stored)[:-4]) if s.key.tag == TAG_ECSQ else s
+           for s in sections]
+    with pytest.raises(BlobError):
+        codec.decode(write_blob(header, cut))
+
+
+def test_tables_round_trip_through_parquet_and_the_registry(tmp_path):
+    import dataclasses
+
+    content = toy_content(ratios=(4.0, 8.0))
+    content = dataclasses.replace(content, model={**content.model, "rope": None})  # no RoPE: codec without inv_freq
+    p = 2 * 2 * 8
+    ecsq = {}
+    for (stream, g), (_mean, eig, _comp) in content.bases.items():
+        z = _gaussian(np.asarray(eig, dtype=np.float64), 300)
+        for f in fit_ratios((4.0, 8.0), z, p):
+            ecsq[(f.ratio, stream, g)] = f.to_table()
+    back = decode_ecsq(encode_ecsq(ecsq))
+    for key, t in ecsq.items():
+        assert back[key]["step"] == t["step"] and back[key]["kept"] == t["kept"]
+        assert np.array_equal(back[key]["offsets"], t["offsets"]) and np.array_equal(back[key]["model"], t["model"])
+    ref = publish(dataclasses.replace(content, ecsq=ecsq), tmp_path / "reg")
+    art = pull(ref.name, ref.version, registry=str(tmp_path / "reg"))
+    assert art.ecsq_ratios() == [4.0, 8.0] and "ecsq.parquet" in art.manifest["files"]
+    assert KVTCCodec(art, 8).mode == "ecsq"
+    old = dataclasses.replace(content, name="old")
+    plain = pull(publish(old, tmp_path / "reg").name, registry=str(tmp_path / "reg"))
+    assert plain.ecsq(8, "keys") is None and KVTCCodec(plain, 8).mode == "fixed"
+    with pytest.raises(ValueError, match="recalibrate"):
+        KVTCCodec(plain, 8, mode="ecsq")
+    bad = dict(ecsq[(4.0, "keys", 0)], kept=10_000)
+    with pytest.raises(ValueError):
+        dataclasses.replace(content, ecsq={(4.0, "keys", 0): bad})
+
+
+def test_eval_settings_take_a_mode():
+    from kvtc.pipeline.evaluation.quality import EvalSettings
+
+    assert EvalSettings(mode="fixed").mode == "fixed" and EvalSettings().mode is None
+    with pytest.raises(ValueError, match="mode"):
+        EvalSettings(mode="huffman")
+
+
+def test_rate_control_coarsens_the_step_only_for_text_that_codes_larger():
+    from kvtc.kernels.ecsq import decode_group, encode_group
+
+    p = 48
+    lam = np.exp(-np.arange(p) / 10.0) * 5 + 1e-3
+    fit = fit_ecsq(8.0, _gaussian(lam, 2000), p)
+    group = _group(fit, torch.zeros(p), torch.eye(p))
+    budget = fit.budget_bits * 200 // 8
+    usual = _gaussian(lam, 200, seed=8)[:, :fit.kept]
+    words, esc = encode_group(usual, group, budget * 2)
+    assert decode_group(words, esc, 200, group)[1] == fit.step  # within budget: the calibrated step
+    wide = usual * 4.0  # another domain: four times the calibrated spread
+    words, esc = encode_group(wide, group, budget)
+    q, step = decode_group(words, esc, 200, group)
+    assert len(words) + len(esc) <= budget and step > fit.step
+    zhat = dequantize(torch.from_numpy(q), step, torch.from_numpy(fit.offsets))
+    assert float((zhat - wide).abs().max()) <= step
+    with pytest.raises(BlobError, match="exponent"):
+        decode_group((-1).to_bytes(4, "little", signed=True) + words[4:], esc, 200, group)
