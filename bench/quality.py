@@ -64,7 +64,7 @@ def main() -> int:
         ratio = ratios[len(ratios) // 2]
         k = max(art.allocation_info(ratio, s)["kept"] for s in ("keys", "values"))
         t1 = time.perf_counter()
-        curves["error_by_tokens"] = error_by_tokens(store, corpus["train_shards"], held, evals, ratio, rec.sinks,
+        curves["error_by_tokens"] = error_by_tokens(store, corpus["accumulators"], held, evals, ratio, rec.sinks,
                                                     rec.window, points=3, k=k)
         print(f"error by calibration tokens at CR {ratio:g} ({time.perf_counter() - t1:.0f} s):")
         for r in curves["error_by_tokens"]:

@@ -59,7 +59,7 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     assert rows[4.0]["keys"]["rel_error"] < rows[8.0]["keys"]["rel_error"] < 1.0
     assert "eval_rel_error" in rows[4.0]["values"]
     run_info = summary["run"]
-    assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["stats_bytes_per_shard"] > 0
+    assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["checkpoint_bytes_per_shard"] > 0 and run_info["stats_bytes"] > 0
     # ECSQ mode: tables beside the allocations, within budget, better than fixed-rate, and its chart
     assert art.ecsq_ratios() == [4.0, 8.0] and (folder / "charts/rate_distortion.png").stat().st_size > 0
     for stream in ("keys", "values"):
@@ -75,7 +75,7 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
 def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):
     cfg, summary = baseline
     marker = tmp_path / "killed"
-    os.environ["KVTC_TEST_KILL_ON_SHARD"] = f"2:{marker}"
+    os.environ["KVTC_TEST_KILL_ON_SHARD"] = f"6:{marker}"  # accumulator 2's second shard: resumes from its checkpoint
     try:
         other = run(CalibrateConfig(**TINY, workers=2, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
     finally:
@@ -91,13 +91,52 @@ def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):
             assert a[key] == b[key], key
 
 
-def test_rerun_reuses_cached_shards_and_extension_runs_only_new_ones(baseline):
+def _assert_same_artifact(x, y):
+    _, a = _arrays(x)
+    _, b = _arrays(y)
+    for key in a:
+        if isinstance(a[key], tuple):
+            for u, v in zip(a[key], b[key]):
+                assert np.array_equal(u, v), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_rerun_reuses_cached_shards_and_extension_runs_only_new_ones(baseline, tmp_path):
+    import shutil
+
     cfg, summary = baseline
     again = run(cfg)
     assert again["run"]["shards_run"] == 0 and again["run"]["shards_cached"] > 0
-    longer = run(CalibrateConfig(**{**TINY, "tokens": 3072}, workers=1, registry=cfg.registry, store=cfg.store, name="tiny"))
-    assert 0 < longer["run"]["shards_run"] <= longer["run"]["shards_cached"]
-    assert longer["run"]["tokens_run"] <= 1024
+    doubled = {**TINY, "tokens": 2 * TINY["tokens"]}
+    shutil.copytree(cfg.store, tmp_path / "extended")  # the baseline's store stays as it is for other tests
+    longer = run(CalibrateConfig(**doubled, workers=1, registry=cfg.registry, store=str(tmp_path / "extended"), name="tiny"))
+    assert 0 < longer["run"]["shards_run"] <= longer["run"]["shards_cached"] + 2
+    assert longer["run"]["tokens_run"] <= TINY["tokens"]
+    # doubling the tokens adds no statistics bytes: one running total per accumulator (ids list aside)
+    assert longer["run"]["stats_bytes"] == pytest.approx(summary["run"]["stats_bytes"], rel=0.05)
+    # and the extended totals are exactly those of a fresh run on the doubled corpus
+    fresh = run(CalibrateConfig(**doubled, workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
+    _assert_same_artifact(longer, fresh)
+
+
+def test_corrupt_statistics_object_is_named_and_recomputed(baseline, tmp_path):
+    import shutil
+
+    cfg, summary = baseline
+    store = tmp_path / "store"
+    shutil.copytree(cfg.store, store)
+    (victim,) = [p for p in store.rglob("acc/4-1-*.stats")]
+    data = bytearray(victim.read_bytes())
+    data[200] ^= 0x01  # one bit of a Gram entry
+    victim.write_bytes(bytes(data))
+    other = dict(TINY, workers=1, registry=str(tmp_path / "reg"), store=str(store), name="tiny")
+    with pytest.raises(ValueError, match=rf"{victim.name} is corrupt \(checksum mismatch .*rerun"):
+        run(CalibrateConfig(**other))
+    assert not victim.exists() and victim.with_name(victim.name + ".corrupt").exists()
+    again = run(CalibrateConfig(**other))
+    assert 0 < again["run"]["shards_run"] < summary["run"]["shards_run"]
+    _assert_same_artifact(summary, again)
 
 
 def test_corpus_running_out_warns_and_records(tmp_path):
@@ -121,6 +160,15 @@ def test_bad_input_fails_before_model_work(argv, message, tmp_path, capsys):
                      "--registry", str(tmp_path / "reg"), "--store", str(tmp_path / "store"), *argv])
     assert code == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()
+
+
+def test_geometry_that_cannot_fit_fails_before_model_work(tmp_path, capsys):
+    code = cli_main(["calibrate", "--model", "tiny:llama@80x8x128", "--seq-len", "256", "--window", "16",
+                     "--registry", str(tmp_path / "reg"), "--store", str(tmp_path / "store")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "GiB" in err and "--groups layers:" in err and "p=81920" in err
     assert not (tmp_path / "store").exists()
 
 

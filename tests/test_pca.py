@@ -77,3 +77,43 @@ def test_bad_statistics():
         pca_from_moments(n, s, g)
     with pytest.raises(ValueError, match="components"):
         Basis(np.zeros(3), np.ones(2), np.zeros((3, 3)), 2.0, 10)
+
+
+def test_subset_eigensolver_from_packed_matches_the_exact_one():
+    from kvtc.pipeline.fit.pca import pca_from_packed
+
+    rng = np.random.default_rng(3)
+    q, _ = np.linalg.qr(rng.standard_normal((97, 97)))
+    x = (rng.standard_normal((3000, 97)) / np.sqrt(1.0 + np.arange(97))) @ q.T + 0.5  # well-separated spectrum
+    n, s, g = _moments(x)
+    packed = g[np.triu_indices(97)]
+    exact = pca_from_moments(n, s, g)
+    for k in (1, 13, 97):
+        sub = pca_from_packed(n, s, packed.copy(), k=k)
+        assert sub.k == k and sub.dim == 97
+        np.testing.assert_allclose(sub.eigenvalues, exact.eigenvalues[:k], rtol=1e-9, atol=1e-14)
+        np.testing.assert_allclose(np.abs(np.sum(sub.components * exact.components[:, :k], axis=0)), 1.0, atol=1e-6)
+        assert sub.total_variance == pytest.approx(exact.total_variance, rel=1e-12)
+        np.testing.assert_array_equal(sub.mean, exact.mean)
+    with pytest.raises(ValueError, match="packed Gram"):
+        pca_from_packed(n, s, packed[:-1], k=3)
+
+
+def test_subspace_iteration_matches_the_exact_eigendecomposition_on_a_small_p():
+    from kvtc.pipeline.fit.pca import pca_from_packed
+
+    p = 301
+    rng = np.random.default_rng(4)
+    q, _ = np.linalg.qr(rng.standard_normal((p, p)))
+    lam = 3.0 * 0.97 ** np.arange(p) + 1e-3  # decaying like a KV spectrum, no exact ties
+    x = (rng.standard_normal((6000, p)) * np.sqrt(lam)) @ q.T + 2.0  # a large mean: the float64 centring matters
+    n, s, g = _moments(x)
+    packed = g[np.triu_indices(p)]
+    exact = pca_from_packed(n, s, packed, k=64, method="exact")
+    approx = pca_from_packed(n, s, packed, k=64, method="subspace")
+    np.testing.assert_allclose(approx.eigenvalues, exact.eigenvalues, rtol=1e-4)
+    # the components the allocator keeps (well inside k) agree to float32 accuracy
+    dots = np.abs(np.sum(approx.components[:, :48] * exact.components[:, :48], axis=0))
+    np.testing.assert_allclose(dots, 1.0, atol=1e-4)
+    np.testing.assert_allclose(approx.components.T @ approx.components, np.eye(64), atol=1e-5)
+    assert approx.total_variance == pytest.approx(exact.total_variance, rel=1e-12)

@@ -31,8 +31,7 @@ def _curve(ctx, art, settings=None):
     corpus = art.manifest["corpus"]
     held = load_rows(ctx["store"], corpus["heldout_shards"], 1024)
     evals = load_rows(ctx["store"], corpus["eval_shards"], 1024)
-    train = [s["id"] for s in sorted(ctx["shards"], key=lambda s: s["index"]) if s["role"] == "train"]
-    return error_by_tokens(ctx["store"], train, held, evals, 8.0, 4, 16, settings=settings)
+    return error_by_tokens(ctx["store"], corpus["accumulators"], held, evals, 8.0, 4, 16, settings=settings)
 
 
 def test_error_by_tokens_grows_prefixes_and_ends_at_the_calibration(calibrated):

@@ -62,7 +62,7 @@ def test_merge_equals_union_and_roundtrips(lm, tmp_path):
     a2 = CalibrationStats.load(tmp_path / "a.safetensors")
     b2 = CalibrationStats.load("memory://kvtc-test/b.safetensors")
     # packed upper triangle: about half the bytes of full float64 Gram matrices
-    assert size < 0.6 * 2 * 8 * sum(d * d for d in a.dims)
+    assert size < 0.6 * 2 * 8 * sum(d * d for d in a.dims) + 6000  # plus a JSON footer of a few KB
     assert a2.shard_ids == ("a",) and a2.fingerprint == lm.fingerprint and a2.settings == settings.to_dict()
     merged = a2.merge(b2)
     assert merged.shard_ids == ("a", "b")
@@ -93,8 +93,21 @@ def test_load_rejects_foreign_files(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(2)}, tmp_path / "x.safetensors", metadata={"other": json.dumps({})})
-    with pytest.raises(ValueError, match="not a KVTC statistics file"):
+    with pytest.raises(ValueError, match=r"x\.safetensors is corrupt .*not a statistics object"):
         CalibrationStats.load(tmp_path / "x.safetensors")
+
+
+def test_flipped_byte_is_an_error_naming_the_object(lm, tmp_path):
+    settings = CaptureSettings(sinks=4, window=8)
+    stats = CalibrationStats.new(lm.fingerprint, settings, shard_ids=("a",))
+    stats.update(capture_kv(lm, _ids(1, 64, seed=5), settings))
+    data = bytearray(stats.to_bytes())
+    for where in (100, len(data) - 80):  # a Gram entry, then the footer
+        bad = bytearray(data)
+        bad[where] ^= 0x10
+        (tmp_path / "bad.stats").write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=r"bad\.stats is corrupt .*checksum mismatch.*rerun"):
+            CalibrationStats.load(tmp_path / "bad.stats")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU torch can see")

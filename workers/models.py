@@ -1,12 +1,17 @@
 """Model loading: embedded SmolLM2 GGUF (cached after conversion), hub ids, local dirs, .gguf files, tiny models.
 
-Every `LoadedModel` carries a JSON-able fingerprint of what the codec depends on.
+Every `LoadedModel` carries a JSON-able fingerprint of what the codec depends on. `load_spec`
+gives the same fingerprint, the config and the tokenizer without loading any weights (the job's
+driver uses it): the weights' digest comes from the files (GGUF, safetensors) or, for tiny
+models, from their config and seed; the architecture and key norms from a weightless (meta
+device) instance.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -19,13 +24,14 @@ import torch
 from kvtc.artifacts.fingerprint import model_id as fingerprint_id  # noqa: F401  (the shard store scope's name)
 from kvtc.kernels.rope import RopeSpec
 from kvtc.workers.rope import rope_from_config
-from kvtc.workers.tiny import TINY_ARCHS, build_tiny
+from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
 
 DEFAULT_SPEC = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ACCEPTED_FORMS = (
     f"'{DEFAULT_SPEC}' (embedded GGUF), a Hugging Face hub id 'org/name' (must be in the local HF cache), "
-    f"a local model directory, a path to a .gguf file, or one of {', '.join('tiny:' + a for a in TINY_ARCHS)}"
+    f"a local model directory, a path to a .gguf file, or one of {', '.join('tiny:' + a for a in TINY_ARCHS)} "
+    "(llama, qwen3, mistral and gemma take a KV geometry: tiny:llama@LAYERSxKV_HEADSxHEAD_DIM)"
 )
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -175,35 +181,77 @@ def _max_positions(config: Any) -> int:
     return limit
 
 
-def load_model(
-    spec: str = DEFAULT_SPEC,
-    dtype: str | torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    cache_dir: str | os.PathLike | None = None,
-) -> LoadedModel:
-    """Load a model by spec (see ACCEPTED_FORMS) in eval mode on `device` (default: CUDA if torch sees one)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class ModelSpec:
+    """What the driver needs of a model, without its weights: config, tokenizer, fingerprint, geometry.
+    `source` says how to load the weights: ("gguf", path) | ("tiny", arch) | ("dir", path)."""
 
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    spec: str
+    config: Any
+    tokenizer: Any
+    fingerprint: dict[str, Any]
+    rope: RopeSpec
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    source: tuple[str, str]
+
+    @property
+    def features(self) -> int:
+        """p per stream: layers x kv_heads x head_dim."""
+        return self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _weightless(config: Any) -> torch.nn.Module:
+    """An instance of the model on the meta device: module structure only, no weight memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _tiny_digest(arch: str, config: Any, seed: int) -> str:
+    """Tiny weights are a function of config, seed and torch's generator: their digest is of those."""
+    blob = json.dumps({"config": config.to_dict(), "seed": seed, "torch": torch.__version__.split("+")[0]},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    cached = cache_dir / f"gguf-{digest[:24]}"
+    if (cached / "config.json").exists():
+        return AutoConfig.from_pretrained(cached)
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = None) -> ModelSpec:
+    """Config, tokenizer and fingerprint of a model spec (see ACCEPTED_FORMS), loading no weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
     root = default_cache_dir(cache_dir)
     revision = ""
     if spec == DEFAULT_SPEC or spec.endswith(".gguf"):
         path = embedded_gguf_path() if spec == DEFAULT_SPEC else Path(spec).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {spec}")
-        model, tok, digest = _load_gguf(path, dt, root)
-        source = f"gguf:{path.name}"
+        digest = sha256_file(path)
+        config, tok = _gguf_config(path, digest, root), gguf_tokenizer(path, root)
+        source, how = f"gguf:{path.name}", ("gguf", str(path))
     elif spec.startswith("tiny:"):
-        arch = spec.split(":", 1)[1]
-        if arch not in TINY_ARCHS:
-            raise ValueError(f"unknown model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
-        model, tok = build_tiny(arch, seed=0, dtype=dt), embedded_tokenizer(cache_dir)
-        digest, source, revision = _params_sha256(model), spec, "seed0"
+        try:
+            arch, geometry = parse_tiny(spec)
+        except ValueError as exc:
+            raise ValueError(f"unknown model spec {spec!r} ({exc}); accepted: {ACCEPTED_FORMS}") from None
+        config = tiny_config(arch, geometry)
+        digest, tok = _tiny_digest(arch, config, 0), embedded_tokenizer(cache_dir)
+        source, revision, how = spec, "seed0", ("tiny", spec)
     elif Path(spec).expanduser().is_dir():
         directory = Path(spec).expanduser()
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dt)
-        tok, digest, source = _tokenizer_from_dir(str(directory)), _safetensors_sha256(directory), f"dir:{directory.name}"
+        config, tok = AutoConfig.from_pretrained(directory), _tokenizer_from_dir(str(directory))
+        digest, source, how = _safetensors_sha256(directory), f"dir:{directory.name}", ("dir", str(directory))
     elif spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         from huggingface_hub import snapshot_download
 
@@ -211,19 +259,16 @@ def load_model(
             directory = Path(snapshot_download(spec, local_files_only=True))
         except Exception as exc:
             raise ValueError(f"hub model {spec!r} is not in the local Hugging Face cache (downloads are off): {exc}") from exc
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dt)
-        tok, digest, source, revision = AutoTokenizer.from_pretrained(directory), _safetensors_sha256(directory), f"hf:{spec}", directory.name
+        config, tok = AutoConfig.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+        digest, source, revision, how = _safetensors_sha256(directory), f"hf:{spec}", directory.name, ("dir", str(directory))
     else:
         raise ValueError(f"unknown model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
-    model = model.to(dev).eval()
-    config = model.config
     rope = rope_from_config(config)
-    rotary = getattr(model.model, "rotary_emb", None)
-    if rotary is not None and getattr(rotary, "inv_freq", None) is not None:
-        if not torch.allclose(rotary.inv_freq.float().cpu(), torch.tensor(rope.inv_freq), rtol=1e-6, atol=0):
-            raise RuntimeError(f"RoPE frequencies of {spec!r} do not match the model's rotary embedding")
-    key_norm = any(getattr(layer.self_attn, "k_norm", None) is not None for layer in model.model.layers)
+    shell = _weightless(config)
+    key_norm = any(getattr(layer.self_attn, "k_norm", None) is not None for layer in shell.model.layers)
     key_norm = key_norm or bool(getattr(config, "qk_layernorm", False))
+    architecture = type(shell).__name__
+    del shell
     num_layers = int(config.num_hidden_layers)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     max_positions = _max_positions(config)
@@ -232,7 +277,7 @@ def load_model(
         "source": source,
         "weights_sha256": digest,
         "revision": revision,
-        "architecture": type(model).__name__,
+        "architecture": architecture,
         "model_type": config.model_type,
         "num_layers": num_layers,
         "num_kv_heads": num_kv_heads,
@@ -241,4 +286,35 @@ def load_model(
         "rope": rope.to_dict(),
         "key_norm": key_norm,
     }
-    return LoadedModel(model, tok, config, fingerprint, rope, dev, dt, num_layers, num_kv_heads, rope.head_dim, max_positions)
+    return ModelSpec(spec, config, tok, fingerprint, rope, num_layers, num_kv_heads, rope.head_dim, max_positions, how)
+
+
+def load_model(
+    spec: str = DEFAULT_SPEC,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> LoadedModel:
+    """Load a model by spec (see ACCEPTED_FORMS) in eval mode on `device` (default: CUDA if torch sees one)."""
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    info = load_spec(spec, cache_dir)
+    kind, where = info.source
+    if kind == "gguf":
+        model, _, _ = _load_gguf(Path(where), dt, default_cache_dir(cache_dir))
+    elif kind == "tiny":
+        arch, geometry = parse_tiny(where)
+        model = build_tiny(arch, seed=0, dtype=dt, geometry=geometry)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)
+    model = model.to(dev).eval()
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None and getattr(rotary, "inv_freq", None) is not None:
+        if not torch.allclose(rotary.inv_freq.float().cpu(), torch.tensor(info.rope.inv_freq), rtol=1e-6, atol=0):
+            raise RuntimeError(f"RoPE frequencies of {spec!r} do not match the model's rotary embedding")
+    if type(model).__name__ != info.fingerprint["architecture"]:
+        raise RuntimeError(f"{spec!r} loaded as {type(model).__name__}, but its config names {info.fingerprint['architecture']}")
+    return LoadedModel(model, info.tokenizer, model.config, info.fingerprint, info.rope, dev, dt, info.num_layers,
+                       info.num_kv_heads, info.head_dim, info.max_positions)

@@ -1,57 +1,58 @@
 """Additive calibration statistics: per stream and group, count, float64 sum, float64 Gram matrix.
 
-Gram matrices are accumulated on their upper triangle only (row tiles against the columns to their
-right, float32 per batch folded into float64) and stored on disk as the packed upper triangle.
-On CUDA, rows captured from a bfloat16/float16 model are multiplied in TF32: its 10-bit mantissa
-holds bf16 cache values exactly and rounds RoPE-removed keys by less than the bf16 cache already did.
+Gram matrices live as their packed upper triangle (`kvtc.workers.triangle`), in memory and on disk:
+p (p + 1) / 2 float64 values, half a full matrix. They are accumulated in row tiles against the
+columns to their right, float32 per batch folded into float64. On CUDA, rows captured from a
+bfloat16/float16 model are multiplied in TF32: its 10-bit mantissa holds bf16 cache values exactly
+and rounds RoPE-removed keys by less than the bf16 cache already did.
+
+Stored form: `kvtc.workers.stats_file` (raw arrays, JSON footer, sha256 per tensor, verified on read).
 """
 from __future__ import annotations
 
-import json
+import io
 import os
-import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
 from kvtc.artifacts.schema import STREAMS
 from kvtc.workers.capture import CapturedKV, CaptureSettings
+from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
+from kvtc.workers.triangle import add_upper_rows, packed_len, symmetric
 
-FORMAT = "kvtc-stats/1"
-_TILES = 8
+FORMAT = "kvtc-stats/2"
+_TILE_ROWS = 1024
 
 
 @dataclass
 class _Moments:
     n: int
     sum: torch.Tensor  # (p,) float64
-    gram: torch.Tensor  # (p, p) float64, upper triangle valid (lower part holds zeros or garbage)
+    gram: torch.Tensor  # (p (p + 1) / 2,) float64, packed upper triangle
 
 
-def _triu_mask(p: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(p, p, dtype=torch.bool, device=device).triu()
-
-
-def _upper_gram_update(gram: torch.Tensor, x: torch.Tensor, tf32: bool = False) -> None:
-    """gram (p,p) f64 += upper part of x^T x for x (N, p) float32, in ~_TILES row tiles."""
+def _upper_gram_update(packed: torch.Tensor, x: torch.Tensor, tf32: bool = False) -> None:
+    """packed (p(p+1)/2,) f64 += upper part of x^T x for x (N, p) float32, in row tiles."""
     p = x.shape[1]
-    step = max(64, -(-p // _TILES))
+    step = min(_TILE_ROWS, max(64, -(-p // 8)))
     xt = x.t()
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
         for a in range(0, p, step):
             b = min(a + step, p)
-            gram[a:b, a:].add_(xt[a:b] @ x[:, a:])
+            add_upper_rows(packed, p, a, xt[a:b] @ x[:, a:])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 @dataclass
 class CalibrationStats:
-    """Moments of captured rows for one model fingerprint and one set of capture settings."""
+    """Moments of captured rows for one model fingerprint and one set of capture settings;
+    `shard_ids` lists the shards folded in, in fold order."""
 
     fingerprint: dict[str, Any]
     settings: dict[str, Any]
@@ -75,7 +76,7 @@ class CalibrationStats:
             with torch.inference_mode(False):  # normal tensors: updatable inside and outside inference mode
                 self.moments[(stream, group)] = _Moments(
                     0, torch.zeros(p, dtype=torch.float64, device=device),
-                    torch.zeros(p, p, dtype=torch.float64, device=device),
+                    torch.zeros(packed_len(p), dtype=torch.float64, device=device),
                 )
         return self.moments[(stream, group)]
 
@@ -95,17 +96,23 @@ class CalibrationStats:
                 xg = x[:, start : start + p]
                 m.n += x.shape[0]
                 m.sum += xg.sum(0, dtype=torch.float64)
-                _upper_gram_update(m.gram, xg, tf32)
+                _upper_gram_update(m.gram, xg.contiguous(), tf32)
                 start += p
+
+    def packed(self, stream: str, group: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
+        """-> (n, sum (p,) float64, packed upper-triangle Gram (p(p+1)/2,) float64), numpy views."""
+        self._check_key(stream, group)
+        m = self._get(stream, group, torch.device("cpu"))
+        return m.n, m.sum.cpu().numpy(), m.gram.cpu().numpy()
 
     def stream(self, stream: str, group: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """-> (n, sum (p,) float64, gram (p, p) float64 symmetric) as numpy arrays."""
+        n, s, packed = self.packed(stream, group)
+        return n, s, symmetric(packed, self.dims[group])
+
+    def _check_key(self, stream: str, group: int) -> None:
         if stream not in STREAMS or not 0 <= group < len(self.dims):
             raise ValueError(f"no stream {stream!r} group {group}; streams {STREAMS}, groups 0..{len(self.dims) - 1}")
-        m = self._get(stream, group, torch.device("cpu"))
-        upper = m.gram.triu()
-        full = upper + upper.triu(1).t()
-        return m.n, m.sum.cpu().numpy(), full.cpu().numpy()
 
     def _check_compatible(self, other: "CalibrationStats") -> None:
         mine = {k: v for k, v in self.fingerprint.items() if k != "spec"}
@@ -119,19 +126,23 @@ class CalibrationStats:
         if overlap:
             raise ValueError(f"shards {sorted(overlap)[:5]} would be counted twice; each shard must be merged once")
 
+    def fold(self, other: "CalibrationStats") -> None:
+        """Add `other` into this object in place (same model, same settings, disjoint shards)."""
+        self._check_compatible(other)
+        for key in sorted(other.moments):
+            src = other.moments[key]
+            dst = self._get(key[0], key[1], src.sum.device)
+            dst.n += src.n
+            dst.sum += src.sum.to(dst.sum.device)
+            dst.gram += src.gram.to(dst.gram.device)
+        self.shard_ids = self.shard_ids + other.shard_ids
+
     def merge(self, other: "CalibrationStats") -> "CalibrationStats":
         """A new CalibrationStats holding the sum of both (same model, same settings, disjoint shards)."""
         self._check_compatible(other)
-        out = CalibrationStats(dict(self.fingerprint), dict(self.settings), list(self.groups), list(self.dims),
-                               self.shard_ids + other.shard_ids)
-        for key in set(self.moments) | set(other.moments):
-            parts = [s.moments[key] for s in (self, other) if key in s.moments]
-            dev = parts[0].sum.device
-            out.moments[key] = _Moments(
-                sum(m.n for m in parts),
-                sum(m.sum.to(dev) for m in parts),
-                sum(m.gram.triu().to(dev) for m in parts),
-            )
+        out = CalibrationStats(dict(self.fingerprint), dict(self.settings), list(self.groups), list(self.dims))
+        out.fold(self)
+        out.fold(other)
         return out
 
     def metadata(self) -> dict[str, Any]:
@@ -145,57 +156,69 @@ class CalibrationStats:
             "counts": {f"{s}/{g}": m.n for (s, g), m in sorted(self.moments.items())},
         }
 
-    def to_bytes(self) -> bytes:
-        """safetensors bytes: per stream/group `sum` and packed upper-triangle `gram_triu`, JSON metadata."""
-        from safetensors.torch import save
-
-        tensors = {}
+    def write_to(self, f: BinaryIO) -> int:
+        """Stream to an open binary file: per stream/group `sum` and packed `gram_triu`; returns bytes."""
+        tensors: dict[str, np.ndarray] = {}
         for (s, g), m in sorted(self.moments.items()):
-            gram = m.gram.cpu()
-            tensors[f"{s}/{g}/sum"] = m.sum.cpu().contiguous()
-            tensors[f"{s}/{g}/gram_triu"] = gram[_triu_mask(gram.shape[0], gram.device)].contiguous()
-        return save(tensors, metadata={"kvtc_stats": json.dumps(self.metadata(), sort_keys=True)})
+            tensors[f"{s}/{g}/sum"] = m.sum.cpu().numpy()
+            tensors[f"{s}/{g}/gram_triu"] = m.gram.cpu().numpy()
+        return write_stats(f, tensors, self.metadata())
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        self.write_to(buffer)
+        return buffer.getvalue()
 
     def save(self, path_or_uri: str | os.PathLike) -> int:
         """Write to a local path (atomically) or an fsspec URI; returns the number of bytes written."""
         import fsspec
 
-        data = self.to_bytes()
         target = os.fspath(path_or_uri)
         if "://" not in target:
             os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
             tmp = f"{target}.tmp-{os.getpid()}"
             with open(tmp, "wb") as f:
-                f.write(data)
+                n = self.write_to(f)
             os.replace(tmp, target)
-        else:
-            with fsspec.open(target, "wb") as f:
-                f.write(data)
-        return len(data)
+            return n
+        with fsspec.open(target, "wb") as f:
+            return self.write_to(f)
+
+    @staticmethod
+    def read_metadata(f: BinaryIO, name: str) -> dict[str, Any]:
+        """The metadata of a stored object (shard ids, counts, ...) without reading its arrays."""
+        meta = read_footer(f, name)["metadata"]
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CorruptStats(name, f"not a KVTC statistics object (expected format {FORMAT!r})")
+        return meta
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "CalibrationStats":
-        from safetensors.torch import load
-
-        (header_len,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8 : 8 + header_len])
-        meta = json.loads(header.get("__metadata__", {}).get("kvtc_stats", "null") or "null")
+    def read_from(cls, f: BinaryIO, name: str, keys: list[tuple[str, int]] | None = None) -> "CalibrationStats":
+        """Read an object (only the (stream, group) `keys` when given), verifying every checksum."""
+        footer = read_footer(f, name)
+        meta = footer["metadata"]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ValueError(f"not a KVTC statistics file (expected format {FORMAT!r})")
-        tensors = load(data)
+            raise CorruptStats(name, f"not a KVTC statistics object (expected format {FORMAT!r})")
         out = cls(meta["fingerprint"], meta["settings"], [tuple(g) for g in meta["groups"]], list(meta["dims"]),
                   tuple(meta["shard_ids"]))
         for key, n in meta["counts"].items():
             s, g = key.split("/")
-            p = out.dims[int(g)]
-            gram = torch.zeros(p, p, dtype=torch.float64)
-            gram[_triu_mask(p, gram.device)] = tensors[f"{s}/{g}/gram_triu"]
-            out.moments[(s, int(g))] = _Moments(int(n), tensors[f"{s}/{g}/sum"], gram)
+            if keys is not None and (s, int(g)) not in keys:
+                continue
+            total = torch.from_numpy(read_tensor(f, footer, f"{s}/{g}/sum", name))
+            gram = torch.from_numpy(read_tensor(f, footer, f"{s}/{g}/gram_triu", name))
+            if gram.shape != (packed_len(out.dims[int(g)]),):
+                raise CorruptStats(name, f"{key} Gram has {tuple(gram.shape)} entries for p={out.dims[int(g)]}")
+            out.moments[(s, int(g))] = _Moments(int(n), total, gram)
         return out
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str = "<bytes>") -> "CalibrationStats":
+        return cls.read_from(io.BytesIO(data), name)
 
     @classmethod
     def load(cls, path_or_uri: str | os.PathLike) -> "CalibrationStats":
         import fsspec
 
         with fsspec.open(os.fspath(path_or_uri), "rb") as f:
-            return cls.from_bytes(f.read())
+            return cls.read_from(f, os.fspath(path_or_uri))

@@ -2,9 +2,14 @@
 
 Vocabulary size matches the embedded SmolLM2 tokenizer (49152) so its tokenizer drives them.
 Each architecture also exercises one RoPE feature the codec must handle.
+
+Geometry presets give a tiny model a real model's KV geometry (layers x KV heads x head_dim, so
+the pipeline runs at production p) with a hidden size of 64: `tiny:llama@32x8x128` has the KV
+cache shape of Llama-3.1-8B (p = 32768 per stream), `tiny:llama@80x8x128` that of Llama-3.1-70B.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +27,65 @@ _COMMON: dict[str, Any] = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """KV geometry of a tiny model: layers x KV heads x head_dim (attention heads = KV heads)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.kv_heads, self.head_dim) < 1 or self.head_dim % 2:
+            raise ValueError(f"geometry {self.layers}x{self.kv_heads}x{self.head_dim}: layers and KV heads must be "
+                             ">= 1 and head_dim a positive even number")
+
+    @classmethod
+    def parse(cls, text: str) -> "Geometry":
+        """'LAYERSxKV_HEADSxHEAD_DIM', e.g. '32x8x128'."""
+        parts = text.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"geometry {text!r} must be LAYERSxKV_HEADSxHEAD_DIM, e.g. tiny:llama@32x8x128")
+        return cls(*(int(p) for p in parts))
+
+    @property
+    def features(self) -> int:
+        """p = layers x kv_heads x head_dim, per stream."""
+        return self.layers * self.kv_heads * self.head_dim
+
+
+GEOMETRY_ARCHS = ("llama", "qwen3", "mistral", "gemma")  # the ones whose head_dim is free of hidden_size
+
+
+def parse_tiny(spec: str) -> tuple[str, Geometry | None]:
+    """'tiny:ARCH[@LxHxD]' (or 'ARCH[@LxHxD]') -> (arch, geometry or None)."""
+    body = spec.removeprefix("tiny:")
+    arch, _, geo = body.partition("@")
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; use one of {TINY_ARCHS}")
+    if not geo:
+        return arch, None
+    if arch not in GEOMETRY_ARCHS:
+        raise ValueError(f"tiny:{arch} takes no geometry (its head_dim follows hidden_size); use one of "
+                         f"{', '.join('tiny:' + a for a in GEOMETRY_ARCHS)} with @LAYERSxKV_HEADSxHEAD_DIM")
+    return arch, Geometry.parse(geo)
+
+
+def tiny_config(arch: str, geometry: Geometry | None = None) -> Any:
+    """The transformers config of a tiny model, with `geometry` applied when given."""
+    config = _config(arch)
+    if geometry is not None:
+        if arch not in GEOMETRY_ARCHS:
+            raise ValueError(f"tiny:{arch} takes no geometry; use one of {GEOMETRY_ARCHS}")
+        config.num_hidden_layers = geometry.layers
+        config.num_key_value_heads = geometry.kv_heads
+        config.num_attention_heads = geometry.kv_heads
+        config.head_dim = geometry.head_dim
+        if hasattr(config, "layer_types") and config.layer_types is not None:
+            config.layer_types = [config.layer_types[0]] * geometry.layers
+    return config
 
 
 def _config(arch: str) -> Any:
@@ -73,11 +137,11 @@ def _config(arch: str) -> Any:
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi")
 
 
-def build_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, geometry: Geometry | None = None) -> torch.nn.Module:
     """A seeded random-weight causal LM of the named architecture (global RNG state is preserved)."""
     from transformers import AutoModelForCausalLM
 
-    config = _config(arch)
+    config = tiny_config(arch, geometry)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

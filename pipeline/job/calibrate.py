@@ -52,6 +52,7 @@ class CalibrateConfig:
     holdout_fraction: float = 0.2
     heldout_rows: int = 8192
     tokens_curve_points: int = 3
+    accumulators: int = 4
     store: str | None = None
     dtype: str | None = None
     cache_dir: str | None = None
@@ -72,6 +73,8 @@ class CalibrateConfig:
             raise ValueError(f"--seqs-per-shard must be >= 1, got {self.seqs_per_shard}")
         if not 0 < self.holdout_fraction < 1:
             raise ValueError(f"holdout fraction must be in (0, 1), got {self.holdout_fraction}")
+        if self.accumulators < 1:
+            raise ValueError(f"--accumulators must be >= 1, got {self.accumulators}")
         from kvtc.artifacts.schema import check_name
 
         if self.name is not None:
@@ -118,81 +121,139 @@ def calibrate_local(cfg: CalibrateConfig) -> tuple[dict, dict]:
     return _execute(cfg, True, in_process=True)
 
 
+def _memory_estimate(cfg: CalibrateConfig, num_layers: int, width: int, groups: str, workers: int, alloc):
+    from kvtc.pipeline.job.basis_solver import max_components
+    from kvtc.pipeline.job.memory_plan import estimate
+    from kvtc.workers.capture import CaptureSettings
+
+    dims = [(b - a) * width for a, b in CaptureSettings(groups=groups).group_layers(num_layers)]
+    return estimate(dims, accumulators=cfg.accumulators, workers=workers, rows_per_batch=cfg.seq_len,
+                    heldout_rows=cfg.heldout_rows, kept_max=max(max_components(p, cfg.ratios, alloc) for p in dims))
+
+
 def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
+    import psutil
     import torch
 
     from kvtc import artifacts
     from kvtc.pipeline.fit.allocator import AllocatorSettings, validate_ratios
+    from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
+    from kvtc.pipeline.job.memory_plan import check_fits
     from kvtc.pipeline.job.reduce import reduce_and_publish
     from kvtc.pipeline.job.shard_worker import ShardWorker
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
     from kvtc.workers.capture import CaptureSettings, check_seq_len
-    from kvtc.workers.models import fingerprint_id, load_model
+    from kvtc.workers.models import fingerprint_id, load_spec, resolve_dtype
 
     t_start = time.perf_counter()
     alloc = AllocatorSettings(block_sizes=tuple(cfg.block_sizes), types=tuple(cfg.types), error_model=cfg.error_model)
+    plan = AccumulatorPlan(cfg.accumulators)
     registry = artifacts.Registry(cfg.registry).uri
     artifacts.check_writable(registry)
     capture = CaptureSettings(**_capture_dict(cfg))
     for spec in filter(None, (cfg.corpus, cfg.eval_corpus)):
         iter_documents(spec, cfg.text_column)  # a bad spec fails here, before any model work
 
-    lm = load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir)
-    check_seq_len(lm, cfg.seq_len, capture)
-    groups = capture.group_layers(lm.num_layers)
-    for a, b in groups:
-        validate_ratios(cfg.ratios, (b - a) * lm.num_kv_heads * lm.head_dim, alloc)
-    tokenizer, fingerprint, model_dtype = lm.tokenizer, lm.fingerprint, str(lm.dtype).removeprefix("torch.")
-    del lm
+    info = load_spec(cfg.model, cache_dir=cfg.cache_dir)  # config and tokenizer only: the driver never loads weights
+    check_seq_len(info, cfg.seq_len, capture)
+    width = info.num_kv_heads * info.head_dim
+    for a, b in capture.group_layers(info.num_layers):
+        validate_ratios(cfg.ratios, (b - a) * width, alloc)
+    if in_process or not (cfg.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
+        local_workers = 1 if in_process else cfg.workers or max(1, (os.cpu_count() or 1) // cfg.threads_per_worker)
+        est = _memory_estimate(cfg, info.num_layers, width, cfg.groups, local_workers, alloc)
+        check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, cfg.groups,
+                   lambda k: _memory_estimate(cfg, info.num_layers, width, f"layers:{k}", local_workers, alloc))
+    tokenizer, fingerprint = info.tokenizer, info.fingerprint
 
     on_gpu = torch.cuda.is_available()
     tokens = cfg.tokens or (DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS)
     if cfg.tokens is None:
         print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)", file=sys.stderr)
     store_root = cfg.store or default_store_uri()
-    store = ShardStore(store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
 
     shards_seen: list[dict] = []
     duplicates: list[str] = []
+    rows_per_heldout_shard = max(1, cfg.heldout_rows // 2)
 
-    def payloads():
+    def payloads(store: ShardStore, planner: FoldPlanner):
         for role, shard in plan_shards(shard_plan(cfg, tokens), tokenizer, fingerprint["max_positions"], duplicates):
-            cached = store.has(shard.id, "stats" if role == "train" else "rows")
-            shards_seen.append({"id": shard.id, "index": shard.index, "role": role, "tokens": shard.num_tokens,
-                                "cached": cached})
-            if not cached:
+            entry = {"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size), "cached": False}
+            shards_seen.append(entry)
+            if role == "train":
+                tasks = planner.add(shard.index, shard.id, {"shard": shard.to_payload()})
+                entry["cached"] = not tasks
+                yield from tasks
+                continue
+            if role == "eval":
+                yield from planner.finish()  # the training stream has ended
+            entry["cached"] = store.has(shard.id, "rows")
+            if not entry["cached"]:
                 yield {"shard": shard.to_payload(), "role": role}
+        yield from planner.finish()
 
-    actor_kwargs = dict(
-        model=cfg.model, capture=capture.to_dict(), store_root=store_root, dtype=cfg.dtype, cache_dir=cfg.cache_dir,
-        threads=cfg.threads_per_worker, rows_per_heldout_shard=max(1, cfg.heldout_rows // 2),
-    )
-    timing: dict = {}
-    if in_process:
-        workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(), timing)
-    else:
-        workers, results = _run_on_ray(cfg, ShardWorker, actor_kwargs, payloads(), timing)
-    pool_seconds = timing["run_s"]
+    started, gpus = False, 0.0
+    if not in_process:
+        import ray
+
+        from kvtc.pipeline.job import ray_pool
+
+        started = ray_pool.start_ray(cfg.address, num_cpus=None)
+    try:
+        if not in_process:
+            gpus = ray_pool.cluster_gpus()
+        # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
+        worker_gpu = on_gpu if in_process else gpus >= 1
+        model_dtype = str(resolve_dtype(cfg.dtype, torch.device("cuda" if worker_gpu else "cpu"))).removeprefix("torch.")
+        store = ShardStore(store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
+        planner = FoldPlanner(plan, store)
+        actor_kwargs = dict(
+            model=cfg.model, capture=capture.to_dict(), store_root=store_root, dtype=cfg.dtype, cache_dir=cfg.cache_dir,
+            threads=cfg.threads_per_worker, rows_per_heldout_shard=rows_per_heldout_shard, fingerprint=fingerprint,
+            model_dtype=model_dtype,
+        )
+        timing: dict = {}
+        if in_process:
+            workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
+        else:
+            workers, results = _run_on_ray(cfg, gpus, started, ShardWorker, actor_kwargs, payloads(store, planner), timing)
+        pool_seconds = timing["run_s"]
+        if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
+            ray.shutdown()
+            started = False
+        reduce_timing: dict = {}
+        summary = reduce_and_publish(
+            cfg=cfg, fingerprint=fingerprint, alloc=alloc, store=store, shards=shards_seen,
+            accumulators=planner.accumulators(), registry=registry, tokens_requested=tokens, alias_latest=alias_latest,
+            model_dtype=model_dtype, on_cluster_gpu=gpus >= 1, timing=reduce_timing,
+        )
+    finally:
+        if started:
+            ray.shutdown()
 
     run_tokens = sum(r["tokens_run"] for r in results)
-    summary = reduce_and_publish(
-        cfg=cfg, fingerprint=fingerprint, capture=capture, alloc=alloc, store=store, shards=shards_seen,
-        registry=registry, tokens_requested=tokens, alias_latest=alias_latest, model_dtype=model_dtype,
-    )
     if duplicates:
         summary["warnings"].append(f"{len(duplicates)} shards repeated an earlier shard's tokens and were folded once")
+    folded = [r for r in results if r["role"] == "train" and not r.get("skipped")]
     summary["run"] = {
         "workers": workers,
         "threads_per_worker": cfg.threads_per_worker,
-        "shards_run": len(results),
+        "accumulators": cfg.accumulators,
+        "shards_run": sum(not r.get("skipped") for r in results),
         "shards_cached": sum(s["cached"] for s in shards_seen),
         "tokens_run": run_tokens,
         "startup_seconds": round(timing["startup_s"], 2),
         "pool_seconds": round(pool_seconds, 2),
         "pool_tokens_per_s": round(run_tokens / pool_seconds, 1) if pool_seconds > 0 and run_tokens else None,
-        "stats_bytes_per_shard": (
-            int(sum(r["bytes"] for r in results if r["role"] == "train") / max(1, sum(r["role"] == "train" for r in results)))
-        ),
+        "checkpoint_bytes_per_shard": int(sum(r["bytes"] for r in folded) / max(1, len(folded))),
+        "capture_seconds": round(sum(r.get("capture_s", 0.0) for r in folded), 2),  # summed over workers
+        "fold_seconds": round(sum(r.get("fold_s", 0.0) for r in folded), 2),
+        "checkpoint_seconds": round(sum(r.get("checkpoint_s", 0.0) for r in folded), 2),
+        "stats_bytes": store.stats_bytes(),
+        "reduce_seconds": round(reduce_timing.get("reduce_s", 0.0), 2),
+        "solve_seconds": round(reduce_timing.get("solve_s", 0.0), 2),
+        "eig_seconds": round(reduce_timing.get("eig_s", 0.0), 2),
+        "curve_seconds": round(reduce_timing.get("curve_s", 0.0), 2),
         "wall_seconds": round(time.perf_counter() - t_start, 2),
     }
     return summary, {"store": store, "shards": shards_seen, "fingerprint": fingerprint}
@@ -217,23 +278,20 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dic
     return results
 
 
-def _run_on_ray(cfg: CalibrateConfig, worker_cls: type, worker_kwargs: dict, payloads, timing: dict) -> tuple[int, list[dict]]:
-    """(workers, results) of the shards on a Ray actor pool (a local Ray unless --address)."""
+def _run_on_ray(cfg: CalibrateConfig, gpus: float, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
+                timing: dict) -> tuple[int, list[dict]]:
+    """(workers, results) of the shards on a Ray actor pool (Ray already started, by this job when
+    `started`); fold tasks are pinned to the actor that owns their accumulator."""
     import ray
 
     from kvtc.pipeline.job import ray_pool
 
-    started = ray_pool.start_ray(cfg.address, num_cpus=None)
-    try:
-        gpus = ray_pool.cluster_gpus()
-        cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-        workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
-        pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker,
-                                     gpus_per_worker=1.0 if gpus >= 1 else 0.0, env_inherited=started)
-        return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing)
-    finally:
-        if started:
-            ray.shutdown()
+    cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+    workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
+    pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker,
+                                 gpus_per_worker=1.0 if gpus >= 1 else 0.0, env_inherited=started)
+    return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing,
+                                      route=lambda payload: payload.get("acc_index"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -263,6 +321,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout-rows", type=int, default=d.heldout_rows, help="cap on held-out rows per stream")
     p.add_argument("--tokens-curve-points", type=int, default=d.tokens_curve_points,
                    help="prefixes of the shard stream measured for the error-vs-calibration-tokens chart (0: off)")
+    p.add_argument("--accumulators", type=int, default=d.accumulators,
+                   help="running statistics totals kept in the store (default 4): the store holds this many Grams per "
+                        "stream and group whatever --tokens is; results are bit-identical for any --workers, not across values")
     p.add_argument("--store", default=None, help="shard statistics cache: a path or fsspec URI (default $KVTC_CACHE/shards)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     p.add_argument("--cache-dir", default=None, help="model cache dir (default $KVTC_CACHE)")

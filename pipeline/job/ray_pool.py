@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import ray
 from tqdm import tqdm
@@ -79,9 +79,13 @@ def run_pool(
     payloads: Iterable[dict],
     settings: PoolSettings,
     timing: dict | None = None,
+    route: Callable[[dict], int | None] | None = None,
 ) -> list[dict]:
     """Run `actor.process(payload)` for every payload; returns the result dicts in completion order.
-    `timing` receives startup_s (actors loading the model) and run_s (shards, after start-up)."""
+    `timing` receives startup_s (actors loading the model) and run_s (shards, after start-up).
+    `route(payload)` pins a payload to actor `route(payload) % workers` (None: the least loaded);
+    payloads pinned to one actor run there in the order given (Ray runs one caller's actor tasks
+    in submission order, retries included)."""
     timing = {} if timing is None else timing
     it: Iterator[dict] = iter(payloads)
     first = next(it, None)
@@ -103,6 +107,7 @@ def run_pool(
     pending: dict = {}
     results: list[dict] = []
     exhausted = False
+    held: dict | None = None  # the next payload, waiting for its pinned actor to have room
     tokens = 0
     start = time.perf_counter()
     bar = tqdm(unit="shard", desc="calibrate", dynamic_ncols=True)
@@ -111,18 +116,21 @@ def run_pool(
         timing["startup_s"] = time.perf_counter() - start
         start = time.perf_counter()
         while True:
-            while not exhausted:
-                free = [i for i, n in load.items() if n < settings.in_flight]
+            while not exhausted or held is not None:
+                if held is None:
+                    try:
+                        held = next(it)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                pinned = None if route is None else route(held)
+                free = [i for i, n in load.items() if n < settings.in_flight and (pinned is None or i == pinned % len(actors))]
                 if not free:
                     break
-                try:
-                    payload = next(it)
-                except StopIteration:
-                    exhausted = True
-                    break
                 i = min(free, key=lambda j: load[j])
-                pending[actors[i].process.remote(payload)] = i
+                pending[actors[i].process.remote(held)] = i
                 load[i] += 1
+                held = None
             if not pending:
                 break
             done, _ = ray.wait(list(pending), num_returns=1)

@@ -1,17 +1,27 @@
-"""Reduce: fold the stored shard statistics in shard order, compute PCA bases and one DP bit
-allocation per ratio, measure them on held-out rows (and the second domain), and publish.
+"""Reduce: from the stored accumulators, compute PCA bases and one DP bit allocation per ratio for
+every stream and group, measure them on held-out rows (and the second domain), and publish.
 
-Folding order is the shards' index order, whatever order the workers finished in, so the
-artifact is bit-identical for any number of workers. Held-out rows come from whole held-out
-shards (never in the statistics) captured at every position; the DP error tables and the
-in-domain metrics use their positions [s, T - w), the error-by-position curve uses all of them.
+Three steps: `reduce_group` (pure: one stream and group's basis and held-out rows in, its
+allocations, metrics and curve rows out; no store), `aggregate` (stream-level figures over
+groups) and `publish_calibration` (manifest fields, report, registry). `reduce_and_publish` runs
+them: one stream and group at a time, its basis from `kvtc.pipeline.job.basis_solver` (a GPU Ray
+task when the cluster has GPUs, this process otherwise). Exact solves (GPU, or p <= 4096) compute
+every component the least aggressive ratio could keep; above that a CPU solves the leading k by
+subspace iteration, starting at max(512, p / 16) and doubling k while an allocation keeps more
+than 80% of it (more components could then change the allocation).
+
+Accumulators are summed in accumulator order, each folded in shard order, so the artifact is
+bit-identical for any number of workers. Held-out rows come from whole held-out shards (never in
+the statistics) captured at every position; the DP error tables and the in-domain metrics use
+their positions [s, T - w), the error-by-position curve uses all of them.
 """
 from __future__ import annotations
 
 import math
 import sys
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -19,13 +29,16 @@ import numpy as np
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
-from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
-from kvtc.pipeline.fit.pca import pca_from_moments
+from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
+from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis
+from kvtc.pipeline.job.basis_solver import max_components, solve_group
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.workers.stats import STREAMS, CalibrationStats
 
 MIN_HELDOUT_ROWS = 16
+KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer than this share of it
+_PCA_KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 @dataclass
@@ -41,16 +54,20 @@ class HeldOut:
         return (self.positions >= sinks) & (self.positions < self.seq_len - window)
 
 
-def fold_stats(store: ShardStore, shard_ids: list[str], checkpoints: list[int] = (),
+def fold_stats(store: ShardStore, accumulators: list[str], checkpoints: list[int] = (),
                on_checkpoint: Callable[[CalibrationStats], None] | None = None) -> CalibrationStats:
-    """Sum the stored statistics of `shard_ids`, in that order, each exactly once; after the
-    first c shards for each c in `checkpoints`, call `on_checkpoint` with the running total."""
-    if len(set(shard_ids)) != len(shard_ids):
-        raise ValueError("a shard id appears twice in the fold list; each shard must be folded once")
+    """Sum whole stored accumulators (every stream and group), in the given order; after the first c
+    accumulators for each c in `checkpoints`, call `on_checkpoint` with the running total.
+    For diagnostics at small p: the reducer itself sums one stream and group at a time."""
+    if len(set(accumulators)) != len(accumulators):
+        raise ValueError("an accumulator appears twice in the fold list; each must be folded once")
     total: CalibrationStats | None = None
-    for i, sid in enumerate(shard_ids):
-        part = CalibrationStats.from_bytes(store.get_bytes(sid, "stats"))
-        total = part if total is None else total.merge(part)
+    for i, name in enumerate(accumulators):
+        part = store.get_acc(name)
+        if total is None:
+            total = part
+        else:
+            total.fold(part)
         if on_checkpoint is not None and i + 1 in checkpoints:
             on_checkpoint(total)
     if total is None:
@@ -75,25 +92,119 @@ def load_rows(store: ShardStore, shard_ids: list[str], cap: int) -> HeldOut | No
     return HeldOut(np.concatenate(keys)[:cap], np.concatenate(values)[:cap], np.concatenate(positions)[:cap], seq_len)
 
 
-def _group_cols(groups: list[tuple[int, int]], width: int) -> list[slice]:
-    return [slice(a * width, b * width) for a, b in groups]
+@dataclass
+class GroupResult:
+    """Everything one stream and group contributes to the artifact. `partials` maps (ratio, stream,
+    split) to [squared error x norm, norm, squared bound x norm, bits per token] for `aggregate`."""
+
+    stream: str
+    group: int
+    basis: tuple[np.ndarray, np.ndarray, np.ndarray]
+    allocations: dict = field(default_factory=dict)
+    metrics: list[dict] = field(default_factory=list)
+    curves: dict[str, list[dict]] = field(default_factory=dict)
+    partials: dict[tuple, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    ecsq: dict = field(default_factory=dict)  # ECSQ mode: (ratio, stream, group) -> table
 
 
-def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSettings, store: ShardStore, shards: list[dict],
-                       registry: str, tokens_requested: int, corpus_fp: dict | None = None,
-                       alias_latest: bool = True, model_dtype: str = "float32") -> dict:
-    """Everything after the shard pool: returns the job summary (name, version, per-ratio errors)."""
-    from kvtc import artifacts
+def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, held: HeldOut,
+                 evals: HeldOut | None, cols: slice, sinks: int, window: int,
+                 ecsq_totals: dict | None = None) -> GroupResult:
+    """One stream and group: DP allocations at `ratios` on the held-out middle rows' projections,
+    ECSQ tables, metrics on held-out (middle and all positions) and eval rows, spectrum, PCA-error
+    and rate-distortion curves. `ecsq_totals` gathers the ECSQ stream-level sums over groups."""
+    ecsq_totals = {} if ecsq_totals is None else ecsq_totals
+    mid = held.middle(sinks, window)
+    rows_all = getattr(held, stream)[:, cols]
+    x_mid = rows_all[mid]
+    z_mid = basis.project(x_mid)  # one GEMM serves the error tables and the held-out metrics
+    allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
+    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim)  # ECSQ mode
+    kept = max([a.kept for a in allocs] + [f.kept for f in fits])
+    out = GroupResult(stream, group, (basis.mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32),
+                                      basis.components[:, :kept].astype(np.float32)))
+    out.notes = list(dict.fromkeys(w for a in allocs for w in a.warnings))
+    out.ecsq = {(f.ratio, stream, group): f.to_table() for f in fits}
+    curves = out.curves = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [], "pca_error": [],
+                           "rate_distortion": []}
+    curves["spectrum"] = [{"stream": stream, "group": group, "index": i, "eigenvalue": float(v)}
+                          for i, v in enumerate(basis.eigenvalues)]
+    ks = sorted({k for k in _PCA_KS if k <= basis.k} | {basis.k})
+    curves["pca_error"] = [{"stream": stream, "group": group, "components": int(k), "rel_error": float(e)}
+                           for k, e in zip(ks, pca_rel_error(basis, x_mid, ks, projections=z_mid))]
+    splits = [("heldout", x_mid, None, z_mid), ("heldout_all_positions", rows_all, held.positions, None)]
+    if evals is not None:
+        splits.append(("eval", getattr(evals, stream)[evals.middle(sinks, window)][:, cols], None, None))
+    for split, x, pos, z in splits:
+        if pos is None:  # ECSQ mode
+            out.metrics += rate_distortion.split_metrics(fits, basis, x, z, split, stream, group, ecsq_totals)
+        norm = float(np.square(x, dtype=np.float64).sum())
+        for a, ev in zip(allocs, evaluate(basis, allocs, x, positions=pos, projections=z)):
+            if split == "heldout_all_positions":
+                curves["error_by_position"] += [
+                    {"stream": stream, "group": group, "ratio": a.ratio, "lo": b.lo, "hi": b.hi, "rows": b.rows,
+                     "rel_error": b.rel_error} for b in ev.by_position]
+                continue
+            for metric in ("rel_error", "pca_rel_error", "bound_rel_error", "explained_variance", "bits_per_token", "kept", "rows"):
+                out.metrics.append({"ratio": a.ratio, "stream": stream, "group": group, "split": split,
+                                    "metric": metric, "value": float(getattr(ev, metric))})
+            out.partials[(a.ratio, stream, split)] = [ev.rel_error ** 2 * norm, norm, ev.bound_rel_error ** 2 * norm,
+                                                      ev.bits_per_token]
+    curves["error_by_position_pca"] = [{"stream": stream, "group": group, **r}
+                                       for r in diagnostics.pca_error_by_position(basis, allocs, rows_all, held.positions)]
+    fixed_points = [(m["value"], next(r["value"] for r in out.metrics if r["metric"] == "rel_error" and r["split"] == "heldout"
+                                      and r["ratio"] == m["ratio"]))
+                    for m in out.metrics if m["metric"] == "bits_per_token" and m["split"] == "heldout"]
+    curves["rate_distortion"] = rate_distortion.curve_rows(basis, x_mid, z_mid, stream, group, fits, fixed_points)
+    for a in allocs:
+        out.allocations[(a.ratio, stream, group)] = {
+            "budget_bits": a.budget_bits, "cost_bits": a.cost_bits, "kept": a.kept,
+            "blocks": [(b.start, b.size, b.qtype, b.bits, b.scale_bits) for b in a.blocks],
+            "expected_error": a.expected_error, "heldout_rows": a.heldout_rows,
+        }
+    return out
 
+
+def aggregate(results: list[GroupResult]) -> list[dict]:
+    """Stream-level metric rows (group None): errors combined over groups weighted by their norms,
+    bits per token summed."""
+    acc: dict[tuple, list[float]] = {}
+    for r in results:
+        for key, (err, norm, bound, bits) in r.partials.items():
+            a = acc.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+            a[0] += err
+            a[1] += norm
+            a[2] += bound
+            a[3] += bits
+    rows = []
+    for (ratio, stream, split), (err, norm, bound, bits) in acc.items():
+        for metric, value in (("rel_error", math.sqrt(err / max(norm, 1e-300))),
+                              ("bound_rel_error", math.sqrt(bound / max(norm, 1e-300))), ("bits_per_token", bits)):
+            rows.append({"ratio": ratio, "stream": stream, "group": None, "split": split, "metric": metric, "value": value})
+    return rows
+
+
+def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, store: ShardStore, shards: list[dict],
+                       accumulators: list[tuple[str, list[str]]], registry: str, tokens_requested: int,
+                       alias_latest: bool = True, model_dtype: str = "float32", on_cluster_gpu: bool = False,
+                       timing: dict | None = None) -> dict:
+    """Everything after the shard pool: returns the job summary (name, version, per-ratio errors).
+    `accumulators`: (object name, shard ids) in accumulator order; `timing` receives reduce figures."""
+    timing = {} if timing is None else timing
+    t0 = time.perf_counter()
     notes: list[str] = []
-    train = sorted((s for s in shards if s["role"] == "train"), key=lambda s: s["index"])
-    heldout_ids = [s["id"] for s in sorted(shards, key=lambda s: s["index"]) if s["role"] == "heldout"]
-    eval_ids = [s["id"] for s in sorted(shards, key=lambda s: s["index"]) if s["role"] == "eval"]
+    by_index = sorted(shards, key=lambda s: s["index"])
+    heldout_ids = [s["id"] for s in by_index if s["role"] == "heldout"]
+    eval_ids = [s["id"] for s in by_index if s["role"] == "eval"]
     tokens_in = sum(s["tokens"] for s in shards if s["role"] in ("train", "heldout"))
     if tokens_in < tokens_requested:
         msg = f"the corpus ran out after {tokens_in} tokens of the {tokens_requested} requested; calibrated on what exists"
         warnings.warn(msg, stacklevel=2)
         notes.append(msg)
+    names = [name for name, _ in accumulators]
+    if not names:
+        raise ValueError("no training shard: the corpus is too small for --tokens/--seqs-per-shard/--holdout-fraction")
 
     held = load_rows(store, heldout_ids, cfg.heldout_rows)
     if held is None:
@@ -102,117 +213,101 @@ def reduce_and_publish(*, cfg, fingerprint: dict, capture, alloc: AllocatorSetti
     if int(mid.sum()) < MIN_HELDOUT_ROWS:
         raise ValueError(f"only {int(mid.sum())} held-out rows; at least {MIN_HELDOUT_ROWS} are needed")
     evals = load_rows(store, eval_ids, cfg.heldout_rows) if eval_ids else None
-    emid = None if evals is None else evals.middle(cfg.sinks, cfg.window)
-
-    # error against calibration tokens (chart 1): measured on prefixes of the same in-order fold
-    curve_ratio = sorted(cfg.ratios)[len(cfg.ratios) // 2]
-    by_tokens: list[dict] = []
-    p_total = int(fingerprint["num_layers"]) * int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
-    curve_k = max(1, min(p_total, int(16 * p_total / curve_ratio) // 4))
-
-    def on_prefix(total: CalibrationStats) -> None:
-        by_tokens.extend(diagnostics.prefix_errors(total, held, evals, curve_ratio, cfg.sinks, cfg.window, k=curve_k))
-
-    stats = fold_stats(store, [s["id"] for s in train], diagnostics.prefix_points(len(train), cfg.tokens_curve_points), on_prefix)
 
     width = int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
-    groups = [tuple(g) for g in stats.groups]
-    cols = _group_cols(groups, width)
-    bases: dict = {}
-    allocations: dict = {}
-    metrics: list[dict] = []
-    curves: dict[str, list[dict]] = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [],
-                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": []}
-    ecsq_tables: dict = {}  # ECSQ mode: (ratio, stream, group) -> table
+    groups = [tuple(g) for g in _groups(cfg.groups, int(fingerprint["num_layers"]))]
+    # error against calibration tokens (chart 1): prefixes of the accumulators, in order
+    curve_ratio = sorted(cfg.ratios)[len(cfg.ratios) // 2]
+    p_total = int(fingerprint["num_layers"]) * width
+    curve_k = max(1, min(p_total, int(16 * p_total / curve_ratio) // 4))
+    by_tokens: list[dict] = []
+    if cfg.tokens_curve_points > 0:
+        fold_stats(store, names, diagnostics.prefix_points(len(names), cfg.tokens_curve_points),
+                   lambda total: by_tokens.extend(
+                       diagnostics.prefix_errors(total, held, evals, curve_ratio, cfg.sinks, cfg.window, k=curve_k)))
+    t_curve = time.perf_counter()
+
+    results: list[GroupResult] = []
     ecsq_totals: dict = {}
-    # per (ratio, stream, split): summed squared error and norm over groups, for stream-level figures
-    agg: dict[tuple, list[float]] = {}
-
+    solve_timings: list[dict] = []
+    train_rows = 0
     for stream in STREAMS:
-        for g, sl in enumerate(cols):
-            n, s, gram = stats.stream(stream, g)
-            basis = pca_from_moments(n, s, gram)
-            del gram
-            x_mid = getattr(held, stream)[mid][:, sl]
-            z_mid = basis.project(x_mid)  # one GEMM serves the error tables and the held-out metrics
-            allocs = allocate(cfg.ratios, basis, settings=alloc, projections=z_mid)
-            notes.extend(w for a in allocs for w in a.warnings if w not in notes)
-            fits = ecsq_fit.fit_ratios(cfg.ratios, z_mid, basis.dim)  # ECSQ mode
-            ecsq_tables.update({(f.ratio, stream, g): f.to_table() for f in fits})
-            kept = max([a.kept for a in allocs] + [f.kept for f in fits])
-            curves["spectrum"] += [{"stream": stream, "group": g, "index": i, "eigenvalue": float(v)}
-                                   for i, v in enumerate(basis.eigenvalues)]
-            ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if k <= basis.k} | {basis.k})
-            for k, e in zip(ks, pca_rel_error(basis, x_mid, ks, projections=z_mid)):
-                curves["pca_error"].append({"stream": stream, "group": g, "components": int(k), "rel_error": float(e)})
-            splits = [("heldout", x_mid, None, z_mid), ("heldout_all_positions", getattr(held, stream)[:, sl], held.positions, None)]
-            if evals is not None:
-                splits.append(("eval", getattr(evals, stream)[emid][:, sl], None, None))
-            for split, x, pos, z in splits:
-                if pos is None:  # ECSQ mode
-                    metrics += rate_distortion.split_metrics(fits, basis, x, z, split, stream, g, ecsq_totals)
-                norm = float(np.square(x, dtype=np.float64).sum())
-                for a, ev in zip(allocs, evaluate(basis, allocs, x, positions=pos, projections=z)):
-                    if split == "heldout_all_positions":
-                        curves["error_by_position"] += [
-                            {"stream": stream, "group": g, "ratio": a.ratio, "lo": b.lo, "hi": b.hi, "rows": b.rows,
-                             "rel_error": b.rel_error} for b in ev.by_position]
-                        continue
-                    for metric in ("rel_error", "pca_rel_error", "bound_rel_error", "explained_variance", "bits_per_token", "kept", "rows"):
-                        metrics.append({"ratio": a.ratio, "stream": stream, "group": g, "split": split,
-                                        "metric": metric, "value": float(getattr(ev, metric))})
-                    acc = agg.setdefault((a.ratio, stream, split), [0.0, 0.0, 0.0, 0.0])
-                    acc[0] += ev.rel_error ** 2 * norm
-                    acc[1] += norm
-                    acc[2] += ev.bound_rel_error ** 2 * norm
-                    acc[3] += ev.bits_per_token
-            curves["error_by_position_pca"] += [
-                {"stream": stream, "group": g, **r}
-                for r in diagnostics.pca_error_by_position(basis, allocs, getattr(held, stream)[:, sl], held.positions)]
-            fixed_points = [(m["value"], next(r["value"] for r in metrics if r["metric"] == "rel_error" and
-                                              (r["ratio"], r["stream"], r["group"], r["split"]) == (m["ratio"], stream, g, "heldout")))
-                            for m in metrics if m["metric"] == "bits_per_token" and m["split"] == "heldout"
-                            and m["stream"] == stream and m["group"] == g]
-            curves["rate_distortion"] += rate_distortion.curve_rows(basis, x_mid, z_mid, stream, g, fits, fixed_points)
-            for a in allocs:
-                allocations[(a.ratio, stream, g)] = {
-                    "budget_bits": a.budget_bits, "cost_bits": a.cost_bits, "kept": a.kept,
-                    "blocks": [(b.start, b.size, b.qtype, b.bits, b.scale_bits) for b in a.blocks],
-                    "expected_error": a.expected_error, "heldout_rows": a.heldout_rows,
-                }
-            bases[(stream, g)] = (basis.mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32),
-                                  basis.components[:, :kept].astype(np.float32))
-            print(f"kvtc reduce: {stream} group {g}: p={basis.dim}, kept {kept}", file=sys.stderr)
+        for g, (a, b) in enumerate(groups):
+            p = (b - a) * width
+            bound = max_components(p, cfg.ratios, alloc)
+            k = bound if on_cluster_gpu or p <= EXACT_MAX_P else min(bound, max(512, p // 16))
+            while True:  # subspace iteration: widen until the least aggressive allocation stops short of k
+                basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu)
+                solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
+                totals = {key: list(v) if isinstance(v, list) else v for key, v in ecsq_totals.items()}
+                result = reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, slice(a * width, b * width),
+                                      cfg.sinks, cfg.window, totals)
+                train_rows = basis.n
+                del basis
+                if k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
+                    ecsq_totals = totals
+                    break
+                k = min(bound, 2 * k)
+            results.append(result)
+            print(f"kvtc reduce: {stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on "
+                  f"{solved['device']} ({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}", file=sys.stderr)
+    for r in results:
+        notes.extend(w for w in r.notes if w not in notes)
+    timing.update(curve_s=t_curve - t0, solve_s=sum(t["sum_s"] + t["eig_s"] for t in solve_timings),
+                  eig_s=sum(t["eig_s"] for t in solve_timings), groups=solve_timings)
 
-    metrics += rate_distortion.stream_metrics(ecsq_totals)
-    for (ratio, stream, split), (err, norm, bound, bits) in agg.items():
-        for metric, value in (("rel_error", math.sqrt(err / max(norm, 1e-300))),
-                              ("bound_rel_error", math.sqrt(bound / max(norm, 1e-300))), ("bits_per_token", bits)):
-            metrics.append({"ratio": ratio, "stream": stream, "group": None, "split": split, "metric": metric, "value": value})
+    from kvtc import artifacts
 
     calibration = artifacts.CalibrationRecord(
         sinks=cfg.sinks, window=cfg.window, seq_len=cfg.seq_len, seed=cfg.seed, ratios=tuple(cfg.ratios),
         groups=tuple(groups), allocator=alloc.to_dict(), group_spec=cfg.groups, sample=cfg.sample,
         tokens_requested=tokens_requested, eval_tokens=cfg.eval_tokens, seqs_per_shard=cfg.seqs_per_shard,
         holdout_fraction=cfg.holdout_fraction, heldout_rows_cap=cfg.heldout_rows, text_column=cfg.text_column,
-        dtype=cfg.dtype, model_dtype=model_dtype, keys=cfg.keys, tokens=tokens_in,
-        train_rows=int(stats.metadata()["counts"]["keys/0"]), heldout_rows=int(mid.sum()),
-        eval_rows=0 if emid is None else int(emid.sum()), notes=tuple(notes),
-        tokens_curve={"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP"},
+        dtype=cfg.dtype, model_dtype=model_dtype, keys=cfg.keys, tokens=tokens_in, train_rows=int(train_rows),
+        heldout_rows=int(mid.sum()), eval_rows=0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
+        notes=tuple(notes),
+        tokens_curve={"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP",
+                      "prefixes": "whole accumulators, in order"},
     ).to_manifest()
-    corpus = corpus_fp or {
+    corpus = {
         "spec": cfg.corpus, "eval_spec": cfg.eval_corpus, "seq_len": cfg.seq_len, "seed": cfg.seed,
-        "train_shards": [s["id"] for s in train], "heldout_shards": heldout_ids, "eval_shards": eval_ids,
-        "tokens": {s["id"]: s["tokens"] for s in shards},
+        "train_shards": [s["id"] for s in by_index if s["role"] == "train"], "heldout_shards": heldout_ids,
+        "eval_shards": eval_ids, "accumulators": names, "tokens": {s["id"]: s["tokens"] for s in shards},
     }
     from kvtc.pipeline.job.corpus import describe
 
     corpus = dict(corpus, mixture=describe(str(corpus.get("spec", cfg.corpus))))  # sources, pkgdocs distributions
+    summary = publish_calibration(cfg, fingerprint, calibration, corpus, results, by_tokens, registry, alias_latest,
+                                  notes, rate_distortion.stream_metrics(ecsq_totals))
+    timing["reduce_s"] = time.perf_counter() - t0
+    return summary
+
+
+def _groups(spec: str, num_layers: int) -> list[tuple[int, int]]:
+    from kvtc.workers.capture import CaptureSettings
+
+    return CaptureSettings(groups=spec).group_layers(num_layers)
+
+
+def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],
+                        by_tokens: list[dict], registry: str, alias_latest: bool, notes: list[str],
+                        ecsq_metrics: list[dict]) -> dict:
+    """Assemble the artifact from the per-group results, store report and charts, publish."""
+    from kvtc import artifacts
+
+    metrics = [m for r in results for m in r.metrics] + ecsq_metrics + aggregate(results)
+    curves: dict[str, list[dict]] = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [],
+                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": []}
+    for r in results:
+        for name, rows in r.curves.items():
+            curves[name] += rows
+    allocations = {key: value for r in results for key, value in r.allocations.items()}
+    bases = {(r.stream, r.group): r.basis for r in results}
     extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}")
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus, bases=bases,
         allocations=allocations, metrics=metrics, curves=curves, extra_files=extra, parent=cfg.parent,
-        ecsq=ecsq_tables,
+        ecsq={key: table for r in results for key, table in r.ecsq.items()},
     )
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
     return summarize(ref, metrics, notes)

@@ -1,9 +1,14 @@
 """The body of one calibration worker: load the model once, then turn shards into stored results.
 
 Run as a Ray actor by kvtc.pipeline.job.ray_pool (or directly, in-process). A training shard becomes its
-statistics (count, sum, Gram per stream and group); a held-out shard becomes a capped sample of
+statistics, folded into the running total of its accumulator (`kvtc.pipeline.job.accumulators`),
+which is checkpointed to the store after the shard; a held-out shard becomes a capped sample of
 captured rows over every position, sinks and window included, for error tables and the
 error-by-position curve. Results go to the shard store; `process` returns only plain values.
+
+The actor keeps the totals of the accumulators routed to it in memory between shards; a restarted
+actor (a killed worker) reloads them from their last checkpoint, and a retried shard that the
+checkpoint already lists is skipped, so every shard is folded exactly once.
 """
 from __future__ import annotations
 
@@ -33,15 +38,25 @@ class ShardWorker:
         threads: int = 1,
         batch_size: int = 1,
         rows_per_heldout_shard: int = 4096,
+        fingerprint: dict | None = None,
+        model_dtype: str | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.lm = load_model(model, dtype=dtype, cache_dir=cache_dir)
+        if fingerprint is not None and fingerprint_id(fingerprint) != fingerprint_id(self.lm.fingerprint):
+            raise RuntimeError(f"the worker loaded {model!r} with another fingerprint than the driver's "
+                               f"({fingerprint_id(self.lm.fingerprint)} vs {fingerprint_id(fingerprint)}); "
+                               "check that every node has the same model files")
+        loaded_dtype = str(self.lm.dtype).removeprefix("torch.")
+        if model_dtype is not None and loaded_dtype != model_dtype:
+            raise RuntimeError(f"the worker runs {model!r} in {loaded_dtype}, the driver planned {model_dtype}; pass --dtype")
         self.settings = CaptureSettings(**capture)
         self.all_positions = CaptureSettings(**{**capture, "sinks": 0, "window": 0, "sample": 1.0})
         self.store = ShardStore(store_root, fingerprint_id(self.lm.fingerprint),
                                 capture_key(self.settings.to_dict(), str(self.lm.dtype).removeprefix("torch.")))
         self.batch_size = batch_size
         self.rows_per_heldout_shard = rows_per_heldout_shard
+        self.totals: dict[str, CalibrationStats] = {}
 
     def ready(self) -> bool:
         return True
@@ -66,16 +81,15 @@ class ShardWorker:
         role = payload["role"]
         self._maybe_die(shard)
         if role == "train":
-            stats = CalibrationStats.new(self.lm.fingerprint, self.settings, shard_ids=(shard.id,))
-            rows = 0
-            for batch in self._batches(shard):
-                captured = capture_kv(self.lm, batch, self.settings)
-                stats.update(captured)
-                rows += captured.keys.shape[0]
-            nbytes = self.store.put_bytes(shard.id, "stats", stats.to_bytes())
+            nbytes, rows, split = self._fold(shard, payload["acc"], payload.get("after"))
+            if rows is None:
+                return {"shard_id": shard.id, "index": shard.index, "role": role, "tokens_run": 0, "rows": 0,
+                        "bytes": 0, "seconds": time.perf_counter() - t0, "skipped": True}
         else:
             nbytes, rows = self._store_rows(shard)
+            split = {}
         return {
+            **split,
             "shard_id": shard.id,
             "index": shard.index,
             "role": role,
@@ -84,6 +98,47 @@ class ShardWorker:
             "bytes": nbytes,
             "seconds": time.perf_counter() - t0,
         }
+
+    def _total(self, name: str) -> CalibrationStats | None:
+        if name not in self.totals:
+            if self.store.acc_shards(name) is None:
+                return None
+            self.totals[name] = self.store.get_acc(name)
+        return self.totals[name]
+
+    def _fold(self, shard: Shard, name: str, after: str | None) -> tuple[int, int | None, dict]:
+        """Fold a shard into accumulator `name` after shard `after`, then checkpoint it.
+        -> (bytes written, rows folded, seconds {capture_s, fold_s, checkpoint_s}), rows None when
+        the total already holds the shard."""
+        t0 = time.perf_counter()
+        total = self._total(name)
+        if total is not None and shard.id in total.shard_ids:
+            return 0, None, {}
+        last = total.shard_ids[-1] if total is not None and total.shard_ids else None
+        if last != after:
+            raise RuntimeError(f"accumulator {self.store.acc_uri(name)} ends at shard {last} but shard {shard.id} "
+                               f"must follow {after}; rerun the calibration (it resumes from the stored totals)")
+        if total is None:
+            total = self.totals[name] = CalibrationStats.new(self.lm.fingerprint, self.settings)
+        rows, capture_s, fold_s = 0, 0.0, 0.0
+        load_s = time.perf_counter() - t0
+        try:
+            for batch in self._batches(shard):
+                t1 = time.perf_counter()
+                captured = capture_kv(self.lm, batch, self.settings)
+                t2 = time.perf_counter()
+                total.update(captured)
+                fold_s += time.perf_counter() - t2
+                capture_s += t2 - t1
+                rows += captured.keys.shape[0]
+            total.shard_ids = total.shard_ids + (shard.id,)
+            t3 = time.perf_counter()
+            nbytes = self.store.put_acc(name, total)
+        except BaseException:
+            self.totals.pop(name, None)  # half-folded: reload the last checkpoint next time
+            raise
+        return nbytes, rows, {"capture_s": capture_s, "fold_s": fold_s,
+                              "checkpoint_s": load_s + time.perf_counter() - t3}
 
     def _store_rows(self, shard: Shard) -> tuple[int, int]:
         """Whole sequences, every position, until the row cap: keys, values, positions."""

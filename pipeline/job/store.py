@@ -5,9 +5,12 @@ and the shard id (itself a hash of the shard's tokens). Entries are written whol
 rename on local disks; one PUT on object stores), so a crash leaves either the entry or nothing,
 and a rerun processes only the shards that are missing.
 
-Layout: ``<root>/<model fingerprint id>/<capture key>/<shard id>.<kind>.safetensors`` where kind
-is ``stats`` (training shards: count, sum, Gram) or ``rows`` (held-out shards: a capped sample of
-captured rows with their positions).
+Layout: ``<root>/<model fingerprint id>/<capture key>/<shard id>.rows.safetensors`` (held-out
+shards: a capped sample of captured rows with their positions) and
+``<root>/<model fingerprint id>/<capture key>/acc/<accumulator>.stats`` (training statistics: one
+running total per accumulator with the ids of the shards folded into it, in fold order; see
+`kvtc.pipeline.job.accumulators`). Statistics objects carry a sha256 per tensor, verified on read;
+one that fails is moved aside as ``<name>.stats.corrupt`` so the next run recomputes it.
 """
 from __future__ import annotations
 
@@ -23,7 +26,11 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-KINDS = ("stats", "rows")
+from kvtc.workers.stats import CalibrationStats
+from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
+
+KINDS = ("rows",)
+ACC_DIR = "acc"
 
 
 def default_store_uri() -> str:
@@ -113,3 +120,108 @@ class ShardStore:
             return st_load(data), metadata
         except Exception as exc:
             raise ValueError(f"shard entry {self.uri(shard_id, kind)} is unreadable ({exc}); delete it and rerun") from exc
+
+    # ---- accumulators: running statistics totals, rewritten whole after every folded shard ----
+
+    def acc_uri(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{self.model_id}/{self.capture_key}/{ACC_DIR}/{name}.stats"
+
+    def _acc_path(self, name: str) -> str:
+        _, base = self._fs_and_base
+        return f"{base}/{ACC_DIR}/{name}.stats"
+
+    def put_acc(self, name: str, stats: CalibrationStats) -> int:
+        """Write an accumulator whole (stage then rename locally, one PUT remotely); returns its bytes."""
+        fs, base = self._fs_and_base
+        path = self._acc_path(name)
+        fs.makedirs(f"{base}/{ACC_DIR}", exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    n = stats.write_to(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            return n
+        with fs.open(path, "wb") as f:
+            return stats.write_to(f)
+
+    def acc_shards(self, name: str) -> list[str] | None:
+        """Shard ids folded into a stored accumulator (its footer only), None when it is absent.
+        A corrupt one is moved aside (next to it, `.corrupt`) and reported absent: it gets recomputed."""
+        fs, _ = self._fs_and_base
+        path = self._acc_path(name)
+        if not fs.exists(path):
+            return None
+        try:
+            with fs.open(path, "rb") as f:
+                return list(CalibrationStats.read_metadata(f, self.acc_uri(name))["shard_ids"])
+        except CorruptStats:
+            self.quarantine(name)
+            return None
+
+    def get_acc(self, name: str, keys: list[tuple[str, int]] | None = None) -> CalibrationStats:
+        """A stored accumulator (only the (stream, group) `keys` when given), checksums verified.
+        Missing: FileNotFoundError naming it. Corrupt: `CorruptStats` naming it, after moving it
+        aside so that a rerun recomputes it."""
+        fs, _ = self._fs_and_base
+        try:
+            with fs.open(self._acc_path(name), "rb") as f:
+                return CalibrationStats.read_from(f, self.acc_uri(name), keys)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"statistics object {self.acc_uri(name)} is missing; rerun the calibration to recompute it") from None
+        except CorruptStats:
+            self.quarantine(name)
+            raise
+
+    def quarantine(self, name: str) -> None:
+        """Move a bad accumulator aside (kept for inspection, never read again)."""
+        self.set_aside(name, "corrupt")
+
+    def set_aside(self, name: str, why: str) -> None:
+        """Rename accumulator `name` to `<name>.stats.<why>` (replacing an older one set aside)."""
+        fs, _ = self._fs_and_base
+        path = self._acc_path(name)
+        if fs.exists(path):
+            fs.mv(path, f"{path}.{why}")
+
+    def stats_bytes(self) -> int:
+        """Bytes of all statistics objects in this scope (accumulators)."""
+        fs, base = self._fs_and_base
+        if not fs.exists(f"{base}/{ACC_DIR}"):
+            return 0
+        return sum(int(info["size"]) for info in fs.ls(f"{base}/{ACC_DIR}", detail=True) if info["name"].endswith(".stats"))
+
+    # ---- reduced bases handed from a reducer task back to the driver ----
+
+    def _basis_path(self, name: str) -> str:
+        _, base = self._fs_and_base
+        return f"{base}/bases/{name}.basis"
+
+    def put_basis(self, name: str, tensors: dict[str, np.ndarray], metadata: dict) -> int:
+        """Write a basis object whole (checksummed arrays + JSON metadata); returns its bytes."""
+        fs, base = self._fs_and_base
+        path = self._basis_path(name)
+        fs.makedirs(f"{base}/bases", exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with fs.open(tmp, "wb") as f:
+            n = write_stats(f, tensors, metadata)
+        fs.mv(tmp, path)
+        return n
+
+    def get_basis(self, name: str) -> tuple[dict[str, np.ndarray], dict]:
+        """Arrays and metadata of a basis object, checksums verified (CorruptStats names it)."""
+        fs, _ = self._fs_and_base
+        uri = f"{self.root.rstrip('/')}/{self.model_id}/{self.capture_key}/bases/{name}.basis"
+        with fs.open(self._basis_path(name), "rb") as f:
+            footer = read_footer(f, uri)
+            return {key: read_tensor(f, footer, key, uri) for key in footer["tensors"]}, footer["metadata"]
+
+    def drop_basis(self, name: str) -> None:
+        fs, _ = self._fs_and_base
+        if fs.exists(self._basis_path(name)):
+            fs.rm(self._basis_path(name))

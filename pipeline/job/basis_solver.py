@@ -1,0 +1,94 @@
+"""The reducer's heavy step: sum the accumulators of one stream and group, and solve its PCA.
+
+One stream and group at a time, from the packed upper triangles: the running sum and the
+accumulator being added (two packed Grams), then one p x p float64 matrix for the eigensolver once
+the sum is unpacked (the packed sum is released): about 3 packed Grams at the peak. Only the
+components the least aggressive ratio could keep are computed (`max_components`).
+
+Where: on a cluster with GPUs, a Ray task with one GPU runs it (torch `eigh` in float64 on the
+device) and hands the basis back through the shard store (checksummed arrays, no pickle);
+otherwise it runs in this process on the CPU (LAPACK syevr with an index range).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+
+import numpy as np
+
+from kvtc.artifacts.blocks import block_cost_bits
+from kvtc.pipeline.fit.allocator import AllocatorSettings, budget_bits
+from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, pca_from_packed
+from kvtc.pipeline.job.store import ShardStore
+
+
+def max_components(p: int, ratios, settings: AllocatorSettings) -> int:
+    """Most components any allocation at `ratios` can keep: the largest budget over the cheapest
+    cost per component (a quantized block of the largest size), capped at p."""
+    per_component = min(block_cost_bits(t, s) / s for t in settings.quantized_types for s in settings.block_sizes if s <= p)
+    return max(1, min(p, math.floor(budget_bits(p, min(ratios)) / per_component)))
+
+
+def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(n, sum (p,), packed Gram (p(p+1)/2,)) of (stream, group) over `names`, added in that order."""
+    n, total, packed = 0, None, None
+    for name in names:
+        part = store.get_acc(name, keys=[(stream, group)])
+        pn, ps, pg = part.packed(stream, group)
+        if packed is None:
+            n, total, packed = pn, ps.copy(), pg
+        else:
+            n += pn
+            total += ps
+            packed += pg
+        del part, pg
+    if packed is None:
+        raise ValueError("no training statistics to reduce; the corpus gave no training shard")
+    return n, total, packed
+
+
+def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, device: str = "cpu") -> tuple[Basis, dict]:
+    """Basis of (stream, group) from the stored accumulators -> (basis, timings {sum_s, eig_s})."""
+    t0 = time.perf_counter()
+    n, total, packed = sum_accumulators(store, names, stream, group)
+    t1 = time.perf_counter()
+    p = total.shape[0]
+    k = min(k, p)
+    method = "exact" if device.startswith("cuda") or p <= EXACT_MAX_P or k == p else "subspace"
+    basis = pca_from_packed(n, total, packed, k=k, device=device, method=method)
+    return basis, {"sum_s": t1 - t0, "eig_s": time.perf_counter() - t1, "method": method}
+
+
+def _task_name(names: list[str], stream: str, group: int, k: int) -> str:
+    key = json.dumps([names, stream, group, k]).encode()
+    return f"{stream}-g{group}-{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def solve_on_gpu_task(root: str, model_id: str, capture_key: str, names: list[str], stream: str, group: int, k: int) -> dict:
+    """Body of the Ray task: solve on the GPU torch sees (CPU if none), write the basis to the store."""
+    import torch
+
+    store = ShardStore(root, model_id, capture_key)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    basis, timing = solve(store, names, stream, group, k, device)
+    name = _task_name(names, stream, group, k)
+    store.put_basis(name, {"mean": basis.mean, "eigenvalues": basis.eigenvalues, "components": basis.components},
+                    {"total_variance": basis.total_variance, "n": basis.n})
+    return {"name": name, "device": device, **timing}
+
+
+def solve_group(store: ShardStore, names: list[str], stream: str, group: int, k: int, on_cluster_gpu: bool) -> tuple[Basis, dict]:
+    """Basis of one stream and group: a one-GPU Ray task when `on_cluster_gpu`, else in-process on CPU."""
+    if not on_cluster_gpu:
+        basis, timing = solve(store, names, stream, group, k, "cpu")
+        return basis, {**timing, "device": "cpu (driver)"}
+    import ray
+
+    task = ray.remote(num_gpus=1, num_cpus=1, max_retries=2)(solve_on_gpu_task)
+    out = ray.get(task.remote(store.root, store.model_id, store.capture_key, names, stream, group, k))
+    arrays, meta = store.get_basis(out["name"])
+    store.drop_basis(out["name"])
+    basis = Basis(arrays["mean"], arrays["eigenvalues"], arrays["components"], float(meta["total_variance"]), int(meta["n"]))
+    return basis, {"sum_s": out["sum_s"], "eig_s": out["eig_s"], "method": out["method"], "device": f"{out['device']} (Ray task)"}
