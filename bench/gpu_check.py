@@ -5,7 +5,10 @@
    caches within fp tolerance; encode/decode GB/s of both.
 2. KV capture and statistics on CUDA (bf16 model, TF32 Gram) against the CPU fp32 path on a tiny
    model: relative difference of the covariance.
-3. Worker overhead on the GPU: `bench/worker_overhead.py --device cuda` figures.
+3. The reducer's eigensolver on CUDA (what the one-GPU reduce task runs): float64 `eigh` on the
+   GPU against LAPACK on the CPU at p = 2048 (eigenvalues and subspace), then its time at the
+   Llama-3.1-8B half-geometry p = 16384 from a packed Gram.
+4. Worker overhead on the GPU: `bench/worker_overhead.py --device cuda` figures.
 
     python bench/gpu_check.py [--skip-overhead]
 """
@@ -18,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +88,35 @@ def check_capture() -> bool:
     return rel < 5e-2
 
 
+def _random_packed(p: int, rows: int, seed: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """A decaying-spectrum sample's statistics: n, sum (p,), packed upper-triangle Gram."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, p, device="cuda", dtype=torch.float64, generator=g)
+    x *= torch.logspace(0, -3, p, device="cuda", dtype=torch.float64)
+    gram = x.T @ x
+    iu = torch.triu_indices(p, p, device="cuda")
+    packed = gram[iu[0], iu[1]].cpu().numpy()
+    return rows, x.sum(0).cpu().numpy(), packed
+
+
+def check_reducer() -> bool:
+    from kvtc.pipeline.fit.pca import pca_from_packed
+
+    n, s, packed = _random_packed(2048, 4096, 0)
+    cpu = pca_from_packed(n, s, packed, k=256, method="exact")
+    gpu = pca_from_packed(n, s, packed, k=256, device="cuda")
+    ev = float(np.abs(gpu.eigenvalues - cpu.eigenvalues).max() / cpu.eigenvalues[0])
+    overlap = float(np.linalg.svd(cpu.components.T @ gpu.components, compute_uv=False).min())
+    print(f"reducer cuda vs cpu, p=2048 k=256: max eigenvalue difference {ev:.1e} of the largest, "
+          f"smallest subspace cosine {overlap:.6f}")
+    n, s, packed = _random_packed(16384, 8192, 1)
+    t0 = time.perf_counter()
+    basis = pca_from_packed(n, s, packed, k=2048, device="cuda")
+    print(f"reducer cuda p=16384 k=2048 from the packed Gram: {time.perf_counter() - t0:.1f} s, "
+          f"{basis.components.shape[1]} components")
+    return ev < 1e-8 and overlap > 0.999
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-overhead", action="store_true")
@@ -92,7 +125,7 @@ def main() -> int:
         print("no CUDA device torch can see; nothing to check")
         return 2
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
-    ok = check_kernels() & check_capture()
+    ok = check_kernels() & check_capture() & check_reducer()
     if not args.skip_overhead:
         subprocess.run([sys.executable, str(ROOT / "bench" / "worker_overhead.py"), "--device", "cuda",
                         "--sequences", "32", "--batch", "8"], check=False, env=os.environ.copy())
