@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvtc.pipeline.job.corpus import (PKGDOCS_MIN_CHARS, CorpusStats, CorpusWarning, HFSpec, describe, iter_documents,
+from kvtc.pipeline.job.corpus import (PKGDOCS_MIN_CHARS, ReadCounts, CorpusWarning, HFSpec, describe, iter_documents,
                                       parse_hf_spec)
 
 
@@ -40,8 +40,8 @@ def test_pydoc_is_one_document_per_topic_in_key_order() -> None:
 
 
 def test_stdlib_reads_sources_sorted_without_tests_or_site_packages() -> None:
-    stats = CorpusStats()
-    got = docs("stdlib", stats=stats)
+    counts = ReadCounts()
+    got = docs("stdlib", counts=counts)
     ids = [d.id for d in got]
     assert ids == sorted(ids) and len(ids) > 200
     assert "stdlib:json/decoder.py" in ids
@@ -49,7 +49,7 @@ def test_stdlib_reads_sources_sorted_without_tests_or_site_packages() -> None:
     for excluded in ("site-packages/", "test/", "idlelib/", "tkinter/", "pydoc_data/"):
         assert not any(f"stdlib:{excluded}" in i or f"/{excluded}" in i for i in ids), excluded
     assert "def JSONArray" in next(d.text for d in got if d.id == "stdlib:json/decoder.py")
-    assert stats.documents == len(got) and stats.files_read == len(got)
+    assert counts.documents == len(got) and counts.files_read == len(got)
 
 
 def test_txt_file_is_one_document(files: Path) -> None:
@@ -58,9 +58,9 @@ def test_txt_file_is_one_document(files: Path) -> None:
 
 
 def test_jsonl_yields_text_column_and_counts_bad_records(files: Path) -> None:
-    stats = CorpusStats()
-    assert [d.text for d in docs(str(files / "c.jsonl"), stats=stats)] == ["row zero", "row three"]
-    assert stats.records_skipped == 3 and stats.files_skipped == 0
+    counts = ReadCounts()
+    assert [d.text for d in docs(str(files / "c.jsonl"), counts=counts)] == ["row zero", "row three"]
+    assert counts.records_skipped == 3 and counts.files_skipped == 0
     assert [d.text for d in docs(str(files / "c.jsonl"), text_column="body")] == ["no text key"]
 
 
@@ -97,9 +97,9 @@ def test_hf_spec_grammar() -> None:
 
 def test_hf_local_dataset_directory_streams_offline(tmp_path: Path) -> None:
     pq.write_table(pa.table({"body": ["hello there", "", "second doc"]}), tmp_path / "train.parquet")
-    stats = CorpusStats()
-    got = docs(f"hf:{tmp_path}@train#body", stats=stats)
-    assert [d.text for d in got] == ["hello there", "second doc"] and stats.records_skipped == 1
+    counts = ReadCounts()
+    got = docs(f"hf:{tmp_path}@train#body", counts=counts)
+    assert [d.text for d in got] == ["hello there", "second doc"] and counts.records_skipped == 1
     with pytest.raises(ValueError, match="no column 'text'"):
         docs(f"hf:{tmp_path}")
     with pytest.raises(ValueError, match=r"cannot open hf:.*missing@train"):
@@ -115,12 +115,12 @@ def test_unknown_spec_lists_accepted_forms() -> None:
 def test_bad_files_are_skipped_with_a_count(files: Path) -> None:
     (files / "empty.txt").write_text("  \n")
     (files / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
-    stats = CorpusStats()
+    counts = ReadCounts()
     with pytest.warns(CorpusWarning) as caught:
-        got = docs(f"{files / '*.txt'},{files / 'missing.txt'}", stats=stats)
+        got = docs(f"{files / '*.txt'},{files / 'missing.txt'}", counts=counts)
     assert [d.text for d in got] == ["first file", "second file\nwith two lines\n"]
-    assert stats.files_skipped == 3 and stats.files_read == 2
-    reasons = dict(stats.skipped)
+    assert counts.files_skipped == 3 and counts.files_read == 2
+    reasons = dict(counts.skipped)
     assert reasons[str(files / "empty.txt")] == "empty"
     assert reasons[str(files / "latin1.txt")].startswith("not UTF-8")
     assert reasons[str(files / "missing.txt")] == "file not found"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtc.pipeline.job.corpus import CorpusWarning
-from kvtc.pipeline.job.shards import Shard, ShardStats, is_holdout, make_shards, shard_id
+from kvtc.pipeline.job.shards import Shard, PackCounts, is_holdout, make_shards, shard_id
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,21 +71,21 @@ def test_ids_are_content_hashes_and_payload_round_trips(tok) -> None:
 
 
 def test_holdout_by_hash_is_stable_when_the_corpus_grows(tok) -> None:
-    short_stats, long_stats = ShardStats(), ShardStats()
-    short = shards("pydoc", tok, seqs_per_shard=1, max_tokens=64 * 30, holdout_fraction=0.25, stats=short_stats)
-    long = shards("pydoc", tok, seqs_per_shard=1, max_tokens=64 * 60, holdout_fraction=0.25, stats=long_stats)
+    short_counts, long_counts = PackCounts(), PackCounts()
+    short = shards("pydoc", tok, seqs_per_shard=1, max_tokens=64 * 30, holdout_fraction=0.25, counts=short_counts)
+    long = shards("pydoc", tok, seqs_per_shard=1, max_tokens=64 * 60, holdout_fraction=0.25, counts=long_counts)
     assert [s.id for s in long[:30]] == [s.id for s in short]
     for s in long:
-        assert s.holdout == (is_holdout(s.id, 0.25) or s.id in long_stats.forced)
+        assert s.holdout == (is_holdout(s.id, 0.25) or s.id in long_counts.forced)
     assert [s.holdout for s in long[:29]] == [s.holdout for s in short[:29]]
-    assert 0 < sum(s.holdout for s in long) < len(long) and long_stats.holdout_shards == sum(s.holdout for s in long)
+    assert 0 < sum(s.holdout for s in long) < len(long) and long_counts.holdout_shards == sum(s.holdout for s in long)
 
 
 def test_min_holdout_shards_marks_the_last_shards(tok) -> None:
-    stats = ShardStats()
-    got = shards("pydoc", tok, max_tokens=64 * 8, holdout_fraction=0.0, min_holdout_shards=2, stats=stats)
+    counts = PackCounts()
+    got = shards("pydoc", tok, max_tokens=64 * 8, holdout_fraction=0.0, min_holdout_shards=2, counts=counts)
     assert [s.holdout for s in got] == [False, False, True, True]
-    assert stats.forced == [got[3].id, got[2].id] and stats.holdout_shards == 2
+    assert counts.forced == [got[3].id, got[2].id] and counts.holdout_shards == 2
     everything = shards("pydoc", tok, max_tokens=64 * 6, holdout_fraction=0.999999)
     assert [s.holdout for s in everything] == [True, True, False], "the last shard trains when all were held out"
     with pytest.raises(ValueError, match=r"gives 1 shard\(s\) but needs at least 2"):
@@ -97,10 +97,10 @@ def test_max_tokens_stops_the_stream_early(tok, tmp_path: Path) -> None:
     assert [s.input_ids.shape[0] for s in got] == [4, 4, 2] and sum(s.num_tokens for s in got) == 1280
     for i in range(200):
         (tmp_path / f"{i:03d}.txt").write_text(f"file {i}: " + "some words of text " * 50)
-    stats = ShardStats()
-    got = shards(str(tmp_path), tok, seq_len=128, seqs_per_shard=4, max_tokens=128 * 10, stats=stats)
-    assert stats.sequences == 10 and stats.documents == 200
-    assert stats.tokens_read < 200 * 200 / 10, "documents are read for the shuffle buffer but tokenized lazily"
+    counts = PackCounts()
+    got = shards(str(tmp_path), tok, seq_len=128, seqs_per_shard=4, max_tokens=128 * 10, counts=counts)
+    assert counts.sequences == 10 and counts.documents == 200
+    assert counts.tokens_read < 200 * 200 / 10, "documents are read for the shuffle buffer but tokenized lazily"
 
 
 def test_bad_settings_and_inputs_are_refused(tok, tmp_path: Path) -> None:
@@ -121,9 +121,9 @@ def test_skipped_files_are_counted_through_make_shards(tok, tmp_path: Path) -> N
     (tmp_path / "good.txt").write_text("plenty of words to read here. " * 60)
     (tmp_path / "bad.txt").write_bytes(b"\x80\x81 not utf-8")
     (tmp_path / "empty.jsonl").write_text("")
-    stats = ShardStats()
+    counts = PackCounts()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = shards(str(tmp_path), tok, seq_len=32, stats=stats)
-    assert got and stats.files_skipped == 2 and stats.files_read == 1
+        got = shards(str(tmp_path), tok, seq_len=32, counts=counts)
+    assert got and counts.files_skipped == 2 and counts.files_read == 1
     assert sum(issubclass(w.category, CorpusWarning) for w in caught) == 2

@@ -21,7 +21,7 @@ interleaved document by document, round robin, so any prefix of the stream is a 
     any of the above + '#COLUMN'        the text column for .jsonl/.parquet/hf sources (default: text_column or "text")
 
 Files that are missing, empty, unreadable or not UTF-8, and records without a usable text, are
-skipped: each skipped file raises a `CorpusWarning` and is counted in `CorpusStats`. When nothing
+skipped: each skipped file raises a `CorpusWarning` and is counted in `ReadCounts`. When nothing
 usable remains, a ValueError names the reasons.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ PKGDOCS_MIN_CHARS = 500
 ACCEPTED_FORMS = ("pydoc | pkgdocs | stdlib | hf:ORG/NAME[:CONFIG][@SPLIT][#COLUMN] | FILE.txt | FILE.jsonl[#COLUMN] | "
                   "FILE.parquet[#COLUMN] | DIR/ | GLOB (e.g. data/*.jsonl); join several with ',' (in order) "
                   "or '+' (interleaved), e.g. pydoc+pkgdocs")
-Source = Callable[["CorpusStats"], Iterator["Document"]]
+Source = Callable[["ReadCounts"], Iterator["Document"]]
 
 
 class CorpusWarning(UserWarning):
@@ -58,7 +58,7 @@ class Document:
 
 
 @dataclass
-class CorpusStats:
+class ReadCounts:
     """What reading the corpus did; filled in as the stream is consumed."""
 
     documents: int = 0
@@ -98,9 +98,9 @@ def _split_last(text: str, sep: str) -> tuple[str, str | None]:
     return (head, tail) if found else (text, None)
 
 
-def iter_documents(spec: str, text_column: str | None = None, stats: CorpusStats | None = None) -> Iterator[Document]:
+def iter_documents(spec: str, text_column: str | None = None, counts: ReadCounts | None = None) -> Iterator[Document]:
     """The documents of `spec` in a deterministic order (grammar: module docstring). Bad specs fail here, eagerly."""
-    stats = stats if stats is not None else CorpusStats()
+    counts = counts if counts is not None else ReadCounts()
     parts = [part.strip() for part in spec.split(",")]
     if not spec.strip() or not all(parts):
         raise ValueError(f"empty corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
@@ -108,7 +108,7 @@ def iter_documents(spec: str, text_column: str | None = None, stats: CorpusStats
     if any(not p for m in mixed for p in m):
         raise ValueError(f"empty part in corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
     sources = [_mixture([_resolve(p, text_column) for p in m]) for m in mixed]
-    return _stream(spec, sources, stats)
+    return _stream(spec, sources, counts)
 
 
 def _mixed_parts(part: str) -> list[str]:
@@ -123,8 +123,8 @@ def _mixture(sources: list[Source]) -> Source:
     if len(sources) == 1:
         return sources[0]
 
-    def interleave(stats: CorpusStats) -> Iterator[Document]:
-        live = [source(stats) for source in sources]
+    def interleave(counts: ReadCounts) -> Iterator[Document]:
+        live = [source(counts) for source in sources]
         while live:
             for it in list(live):
                 doc = next(it, None)
@@ -145,39 +145,39 @@ def describe(spec: str) -> dict:
     return out
 
 
-def _stream(spec: str, sources: list[Source], stats: CorpusStats) -> Iterator[Document]:
-    before = stats.documents
+def _stream(spec: str, sources: list[Source], counts: ReadCounts) -> Iterator[Document]:
+    before = counts.documents
     for source in sources:
-        for doc in source(stats):
-            stats.documents += 1
+        for doc in source(counts):
+            counts.documents += 1
             yield doc
-    if stats.documents == before:
-        reasons = "; ".join(f"{src}: {why}" for src, why in stats.skipped[:5]) or "no documents"
-        raise ValueError(f"corpus {spec!r} has no usable document ({stats.files_skipped} file(s) skipped: {reasons})")
+    if counts.documents == before:
+        reasons = "; ".join(f"{src}: {why}" for src, why in counts.skipped[:5]) or "no documents"
+        raise ValueError(f"corpus {spec!r} has no usable document ({counts.files_skipped} file(s) skipped: {reasons})")
 
 
 def _resolve(part: str, text_column: str | None) -> Source:
     if part == "pydoc":
-        return lambda stats: _pydoc_documents()
+        return lambda counts: _pydoc_documents()
     if part == "stdlib":
         return _stdlib_documents
     if part == "pkgdocs":
-        return lambda stats: _pkgdocs_documents()
+        return lambda counts: _pkgdocs_documents()
     if part.startswith("hf:"):
         hf = parse_hf_spec(part)
         column = _pick_column(part, hf.column, text_column)
-        return lambda stats: _hf_documents(hf, column, stats)
+        return lambda counts: _hf_documents(hf, column, counts)
     path, column = part, None
     if not glob.has_magic(part) and not Path(part).exists() and "#" in part:
         path, column = _split_last(part, "#")
     column = _pick_column(part, column, text_column)
     if glob.has_magic(path):
         matches = [p for p in glob.glob(path, recursive=True) if Path(p).suffix in FILE_SUFFIXES]
-        return lambda stats: _files_documents(sorted(matches), column, stats, path)
+        return lambda counts: _files_documents(sorted(matches), column, counts, path)
     if Path(path).is_dir():
-        return lambda stats: _files_documents(_walk(Path(path)), column, stats, path)
+        return lambda counts: _files_documents(_walk(Path(path)), column, counts, path)
     if Path(path).suffix in FILE_SUFFIXES:
-        return lambda stats: _files_documents([path], column, stats, path)
+        return lambda counts: _files_documents([path], column, counts, path)
     raise ValueError(f"unknown corpus spec {part!r} (not a known name, directory, glob or "
                      f"{'/'.join(FILE_SUFFIXES)} file); accepted forms: {ACCEPTED_FORMS}")
 
@@ -219,19 +219,19 @@ def _pkgdocs_documents() -> Iterator[Document]:
         yield seen[key]
 
 
-def _stdlib_documents(stats: CorpusStats) -> Iterator[Document]:
+def _stdlib_documents(counts: ReadCounts) -> Iterator[Document]:
     root = Path(sysconfig.get_paths()["stdlib"])
     for rel in sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")):
         parts = rel.split("/")
         excluded = any(d in STDLIB_EXCLUDED_DIRS or d.startswith("config-") for d in parts[:-1])
         if excluded or parts[-1].startswith("_sysconfigdata") or (root / rel).stat().st_size == 0:
             continue
-        text = _read_text(root / rel, f"stdlib:{rel}", stats)
+        text = _read_text(root / rel, f"stdlib:{rel}", counts)
         if text is not None:
             yield Document(id=f"stdlib:{rel}", text=text)
 
 
-def _read_text(path: Path, source: str, stats: CorpusStats) -> str | None:
+def _read_text(path: Path, source: str, counts: ReadCounts) -> str | None:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -240,43 +240,43 @@ def _read_text(path: Path, source: str, stats: CorpusStats) -> str | None:
         reason = f"unreadable ({exc.strerror or exc})"
     else:
         if text.strip():
-            stats.files_read += 1
+            counts.files_read += 1
             return text
         reason = "empty"
-    stats.skip_file(source, reason)
+    counts.skip_file(source, reason)
     return None
 
 
-def _files_documents(paths: list[str], column: str, stats: CorpusStats, spec: str) -> Iterator[Document]:
+def _files_documents(paths: list[str], column: str, counts: ReadCounts, spec: str) -> Iterator[Document]:
     if not paths:
-        stats.skip_file(spec, "no .txt/.jsonl/.parquet file matched")
+        counts.skip_file(spec, "no .txt/.jsonl/.parquet file matched")
     for name in paths:
         path = Path(name)
         if not path.exists():
-            stats.skip_file(name, "file not found")
+            counts.skip_file(name, "file not found")
         elif path.suffix == ".txt":
-            text = _read_text(path, name, stats)
+            text = _read_text(path, name, counts)
             if text is not None:
                 yield Document(id=name, text=text)
         elif path.suffix in (".jsonl", ".parquet"):
             read = _jsonl_records if path.suffix == ".jsonl" else _parquet_records
             count = 0
             try:
-                for i, text in enumerate(read(path, column, stats)):
+                for i, text in enumerate(read(path, column, counts)):
                     if isinstance(text, str) and text.strip():
                         count += 1
                         yield Document(id=f"{name}:{i}", text=text)
                     else:
-                        stats.records_skipped += 1
+                        counts.records_skipped += 1
             except (OSError, ValueError) as exc:
-                stats.skip_file(name, f"unreadable ({exc})")
+                counts.skip_file(name, f"unreadable ({exc})")
             else:
-                stats.files_read += count > 0
+                counts.files_read += count > 0
                 if not count:
-                    stats.skip_file(name, f"no record with a non-empty {column!r} text")
+                    counts.skip_file(name, f"no record with a non-empty {column!r} text")
 
 
-def _jsonl_records(path: Path, column: str, stats: CorpusStats) -> Iterator[object]:
+def _jsonl_records(path: Path, column: str, counts: ReadCounts) -> Iterator[object]:
     with path.open("rb") as handle:
         for line in handle:
             if not line.strip():
@@ -284,12 +284,12 @@ def _jsonl_records(path: Path, column: str, stats: CorpusStats) -> Iterator[obje
             try:
                 record = json.loads(line.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError):
-                stats.records_skipped += 1
+                counts.records_skipped += 1
                 continue
             yield record.get(column) if isinstance(record, dict) else None
 
 
-def _parquet_records(path: Path, column: str, stats: CorpusStats) -> Iterator[object]:
+def _parquet_records(path: Path, column: str, counts: ReadCounts) -> Iterator[object]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -299,7 +299,7 @@ def _parquet_records(path: Path, column: str, stats: CorpusStats) -> Iterator[ob
         yield from batch.column(0).to_pylist()
 
 
-def _hf_documents(hf: HFSpec, column: str, stats: CorpusStats) -> Iterator[Document]:
+def _hf_documents(hf: HFSpec, column: str, counts: ReadCounts) -> Iterator[Document]:
     import datasets
 
     source = f"hf:{hf.name}" + (f":{hf.config}" if hf.config else "") + f"@{hf.split}"
@@ -316,4 +316,4 @@ def _hf_documents(hf: HFSpec, column: str, stats: CorpusStats) -> Iterator[Docum
         if isinstance(text, str) and text.strip():
             yield Document(id=f"{source}:{i}", text=text)
         else:
-            stats.records_skipped += 1
+            counts.records_skipped += 1

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtc.pipeline.job.corpus import CorpusStats, Document, iter_documents
+from kvtc.pipeline.job.corpus import ReadCounts, Document, iter_documents
 
 ID_HEX_DIGITS = 16
 
@@ -99,8 +99,8 @@ def is_holdout(identifier: str, holdout_fraction: float) -> bool:
 
 
 @dataclass
-class ShardStats(CorpusStats):
-    """CorpusStats plus packing counts; `forced` lists the ids whose holdout flag the end-of-stream rule set."""
+class PackCounts(ReadCounts):
+    """ReadCounts plus packing counts; `forced` lists the ids whose holdout flag the end-of-stream rule set."""
 
     tokens_read: int = 0
     sequences: int = 0
@@ -112,7 +112,7 @@ class ShardStats(CorpusStats):
 def make_shards(spec: str, tokenizer: Any, seq_len: int = 1024, seqs_per_shard: int = 8, max_tokens: int | None = None,
                 seed: int = 0, text_column: str | None = None, holdout_fraction: float = 0.125, *,
                 min_holdout_shards: int = 1, max_seq_len: int | None = None, shuffle_buffer: int = 1024,
-                stats: ShardStats | None = None) -> Iterator[Shard]:
+                counts: PackCounts | None = None) -> Iterator[Shard]:
     """Stream the shards of corpus `spec`; max_seq_len is the model's limit (e.g. LoadedModel.max_positions)."""
     if max_seq_len is not None and seq_len > max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's maximum of {max_seq_len} positions; lower seq_len")
@@ -120,10 +120,10 @@ def make_shards(spec: str, tokenizer: Any, seq_len: int = 1024, seqs_per_shard: 
                              shuffle_buffer, text_column)
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise ValueError("the tokenizer has no eos token to separate documents; set tokenizer.eos_token")
-    stats = stats if stats is not None else ShardStats()
-    documents = iter_documents(spec, text_column, stats)
-    return _holdout_stream(_shard_stream(_pack(shuffled(documents, seed, shuffle_buffer), tokenizer, settings, stats),
-                                         settings, stats), settings, stats, spec)
+    counts = counts if counts is not None else PackCounts()
+    documents = iter_documents(spec, text_column, counts)
+    return _holdout_stream(_shard_stream(_pack(shuffled(documents, seed, shuffle_buffer), tokenizer, settings, counts),
+                                         settings, counts), settings, counts, spec)
 
 
 def shuffled(documents: Iterable[Document], seed: int, buffer_size: int) -> Iterator[Document]:
@@ -148,7 +148,7 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 
 def _pack(documents: Iterator[Document], tokenizer: Any, settings: ShardSettings,
-          stats: ShardStats) -> Iterator[np.ndarray]:
+          counts: PackCounts) -> Iterator[np.ndarray]:
     """Yield (T,) int64 sequences."""
     bos, eos = getattr(tokenizer, "bos_token_id", None), int(tokenizer.eos_token_id)
     prefix = [] if bos is None else [int(bos)]
@@ -161,26 +161,26 @@ def _pack(documents: Iterator[Document], tokenizer: Any, settings: ShardSettings
             batch.append(doc.text)
             batch_chars += len(doc.text)
             # grow batches slowly so a small max_tokens does not tokenize much more than it needs
-            if len(batch) < min(64, 1 + stats.sequences) and batch_chars < 200_000:
+            if len(batch) < min(64, 1 + counts.sequences) and batch_chars < 200_000:
                 continue
         if not batch:
             break
         for ids in _encode(tokenizer, batch):
             pending.extend(ids)
             pending.append(eos)
-            stats.tokens_read += len(ids) + 1
+            counts.tokens_read += len(ids) + 1
         batch, batch_chars = [], 0
         start = 0
         while len(pending) - start >= body:
             yield np.asarray(prefix + pending[start:start + body], dtype=np.int64)
             start += body
-            stats.sequences += 1
-            if limit is not None and stats.sequences >= limit:
+            counts.sequences += 1
+            if limit is not None and counts.sequences >= limit:
                 return
         del pending[:start]
-    if stats.sequences == 0:
+    if counts.sequences == 0:
         raise ValueError(f"the corpus yields no complete sequence of seq_len={settings.seq_len} tokens "
-                         f"({stats.tokens_read} tokens read); lower seq_len or add documents")
+                         f"({counts.tokens_read} tokens read); lower seq_len or add documents")
 
 
 def _end_marked(documents: Iterator[Document]) -> Iterator[Document | None]:
@@ -188,7 +188,7 @@ def _end_marked(documents: Iterator[Document]) -> Iterator[Document | None]:
     yield None
 
 
-def _shard_stream(sequences: Iterator[np.ndarray], settings: ShardSettings, stats: ShardStats) -> Iterator[Shard]:
+def _shard_stream(sequences: Iterator[np.ndarray], settings: ShardSettings, counts: PackCounts) -> Iterator[Shard]:
     rows: list[np.ndarray] = []
     for row in _end_marked(sequences):
         if row is not None:
@@ -196,12 +196,12 @@ def _shard_stream(sequences: Iterator[np.ndarray], settings: ShardSettings, stat
         if rows and (row is None or len(rows) == settings.seqs_per_shard):
             ids = np.stack(rows)
             identifier = shard_id(ids)
-            yield Shard(identifier, stats.shards, ids, is_holdout(identifier, settings.holdout_fraction))
-            stats.shards += 1
+            yield Shard(identifier, counts.shards, ids, is_holdout(identifier, settings.holdout_fraction))
+            counts.shards += 1
             rows = []
 
 
-def _holdout_stream(shards: Iterator[Shard], settings: ShardSettings, stats: ShardStats, spec: str) -> Iterator[Shard]:
+def _holdout_stream(shards: Iterator[Shard], settings: ShardSettings, counts: PackCounts, spec: str) -> Iterator[Shard]:
     lag = max(settings.min_holdout_shards, 1)
     pending: deque[Shard] = deque()
     chosen = 0
@@ -209,8 +209,8 @@ def _holdout_stream(shards: Iterator[Shard], settings: ShardSettings, stats: Sha
         pending.append(shard)
         chosen += shard.holdout
         if len(pending) > lag:
-            yield _counted(pending.popleft(), stats)
-    total = stats.shards
+            yield _counted(pending.popleft(), counts)
+    total = counts.shards
     if total < settings.min_holdout_shards + 1:
         raise ValueError(f"corpus {spec!r} gives {total} shard(s) but needs at least {settings.min_holdout_shards + 1} "
                          f"(min_holdout_shards={settings.min_holdout_shards} plus one to train on); "
@@ -219,16 +219,16 @@ def _holdout_stream(shards: Iterator[Shard], settings: ShardSettings, stats: Sha
     for i in reversed(range(len(tail))):
         if chosen < settings.min_holdout_shards and not tail[i].holdout:
             tail[i], chosen = replace(tail[i], holdout=True), chosen + 1
-            stats.forced.append(tail[i].id)
+            counts.forced.append(tail[i].id)
     if chosen == total:
         tail[-1] = replace(tail[-1], holdout=False)
-        stats.forced.append(tail[-1].id)
+        counts.forced.append(tail[-1].id)
     for shard in tail:
-        yield _counted(shard, stats)
+        yield _counted(shard, counts)
 
 
-def _counted(shard: Shard, stats: ShardStats) -> Shard:
-    stats.holdout_shards += shard.holdout
+def _counted(shard: Shard, counts: PackCounts) -> Shard:
+    counts.holdout_shards += shard.holdout
     return shard
 
 
