@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtc.artifacts.artifact import Artifact
+from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.schema import STREAMS
 
 FORMAT = "kvtc-dynamo/2"
@@ -109,14 +110,14 @@ def _write(path: Path, array: np.ndarray) -> dict:
 
 def _check(artifact: Artifact, options: DynamoExportOptions) -> str:
     """-> the key form; raises ExportError for what Dynamo cannot run as asked."""
-    cal = artifact.manifest["calibration"]
-    keys = cal.get("keys", "rope-removed")
+    cal = CalibrationRecord.from_manifest(artifact.manifest)
+    keys = cal.keys
     if keys == "rope-removed" and not options.allow_rope_removed:
         raise ExportError(f"{artifact.name}@{artifact.version} holds a basis of RoPE-removed keys, but Dynamo applies "
                           "the projection to keys as stored, with RoPE. Recalibrate with --keys rope-kept, or pass "
                           "--allow-rope-removed if your consumer removes RoPE before compressing and re-applies it")
     if options.layout == "paged":
-        wide = [g for g in cal.get("groups") or [[0, artifact.manifest["model"]["num_layers"]]] if g[1] - g[0] > 1]
+        wide = [list(g) for g in cal.groups if g[1] - g[0] > 1]
         if wide:
             raise ExportError(f"{artifact.name}@{artifact.version} has groups spanning several layers {wide}: in a "
                               "paged KV layout each layer's pages are stored apart, so such a row is not contiguous. "
@@ -156,7 +157,7 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
             "ranges": ranges,
         })
     model = artifact.manifest["model"]
-    calibration = artifact.manifest["calibration"]
+    calibration = CalibrationRecord.from_manifest(artifact.manifest)
     total_features = sum(c["features"] for c in configs)
     total_bits = sum(c["dynamo_bits_per_row"] for c in configs)
     doc = {"format": FORMAT, "artifact": artifact.name, "version": artifact.version, "ratio": float(ratio),
@@ -164,7 +165,7 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
            "streams": list(STREAMS), "feature_order": ["layer", "kv_head", "head_dim"], "layout": options.layout,
            "keys": keys, "fp8_blocks": options.fp8,
            "num_kv_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "rope": model["rope"],
-           "sinks": calibration["sinks"], "window": calibration["window"],
+           "sinks": calibration.sinks, "window": calibration.window,
            "kernel_bundle_hash": artifact.manifest.get("kernel_bundle_hash"), "configs": configs}
     path = out / "dynamo_kvtc.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
