@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,23 +19,6 @@ from kvtc.artifacts import (ArtifactNotFoundError, IntegrityError, Registry, Reg
 from kvtc.artifacts.testing import toy_content
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                           ("AWS_DEFAULT_REGION", "us-east-1")):
-            env.setenv(key, value)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        yield f"http://127.0.0.1:{port}"
-        server.stop()
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import threading
 import uuid
 
@@ -16,23 +15,6 @@ from kvtc.artifacts import ArtifactNotFoundError, IntegrityError, Registry, publ
 from kvtc.artifacts.manifest import encode_manifest, listing_hash, manifest_digest
 from kvtc.artifacts.registry import split_ref
 from kvtc.artifacts.testing import toy_content
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                           ("AWS_DEFAULT_REGION", "us-east-1")):
-            env.setenv(key, value)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        yield f"http://127.0.0.1:{port}"
-        server.stop()
 
 
 @pytest.fixture(params=["local", "s3"])
