@@ -35,4 +35,4 @@ runtime_env="$(printf '{"working_dir": "%s", "env_vars": {"KVTC_REGISTRY": "%s",
 # parent), 4 wrong model, 2 error.
 exec ray job submit --address "$address" --submission-id "$id" --no-wait \
   --runtime-env-json "$runtime_env" \
-  -- python -m pipeline.cli recalibrate "$name" "$@"
+  -- python -m kvtc.pipeline.cli recalibrate "$name" "$@"
