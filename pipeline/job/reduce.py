@@ -5,7 +5,7 @@ Three steps: `reduce_group` (pure: one stream and group's basis and held-out row
 allocations, metrics and curve rows out; no store), `aggregate` (stream-level figures over
 groups) and `publish_calibration` (manifest fields, report, registry). `reduce_and_publish` runs
 them: one stream and group at a time, its basis from `kvtc.pipeline.job.basis_solver` (a GPU Ray
-task when the cluster has GPUs, this process otherwise). Exact solves (GPU, or p <= 8192) compute
+task when the cluster has GPUs, this process otherwise). Exact solves (GPU, or p <= 4096) compute
 every component the least aggressive ratio could keep; above that a CPU solves the leading k by
 subspace iteration, starting at max(512, p / 16) and doubling k while an allocation keeps more
 than 80% of it (more components could then change the allocation).
