@@ -119,8 +119,7 @@ def pca_from_moments(n: int, sum_: np.ndarray | torch.Tensor, gram: np.ndarray |
                  components=np.ascontiguousarray(fix_signs(evecs)), total_variance=total, n=int(n))
 
 
-EXACT_MAX_P = 8192  # above this on a CPU, the leading components come from subspace iteration (below it one
-# LAPACK solve of every needed component beats the widening subspace solves)
+EXACT_MAX_P = 4096  # above this on a CPU, the leading components come from subspace iteration
 
 
 def covariance_f32(n: int, mu: np.ndarray, packed: np.ndarray) -> torch.Tensor:
@@ -186,8 +185,7 @@ def pca_from_packed(n: int, sum_: np.ndarray, packed: np.ndarray, k: int | None 
     """Merged statistics with the Gram as its packed upper triangle (p(p+1)/2,) f64 -> Basis of the
     leading k components (default all). method: "exact" (LAPACK syevr with an index range on CPU,
     torch eigh on CUDA; the packed Gram plus one (p, p) float64 matrix), "subspace" (`subspace_eigh`
-    on one (p, p) float32 matrix) or "auto" (exact on CUDA, when p <= EXACT_MAX_P, or when k >= p/4:
-    subspace iteration only pays for a small fraction of the components)."""
+    on one (p, p) float32 matrix) or "auto" (exact on CUDA or when p <= EXACT_MAX_P)."""
     s = np.asarray(sum_, dtype=np.float64)
     p = s.shape[0]
     if int(n) < 2:
@@ -205,7 +203,7 @@ def pca_from_packed(n: int, sum_: np.ndarray, packed: np.ndarray, k: int | None 
     total = float(max((diagonal(packed, p) / n - mu * mu).sum(), 0.0))
     dev = torch.device(device)
     if method == "auto":
-        method = "exact" if dev.type == "cuda" or p <= EXACT_MAX_P or 4 * k >= p else "subspace"
+        method = "exact" if dev.type == "cuda" or p <= EXACT_MAX_P or k == p else "subspace"
     if method == "subspace":
         evals, evecs, _ = subspace_eigh(covariance_f32(n, mu, packed), k)
         return Basis(mean=mu, eigenvalues=np.clip(evals, 0.0, None).copy(),
