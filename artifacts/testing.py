@@ -2,9 +2,14 @@
 the registry and of anything that consumes artifacts without running a calibration."""
 from __future__ import annotations
 
+import hashlib
+import json
+from typing import Callable
+
 import numpy as np
 
 from kvtc.artifacts.blocks import block_cost_bits, qtype_bits
+from kvtc.artifacts.manifest import encode_manifest, listing_hash, manifest_digest
 from kvtc.artifacts.schema import STREAMS, ArtifactContent
 
 PATTERN = (("fp8", 4), ("int4", 8), ("int2", 16))
@@ -62,3 +67,21 @@ def toy_content(name: str = "toy", num_layers: int = 2, num_kv_heads: int = 2, h
     return ArtifactContent(name=name, model=model, calibration=calibration, corpus=corpus, bases=bases,
                            allocations=allocations, metrics=metrics, curves=curves, extra_files=extras,
                            parent=parent, code_version="test", bases_dtype=bases_dtype)
+
+
+def forge_version(reg, name: str, version: str, mutate: Callable[[dict], None],
+                  files: dict[str, bytes] | None = None) -> bytes:
+    """Rewrite a version as an attacker with write access would: write `files`, change the manifest,
+    fix every hash and the digest file, so that only a pinned digest or a signature can tell.
+    -> the forged manifest bytes."""
+    prefix = reg.version_path(name, version)
+    manifest = json.loads(reg.fs.cat_file(f"{prefix}/manifest.json"))
+    for rel, data in (files or {}).items():
+        reg.fs.pipe_file(f"{prefix}/{rel}", data)
+        manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    mutate(manifest)
+    manifest["content_sha256"] = listing_hash(manifest["files"])
+    data = encode_manifest(manifest)
+    reg.fs.pipe_file(f"{prefix}/manifest.json", data)
+    reg.fs.pipe_file(f"{prefix}/manifest.sha256", (manifest_digest(data) + "\n").encode())
+    return data

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 
 from kvtc.artifacts import ArtifactNotFoundError, IntegrityError, Registry, publish, pull
-from kvtc.artifacts.manifest import encode_manifest, listing_hash, manifest_digest
-from kvtc.artifacts.testing import toy_content
+from kvtc.artifacts.testing import forge_version, toy_content
 from kvtc.kernels import BlobError, KVTCCodec, read_blob
 from kvtc.kernels.blob import write_blob
 from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
@@ -69,19 +68,6 @@ def cli_cases(reg: str, tmp: Path) -> collections.Counter:
     return out
 
 
-def _forge(reg: Registry, name: str, version: str, mutate, files: dict | None = None) -> None:
-    prefix = reg.version_path(name, version)
-    manifest = json.loads(reg.fs.cat_file(f"{prefix}/manifest.json"))
-    for rel, data in (files or {}).items():
-        reg.fs.pipe_file(f"{prefix}/{rel}", data)
-        manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    mutate(manifest)
-    manifest["content_sha256"] = listing_hash(manifest["files"])
-    data = encode_manifest(manifest)
-    reg.fs.pipe_file(f"{prefix}/manifest.json", data)
-    reg.fs.pipe_file(f"{prefix}/manifest.sha256", (manifest_digest(data) + "\n").encode())
-
-
 def tamper_cases(reg: Registry, tmp: Path) -> collections.Counter:
     def alias(target):
         return lambda r, v: r.fs.pipe_file(r.path("toy", "aliases", "latest"), json.dumps({"version": target}).encode())
@@ -106,11 +92,11 @@ def tamper_cases(reg: Registry, tmp: Path) -> collections.Counter:
         "manifest window 128->64": edit(b'"window": 128', b'"window": 64'),
         "manifest schema_version string": edit(b'"schema_version": 1', b'"schema_version": "1"'),
         "manifest files as list": lambda r, v: r.fs.pipe_file(f"{r.version_path('toy', v)}/manifest.json", b'{"files": []}'),
-        "forged manifest, name ../../escape": lambda r, v: _forge(r, "toy", v, lambda m: m.update(name="../../escape")),
-        "forged manifest, window 64 (latest pins digest)": lambda r, v: _forge(r, "toy", v, lambda m: m["calibration"].update(window=64)),
-        "forged listing ../../../outside": lambda r, v: _forge(r, "toy", v, lambda m: None, {"../../../outside.txt": b"x"}),
-        "forged kernels/codec.py with hash": lambda r, v: _forge(r, "toy", v, lambda m: None, {"kernels/codec.py": b"import os\n"}),
-        "replaced parquet + updated hash": lambda r, v: _forge(r, "toy", v, lambda m: None, {"metrics.parquet": b"PAR1"}),
+        "forged manifest, name ../../escape": lambda r, v: forge_version(r, "toy", v, lambda m: m.update(name="../../escape")),
+        "forged manifest, window 64 (latest pins digest)": lambda r, v: forge_version(r, "toy", v, lambda m: m["calibration"].update(window=64)),
+        "forged listing ../../../outside": lambda r, v: forge_version(r, "toy", v, lambda m: None, {"../../../outside.txt": b"x"}),
+        "forged kernels/codec.py with hash": lambda r, v: forge_version(r, "toy", v, lambda m: None, {"kernels/codec.py": b"import os\n"}),
+        "replaced parquet + updated hash": lambda r, v: forge_version(r, "toy", v, lambda m: None, {"metrics.parquet": b"PAR1"}),
         "flipped basis byte": flip("bases/keys-g0.components.parquet"),
         "flipped kernel byte": flip("kernels/codec.py"),
         "flipped chart byte (optional file)": flip("charts/allocation.png"),

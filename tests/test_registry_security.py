@@ -3,7 +3,6 @@ and manifests, manifest tampering, copied folders, unlisted files, the kernel bu
 Ed25519 signatures, `latest` under concurrent publishers, file modes."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -12,9 +11,9 @@ import uuid
 import pytest
 
 from kvtc.artifacts import ArtifactNotFoundError, IntegrityError, Registry, publish, pull
-from kvtc.artifacts.manifest import encode_manifest, listing_hash, manifest_digest
+from kvtc.artifacts.manifest import encode_manifest, manifest_digest
 from kvtc.artifacts.registry import split_ref
-from kvtc.artifacts.testing import toy_content
+from kvtc.artifacts.testing import forge_version, toy_content
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -34,22 +33,6 @@ def registry(request, tmp_path, monkeypatch) -> Registry:
 
 def _files_under(path) -> set[str]:
     return {os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs}
-
-
-def _forge(reg: Registry, name: str, version: str, mutate, files: dict[str, bytes] | None = None) -> bytes:
-    """Rewrite a version as an attacker with write access would: change the manifest, fix every hash
-    and the digest file so that only a pinned digest or a signature can tell."""
-    prefix = reg.version_path(name, version)
-    manifest = json.loads(reg.fs.cat_file(f"{prefix}/manifest.json"))
-    for rel, data in (files or {}).items():
-        reg.fs.pipe_file(f"{prefix}/{rel}", data)
-        manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    mutate(manifest)
-    manifest["content_sha256"] = listing_hash(manifest["files"])
-    data = encode_manifest(manifest)
-    reg.fs.pipe_file(f"{prefix}/manifest.json", data)
-    reg.fs.pipe_file(f"{prefix}/manifest.sha256", (manifest_digest(data) + "\n").encode())
-    return data
 
 
 def test_names_and_refs_are_fully_anchored():
@@ -74,11 +57,11 @@ def test_alias_pointing_outside_is_refused_and_nothing_is_written_outside(regist
 
 def test_manifest_naming_another_place_is_refused(registry, tmp_path):
     ref = publish(toy_content(), registry)
-    _forge(registry, "toy", ref.version, lambda m: m.update(name="../../escape"))
+    forge_version(registry, "toy", ref.version, lambda m: m.update(name="../../escape"))
     with pytest.raises(IntegrityError, match="invalid name"):
         pull(f"toy@{ref.version}", registry=registry, cache_dir=tmp_path / "c")
     ref2 = publish(toy_content(seed=1), registry)
-    _forge(registry, "toy", ref2.version, lambda m: None, files={"../../../outside.txt": b"x"})
+    forge_version(registry, "toy", ref2.version, lambda m: None, files={"../../../outside.txt": b"x"})
     before = _files_under(tmp_path)
     with pytest.raises(IntegrityError, match="unsafe file path"):
         pull(f"toy@{ref2.version}", registry=registry, cache_dir=tmp_path / "c")
@@ -94,7 +77,7 @@ def test_edited_manifest_and_copied_folder_are_refused(registry, tmp_path):
         pull(f"toy@{ref.version}", registry=registry, cache_dir=tmp_path / "c")
     registry.fs.pipe_file(path, original)
     # a consistent forgery passes the digest file but not the digest `latest` recorded, nor a digest pin
-    _forge(registry, "toy", ref.version, lambda m: m["calibration"].update(window=64))
+    forge_version(registry, "toy", ref.version, lambda m: m["calibration"].update(window=64))
     with pytest.raises(IntegrityError, match="expected sha256:"):
         pull("toy@latest", registry=registry, cache_dir=tmp_path / "c")
     with pytest.raises(ArtifactNotFoundError, match="no version with manifest digest"):
@@ -114,7 +97,7 @@ def test_edited_manifest_and_copied_folder_are_refused(registry, tmp_path):
 
 def test_replaced_file_with_updated_hash_and_kernel_bundle_are_refused(registry, tmp_path):
     ref = publish(toy_content(), registry)
-    data = _forge(registry, "toy", ref.version, lambda m: None, files={"kernels/codec.py": b"import os\n"})
+    data = forge_version(registry, "toy", ref.version, lambda m: None, files={"kernels/codec.py": b"import os\n"})
     with pytest.raises(IntegrityError, match="kernel bundle hash"):
         pull(f"toy@{ref.version}", registry=registry, cache_dir=tmp_path / "c")
     with pytest.raises(IntegrityError, match="expected sha256:"):
@@ -152,7 +135,7 @@ def test_signatures(registry, tmp_path):
         pull(f"toy@{unsigned.version}", registry=registry, require_signature=True)
     registry.sign("toy", unsigned.version, private)
     pull(f"toy@{unsigned.version}", registry=registry, public_key=public, require_signature=True, cache_dir=tmp_path / "c")
-    _forge(registry, "toy", signed.version, lambda m: m["calibration"].update(window=64))
+    forge_version(registry, "toy", signed.version, lambda m: m["calibration"].update(window=64))
     with pytest.raises(IntegrityError, match="tampered"):
         pull(f"toy@{signed.version}", registry=registry, public_key=public, cache_dir=tmp_path / "c3")
 
