@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 SERVER_MODULES = ("lmcache.v1.distributed.storage_manager", "lmcache.v1.multiprocess.http_server")
 
@@ -36,6 +37,35 @@ def check_server() -> None:
             raise LauncherError(f"LMCache's server cannot start here: {name} needs {getattr(exc, 'name', exc)!r}, "
                                 "which is not installed (install LMCache with its dependencies: pip install "
                                 "lmcache)") from exc
+
+
+def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
+    """The `index`-th L2 adapter `lmcache server ARGV` would build, with the kvtc serde registered, built
+    by LMCache's own calls (its storage-manager argument parser and config, its L1 manager, `create_l2_adapter`
+    and, for an adapter with a "serde", `SerdeL2AdapterWrapper` around `create_serde_processor`, as its
+    StorageManager does) but without the request transport -> (adapter, l1_manager); close both after use.
+    For checks and benchmarks where LMCache's server cannot start (its transport needs packages not installed)."""
+    import argparse
+
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
+    from lmcache.v1.distributed.l1_manager import L1Manager
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
+    from lmcache.v1.distributed.serde import create_serde_processor
+
+    from kvtc.kernels.lmcache_serde import register
+
+    register()
+    parser = argparse.ArgumentParser(prog="lmcache server")
+    add_storage_manager_args(parser)
+    config = parse_args_to_config(parser.parse_args(argv))
+    l1 = L1Manager(config.l1_manager_config)
+    adapter_config = config.l2_adapter_config.adapters[index]
+    adapter = create_l2_adapter(adapter_config, l1.get_l1_memory_desc())
+    if adapter_config.serde_config is not None:
+        adapter = SerdeL2AdapterWrapper(inner=adapter, serde=create_serde_processor(adapter_config.serde_config),
+                                        l1_manager=l1)
+    return adapter, l1
 
 
 def main(argv: list[str] | None = None) -> int:

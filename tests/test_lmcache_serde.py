@@ -165,25 +165,13 @@ def _wait(query, task_id, timeout: float = 120.0):
 
 
 class _Server:
-    """What `lmcache server ARGS` builds for each L2 adapter, with LMCache's own calls: its argument parser
-    and config (distributed.config), its L1 manager, `create_l2_adapter` and the `SerdeL2AdapterWrapper`
-    around `create_serde_processor` (StorageManager._build_l2_adapter); the transport is not started."""
+    """The L2 adapter `lmcache server ARGV` builds (kvtc.kernels.lmcache_server.l2_adapter: LMCache's own
+    argument parsing, L1 manager, adapter factory and serde wrapper), driven through its public interface."""
 
     def __init__(self, argv: list[str]) -> None:
-        from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
-        from lmcache.v1.distributed.l1_manager import L1Manager
-        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-        from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
-        from lmcache.v1.distributed.serde import create_serde_processor
+        from kvtc.kernels.lmcache_server import l2_adapter
 
-        parser = argparse.ArgumentParser()
-        add_storage_manager_args(parser)
-        config = parse_args_to_config(parser.parse_args(argv))
-        self.l1 = L1Manager(config.l1_manager_config)
-        adapter_config = config.l2_adapter_config.adapters[0]
-        inner = create_l2_adapter(adapter_config, self.l1.get_l1_memory_desc())
-        self.adapter = SerdeL2AdapterWrapper(inner=inner, serde=create_serde_processor(adapter_config.serde_config),
-                                             l1_manager=self.l1)
+        self.adapter, self.l1 = l2_adapter(argv)
 
     def store(self, key, kv: torch.Tensor) -> bool:
         result = _wait(lambda t: self.adapter.pop_completed_store_tasks().get(t),
