@@ -35,7 +35,7 @@ EXIT_OK, EXIT_INTERNAL, EXIT_ERROR, EXIT_INTEGRITY, EXIT_INTERRUPTED = 0, 1, 2, 
 EXIT_CODES = {
     0: "success",
     1: "internal error (a bug: rerun with --debug and report the traceback)",
-    2: "bad input, unknown name, unreachable or unwritable registry/cluster, or another expected failure",
+    2: "bad input: an invalid option, unknown name, unreachable or unwritable registry/cluster, missing file",
     3: "drift: the artifact drifted past --threshold",
     4: "drift/recalibrate: the model is not the artifact's",
     5: "recalibrate: the new version was not promoted",
@@ -161,9 +161,9 @@ def exit_code(exc: BaseException) -> int | None:
 
     if isinstance(exc, IntegrityError):
         return EXIT_INTEGRITY
-    if isinstance(exc, (ValueError, LookupError, OSError, RuntimeError, TimeoutError)):
-        return EXIT_ERROR  # OSError covers missing files, permissions and unreachable hosts
-    return None
+    if isinstance(exc, (ValueError, LookupError, OSError, TimeoutError)):
+        return EXIT_ERROR  # bad input (InputError is a ValueError); OSError: missing files, permissions, hosts
+    return None  # RuntimeError, TypeError, AssertionError, ...: a bug
 
 
 def _one_line(exc: BaseException) -> str:

@@ -100,7 +100,7 @@ def test_worse_version_kept_unaliased_and_fault_leaves_registry_as_it_was(parent
 
     def fail(point):
         if point == "before_commit":
-            raise RuntimeError("injected fault while publishing")
+            raise OSError("injected fault while publishing")  # a disk or network failure
 
     with monkeypatch.context() as mp:
         mp.setattr(publish_mod, "_pause", fail)

@@ -78,6 +78,7 @@ def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[s
 def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_tokens: int | None = None,
                 aliases: tuple[str, ...] = (), tolerance: float = 0.0, force: bool = False) -> Result:
     from kvtc import artifacts
+    from kvtc.artifacts.errors import InputError
     from kvtc.artifacts.schema import check_name
     from kvtc.pipeline.job.calibrate import run
     from kvtc.pipeline.operations.drift import check_drift, check_model
@@ -125,9 +126,9 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
         if trained:
             result.notes.append(f"{len(trained)} of the parent's held-out shards trained the new version (the corpus "
                                 "grew past them); its validation errors are optimistic")
-    except Exception as exc:
-        raise RuntimeError(f"{parent.name}@{result.version} was published but validating it failed ({exc}); "
-                           "no alias was moved") from exc
+    except (ValueError, LookupError, OSError) as exc:  # bad input stays bad input; a bug propagates as one
+        raise InputError(f"{parent.name}@{result.version} was published but validating it failed ({exc}); "
+                         "no alias was moved") from exc
     if result.reasons:
         result.status = "kept_unaliased"
         return result
