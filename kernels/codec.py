@@ -238,17 +238,12 @@ class KVTCCodec:
                max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """blob -> (keys, values) (L, H, T, D) in the encoded dtype on `device`.
 
-        Every failure caused by the blob is a BlobError (a ValueError), including a blob declaring more
-        than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating.
+        Every failure caused by the blob's bytes is a BlobError (a ValueError), including a blob declaring
+        more than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating; any
+        other exception is not the blob's doing (a device, memory or a bug) and propagates as it is.
         """
-        dev = torch.device(device)
         limit = self.max_tokens if max_tokens is None else max_tokens
-        try:
-            return self._decode(blob, dev, limit)
-        except BlobError:
-            raise
-        except Exception as exc:  # anything else a hostile blob provokes is still a bad blob
-            raise BlobError(f"blob cannot be decoded ({type(exc).__name__}: {exc})") from exc
+        return self._decode(blob, torch.device(device), limit)
 
     def _decode(self, blob: bytes | bytearray | memoryview, dev: torch.device, max_tokens: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
