@@ -190,12 +190,12 @@ def main() -> None:
           f"{'stored':>7} {'OOD stored':>11}")
     for name, r in rows:
         o = r.get("ood")
-        print(f"{name:38} {r['bytes']:12.0f} {raw / r['bytes']:7.2f} {r['store_ms']:9.1f} {r['load_ms']:8.1f} "
+        print(f"{name:38} {r['bytes']:12.0f} {raw / max(r['bytes'], 1):7.2f} {r['store_ms']:9.1f} {r['load_ms']:8.1f} "
               f"{r['rel_error']:8.4f} {r['stored']:>3}/{r['offered']:<3} "
               f"{(str(o['stored']) + '/' + str(o['offered'])) if o else '-':>11}")
     art = pull(args.artifact.split("@")[0], args.artifact.split("@")[1] if "@" in args.artifact else "latest",
                registry=args.registry)
-    print(f"\nDynamo (token-major export, {args.dynamo_batch}-row calls; bf16 = {2 * 2 * raw // raw} x features bytes)")
+    print(f"\nDynamo (token-major export, {args.dynamo_batch}-row calls; real ratio against bf16 keys + values)")
     print(f"{'CR':>4} {'bytes/token':>12} {'real ratio':>11} {'zero cols':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for ratio in ratios:

@@ -52,6 +52,7 @@ def describe(key: Any) -> str:
 class KVTCSerializer(Serializer):
     def __init__(self, transforms: RankedChunkTransforms) -> None:
         self.transforms = transforms
+        self._warned: set[str] = set()
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: Any = None) -> int:
         try:
@@ -71,7 +72,9 @@ class KVTCSerializer(Serializer):
                 raise ValueError(f"kvtc serde codes one KV tensor per object, got {len(shapes)} groups")
             return self.transforms.serialized_size(tuple(shapes[0]), dtypes[0])
         except ValueError as exc:
-            _log.warning("kvtc serde: %s; such chunks will not be stored", exc)
+            if str(exc) not in self._warned:
+                self._warned.add(str(exc))
+                _log.warning("kvtc serde: %s; such chunks will not be stored", exc)
             return sum(int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size()
                        for s, d in zip(shapes, dtypes)) + 8
 
