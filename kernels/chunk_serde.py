@@ -97,7 +97,11 @@ class ChunkTransform:
 
             check_config(spec, model_config)
         self.spec = replace(spec, sinks=0, window=0)
-        self.codec = KVTCCodec(self.spec, backend=codec.backend, level=0, mode=mode or codec.mode)
+        if mode is None:  # the codec's mode where this serde knows its size bound
+            mode = codec.mode if codec.mode in MODES else ("ecsq" if spec.ecsq is not None else "fixed")
+        if mode not in MODES:
+            raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {MODES}, not {mode!r}")
+        self.codec = KVTCCodec(self.spec, backend=codec.backend, level=0, mode=mode)
         self.mode = self.codec.mode
         self.fixed = self.codec if self.mode == "fixed" else KVTCCodec(self.spec, backend=codec.backend, level=0,
                                                                        mode="fixed")
