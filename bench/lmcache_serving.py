@@ -150,7 +150,8 @@ def cachegen(chunks: list, model_dir: str) -> dict:
         sizes.append(len(data))
         errors.append(float((y.float() - x.float()).norm() / x.float().norm()))
     return {"stored": len(chunks), "offered": len(chunks), "bytes": sum(sizes) / len(sizes),
-            "blob": sum(sizes) / len(sizes), "store_ms": 1e3 * sum(t_store) / len(t_store), "load_ms": 1e3 * sum(t_load) / len(t_load),
+            "blob": sum(sizes) / len(sizes), "store_ms": 1e3 * sum(t_store) / len(t_store),
+            "load_ms": 1e3 * sum(t_load) / len(t_load),
             "rel_error": sum(errors) / len(errors)}
 
 

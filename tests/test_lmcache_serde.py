@@ -3,7 +3,6 @@ serde factory, serde wrapper, L1 manager and filesystem L2 adapter (skipped wher
 with a freshly calibrated rope-kept artifact that carries ECSQ tables."""
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -12,7 +11,6 @@ import time
 import pytest
 import torch
 
-from kvtc import artifacts
 from kvtc.kernels import KVTCCodec
 from kvtc.kernels.blob import BlobError, read_blob
 from kvtc.kernels.chunk_serde import ChunkSerdeSettings, ChunkTransform, RankedChunkTransforms, load_rank_codec
