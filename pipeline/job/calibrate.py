@@ -7,6 +7,7 @@ Also runnable as `python -m kvtc.pipeline.job.calibrate ...` (for `ray job submi
 """
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import math
 import json
@@ -45,7 +46,7 @@ class CalibrateConfig:
     threads_per_worker: int = 1
     sinks: int = 4
     window: int = 128
-    groups: str = "model"
+    groups: str = "auto"
     sample: float = 1.0
     seed: int = 0
     keys: str = "rope-removed"
@@ -121,7 +122,8 @@ def calibrate_local(cfg: CalibrateConfig) -> tuple[dict, dict]:
     return _execute(cfg, True, in_process=True)
 
 
-def _memory_estimate(cfg: CalibrateConfig, num_layers: int, width: int, groups: str, workers: int, alloc):
+def _memory_estimate(cfg: CalibrateConfig, num_layers, width: int, groups: str, workers: int, alloc):
+    """num_layers: a layer count or the model's layer schema (kvtc.kernels.layers)."""
     from kvtc.pipeline.job.basis_solver import max_components
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
@@ -142,7 +144,7 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
     from kvtc.pipeline.job.reduce import reduce_and_publish
     from kvtc.pipeline.job.shard_worker import ShardWorker
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
-    from kvtc.workers.capture import CaptureSettings, check_seq_len
+    from kvtc.workers.capture import CaptureSettings, check_seq_len, resolve_groups
     from kvtc.workers.models import fingerprint_id, load_spec, resolve_dtype
 
     t_start = time.perf_counter()
@@ -155,15 +157,17 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
         iter_documents(spec, cfg.text_column)  # a bad spec fails here, before any model work
 
     info = load_spec(cfg.model, cache_dir=cfg.cache_dir)  # config and tokenizer only: the driver never loads weights
+    cfg = dataclasses.replace(cfg, groups=resolve_groups(cfg.groups, info.layers))  # "auto" on one kind: "model"
+    capture = CaptureSettings(**_capture_dict(cfg))
     check_seq_len(info, cfg.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
-    for group in capture.group_layers(info.num_layers):
+    for group in capture.group_layers(info.layers):
         validate_ratios(cfg.ratios, group.dim(info.num_kv_heads, info.head_dim), alloc)
     if in_process or not (cfg.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         local_workers = 1 if in_process else cfg.workers or max(1, (os.cpu_count() or 1) // cfg.threads_per_worker)
-        est = _memory_estimate(cfg, info.num_layers, width, cfg.groups, local_workers, alloc)
+        est = _memory_estimate(cfg, info.layers, width, cfg.groups, local_workers, alloc)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, cfg.groups,
-                   lambda k: _memory_estimate(cfg, info.num_layers, width, f"layers:{k}", local_workers, alloc))
+                   lambda k: _memory_estimate(cfg, info.layers, width, f"layers:{k}", local_workers, alloc))
     tokenizer, fingerprint = info.tokenizer, info.fingerprint
 
     on_gpu = torch.cuda.is_available()
@@ -311,7 +315,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-worker", type=int, default=d.threads_per_worker)
     p.add_argument("--sinks", type=int, default=d.sinks, help="leading positions kept raw (default 4)")
     p.add_argument("--window", type=int, default=d.window, help="trailing positions kept raw (default 128)")
-    p.add_argument("--groups", default=d.groups, help="model (default), layer, or layers:K")
+    p.add_argument("--groups", default=d.groups,
+                   help="auto (default: one basis per layer kind, full-attention and sliding-window layers apart; "
+                        "'model' for models of one kind), model, layer, or layers:K")
     p.add_argument("--sample", type=float, default=d.sample, help="fraction of positions sampled (default 1.0)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--keys", choices=("rope-removed", "rope-kept"), default=d.keys,

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
+from kvtc.kernels.layers import layers_of
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
@@ -288,7 +289,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
 def _groups(spec: str, fingerprint: dict) -> list[FeatureGroup]:
     from kvtc.workers.capture import CaptureSettings
 
-    return CaptureSettings(groups=spec).group_layers(int(fingerprint["num_layers"]))
+    return CaptureSettings(groups=spec).group_layers(layers_of(fingerprint))
 
 
 def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],
