@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
+from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels import ecsq
 from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
@@ -190,7 +191,7 @@ class KVTCCodec:
         for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
             with self._stage("project", dev):
                 z = feat[:, cols] @ comps
-            budget = int(16 * g.mean.shape[0] // self.spec.ratio) * z.shape[0] // 8 if self.rate_control else None
+            budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) if self.rate_control else None
             with self._stage("entropy", dev):
                 words, escapes = ecsq.encode_group(z, g, budget)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
