@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.kernels.blob import (NO_CACHE, TAG_LAYOUT, TAG_SEGMENT, BlobError, BlobHeader, Section, SectionKey,
-                               read_blob, write_blob)
-from kvtc.kernels.entropy import PLAIN
+from kvtc.kernels.blob import (NO_CACHE, TAG_LAYOUT, TAG_SEGMENT, BlobError, BlobHeader, Section, SectionBound,
+                               SectionKey, read_blob, write_blob)
+from kvtc.kernels.entropy import PLAIN, check_sections, decode_sections
 from kvtc.kernels.spec import CodecSpec
 
 PerLayer = list[torch.Tensor | None]
@@ -96,22 +96,25 @@ def encode_layered(spec: CodecSpec, sub: Callable[[tuple[int, ...]], "object"], 
     return write_blob(header, sections)
 
 
-def decode_layered(spec: CodecSpec, sub: Callable[[tuple[int, ...]], "object"], header: BlobHeader, data: dict,
-                   keys: list, device: torch.device, max_tokens: int) -> tuple[PerLayer, PerLayer]:
-    """Container sections (key -> raw bytes, `keys` in table order) -> per-layer keys, values."""
+def decode_layered(spec: CodecSpec, sub: Callable[[tuple[int, ...]], "object"], header: BlobHeader,
+                   sections: list[Section], device: torch.device, max_tokens: int) -> tuple[PerLayer, PerLayer]:
+    """Container header and sections -> per-layer keys, values."""
     if (header.layers, header.kv_heads, header.head_dim) != (spec.num_layers, spec.kv_heads, spec.head_dim):
         raise BlobError("per-layer blob shape does not match the codec's artifact")
-    layout = data.get(SectionKey(TAG_LAYOUT, 0, 0, 0))
-    if layout is None or len(layout) != 4 * spec.num_layers or keys[0] != SectionKey(TAG_LAYOUT, 0, 0, 0):
+    layout_key = SectionKey(TAG_LAYOUT, 0, 0, 0)
+    if not sections or sections[0].key != layout_key:
         raise BlobError(f"per-layer blob needs a layout of {spec.num_layers} layer token counts first")
-    counts = list(struct.unpack(f"<{spec.num_layers}I", layout))
+    check_sections(sections[:1], [SectionBound(layout_key, 4 * spec.num_layers, True, True)])
+    counts = list(struct.unpack(f"<{spec.num_layers}I", bytes(sections[0].stored)))
     coded = set(spec.coded_layers)
     if any((n == NO_CACHE) != (i not in coded) or (n != NO_CACHE and n > header.tokens) for i, n in enumerate(counts)) \
             or header.tokens not in counts:
         raise BlobError("per-layer blob layout does not fit the artifact's layers or declares inconsistent tokens")
     runs = segments(counts)
-    if keys[1:] != [SectionKey(TAG_SEGMENT, 0, si, 0) for si in range(len(runs))]:
-        raise BlobError("per-layer blob section table does not match its layout")
+    bounds = [SectionBound(layout_key, 4 * spec.num_layers, True, True)] + [
+        SectionBound(SectionKey(TAG_SEGMENT, 0, si, 0), len(sections[1 + si].stored) if 1 + si < len(sections) else 0,
+                     True, True) for si in range(len(runs))]
+    data = decode_sections(sections, bounds)
     dtype = getattr(torch, header.dtype)
     out_k: PerLayer = [None] * spec.num_layers
     out_v: PerLayer = [None] * spec.num_layers

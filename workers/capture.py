@@ -45,7 +45,7 @@ class CaptureSettings:
 
     sinks: int = 4
     window: int = 128
-    groups: str = "model"
+    groups: str = "auto"
     sample: float = 1.0
     seed: int = 0
     keys: str = "rope-removed"
