@@ -182,3 +182,21 @@ def test_driver_reads_the_schema_without_weights():
     assert "layers" in info.fingerprint and info.features == 4 * 2 * 16
     uniform = load_spec("tiny:llama")
     assert "layers" not in uniform.fingerprint  # uniform models keep earlier fingerprints (and shard stores)
+
+
+def test_gguf_rope_scaling_reaches_the_global_layers():
+    """A Gemma 3 GGUF stores its global layers' linear x8 scaling as gemma3.rope.scaling.*, which transformers'
+    GGUF reader leaves out; the loader carries it into the config (and the embedded GGUF has none)."""
+    import transformers as tf
+
+    from kvtc.workers.models import embedded_gguf_path, gguf_fields, with_gguf_rope_scaling
+
+    cfg = tf.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=16, rope_theta=1e6,
+                              sliding_window=512)
+    fields = {"general.architecture": "gemma3", "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}
+    schema = layer_schema(with_gguf_rope_scaling(cfg, fields))
+    assert schema[5].rope.rope_type == "linear" and schema[5].rope.inv_freq[0] == pytest.approx(1 / 8)
+    assert schema[0].rope.rope_type == "default" and schema[0].rope.inv_freq[0] == 1.0
+    embedded = gguf_fields(embedded_gguf_path())
+    assert embedded["general.architecture"] == "llama" and not any("scaling" in k for k in embedded)
