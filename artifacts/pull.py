@@ -18,16 +18,13 @@ from pathlib import Path
 
 from kvtc.artifacts.artifact import Artifact, contained, verify_folder
 from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.local_files import cache_root  # noqa: F401  (also imported from here)
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manifest_digest
 from kvtc.artifacts.registry import Registry, as_registry, split_ref
 from kvtc.artifacts.safe_io import write_contained
 
 PUBLIC_KEY_ENV = "KVTC_PUBLIC_KEY"            # default Ed25519 public key (PEM path) to check signatures with
 REQUIRE_SIGNATURE_ENV = "KVTC_REQUIRE_SIGNATURE"  # "1": refuse unsigned versions
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("KVTC_CACHE") or Path.home() / ".cache" / "kvtc").expanduser()
 
 
 def _within(root: Path, path: Path) -> Path:

@@ -19,7 +19,6 @@ import json
 import os
 import posixpath
 import re
-import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from kvtc.artifacts.local_files import atomic_write, process_umask  # noqa: F401  (process_umask: re-exported)
 from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError, RegistryNotWritableError
 from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIDECARS, SIGNATURE_FILE, check_digest, decode_manifest,
                                      manifest_digest)
@@ -56,35 +56,9 @@ def split_ref(spec: str, ref: str | None = None) -> tuple[str, str]:
     return check_name("artifact name", name), check_ref(inline or ref or "latest")
 
 
-def process_umask() -> int:
-    """The umask, read without changing it where the OS allows (os.umask(0) would race other threads)."""
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    umask = os.umask(0o077)
-    os.umask(umask)
-    return umask
-
-
 def write_local_atomic(target: str, data: bytes) -> None:
-    """Temp file + fsync + rename, created with the process umask (mkstemp alone would leave 0600)."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
-    try:
-        os.fchmod(fd, 0o666 & ~process_umask())
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Temp file + fsync + rename (kvtc.artifacts.local_files.atomic_write)."""
+    atomic_write(target, data)
 
 
 class Registry:

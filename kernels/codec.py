@@ -13,6 +13,8 @@ from typing import Any, Iterator
 
 import torch
 
+from kvtc.artifacts.blocks import ecsq_budget_bytes
+from kvtc.artifacts.groups import group_columns
 from kvtc.kernels import ecsq
 from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
                                BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
@@ -93,13 +95,20 @@ class KVTCCodec:
     def _params(self, stream: str, device: torch.device) -> tuple[torch.Tensor, list]:
         key = (stream, str(device))
         if key not in self._on_device:
-            width = self.spec.kv_heads * self.spec.head_dim
             groups = self.spec.streams[stream]
-            mean = torch.cat([g.mean for g in groups]).to(device)
-            parts = [(slice(g.layers[0] * width, g.layers[1] * width), g.components[:, : g.kept].to(device), g)
-                     for g in groups]
+            cols = self._columns(device)
+            mean = torch.empty(self.spec.features, dtype=torch.float32, device=device)
+            for c, g in zip(cols, groups):
+                mean[c] = g.mean.to(device)
+            parts = [(c, g.components[:, : g.kept].to(device), g) for c, g in zip(cols, groups)]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
+
+    def _columns(self, device: torch.device) -> list[slice | torch.Tensor]:
+        """Each group's columns in a token's (layer, KV head, head_dim) features: a slice, or an index tensor."""
+        s = self.spec
+        return [c if isinstance(c, slice) else torch.as_tensor(c, device=device)
+                for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.head_dim)]
 
     def split(self, tokens: int, start: int) -> tuple[int, int, int]:
         """(raw head, coded middle, raw tail) token counts for a cache of `tokens` starting at `start`."""
@@ -172,9 +181,8 @@ class KVTCCodec:
     def _ecsq_params(self, stream: str, device: torch.device) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
         key = (f"ecsq:{stream}", str(device))
         if key not in self._on_device:
-            width = self.spec.kv_heads * self.spec.head_dim
-            self._on_device[key] = [(slice(g.layers[0] * width, g.layers[1] * width), g.components.to(device),
-                                     g.offsets.to(device)) for g in self.spec.ecsq[stream]]
+            self._on_device[key] = [(c, g.components.to(device), g.offsets.to(device))
+                                    for c, g in zip(self._columns(device), self.spec.ecsq[stream])]
         return self._on_device[key]
 
     def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device) -> list[Section]:
@@ -183,7 +191,7 @@ class KVTCCodec:
         for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
             with self._stage("project", dev):
                 z = feat[:, cols] @ comps
-            budget = int(16 * g.mean.shape[0] // self.spec.ratio) * z.shape[0] // 8 if self.rate_control else None
+            budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) if self.rate_control else None
             with self._stage("entropy", dev):
                 words, escapes = ecsq.encode_group(z, g, budget)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
@@ -262,20 +270,16 @@ class KVTCCodec:
                max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """blob -> (keys, values) (L, H, T, D) in the encoded dtype on `device`.
 
-        Every failure caused by the blob is a BlobError (a ValueError), including a blob declaring more
-        than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating.
+        Every failure caused by the blob's bytes is a BlobError (a ValueError), including a blob declaring
+        more than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating; any
+        other exception is not the blob's doing (a device, memory or a bug) and propagates as it is.
         """
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
         limit = self.max_tokens if max_tokens is None else max_tokens
-        try:
-            return self._decode(blob, dev, limit)
-        except BlobError:
-            raise
-        except Exception as exc:  # anything else a hostile blob provokes is still a bad blob
-            raise BlobError(f"blob cannot be decoded ({type(exc).__name__}: {exc})") from exc
+        return self._decode(blob, dev, limit)
 
     def _decode(self, blob: bytes | bytearray | memoryview, dev: torch.device, max_tokens: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
