@@ -14,7 +14,6 @@ import datetime as dt
 import json
 import os
 import posixpath
-import tempfile
 import uuid
 
 import fsspec

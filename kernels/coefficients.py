@@ -93,8 +93,8 @@ class CoefficientCoder:
         width = spec.kv_heads * spec.head_dim
         self.width = width
         # layer -> (group index, row offset of the layer inside the group's features)
-        self.layer_group = {l: (gi, (l - g.layers[0]) * width)
-                            for gi, g in enumerate(spec.streams["keys"]) for l in range(*g.layers)}
+        self.layer_group = {layer: (gi, (layer - g.layers[0]) * width)
+                            for gi, g in enumerate(spec.streams["keys"]) for layer in range(*g.layers)}
         for stream in STREAMS if mode == "fixed" else ():
             for g in spec.streams[stream]:
                 if any(b.qtype not in _BLOCK_TYPES for b in g.blocks):

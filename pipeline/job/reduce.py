@@ -258,7 +258,6 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     timing.update(curve_s=t_curve - t0, solve_s=sum(t["sum_s"] + t["eig_s"] for t in solve_timings),
                   eig_s=sum(t["eig_s"] for t in solve_timings), groups=solve_timings)
 
-    from kvtc import artifacts
 
     calibration = calibration_record(cfg, groups, model_dtype, tokens_in, int(train_rows), int(mid.sum()),
                                      0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum()), notes,
