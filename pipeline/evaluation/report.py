@@ -13,9 +13,9 @@ import argparse
 import io
 import json
 import math
-import os
 import sys
 
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.schema import STREAMS
 
 SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
@@ -213,7 +213,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
     groups = cal.get("groups") or []
     features = None
     if model and groups:
-        features = (int(groups[0][1]) - int(groups[0][0])) * int(model["num_kv_heads"]) * int(model["head_dim"])
+        features = FeatureGroup.from_json(groups[0]).dim(int(model["num_kv_heads"]), int(model["head_dim"]))
     charts = {
         "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", []), curve.get("ratio"),
                                                             cal.get("tokens")),
@@ -266,15 +266,10 @@ def _handler(args: argparse.Namespace) -> int:
         with open(args.quality) as f:
             quality = json.load(f)
     out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
-    root = os.path.realpath(out)
+    from kvtc.artifacts.safe_io import write_contained
+
     for rel, data in build_from_artifact(art, quality).items():
-        path = os.path.join(out, rel)
-        if not os.path.realpath(path).startswith(root + os.sep):
-            raise ValueError(f"report file {rel!r} would be written outside {out}; refusing it")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-        print(path)
+        print(write_contained(out, rel, data))  # refuses to leave `out` or to follow a symlink
     print(f"kvtc report: wrote {out}", file=sys.stderr)
     return 0
 

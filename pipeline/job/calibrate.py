@@ -51,7 +51,7 @@ def _memory_estimate(cfg: JobSettings, num_layers: int, width: int, groups: str,
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
 
-    dims = [(b - a) * width for a, b in CaptureSettings(groups=groups).group_layers(num_layers)]
+    dims = [len(g.layers) * width for g in CaptureSettings(groups=groups).group_layers(num_layers)]
     return estimate(dims, accumulators=cfg.reduce.accumulators, workers=workers, rows_per_batch=cfg.plan.seq_len,
                     heldout_rows=cfg.reduce.heldout_rows,
                     kept_max=max(max_components(p, cfg.reduce.ratios, cfg.allocator) for p in dims))
@@ -82,8 +82,8 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
     info = load_spec(cfg.model.model, cache_dir=rt.cache_dir)  # config and tokenizer only: the driver never loads weights
     check_seq_len(info, cfg.plan.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
-    for a, b in capture.group_layers(info.num_layers):
-        validate_ratios(cfg.reduce.ratios, (b - a) * width, alloc)
+    for group in capture.group_layers(info.num_layers):
+        validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), alloc)
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
         est = _memory_estimate(cfg, info.num_layers, width, capture.groups, local_workers)
