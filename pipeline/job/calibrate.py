@@ -68,7 +68,7 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
     from kvtc.pipeline.job.reduce import reduce_and_publish
     from kvtc.pipeline.job.shard_worker import ShardWorker
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
-    from kvtc.workers.capture import CaptureSettings, check_seq_len
+    from kvtc.workers.capture import check_seq_len
     from kvtc.workers.models import fingerprint_id, load_spec, resolve_dtype
 
     t_start = time.perf_counter()
