@@ -117,7 +117,7 @@ def main() -> None:
     for ratio in ratios:
         for mode in ("fixed", "ecsq"):
             codec = KVTCCodec(art, ratio, mode=mode)
-            blobs, enc, dec = [], 0.0, 0.0
+            enc, dec = 0.0, 0.0
             err = {s: 0.0 for s in STREAMS}
             norm = {s: 0.0 for s in STREAMS}
             nbytes = {s: 0 for s in STREAMS}

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"artifacts": 0, "kernels": 1, "workers": 2, "pipeline": 3}

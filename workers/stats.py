@@ -20,6 +20,7 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups
 from kvtc.artifacts.schema import STREAMS
+from kvtc.kernels.layers import layers_of
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
 from kvtc.workers.triangle import add_upper_rows, packed_len, symmetric
@@ -65,7 +66,7 @@ class CalibrationStats:
     @classmethod
     def new(cls, fingerprint: dict[str, Any], settings: CaptureSettings, shard_ids: tuple[str, ...] = ()) -> "CalibrationStats":
         """Empty statistics; group g has layers x its KV heads x head_dim features."""
-        groups = settings.group_layers(int(fingerprint["num_layers"]))
+        groups = settings.group_layers(layers_of(fingerprint))
         dims = [g.dim(int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])) for g in groups]
         return cls(dict(fingerprint), settings.to_dict(), groups, dims, tuple(shard_ids))
 

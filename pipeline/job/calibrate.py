@@ -46,7 +46,8 @@ def calibrate_local(cfg: JobSettings) -> tuple[dict, dict]:
     return _execute(cfg, True, in_process=True)
 
 
-def _memory_estimate(cfg: JobSettings, num_layers: int, width: int, groups: str, workers: int):
+def _memory_estimate(cfg: JobSettings, num_layers, width: int, groups: str, workers: int):
+    """num_layers: a layer count or the model's layer schema (kvtc.kernels.layers)."""
     from kvtc.pipeline.job.basis_solver import max_components
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
@@ -68,7 +69,7 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
     from kvtc.pipeline.job.reduce import reduce_and_publish
     from kvtc.pipeline.job.shard_worker import ShardWorker
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
-    from kvtc.workers.capture import CaptureSettings, check_seq_len
+    from kvtc.workers.capture import check_seq_len, resolve_groups
     from kvtc.workers.models import fingerprint_id, load_spec, resolve_dtype
 
     t_start = time.perf_counter()
@@ -80,15 +81,17 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         iter_documents(spec, cfg.plan.text_column)  # a bad spec fails here, before any model work
 
     info = load_spec(cfg.model.model, cache_dir=rt.cache_dir)  # config and tokenizer only: the driver never loads weights
+    capture = replace(capture, groups=resolve_groups(capture.groups, info.layers))  # "auto" on one layer kind: "model"
+    cfg = replace(cfg, capture=capture)
     check_seq_len(info, cfg.plan.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
-    for group in capture.group_layers(info.num_layers):
+    for group in capture.group_layers(info.layers):
         validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), alloc)
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
-        est = _memory_estimate(cfg, info.num_layers, width, capture.groups, local_workers)
+        est = _memory_estimate(cfg, info.layers, width, capture.groups, local_workers)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, capture.groups,
-                   lambda k: _memory_estimate(cfg, info.num_layers, width, f"layers:{k}", local_workers))
+                   lambda k: _memory_estimate(cfg, info.layers, width, f"layers:{k}", local_workers))
     tokenizer, fingerprint = info.tokenizer, info.fingerprint
 
     on_gpu = torch.cuda.is_available()

@@ -27,13 +27,14 @@ from typing import Callable
 import numpy as np
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
+from kvtc.kernels.layers import layers_of
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
-from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis
-from kvtc.pipeline.job.basis_solver import max_components, solve_group
+from kvtc.pipeline.fit.pca import Basis, every_core
+from kvtc.pipeline.job.basis_solver import choose_solver, max_components, next_solve, solve_group
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
 from kvtc.workers.stats import STREAMS, CalibrationStats
@@ -168,6 +169,12 @@ def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: Allocator
     return out
 
 
+def _free_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def aggregate(results: list[GroupResult]) -> list[dict]:
     """Stream-level metric rows (group None): errors combined over groups weighted by their norms,
     bits per token summed."""
@@ -218,7 +225,7 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     evals = load_rows(store, eval_ids, red.heldout_rows) if eval_ids else None
 
     kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
-    groups = cap.group_layers(int(fingerprint["num_layers"]))
+    groups = cap.group_layers(layers_of(fingerprint))
     columns = group_columns(groups, kv_heads, head_dim)
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
     curve_ratio = red.curve_ratio
@@ -239,19 +246,20 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
         for g, group in enumerate(groups):
             p = group.dim(kv_heads, head_dim)
             bound = max_components(p, red.ratios, alloc)
-            k = bound if on_cluster_gpu or p <= EXACT_MAX_P else min(bound, max(512, p // 16))
-            while True:  # subspace iteration: widen until the least aggressive allocation stops short of k
-                basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu)
+            method, k = choose_solver(p, bound, on_cluster_gpu, _free_bytes())
+            while True:  # a subspace the allocation fills is followed by an exact solve (or a wider one)
+                basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu, method)
                 solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
                 totals = {key: list(v) if isinstance(v, list) else v for key, v in ecsq_totals.items()}
-                result = reduce_group(stream, g, basis, red.ratios, alloc, held, evals, columns[g],
-                                      cap.sinks, cap.window, totals)
+                with every_core():
+                    result = reduce_group(stream, g, basis, red.ratios, alloc, held, evals, columns[g],
+                                          cap.sinks, cap.window, totals)
                 train_rows = basis.n
                 del basis
-                if k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
+                if solved["method"] == "exact" or k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
                     ecsq_totals = totals
                     break
-                k = min(bound, 2 * k)
+                method, k = next_solve(p, k, bound, _free_bytes())
             results.append(result)
             print(f"kvtc reduce: {stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on "
                   f"{solved['device']} ({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}", file=sys.stderr)
@@ -260,7 +268,6 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     timing.update(curve_s=t_curve - t0, solve_s=sum(t["sum_s"] + t["eig_s"] for t in solve_timings),
                   eig_s=sum(t["eig_s"] for t in solve_timings), groups=solve_timings)
 
-    from kvtc import artifacts
 
     calibration = calibration_record(cfg, groups, model_dtype, tokens_in, int(train_rows), int(mid.sum()),
                                      0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum()), notes,
