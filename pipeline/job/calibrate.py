@@ -124,7 +124,10 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
 
         from kvtc.pipeline.job import ray_pool
 
-        started = ray_pool.start_ray(rt.address, num_cpus=None)
+        started = ray_pool.start_ray(rt.address, num_cpus=None, verbose=rt.verbose)
+        if not rt.verbose and ray_pool.worker_log_dir():
+            print(f"kvtc calibrate: worker output goes to {ray_pool.worker_log_dir()} (--verbose shows it here)",
+                  file=sys.stderr)
     try:
         if not in_process:
             gpus = ray_pool.cluster_gpus()
@@ -233,11 +236,14 @@ def print_summary(summary: dict, as_json: bool) -> None:
         print(json.dumps(summary, indent=2, sort_keys=True))
         return
     print(f"published {summary['name']}@{summary['version']} to {summary['registry']}")
+    print("  held-out relative error, in the codec's default mode (kept components) | the other mode")
     for row in summary["ratios"]:
-        print(
-            f"  CR {row['ratio']:>5g}: keys {100 * row['keys']['rel_error']:.2f}%  values {100 * row['values']['rel_error']:.2f}%"
-            f"  (held-out relative error; kept {row['keys']['kept']}/{row['values']['kept']} components)"
-        )
+        other = "fixed" if row["mode"] == "ecsq" else "ecsq"
+        k, v = row["keys"], row["values"]
+        beside = (f"  | {other}: keys {100 * k[other]['rel_error']:.2f}%  values {100 * v[other]['rel_error']:.2f}%"
+                  if "rel_error" in k.get(other, {}) and "rel_error" in v.get(other, {}) else "")
+        print(f"  CR {row['ratio']:>5g} {row['mode']}: keys {100 * k['rel_error']:.2f}%  values {100 * v['rel_error']:.2f}%"
+              f"  ({k.get('kept')}/{v.get('kept')}){beside}")
     run = summary.get("run", {})
     if run:
         print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall {run['wall_seconds']} s")

@@ -241,6 +241,10 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     ecsq_totals: dict = {}
     solve_timings: list[dict] = []
     train_rows = 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(STREAMS) * len(groups), unit="group", desc="reduce", dynamic_ncols=True, disable=None,
+               file=sys.stderr)
     for stream in STREAMS:
         for g, group in enumerate(groups):
             p = group.dim(kv_heads, head_dim)
@@ -260,8 +264,13 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
                     break
                 method, k = next_solve(p, k, bound, _free_bytes())
             results.append(result)
-            print(f"kvtc reduce: {stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on "
-                  f"{solved['device']} ({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}", file=sys.stderr)
+            line = (f"{stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on {solved['device']} "
+                    f"({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}")
+            if cfg.runtime.verbose:
+                bar.write(f"kvtc reduce: {line}", file=sys.stderr)
+            bar.update(1)
+            bar.set_postfix_str(f"{stream} g{g}: {solved['method']} {solved['eig_s']:.0f} s", refresh=False)
+    bar.close()
     for r in results:
         notes.extend(w for w in r.notes if w not in notes)
     timing.update(curve_s=t_curve - t0, solve_s=sum(t["sum_s"] + t["eig_s"] for t in solve_timings),
@@ -329,13 +338,31 @@ def publish_calibration(cfg: JobSettings, fingerprint: dict, calibration: dict, 
 
 
 def summarize(ref, metrics: list[dict], notes: list[str]) -> dict:
-    """The `--json` summary: per ratio and stream, the stream-level held-out (and eval) errors."""
-    table: dict = {}
+    """The `--json` summary: per ratio, the codec's default mode ("ecsq" where the artifact has its
+    tables, else "fixed") and per stream that mode's held-out and second-domain errors and kept
+    components first, then each mode's figures under "ecsq" and "fixed" and the Gaussian bound."""
+    modes: dict = {}
     for m in metrics:
-        entry = table.setdefault(m["ratio"], {}).setdefault(m["stream"], {})
-        if m["group"] is None:
-            entry[m["metric"] if m["split"] == "heldout" else f"{m['split']}_{m['metric']}"] = m["value"]
-        elif m["metric"] == "kept" and m["split"] == "heldout":  # summed over groups
-            entry["kept"] = entry.get("kept", 0) + int(m["value"])
-    rows = [{"ratio": r, **v} for r, v in sorted(table.items())]
+        if m["split"] not in ("heldout", "eval") or (m["group"] is not None and m["metric"] not in ("kept", "ecsq_kept")):
+            continue
+        mode, metric = ("ecsq", m["metric"][5:]) if m["metric"].startswith("ecsq_") else ("fixed", m["metric"])
+        if metric == "heldout_bound_rel_error":
+            mode, metric = "bound", "rel_error"
+        entry = modes.setdefault(m["ratio"], {}).setdefault(m["stream"], {}).setdefault(mode, {})
+        name = metric if m["split"] == "heldout" else f"eval_{metric}"
+        if metric == "kept":
+            if m["split"] == "heldout" and m["group"] is not None:  # summed over groups
+                entry["kept"] = entry.get("kept", 0) + int(m["value"])
+        elif m["group"] is None:
+            entry[name] = m["value"]
+    rows = []
+    for ratio, streams in sorted(modes.items()):
+        default = "ecsq" if all("rel_error" in s.get("ecsq", {}) for s in streams.values()) else "fixed"
+        row: dict = {"ratio": ratio, "mode": default}
+        for stream, by_mode in streams.items():
+            first = by_mode.get(default, {})
+            row[stream] = {**{k: first[k] for k in ("rel_error", "eval_rel_error", "kept") if k in first},
+                           "ecsq": by_mode.get("ecsq", {}), "fixed": by_mode.get("fixed", {}),
+                           "bound_rel_error": by_mode.get("bound", {}).get("rel_error")}
+        rows.append(row)
     return {"name": ref.name, "version": ref.version, "registry": ref.registry, "ratios": rows, "warnings": notes}
