@@ -27,7 +27,7 @@ COMMAND_MODULES = (
     "kvtc.pipeline.operations.drift",
     "kvtc.pipeline.operations.schedule",
     "kvtc.pipeline.evaluation.report",
-    "kvtc.pipeline.evaluation.quality",
+    "kvtc.pipeline.operations.quality",
     "kvtc.artifacts.cli",
 )
 

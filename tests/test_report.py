@@ -9,7 +9,7 @@ from kvtc import artifacts
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.fit.allocator import AllocatorSettings
-from kvtc.pipeline.evaluation.error_by_tokens import error_by_tokens
+from kvtc.pipeline.job.error_by_tokens import error_by_tokens
 from kvtc.pipeline.settings import JobSettings
 from kvtc.pipeline.job.calibrate import calibrate_local
 from kvtc.pipeline.job.reduce import load_rows
