@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvtc import artifacts
-from kvtc.pipeline.evaluation import quality
+from kvtc.pipeline.operations import quality
 from kvtc.pipeline.settings import JobSettings
 from kvtc.pipeline.job.calibrate import calibrate_local
 
