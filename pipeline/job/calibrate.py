@@ -97,6 +97,7 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)", file=sys.stderr)
         cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
     store_root = rt.store or default_store_uri()
+    plan_s = time.perf_counter() - t_start
 
     shards_seen: list[dict] = []
     duplicates: list[str] = []
@@ -184,7 +185,12 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         "eig_seconds": round(reduce_timing.get("eig_s", 0.0), 2),
         "curve_seconds": round(reduce_timing.get("curve_s", 0.0), 2),
         "wall_seconds": round(time.perf_counter() - t_start, 2),
+        # plan -> fold (model work, after the actors loaded the model) -> solve -> fit -> measure -> publish
+        "stages": {"plan": round(plan_s, 2), "startup": round(timing["startup_s"], 2), "fold": round(pool_seconds, 2),
+                   "tokens_curve": round(reduce_timing.get("curve_s", 0.0), 2),
+                   **{k: round(reduce_timing.get(f"{k}_s", 0.0), 2) for k in ("solve", "fit", "measure", "publish")}},
     }
+    summary["run"]["wall_over_model_work"] = round(summary["run"]["wall_seconds"] / pool_seconds, 2) if pool_seconds else None
     return summary, {"store": store, "shards": shards_seen, "fingerprint": fingerprint}
 
 
@@ -246,7 +252,8 @@ def print_summary(summary: dict, as_json: bool) -> None:
               f"  ({k.get('kept')}/{v.get('kept')}){beside}")
     run = summary.get("run", {})
     if run:
-        print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall {run['wall_seconds']} s")
+        print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall "
+              f"{run['wall_seconds']} s; stages (s): " + ", ".join(f"{k} {v:g}" for k, v in run.get("stages", {}).items()))
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
