@@ -35,6 +35,10 @@ _MAX_START = 1 << 62
 DEFAULT_MAX_TOKENS = 1 << 17  # 131072: decode refuses longer blobs unless the caller raises the limit
 
 
+class KernelBundleWarning(UserWarning):
+    """The artifact was made for other runtime kernels than the ones running."""
+
+
 class KVTCCodec:
     """Encode/decode KV caches for one artifact at one compression ratio.
 
@@ -76,11 +80,26 @@ class KVTCCodec:
     def from_registry(cls, ref: str, ratio: float, registry: Any = None, *, public_key: Any = None,
                       require_signature: bool | None = None, **kwargs: Any) -> "KVTCCodec":
         """ref "name@version|alias|sha256:HEX" pulled and verified through artifacts.pull (imported lazily);
-        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull)."""
-        from kvtc.artifacts import pull
+        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull).
+        The artifact names the kernel bundle it was made for: running other kernels warns, or with
+        require_kernels=True (or $KVTC_REQUIRE_KERNELS=1) is refused."""
+        import os
+        import warnings
 
-        return cls(pull(ref, registry=registry, public_key=public_key, require_signature=require_signature),
-                   ratio, **kwargs)
+        from kvtc.artifacts import kernel_bundle_hash, pull
+
+        require_kernels = kwargs.pop("require_kernels", None)
+        if require_kernels is None:
+            require_kernels = os.environ.get("KVTC_REQUIRE_KERNELS", "") not in ("", "0")
+        artifact = pull(ref, registry=registry, public_key=public_key, require_signature=require_signature)
+        if not artifact.kernels_match():
+            made_for, running = artifact.manifest.get("kernel_bundle_hash"), kernel_bundle_hash()
+            message = (f"{artifact.name}@{artifact.version} was made for kernel bundle {str(made_for)[:16]}, this "
+                       f"process runs {str(running)[:16]}: its kernels/ folder holds the code it was made with")
+            if require_kernels:
+                raise ValueError(message + "; install that kvtc version or recalibrate")
+            warnings.warn(message, KernelBundleWarning, stacklevel=2)
+        return cls(artifact, ratio, **kwargs)
 
     @contextmanager
     def _stage(self, name: str, device: torch.device) -> Iterator[None]:

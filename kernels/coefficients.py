@@ -96,10 +96,10 @@ class CoefficientCoder:
         self.layer_parts: dict[int, list[tuple[int, int, tuple[int, int]]]] = {}
         for gi, g in enumerate(spec.streams["keys"]):
             heads = g.group.head_range(spec.kv_heads)
-            for l in g.group.layers:
-                row = g.group.layer_offset(l, spec.kv_heads, spec.head_dim)
-                self.layer_parts.setdefault(l, []).append((gi, row, heads))
-        self.layer_group = {l: parts[0][:2] for l, parts in self.layer_parts.items()}
+            for layer in g.group.layers:
+                row = g.group.layer_offset(layer, spec.kv_heads, spec.head_dim)
+                self.layer_parts.setdefault(layer, []).append((gi, row, heads))
+        self.layer_group = {layer: parts[0][:2] for layer, parts in self.layer_parts.items()}
         for stream in STREAMS if mode == "fixed" else ():
             for g in spec.streams[stream]:
                 if any(b.qtype not in _BLOCK_TYPES for b in g.blocks):

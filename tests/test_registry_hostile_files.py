@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvtc.artifacts import IntegrityError, Registry, publish, pull
-from kvtc.artifacts.testing import forge_version, toy_content
+from kvtc.artifacts.testing import toy_content
 from kvtc.pipeline import cli
 
 

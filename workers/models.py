@@ -168,7 +168,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """CUDA when torch sees a GPU (never from Ray's GPU ids), otherwise CPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
