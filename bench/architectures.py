@@ -57,7 +57,7 @@ def group_errors(art, ratio: float = 16.0) -> list[dict]:
 
 def runtime_checks(lm, art, registry: str, name: str) -> dict:
     """Codec round trip (both modes) of the model's own per-layer cache, KVTCCache.generate, kvtc eval."""
-    from kvtc.pipeline.evaluation import quality
+    from kvtc.pipeline.operations import quality
 
     ids = torch.randint(3, 2000, (1, 96), generator=torch.Generator().manual_seed(1))
     cache = DynamicCache(config=lm.model.config)

@@ -140,7 +140,7 @@ def calibrated(request, tmp_path_factory):
 
 
 def test_calibration_codec_cache_charts_and_eval(calibrated):
-    from kvtc.pipeline.evaluation import quality
+    from kvtc.pipeline.operations import quality
 
     arch, summary = calibrated
     art = artifacts.pull(f"{summary['name']}@latest", registry=summary["registry"])
