@@ -200,3 +200,20 @@ def test_gguf_rope_scaling_reaches_the_global_layers():
     assert schema[0].rope.rope_type == "default" and schema[0].rope.inv_freq[0] == 1.0
     embedded = gguf_fields(embedded_gguf_path())
     assert embedded["general.architecture"] == "llama" and not any("scaling" in k for k in embedded)
+
+
+def test_calibrate_refuses_an_uncodable_layer_kind_before_model_work(tmp_path, capsys, monkeypatch):
+    """`kvtc calibrate` on a multi-head latent attention model: one line naming the kind and the layer."""
+    import transformers as tf
+
+    from kvtc.pipeline import cli
+    from kvtc.workers.models import embedded_tokenizer
+
+    model = tmp_path / "mla"
+    tf.DeepseekV3Config(num_hidden_layers=2, vocab_size=49152).save_pretrained(model)
+    embedded_tokenizer().save_pretrained(model)
+    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
+    rc = cli.main(["calibrate", "--model", str(model), "--tokens", "2048", "--registry", str(tmp_path / "reg")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "multi-head latent attention" in err and "layer 0" in err and "Traceback" not in err
+    assert not (tmp_path / "reg").exists() or not any((tmp_path / "reg").rglob("manifest.json"))
