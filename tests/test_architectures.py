@@ -118,8 +118,14 @@ def test_kvtc_cache_matches_dynamic_cache_layer_for_layer(arch):
             b2 = lm.model(nxt, past_key_values=got, use_cache=True).logits
             torch.testing.assert_close(b2, a, atol=5e-2, rtol=0)
     for i, (r, k) in enumerate(zip(ref.layers, got.layers)):
-        if isinstance(getattr(r, "keys", None), torch.Tensor) and lm.layers[i].kind != "full":
+        if not isinstance(getattr(r, "keys", None), torch.Tensor):
+            continue
+        if lm.layers[i].kind != "full":
             assert k.keys.shape == r.keys.shape  # sliding / chunked layers: transformers' own, bounded
+            continue
+        keys, values = k.update(r.keys[:, :, :0], r.values[:, :, :0])  # sinks + decoded coded tokens + recent
+        for x, want in ((keys, r.keys), (values, r.values)):  # each layer's own RoPE (NoPE layers: none)
+            assert x.shape == want.shape and float((x - want).norm() / want.norm()) < 2e-2
     assert got.coded_tokens > 0 or all(l.kind != "full" for l in lm.layers)
     assert got.get_seq_length() == ref.get_seq_length() == 36
 
@@ -217,3 +223,33 @@ def test_calibrate_refuses_an_uncodable_layer_kind_before_model_work(tmp_path, c
     err = capsys.readouterr().err
     assert rc != 0 and "multi-head latent attention" in err and "layer 0" in err and "Traceback" not in err
     assert not (tmp_path / "reg").exists() or not any((tmp_path / "reg").rglob("manifest.json"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cache_coder_and_blob_codec_remove_each_layers_own_rope(backend):
+    """A group whose layers rotate differently (RoPE bases 1e4 / 1e6, a NoPE layer): KVTCCache's coder
+    decodes exactly what the blob codec decodes for the same tokens."""
+    import dataclasses
+
+    from kvtc.kernels.coefficients import CoefficientCoder
+    from kvtc.kernels.layers import LayerSpec
+    from kvtc.kernels.rope import RopeSpec
+    from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+
+    def rope(theta: float) -> RopeSpec:
+        return RopeSpec("default", theta, 8, 8, tuple(theta ** (-i / 8) for i in range(0, 8, 2)))
+
+    base = synthetic_spec(3, 2, 8, 4.0, groups=[(0, 3)], sinks=0, window=0, seed=5, rope_theta=None)
+    layers = (LayerSpec("full", 2, 8, rope(1e4)), LayerSpec("full", 2, 8, rope(1e6)), LayerSpec("full", 2, 8, None))
+    spec = dataclasses.replace(base, rope=rope(1e4).to_dict(), layers=layers)
+    keys, values = synthetic_cache(base, 13, dtype=torch.float32, start=40)
+    keys = torch.stack([k if l.rope is None else l.rope.apply(k, torch.arange(40, 53)) for k, l in zip(keys, layers)])
+    codec = KVTCCodec(spec, backend=backend)
+    want_k, _ = codec.decode(codec.encode(keys, values, start=40))
+    assert float((want_k - keys).norm() / keys.norm()) < 0.5
+    coder = CoefficientCoder(spec, backend)
+    coded = coder.encode(keys[:, None], values[:, None], 40)
+    z = coder.coefficients(coded, "keys", 0)
+    for layer in range(3):
+        got = coder.decode_layer(coded, z, "keys", layer, torch.float32)
+        torch.testing.assert_close(got[0], want_k[layer], rtol=1e-4, atol=1e-4)
