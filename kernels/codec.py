@@ -1,7 +1,10 @@
 """KVTCCodec: one sequence's KV cache <-> a self-describing compressed blob.
 
 Cache tensors are (layers, kv_heads, tokens, head_dim) exactly as the model cached them (keys
-with RoPE). Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
+with RoPE), layers = the layers that keep a KV cache. A cache whose layers hold different token counts
+(sliding-window or chunked layers, layers without a KV cache) is passed per layer, as a sequence of
+(kv_heads, tokens, head_dim) tensors (None for a layer without a cache), and decodes to the same form
+(kernels/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers). Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
 is RoPE-removed (keys), centred, projected on each group's kept components, quantized per block,
 packed and entropy-coded. Decode reverses it and re-applies RoPE at the original positions.
 """
@@ -9,21 +12,21 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels import ecsq
-from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
-                               BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
+from kvtc.kernels.blob import (NO_CACHE, TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL,
+                               BlobError, BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.bitpack import packed_nbytes
 from kvtc.kernels.entropy import CODERS, PLAIN, decode_sections, encode_section
 from kvtc.kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
 from kvtc.kernels.backend import BACKENDS, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.layered import decode_layered, encode_layered, layer_counts, restrict
 from kvtc.kernels.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -68,9 +71,9 @@ class KVTCCodec:
         self.mode = _resolve_mode(self.spec, mode)
         self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
-        self.rope = None
-        if self.spec.rope:
-            self.rope = RopeSpec.from_dict(self.spec.rope)
+        shared, self.rope = self.spec.shared_rope  # one RoPE for every coded layer: fused into the kernels
+        self._per_layer_rope = not shared
+        self._subs: dict[tuple[int, ...], KVTCCodec] = {}
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
 
     @classmethod
@@ -148,9 +151,10 @@ class KVTCCodec:
 
     def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         s = self.spec
-        want = (s.num_layers, s.kv_heads, "tokens", s.head_dim)
+        layers = len(s.coded_layers)
+        want = (layers, s.kv_heads, "tokens", s.head_dim)
         for name, x in (("keys", keys), ("values", values)):
-            if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != s.num_layers \
+            if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != layers \
                     or x.shape[1] != s.kv_heads or x.shape[3] != s.head_dim:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"{name} must be shaped (layers, kv_heads, tokens, head_dim) = {want}, got {got}")
@@ -161,8 +165,35 @@ class KVTCCodec:
         if not 0 <= start < _MAX_START or keys.shape[2] >= _MAX_TOKENS:
             raise ValueError(f"start must be >= 0 and tokens < 2^31; got start={start}, tokens={keys.shape[2]}")
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> bytes:
-        """keys, values (L, H, T, D) fp16/bf16/fp32, token 0 at absolute position `start` -> blob bytes."""
+    def _sub(self, layers: tuple[int, ...]) -> "KVTCCodec":
+        """The codec of the spec restricted to `layers` (one segment of a per-layer cache)."""
+        if layers not in self._subs:
+            self._subs[layers] = KVTCCodec(restrict(self.spec, layers), backend=self.backend, level=self.level,
+                                           coder=self.coder, max_tokens=self.max_tokens, mode=self.mode,
+                                           rate_control=self.rate_control)
+        return self._subs[layers]
+
+    def _remove_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(L, H, n, D) keys of the coded layers -> float32, each layer's own RoPE removed."""
+        ropes = [self.spec.layer_ropes[i] for i in self.spec.coded_layers]
+        return torch.stack([x[j].float() if r is None else r.remove(x[j].float(), positions) for j, r in enumerate(ropes)])
+
+    def _apply_rope(self, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """(L, H, n, D) float32 RoPE-removed keys -> `out` with each layer's own RoPE applied."""
+        for j, i in enumerate(self.spec.coded_layers):
+            r = self.spec.layer_ropes[i]
+            out[j] = x[j] if r is None else r.apply(x[j], positions)
+
+    def encode(self, keys: torch.Tensor | Sequence[torch.Tensor | None], values: torch.Tensor | Sequence[torch.Tensor | None],
+               start: int = 0) -> bytes:
+        """keys, values (L, H, T, D) fp16/bf16/fp32 (L: the layers that keep a KV cache), token 0 at absolute
+        position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob."""
+        if isinstance(keys, (list, tuple)) or isinstance(values, (list, tuple)):
+            counts = layer_counts(self.spec, keys, values)
+            first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
+            if first.dtype not in _DTYPES or not 0 <= start < _MAX_START or max(n for n in counts if n != NO_CACHE) >= _MAX_TOKENS:
+                raise ValueError("per-layer cache: dtype must be float16, bfloat16 or float32, start >= 0, tokens < 2^31")
+            return encode_layered(self.spec, self._sub, keys, values, start, _DTYPES[first.dtype], self.mode)
         self._check_cache(keys, values, start)
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
@@ -178,7 +209,10 @@ class KVTCCodec:
                 mean, parts = self._params(stream, dev)
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
-                    feat = ops.rope_center(x[:, :, head:head + mid], cos, sin, mean, layout)
+                    xm = x[:, :, head:head + mid]
+                    if stream == "keys" and self._per_layer_rope:
+                        xm = self._remove_rope(xm, positions)
+                    feat = ops.rope_center(xm, cos, sin, mean, layout)
                 if self.mode == "ecsq":
                     sections += self._encode_ecsq(feat, si, stream, dev)
                     continue
@@ -279,7 +313,7 @@ class KVTCCodec:
         if h.model_id != s.model_id:
             raise BlobError(f"blob is for model {h.model_id}, this codec's artifact is for model {s.model_id}")
         if (h.layers, h.kv_heads, h.head_dim, h.sinks, h.window) != \
-                (s.num_layers, s.kv_heads, s.head_dim, s.sinks, s.window):
+                (len(s.coded_layers), s.kv_heads, s.head_dim, s.sinks, s.window):
             raise BlobError("blob shape or sink/window settings do not match the codec's artifact")
         head, _mid, tail = self.split(h.tokens, h.start)
         if h.tokens >= _MAX_TOKENS or h.start >= _MAX_START or (h.head_raw, h.tail_raw) != (head, tail):
@@ -306,6 +340,13 @@ class KVTCCodec:
         if header.tokens > max_tokens:
             raise BlobError(f"blob declares {header.tokens} tokens, over this decoder's limit of {max_tokens}; "
                             "pass max_tokens= to KVTCCodec or decode() if such long caches are expected")
+        if header.layered:
+            if (header.name, header.version, header.ratio, header.model_id) != \
+                    (self.spec.name, self.spec.version, self.spec.ratio, self.spec.model_id):
+                raise BlobError(f"blob was written with artifact {header.name}@{header.version} at ratio "
+                                f"{header.ratio:g} for model {header.model_id}; this codec is {self.spec.name}@"
+                                f"{self.spec.version} at ratio {self.spec.ratio:g}: decode it with the matching codec")
+            return decode_layered(self.spec, self._sub, header, sections, dev, max_tokens)
         self._check_header(header)
         bounds = self.section_bounds(header, sections)
         with self._stage("entropy_decode", dev):
@@ -337,7 +378,12 @@ class KVTCCodec:
                         feat[:, cols] = zhat @ comps.T
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
-                    ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
+                    if stream == "keys" and self._per_layer_rope:
+                        plain = torch.empty(L, H, mid, D, dtype=torch.float32, device=dev)
+                        ops.rope_restore(feat, None, None, mean, plain, layout)
+                        self._apply_rope(plain, positions, out[si][:, :, head:head + mid])
+                    else:
+                        ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
                     finite = torch.finfo(dtype).max  # values rounded past the dtype's range stay finite
                     out[si][:, :, head:head + mid].clamp_(-finite, finite)
         return out[0], out[1]

@@ -204,7 +204,8 @@ def _capture_options() -> dict[str, Option]:
     return {
         "sinks": Option("leading positions kept raw (default 4)", int),
         "window": Option("trailing positions kept raw (default 128)", int),
-        "groups": Option("model (default), layer, or layers:K"),
+        "groups": Option("auto (default: one basis per layer kind, full-attention and sliding-window layers apart; "
+                          "model for models of one kind), model, layer, or layers:K (K consecutive layers of one kind)"),
         "sample": Option("fraction of positions sampled (default 1.0)", float),
         "seed": Option("corpus shuffle and position sampling seed (default 0)", int),
         "keys": Option("rope-removed (default): keys calibrated and coded without RoPE; rope-kept: as servers store them, for "

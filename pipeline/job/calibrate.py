@@ -47,7 +47,8 @@ def calibrate_local(cfg: JobSettings) -> tuple[dict, dict]:
     return _execute(cfg, True, in_process=True)
 
 
-def _memory_estimate(cfg: JobSettings, num_layers: int, width: int, groups: str, workers: int):
+def _memory_estimate(cfg: JobSettings, num_layers, width: int, groups: str, workers: int):
+    """num_layers: a layer count or the model's layer schema (kvtc.kernels.layers)."""
     from kvtc.pipeline.job.basis_solver import max_components
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
@@ -98,7 +99,7 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     from kvtc.pipeline.fit.allocator import validate_ratios
     from kvtc.pipeline.job.memory_plan import check_fits
     from kvtc.pipeline.job.store import default_store_uri
-    from kvtc.workers.capture import check_seq_len
+    from kvtc.workers.capture import check_seq_len, resolve_groups
     from kvtc.workers.models import load_spec
 
     t0 = time.perf_counter()
@@ -108,15 +109,17 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     for spec in filter(None, (cfg.plan.corpus, cfg.plan.eval_corpus)):
         iter_documents(spec, cfg.plan.text_column)  # a bad spec fails here, before any model work
     info = load_spec(cfg.model.model, cache_dir=rt.cache_dir)  # config and tokenizer only: the driver never loads weights
+    capture = replace(capture, groups=resolve_groups(capture.groups, info.layers))  # "auto" on one layer kind: "model"
+    cfg = replace(cfg, capture=capture)
     check_seq_len(info, cfg.plan.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
-    for group in capture.group_layers(info.num_layers):
+    for group in capture.group_layers(info.layers):
         validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), cfg.allocator)
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
-        est = _memory_estimate(cfg, info.num_layers, width, capture.groups, local_workers)
+        est = _memory_estimate(cfg, info.layers, width, capture.groups, local_workers)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, capture.groups,
-                   lambda k: _memory_estimate(cfg, info.num_layers, width, f"layers:{k}", local_workers))
+                   lambda k: _memory_estimate(cfg, info.layers, width, f"layers:{k}", local_workers))
     if cfg.plan.tokens is None:
         on_gpu = torch.cuda.is_available()
         tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
+from kvtc.kernels.layers import layers_of
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
@@ -250,7 +251,7 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     evals = load_rows(store, eval_ids, red.heldout_rows) if eval_ids else None
 
     kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
-    groups = cap.group_layers(int(fingerprint["num_layers"]))
+    groups = cap.group_layers(layers_of(fingerprint))
     columns = group_columns(groups, kv_heads, head_dim)
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
     curve_ratio = red.curve_ratio
