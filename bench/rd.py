@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--out", default="rate_distortion_bench.png")
     args = ap.parse_args()
 
-    from kvtc.pipeline.evaluation.quality import heldout_sequences
+    from kvtc.pipeline.operations.quality import heldout_sequences
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 

@@ -27,7 +27,7 @@ COMMAND_MODULES = (
     "kvtc.pipeline.operations.drift",
     "kvtc.pipeline.operations.schedule",
     "kvtc.pipeline.evaluation.report",
-    "kvtc.pipeline.evaluation.quality",
+    "kvtc.pipeline.operations.quality",
     "kvtc.artifacts.cli",
 )
 
@@ -75,8 +75,12 @@ def add_settings_arguments(parser: argparse.ArgumentParser, parent_defaults: boo
         shown = "" if default is MISSING or default is None else \
             f" (default {opt.show(default) if opt.show else default})"
         suffix = " [default: the parent's]" if parent_defaults and group in COMPUTATIONAL else shown
-        section.add_argument("--" + name.replace("_", "-"), dest=name, type=opt.kind, choices=opt.choices,
-                             default=argparse.SUPPRESS, help=f"{opt.help}{suffix}")
+        flag = "--" + name.replace("_", "-")
+        if opt.kind is bool:
+            section.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=opt.help)
+            continue
+        section.add_argument(flag, dest=name, type=opt.kind, choices=opt.choices, default=argparse.SUPPRESS,
+                             help=f"{opt.help}{suffix}")
 
 
 def settings_options(args: argparse.Namespace) -> dict:

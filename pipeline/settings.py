@@ -183,6 +183,9 @@ class RuntimeSettings:
     threads_per_worker: int = option(1, "torch threads per worker actor", kind=int)
     store: str | None = option(None, "shard statistics cache: a path or fsspec URI (default $KVTC_CACHE/shards)")
     cache_dir: str | None = option(None, "model cache dir (default $KVTC_CACHE)")
+    verbose: bool = option(False, "show the workers' model conversion and loading output and per-group solver "
+                                  "lines (default: one progress bar per stage; worker output goes to Ray's log)",
+                           kind=bool)
     parent: str | None = None
 
     def __post_init__(self) -> None:

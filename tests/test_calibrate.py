@@ -59,6 +59,14 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     rows = {(r["ratio"]): r for r in summary["ratios"]}
     assert rows[4.0]["keys"]["rel_error"] < rows[8.0]["keys"]["rel_error"] < 1.0
     assert "eval_rel_error" in rows[4.0]["values"]
+    # the codec's default mode first (ECSQ: its tables exist), fixed-rate beside it, ECSQ no worse
+    for row in rows.values():
+        assert row["mode"] == "ecsq"
+        for stream in ("keys", "values"):
+            entry = row[stream]
+            assert entry["rel_error"] == entry["ecsq"]["rel_error"] <= entry["fixed"]["rel_error"]
+            assert entry["kept"] == entry["ecsq"]["kept"] and entry["fixed"]["kept"] > 0
+            assert entry["bound_rel_error"] < entry["fixed"]["rel_error"]
     run_info = summary["run"]
     assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["checkpoint_bytes_per_shard"] > 0 and run_info["stats_bytes"] > 0
     # ECSQ mode: tables beside the allocations, within budget, better than fixed-rate, and its chart

@@ -100,6 +100,7 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)", file=sys.stderr)
         cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
     store_root = rt.store or default_store_uri()
+    plan_s = time.perf_counter() - t_start
 
     shards_seen: list[dict] = []
     duplicates: list[str] = []
@@ -127,7 +128,10 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
 
         from kvtc.pipeline.job import ray_pool
 
-        started = ray_pool.start_ray(rt.address, num_cpus=None)
+        started = ray_pool.start_ray(rt.address, num_cpus=None, verbose=rt.verbose)
+        if not rt.verbose and ray_pool.worker_log_dir():
+            print(f"kvtc calibrate: worker output goes to {ray_pool.worker_log_dir()} (--verbose shows it here)",
+                  file=sys.stderr)
     try:
         if not in_process:
             gpus = ray_pool.cluster_gpus()
@@ -184,7 +188,12 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         "eig_seconds": round(reduce_timing.get("eig_s", 0.0), 2),
         "curve_seconds": round(reduce_timing.get("curve_s", 0.0), 2),
         "wall_seconds": round(time.perf_counter() - t_start, 2),
+        # plan -> fold (model work, after the actors loaded the model) -> solve -> fit -> measure -> publish
+        "stages": {"plan": round(plan_s, 2), "startup": round(timing["startup_s"], 2), "fold": round(pool_seconds, 2),
+                   "tokens_curve": round(reduce_timing.get("curve_s", 0.0), 2),
+                   **{k: round(reduce_timing.get(f"{k}_s", 0.0), 2) for k in ("solve", "fit", "measure", "publish")}},
     }
+    summary["run"]["wall_over_model_work"] = round(summary["run"]["wall_seconds"] / pool_seconds, 2) if pool_seconds else None
     return summary, {"store": store, "shards": shards_seen, "fingerprint": fingerprint}
 
 
@@ -236,14 +245,18 @@ def print_summary(summary: dict, as_json: bool) -> None:
         print(json.dumps(summary, indent=2, sort_keys=True))
         return
     print(f"published {summary['name']}@{summary['version']} to {summary['registry']}")
+    print("  held-out relative error, in the codec's default mode (kept components) | the other mode")
     for row in summary["ratios"]:
-        print(
-            f"  CR {row['ratio']:>5g}: keys {100 * row['keys']['rel_error']:.2f}%  values {100 * row['values']['rel_error']:.2f}%"
-            f"  (held-out relative error; kept {row['keys']['kept']}/{row['values']['kept']} components)"
-        )
+        other = "fixed" if row["mode"] == "ecsq" else "ecsq"
+        k, v = row["keys"], row["values"]
+        beside = (f"  | {other}: keys {100 * k[other]['rel_error']:.2f}%  values {100 * v[other]['rel_error']:.2f}%"
+                  if "rel_error" in k.get(other, {}) and "rel_error" in v.get(other, {}) else "")
+        print(f"  CR {row['ratio']:>5g} {row['mode']}: keys {100 * k['rel_error']:.2f}%  values {100 * v['rel_error']:.2f}%"
+              f"  ({k.get('kept')}/{v.get('kept')}){beside}")
     run = summary.get("run", {})
     if run:
-        print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall {run['wall_seconds']} s")
+        print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall "
+              f"{run['wall_seconds']} s; stages (s): " + ", ".join(f"{k} {v:g}" for k, v in run.get("stages", {}).items()))
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
