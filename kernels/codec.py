@@ -327,10 +327,7 @@ class KVTCCodec:
         more than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating; any
         other exception is not the blob's doing (a device, memory or a bug) and propagates as it is.
         """
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
+        dev = _usable_device(device)
         limit = self.max_tokens if max_tokens is None else max_tokens
         return self._decode(blob, dev, limit)
 
@@ -387,6 +384,19 @@ class KVTCCodec:
                     finite = torch.finfo(dtype).max  # values rounded past the dtype's range stay finite
                     out[si][:, :, head:head + mid].clamp_(-finite, finite)
         return out[0], out[1]
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """torch.device(device), or ValueError (bad input, not a bad blob) when it is no device decode can write to."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
+    if dev.type == "meta" or (dev.type == "cuda" and not (torch.cuda.is_available()
+                                                         and (dev.index or 0) < torch.cuda.device_count())):
+        raise ValueError(f"device={device!r} is not available here (CUDA devices: "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); pass 'cpu' or an existing GPU")
+    return dev
 
 
 _MODE_BOUNDS = {"fixed": KVTCCodec._fixed_bounds, "ecsq": KVTCCodec._ecsq_bounds}

@@ -111,7 +111,7 @@ def test_kvtc_cache_matches_dynamic_cache_layer_for_layer(arch):
     ref, got = DynamicCache(config=lm.model.config), KVTCCache(codec, config=lm.model.config, chunk=4)
     with torch.no_grad():
         a = lm.model(ids, past_key_values=ref, use_cache=True).logits
-        b = lm.model(ids, past_key_values=got, use_cache=True).logits
+        lm.model(ids, past_key_values=got, use_cache=True)
         for step in range(6):  # decode steps past the window: full layers' tokens get coded
             nxt = a[:, -1:].argmax(-1)
             a = lm.model(nxt, past_key_values=ref, use_cache=True).logits
