@@ -117,7 +117,8 @@ def main() -> None:
         for i, g in enumerate(r.get("groups") or [{}]):
             first = i == 0
             cache = f"{r.get('cache-fixed', float('nan')):.3f} / {r.get('cache-ecsq', float('nan')):.3f}" if first else ""
-            ev = f"{r.get('eval-ppl-ratio', float('nan')):.3f} ({r.get('eval-evict-ppl-ratio', float('nan')):.3f})" if first else ""
+            nan = float("nan")
+            ev = f"{r.get('eval-ppl-ratio', nan):.3f} ({r.get('eval-evict-ppl-ratio', nan):.3f})" if first else ""
             print(f"| {r['arch'] if first else ''} | {r.get('kinds', '') if first else ''} | {rope if first else ''} | "
                   f"{g.get('group', '-')} | {g.get('keys-fixed', float('nan')):.3f} | {g.get('keys-ecsq', float('nan')):.3f} | "
                   f"{g.get('values-fixed', float('nan')):.3f} | {g.get('values-ecsq', float('nan')):.3f} | {cache} | {ev} | "

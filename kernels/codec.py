@@ -4,7 +4,8 @@ Cache tensors are (layers, kv_heads, tokens, head_dim) exactly as the model cach
 with RoPE), layers = the layers that keep a KV cache. A cache whose layers hold different token counts
 (sliding-window or chunked layers, layers without a KV cache) is passed per layer, as a sequence of
 (kv_heads, tokens, head_dim) tensors (None for a layer without a cache), and decodes to the same form
-(kernels/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers). Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
+(kernels/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers).
+Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
 is RoPE-removed (keys), centred, projected on each group's kept components, quantized per block,
 packed and entropy-coded. Decode reverses it and re-applies RoPE at the original positions.
 """
@@ -191,7 +192,8 @@ class KVTCCodec:
         if isinstance(keys, (list, tuple)) or isinstance(values, (list, tuple)):
             counts = layer_counts(self.spec, keys, values)
             first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
-            if first.dtype not in _DTYPES or not 0 <= start < _MAX_START or max(n for n in counts if n != NO_CACHE) >= _MAX_TOKENS:
+            longest = max(n for n in counts if n != NO_CACHE)
+            if first.dtype not in _DTYPES or not 0 <= start < _MAX_START or longest >= _MAX_TOKENS:
                 raise ValueError("per-layer cache: dtype must be float16, bfloat16 or float32, start >= 0, tokens < 2^31")
             return encode_layered(self.spec, self._sub, keys, values, start, _DTYPES[first.dtype], self.mode)
         self._check_cache(keys, values, start)
