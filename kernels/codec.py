@@ -39,13 +39,16 @@ class KVTCCodec:
     "fixed" (per-block fixed-rate codes with per-token scales, DEFLATE). Decode follows the blob's mode.
     rate_control (ECSQ): coarsen the step of a (stream, group) whose coded bytes would exceed the
     ratio's budget (text unlike the calibration's); False keeps the calibrated step everywhere.
+    ecsq_format: the ECSQ symbols' format in new blobs: "rans" (default; interleaved rANS, decoded and
+    encoded on the device by Triton kernels where the cache lives on CUDA, by the numpy reference
+    elsewhere) or "constriction" (the first format, host only). Decode follows the blob's format.
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
-                 rate_control: bool = True) -> None:
+                 rate_control: bool = True, ecsq_format: str = "rans") -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -60,6 +63,10 @@ class KVTCCodec:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         self.backend, self.level, self.coder, self.max_tokens = backend, level, coder, max_tokens
         self.mode = _resolve_mode(self.spec, mode)
+        if ecsq_format not in ecsq.ECSQ_FORMATS:
+            raise ValueError(f"ecsq_format must be one of {ecsq.ECSQ_FORMATS}, got {ecsq_format!r}")
+        self.ecsq_format = ecsq_format
+        self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
         self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
         self.rope = None
@@ -152,7 +159,7 @@ class KVTCCodec:
                 with self._stage("rope_center", dev):
                     feat = ops.rope_center(x[:, :, head:head + mid], cos, sin, mean, layout)
                 if self.mode == "ecsq":
-                    sections += self._encode_ecsq(feat, si, stream, dev)
+                    sections += self._encode_ecsq(feat, si, stream, dev, ops.name)
                     continue
                 for gi, (cols, comps, code) in enumerate(parts):
                     with self._stage("project", dev):
@@ -166,7 +173,7 @@ class KVTCCodec:
                             sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPES[keys.dtype], L, H, T, D, start,
-                            s.sinks, s.window, head, tail, mode=self.mode)
+                            s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format)
         return write_blob(header, sections)
 
     def _ecsq_params(self, stream: str, device: torch.device) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
@@ -177,27 +184,35 @@ class KVTCCodec:
                                      g.offsets.to(device)) for g in self.spec.ecsq[stream]]
         return self._on_device[key]
 
-    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device) -> list[Section]:
-        """Centred features (mid, p) of one stream -> per group: ANS words section, escapes section."""
-        out = []
+    def on_device(self, dev: torch.device, ops_name: str) -> bool:
+        """Whether the rANS symbols are coded by the Triton kernels where the tensors are."""
+        if self.device_entropy is not None:
+            return self.device_entropy and ops_name == "triton"
+        return dev.type == "cuda" and ops_name == "triton"
+
+    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops_name: str
+                     ) -> list[Section]:
+        """Centred features (mid, p) of one stream -> per group: coded symbols section, escapes section."""
+        out, on_dev = [], self.on_device(dev, ops_name)
         for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
             with self._stage("project", dev):
                 z = feat[:, cols] @ comps
             budget = int(16 * g.mean.shape[0] // self.spec.ratio) * z.shape[0] // 8 if self.rate_control else None
             with self._stage("entropy", dev):
-                words, escapes = ecsq.encode_group(z, g, budget)
+                words, escapes = ecsq.encode_group(z, g, budget, self.ecsq_format, on_dev)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
             out.append(self._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
         return out
 
-    def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device) -> None:
+    def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
+                     fmt: str, on_dev: bool) -> None:
         """Fill feat (mid, p) with one stream's reconstructed centred features."""
         for gi, ((cols, comps, off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
             with self._stage("entropy_decode", dev):
-                q, step = ecsq.decode_group(data[SectionKey(TAG_ECSQ, si, gi, 0)],
-                                            data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g)
+                q, step = ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
+                                               data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, fmt, dev, on_dev)
             with self._stage("dequantize", dev):
-                zhat = ecsq.dequantize(torch.from_numpy(q).to(dev), step, off)
+                zhat = ecsq.dequantize(q, step, off)
             with self._stage("project", dev):
                 feat[:, cols] = zhat @ comps.T
 
@@ -281,7 +296,8 @@ class KVTCCodec:
                 mean, parts = self._params(stream, dev)
                 feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
                 if header.mode == "ecsq":
-                    self._decode_ecsq(data, si, stream, mid, feat, dev)
+                    self._decode_ecsq(data, si, stream, mid, feat, dev, header.ecsq_format,
+                                      self.on_device(dev, ops.name))
                 for gi, (cols, comps, code) in enumerate(parts if header.mode == "fixed" else ()):
                     zhat = torch.zeros(mid, code.kept, dtype=torch.float32, device=dev)
                     with self._stage("dequantize", dev):

@@ -78,7 +78,8 @@ class CoefficientCoder:
     were calibrated with RoPE kept).
     """
 
-    def __init__(self, spec: CodecSpec, backend: str = "auto", mode: str = "fixed", rate_control: bool = True) -> None:
+    def __init__(self, spec: CodecSpec, backend: str = "auto", mode: str = "fixed", rate_control: bool = True,
+                 ecsq_format: str = "rans") -> None:
         if mode not in ("fixed", "ecsq"):
             raise ValueError(f"mode must be 'fixed' or 'ecsq', got {mode!r}")
         if mode == "ecsq" and spec.ecsq is None:
@@ -86,7 +87,7 @@ class CoefficientCoder:
                              f"for ratio {spec.ratio:g}")
         self.spec = spec
         self.backend = backend
-        self.mode, self.rate_control = mode, rate_control
+        self.mode, self.rate_control, self.ecsq_format = mode, rate_control, ecsq_format
         self.rope = RopeSpec.from_dict(spec.rope) if spec.rope else None
         self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         width = spec.kv_heads * spec.head_dim
@@ -160,16 +161,17 @@ class CoefficientCoder:
         """z (B*n, kept) -> per sequence (words, escapes), budgeted like the codec's sections for n tokens."""
         g = self.spec.ecsq[stream][gi]
         budget = int(16 * g.mean.shape[0] // self.spec.ratio) * n // 8 if self.rate_control else None
-        return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget) for b in range(batch))
+        on_dev = z.device.type == "cuda" and self._ops(z.device).name == "triton"
+        return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget, self.ecsq_format, on_dev) for b in range(batch))
 
     def coefficients(self, coded: CodedTokens, stream: str, gi: int) -> torch.Tensor:
         """Dequantized coefficients z (B * n, kept) float32 of one group."""
         if coded.mode == "ecsq":
             g, dev = self.spec.ecsq[stream][gi], torch.device(coded.device)
-            parts = []
+            parts, on_dev = [], dev.type == "cuda" and self._ops(dev).name == "triton"
             for words, escapes in coded.blocks[stream][gi]:
-                q, step = ecsq.decode_group(words, escapes, coded.tokens, g)
-                parts.append(ecsq.dequantize(torch.from_numpy(q).to(dev), step, self._offsets(stream, gi, dev)))
+                q, step = ecsq.decode_group_to(words, escapes, coded.tokens, g, self.ecsq_format, dev, on_dev)
+                parts.append(ecsq.dequantize(q, step, self._offsets(stream, gi, dev)))
             return torch.cat(parts)
         g = self.spec.streams[stream][gi]
         parts = coded.blocks[stream][gi]
