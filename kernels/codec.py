@@ -43,12 +43,15 @@ class KVTCCodec:
     encoded on the device by Triton kernels where the cache lives on CUDA, by the numpy reference
     elsewhere) or "constriction" (the first format, host only). Decode follows the blob's format.
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
+    basis_dtype: dtype of the components held on the device (only the columns the mode's code uses);
+    None: the cache's dtype on CUDA, float32 on CPU.
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
-                 rate_control: bool = True, ecsq_format: str = "rans") -> None:
+                 rate_control: bool = True, ecsq_format: str = "rans",
+                 basis_dtype: torch.dtype | None = None) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -67,6 +70,9 @@ class KVTCCodec:
             raise ValueError(f"ecsq_format must be one of {ecsq.ECSQ_FORMATS}, got {ecsq_format!r}")
         self.ecsq_format = ecsq_format
         self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
+        if basis_dtype not in (None, *_DTYPES):
+            raise ValueError(f"basis_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {basis_dtype!r}")
+        self.basis_dtype = basis_dtype
         self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
         self.rope = None
@@ -97,16 +103,37 @@ class KVTCCodec:
             torch.cuda.synchronize(device)
         self.profile[name] = self.profile.get(name, 0.0) + time.perf_counter() - t0
 
-    def _params(self, stream: str, device: torch.device) -> tuple[torch.Tensor, list]:
-        key = (stream, str(device))
+    def basis_dtype_on(self, device: torch.device, cache_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the components held on `device`: `basis_dtype`, or by default the cache's dtype on CUDA
+        (fp16/bf16 GEMMs) and float32 on CPU (where half-precision GEMMs are slow)."""
+        if self.basis_dtype is not None:
+            return self.basis_dtype
+        return cache_dtype if device.type == "cuda" else torch.float32
+
+    def _params(self, stream: str, device: torch.device, mode: str = "fixed", dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, list]:
+        """(mean (p,) float32, per group (feature slice, components (p_g, kept) in `dtype`, group)) for one
+        mode on one device: only the columns that mode's code uses, and only that mode's basis."""
+        key = (stream, str(device), mode, str(dtype))
         if key not in self._on_device:
             width = self.spec.kv_heads * self.spec.head_dim
             groups = self.spec.streams[stream]
             mean = torch.cat([g.mean for g in groups]).to(device)
-            parts = [(slice(g.layers[0] * width, g.layers[1] * width), g.components[:, : g.kept].to(device), g)
-                     for g in groups]
+            codes = self.spec.ecsq[stream] if mode == "ecsq" else groups
+            parts = [(slice(g.layers[0] * width, g.layers[1] * width),
+                      g.components[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g) for g in codes]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
+
+    def basis_bytes(self) -> int:
+        """Bytes of means and components this codec holds on its devices (the runtime's basis memory)."""
+        seen, total = set(), 0
+        for mean, parts in self._on_device.values():
+            for t in [mean] + [c for _, c, _ in parts]:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total
 
     def split(self, tokens: int, start: int) -> tuple[int, int, int]:
         """(raw head, coded middle, raw tail) token counts for a cache of `tokens` starting at `start`."""
@@ -154,16 +181,17 @@ class KVTCCodec:
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
-                mean, parts = self._params(stream, dev)
+                bd = self.basis_dtype_on(dev, keys.dtype)
+                mean, parts = self._params(stream, dev, self.mode, bd)
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
                     feat = ops.rope_center(x[:, :, head:head + mid], cos, sin, mean, layout)
                 if self.mode == "ecsq":
-                    sections += self._encode_ecsq(feat, si, stream, dev, ops.name)
+                    sections += self._encode_ecsq(feat, si, stream, dev, ops.name, parts)
                     continue
                 for gi, (cols, comps, code) in enumerate(parts):
                     with self._stage("project", dev):
-                        z = (feat[:, cols] @ comps).contiguous()
+                        z = (feat[:, cols].to(comps.dtype) @ comps).float().contiguous()
                     with self._stage("quantize_pack", dev):
                         coded = quantize_pack_blocks(z, code.blocks, reference=ops.name == "torch")
                         coded = [(params_bytes(c[1]), codes_bytes(c[0])) if c else None for c in coded]
@@ -176,27 +204,19 @@ class KVTCCodec:
                             s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format)
         return write_blob(header, sections)
 
-    def _ecsq_params(self, stream: str, device: torch.device) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-        key = (f"ecsq:{stream}", str(device))
-        if key not in self._on_device:
-            width = self.spec.kv_heads * self.spec.head_dim
-            self._on_device[key] = [(slice(g.layers[0] * width, g.layers[1] * width), g.components.to(device),
-                                     g.offsets.to(device)) for g in self.spec.ecsq[stream]]
-        return self._on_device[key]
-
     def on_device(self, dev: torch.device, ops_name: str) -> bool:
         """Whether the rANS symbols are coded by the Triton kernels where the tensors are."""
         if self.device_entropy is not None:
             return self.device_entropy and ops_name == "triton"
         return dev.type == "cuda" and ops_name == "triton"
 
-    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops_name: str
-                     ) -> list[Section]:
+    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops_name: str,
+                     parts: list) -> list[Section]:
         """Centred features (mid, p) of one stream -> per group: coded symbols section, escapes section."""
         out, on_dev = [], self.on_device(dev, ops_name)
-        for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
+        for gi, (cols, comps, g) in enumerate(parts):
             with self._stage("project", dev):
-                z = feat[:, cols] @ comps
+                z = (feat[:, cols].to(comps.dtype) @ comps).float()
             budget = int(16 * g.mean.shape[0] // self.spec.ratio) * z.shape[0] // 8 if self.rate_control else None
             with self._stage("entropy", dev):
                 words, escapes = ecsq.encode_group(z, g, budget, self.ecsq_format, on_dev)
@@ -204,17 +224,24 @@ class KVTCCodec:
             out.append(self._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
         return out
 
+    def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
+        key = (f"offsets:{stream}:{gi}", str(device))
+        if key not in self._on_device:
+            self._on_device[key] = (self.spec.ecsq[stream][gi].offsets.to(device), [])
+        return self._on_device[key][0]
+
     def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
-                     fmt: str, on_dev: bool) -> None:
+                     fmt: str, on_dev: bool, parts: list) -> None:
         """Fill feat (mid, p) with one stream's reconstructed centred features."""
-        for gi, ((cols, comps, off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
+        for gi, (cols, comps, g) in enumerate(parts):
+            off = self._offsets(stream, gi, dev)
             with self._stage("entropy_decode", dev):
                 q, step = ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
                                                data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, fmt, dev, on_dev)
             with self._stage("dequantize", dev):
                 zhat = ecsq.dequantize(q, step, off)
             with self._stage("project", dev):
-                feat[:, cols] = zhat @ comps.T
+                feat[:, cols] = zhat.to(comps.dtype) @ comps.T
 
     def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
         """(key, raw length; None where it varies) of every section a blob with this header must hold, in order."""
@@ -293,11 +320,11 @@ class KVTCCodec:
             ops = resolve_ops(self.backend, dev)
             positions = torch.arange(header.start + head, header.start + head + mid, device=dev)
             for si, stream in enumerate(STREAMS):
-                mean, parts = self._params(stream, dev)
+                mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype))
                 feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
                 if header.mode == "ecsq":
                     self._decode_ecsq(data, si, stream, mid, feat, dev, header.ecsq_format,
-                                      self.on_device(dev, ops.name))
+                                      self.on_device(dev, ops.name), parts)
                 for gi, (cols, comps, code) in enumerate(parts if header.mode == "fixed" else ()):
                     zhat = torch.zeros(mid, code.kept, dtype=torch.float32, device=dev)
                     with self._stage("dequantize", dev):
@@ -307,7 +334,7 @@ class KVTCCodec:
                                 params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
                                 ops.unpack_dequantize(packed, params, b.qtype, zhat, b.start, b.size)
                     with self._stage("project", dev):
-                        feat[:, cols] = zhat @ comps.T
+                        feat[:, cols] = zhat.to(comps.dtype) @ comps.T
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
                     ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)

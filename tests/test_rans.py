@@ -10,10 +10,9 @@ import torch
 from kvtc.kernels import BlobError, KVTCCodec, read_blob
 from kvtc.kernels import rans
 from kvtc.kernels.blob import TAG_ECSQ, write_blob
-from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
+from kvtc.kernels.ecsq import SymbolModel
 from kvtc.kernels.rans_triton import decode_device, encode_device
-from kvtc.kernels.spec import STREAMS, CodecSpec
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from kvtc.kernels.synthetic import synthetic_cache, synthetic_ecsq, synthetic_spec
 
 CPU = torch.device("cpu")
 
@@ -112,24 +111,9 @@ def test_hostile_sections_end_in_blob_error_or_a_consistent_decode():
     assert outcomes["error"] > 0
 
 
-def _ecsq_spec(spec: CodecSpec) -> CodecSpec:
-    """Give a synthetic spec ECSQ groups: a step and three symbol models per group."""
-    groups = {}
-    for stream in STREAMS:
-        out = []
-        for g in spec.streams[stream]:
-            k = g.components.shape[1]
-            std = (np.arange(k) + 1.0) ** -0.7 * 4 / 0.05
-            model = np.clip(np.round(np.log2(std)), 0, 6).astype(np.int64)
-            models = tuple(_gaussian_model(2.0 ** c, max(1, int(6 * 2.0 ** c))) for c in range(7))
-            out.append(EcsqGroup(g.layers, g.mean, g.components, 0.05, model, torch.full((k, 2), 0.02), models))
-        groups[stream] = tuple(out)
-    return CodecSpec(**{**spec.__dict__, "ecsq": groups})
-
-
 @pytest.fixture(scope="module")
 def ecsq_codec_spec():
-    return _ecsq_spec(synthetic_spec(2, 2, 16, 4.0, kept=20, sinks=2, window=3))
+    return synthetic_ecsq(synthetic_spec(2, 2, 16, 4.0, kept=20, sinks=2, window=3))
 
 
 def test_codec_writes_rans_blobs_and_still_reads_constriction_blobs(ecsq_codec_spec):

@@ -34,7 +34,8 @@ class AllocatorSettings:
     """block_sizes: allowed block lengths; types: allowed block types ("none" or any reference
     qtype; the dropped tail is always "none"); error_model: "measured" (reference quantizer on
     held-out projections) or "analytic"; min_rows / recommended_rows: held-out rows below which
-    allocation fails / warns; max_dp_states: cap on DP table cells; cost_unit: 0 = automatic."""
+    allocation fails / warns; max_dp_states: cap on DP table cells; cost_unit: 0 = automatic;
+    max_components: the basis budget, components per group the code may use (0 = no cap)."""
 
     block_sizes: tuple[int, ...] = (1, 16, 64, 256, 1024)
     types: tuple[str, ...] = ("none", "int2", "int4", "fp8")
@@ -43,6 +44,7 @@ class AllocatorSettings:
     recommended_rows: int = 1024
     max_dp_states: int = 150_000_000
     cost_unit: int = 0
+    max_components: int = 0
 
     def __post_init__(self) -> None:
         sizes, types = tuple(self.block_sizes), tuple(self.types)
@@ -56,8 +58,9 @@ class AllocatorSettings:
             raise ValueError(f"error_model={self.error_model!r}: use 'measured' or 'analytic'")
         if not 1 <= self.min_rows <= self.recommended_rows:
             raise ValueError("min_rows must be >= 1 and <= recommended_rows")
-        if self.max_dp_states < 1000 or self.cost_unit < 0:
-            raise ValueError("max_dp_states must be >= 1000 and cost_unit >= 0 (0 = automatic)")
+        if self.max_dp_states < 1000 or self.cost_unit < 0 or self.max_components < 0:
+            raise ValueError("max_dp_states must be >= 1000, cost_unit >= 0 (0 = automatic) and max_components >= 0 "
+                             "(0 = no cap)")
         object.__setattr__(self, "block_sizes", tuple(sorted(sizes)))
         object.__setattr__(self, "types", types)
 
@@ -68,7 +71,8 @@ class AllocatorSettings:
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "types": list(self.types), "error_model": self.error_model,
                 "min_rows": self.min_rows, "recommended_rows": self.recommended_rows,
-                "max_dp_states": self.max_dp_states, "cost_unit": self.cost_unit, "aligned_starts": True}
+                "max_dp_states": self.max_dp_states, "cost_unit": self.cost_unit,
+                "max_components": self.max_components, "aligned_starts": True}
 
     @classmethod
     def from_dict(cls, d: dict) -> "AllocatorSettings":
@@ -251,11 +255,11 @@ def allocate(ratios, basis: Basis, heldout: np.ndarray | torch.Tensor | None = N
     """One Allocation per ratio (input order). Error tables are computed once for all ratios,
     over as many components as the least aggressive ratio could pay for (budget / cheapest
     bits per component; a quantized block past that would need a "none" gap before it, which
-    sorted variances never favour)."""
+    sorted variances never favour), and at most settings.max_components (the basis budget)."""
     ratios = validate_ratios(ratios, basis.dim, settings)
     notes: tuple[str, ...] = ()
     if tables is None:
         cheapest = min(block_cost_bits(t, s) / s for t in settings.quantized_types for s in settings.block_sizes)
-        k = min(basis.k, math.ceil(budget_bits(basis.dim, min(ratios)) / cheapest))
+        k = min(basis.k, math.ceil(budget_bits(basis.dim, min(ratios)) / cheapest), settings.max_components or basis.k)
         tables, notes = error_tables(basis, heldout, settings, k, projections)
     return [allocate_from_tables(r, tables, settings, notes) for r in ratios]

@@ -60,6 +60,8 @@ class CalibrateConfig:
     block_sizes: tuple[int, ...] = (1, 16, 64, 256, 1024)
     types: tuple[str, ...] = ("none", "int2", "int4", "fp8")
     error_model: str = "measured"
+    basis_budget: str | None = None  # share of the model's parameters, "3%" or "0.03" (pipeline/fit/basis_budget.py)
+    max_components: int | None = None  # components per group
     parent: str | None = None
     extra_manifest: dict = field(default_factory=dict)
 
@@ -87,6 +89,16 @@ class CalibrateConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if len(set(self.ratios)) != len(self.ratios) or not all(math.isfinite(r) for r in self.ratios):
             raise ValueError(f"compression ratios must be finite and distinct, got {list(self.ratios)}")
+        self.budget  # a bad --basis-budget or --max-components fails here
+
+    @property
+    def budget(self):
+        from kvtc.pipeline.fit.basis_budget import BasisBudget
+
+        try:
+            return BasisBudget.parse(self.basis_budget, self.max_components)
+        except ValueError as exc:
+            raise ValueError(f"--basis-budget / --max-components: {exc}") from None
 
     @property
     def artifact_name(self) -> str:
@@ -157,6 +169,13 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
     info = load_spec(cfg.model, cache_dir=cfg.cache_dir)  # config and tokenizer only: the driver never loads weights
     check_seq_len(info, cfg.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
+    if cfg.budget.active:
+        from dataclasses import replace as _replace
+
+        from kvtc.pipeline.fit.basis_budget import model_parameters
+
+        params = model_parameters(info.config) if cfg.budget.share is not None else None
+        alloc = _replace(alloc, max_components=cfg.budget.cap(params, info.num_layers * width))
     for a, b in capture.group_layers(info.num_layers):
         validate_ratios(cfg.ratios, (b - a) * width, alloc)
     if in_process or not (cfg.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
@@ -331,6 +350,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-sizes", default="1,16,64,256,1024")
     p.add_argument("--types", default="none,int2,int4,fp8")
     p.add_argument("--error-model", choices=("measured", "analytic"), default=d.error_model)
+    p.add_argument("--basis-budget", default=None,
+                   help="basis memory a server holds, as a share of the model's parameters (e.g. 3%%): caps the "
+                        "components per group the allocators may use (default: no cap)")
+    p.add_argument("--max-components", type=int, default=None, help="components per group the allocators may use")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
 
 
@@ -374,6 +397,7 @@ def config_from_manifest(manifest: dict, **overrides) -> CalibrateConfig:
         sample=rec.sample, seed=rec.seed, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
         text_column=rec.text_column, dtype=rec.dtype, keys=rec.keys, block_sizes=tuple(rec.allocator["block_sizes"]),
         types=tuple(rec.allocator["types"]), error_model=rec.allocator["error_model"],
+        max_components=rec.allocator.get("max_components") or None,
     )
     unrecorded = {"holdout_fraction", "heldout_rows", "seqs_per_shard"}  # None: keep the default
     recorded = {k: v for k, v in recorded.items() if v is not None or k not in unrecorded}

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from kvtc.pipeline.evaluation import diagnostics
-from kvtc.pipeline.evaluation import rate_distortion, report
+from kvtc.pipeline.evaluation import basis_size, rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
@@ -120,14 +120,16 @@ def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: Allocator
     x_mid = rows_all[mid]
     z_mid = basis.project(x_mid)  # one GEMM serves the error tables and the held-out metrics
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
-    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim)  # ECSQ mode
+    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
+                               ecsq_fit.EcsqSettings(max_components=alloc.max_components))
     kept = max([a.kept for a in allocs] + [f.kept for f in fits])
     out = GroupResult(stream, group, (basis.mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32),
                                       basis.components[:, :kept].astype(np.float32)))
     out.notes = list(dict.fromkeys(w for a in allocs for w in a.warnings))
     out.ecsq = {(f.ratio, stream, group): f.to_table() for f in fits}
     curves = out.curves = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [], "pca_error": [],
-                           "rate_distortion": []}
+                           "rate_distortion": [], "basis_size": []}
+    curves["basis_size"] = basis_size.curve_rows(basis, x_mid, z_mid, stream, group, ratios)
     curves["spectrum"] = [{"stream": stream, "group": group, "index": i, "eigenvalue": float(v)}
                           for i, v in enumerate(basis.eigenvalues)]
     ks = sorted({k for k in _PCA_KS if k <= basis.k} | {basis.k})
@@ -297,7 +299,8 @@ def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict,
 
     metrics = [m for r in results for m in r.metrics] + ecsq_metrics + aggregate(results)
     curves: dict[str, list[dict]] = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [],
-                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": []}
+                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": [],
+                                     "basis_size": []}
     for r in results:
         for name, rows in r.curves.items():
             curves[name] += rows

@@ -17,7 +17,7 @@ RUNTIME_FIELDS = ("registry", "store", "address", "workers", "threads_per_worker
                   "extra_manifest")
 PARENT_DESTS = ("model", "corpus", "eval_corpus", "ratios", "tokens", "eval_tokens", "seq_len", "seqs_per_shard", "sinks",
                 "window", "groups", "sample", "seed", "block_sizes", "types", "error_model", "holdout_fraction",
-                "heldout_rows", "text_column", "dtype", "keys")
+                "heldout_rows", "text_column", "dtype", "keys", "basis_budget", "max_components")
 
 
 def build_configs(manifest: dict, given: dict, parent: str | None) -> tuple[CalibrateConfig, CalibrateConfig]:
