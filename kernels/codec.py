@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kvtc.kernels import ecsq
+from kvtc.kernels import ecsq, rans
 from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
                                BlobHeader, Section, SectionKey, read_blob, write_blob)
 from kvtc.kernels.bitpack import packed_nbytes
@@ -262,6 +262,19 @@ class KVTCCodec:
                             out.append((SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
         return out
 
+    def _check_ecsq_lengths(self, header: BlobHeader, sections: list[Section]) -> None:
+        """Bound each ECSQ section's declared length by what its symbols can need, before inflating any."""
+        mid = self.split(header.tokens, header.start)[1]
+        for s in sections:
+            if s.key.tag not in (TAG_ECSQ, TAG_ESCAPES):
+                continue
+            n = mid * self.spec.ecsq[STREAMS[s.key.stream]][s.key.group].kept
+            bound = 4 * n if s.key.tag == TAG_ESCAPES else (
+                4 + rans.max_section_bytes(n) if header.ecsq_format == "rans" else 4 + 4 * (n + 2))
+            if s.raw_len > bound:
+                raise BlobError(f"section {tuple(s.key)} declares {s.raw_len} bytes, more than {bound} for "
+                                f"{n} symbols: the blob is corrupt")
+
     def _check_header(self, h: BlobHeader) -> None:
         s = self.spec
         if (h.name, h.version, h.ratio) != (s.name, s.version, s.ratio):
@@ -307,6 +320,8 @@ class KVTCCodec:
         if len(got) != len(expected) or any(k != ek or (n is not None and r != n)
                                             for (k, r), (ek, n) in zip(got, expected)):
             raise BlobError("blob section table does not match the artifact's allocation for this ratio")
+        if header.mode == "ecsq":
+            self._check_ecsq_lengths(header, sections)
         with self._stage("entropy_decode", dev):
             data = {s.key: decode_section(s.coding, s.stored, s.raw_len, str(tuple(s.key))) for s in sections}
         L, H, T, D = header.layers, header.kv_heads, header.tokens, header.head_dim

@@ -130,6 +130,11 @@ def symbol_indices(q: np.ndarray, tables: RansTables) -> tuple[np.ndarray, np.nd
     return idx, v[out].astype(np.int32)
 
 
+def max_section_bytes(symbols: int) -> int:
+    """Largest valid rANS section for `symbols` symbols: W <= N lanes and at most one word per symbol."""
+    return 4 + 6 * symbols + 2 * symbols
+
+
 def pack_section(lanes: int, states: np.ndarray, counts: np.ndarray, words: np.ndarray) -> bytes:
     return b"".join([_U32.pack(lanes), states.astype("<u4").tobytes(), counts.astype("<u2").tobytes(),
                      words.astype("<u2").tobytes()])
