@@ -26,9 +26,9 @@ from kvtc.pipeline.job.store import ShardStore
 
 def max_components(p: int, ratios, settings: AllocatorSettings) -> int:
     """Most components any allocation at `ratios` can keep: the largest budget over the cheapest
-    cost per component (a quantized block of the largest size), capped at p."""
+    cost per component (a quantized block of the largest size), capped at p and at the basis budget."""
     per_component = min(block_cost_bits(t, s) / s for t in settings.quantized_types for s in settings.block_sizes if s <= p)
-    return max(1, min(p, math.floor(budget_bits(p, min(ratios)) / per_component)))
+    return max(1, min(p, settings.max_components or p, math.floor(budget_bits(p, min(ratios)) / per_component)))
 
 
 def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: int) -> tuple[int, np.ndarray, np.ndarray]:

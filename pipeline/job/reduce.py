@@ -129,7 +129,6 @@ def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: Allocator
     out.ecsq = {(f.ratio, stream, group): f.to_table() for f in fits}
     curves = out.curves = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [], "pca_error": [],
                            "rate_distortion": [], "basis_size": []}
-    curves["basis_size"] = basis_size.curve_rows(basis, x_mid, z_mid, stream, group, ratios)
     curves["spectrum"] = [{"stream": stream, "group": group, "index": i, "eigenvalue": float(v)}
                           for i, v in enumerate(basis.eigenvalues)]
     ks = sorted({k for k in _PCA_KS if k <= basis.k} | {basis.k})
@@ -245,10 +244,14 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
                 result = reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, slice(a * width, b * width),
                                       cfg.sinks, cfg.window, totals)
                 train_rows = basis.n
-                del basis
                 if k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
                     ecsq_totals = totals
+                    x_mid = getattr(held, stream)[held.middle(cfg.sinks, cfg.window)][:, a * width:b * width]
+                    result.curves["basis_size"] = basis_size.curve_rows(basis, x_mid, basis.project(x_mid), stream, g,
+                                                                        cfg.ratios)
+                    del basis, x_mid
                     break
+                del basis
                 k = min(bound, 2 * k)
             results.append(result)
             print(f"kvtc reduce: {stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on "
