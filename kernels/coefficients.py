@@ -79,7 +79,7 @@ class CoefficientCoder:
     """
 
     def __init__(self, spec: CodecSpec, backend: str = "auto", mode: str = "fixed", rate_control: bool = True,
-                 ecsq_format: str = "rans") -> None:
+                 ecsq_format: str = "rans", basis_dtype: torch.dtype | None = None) -> None:
         if mode not in ("fixed", "ecsq"):
             raise ValueError(f"mode must be 'fixed' or 'ecsq', got {mode!r}")
         if mode == "ecsq" and spec.ecsq is None:
@@ -88,6 +88,7 @@ class CoefficientCoder:
         self.spec = spec
         self.backend = backend
         self.mode, self.rate_control, self.ecsq_format = mode, rate_control, ecsq_format
+        self.basis_dtype = basis_dtype  # None: the cache's dtype on CUDA, float32 elsewhere (as KVTCCodec)
         self.rope = RopeSpec.from_dict(spec.rope) if spec.rope else None
         self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         width = spec.kv_heads * spec.head_dim
@@ -101,13 +102,16 @@ class CoefficientCoder:
                     raise ValueError(f"{stream} group {g.layers}: block types {sorted({b.qtype for b in g.blocks})} "
                                      f"are not all per-block min/max or fp8 types {_BLOCK_TYPES}")
 
-    def _group(self, stream: str, gi: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (stream, str(device), gi)
+    def _group(self, stream: str, gi: int, device: torch.device, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean float32, the mode's kept components in the basis dtype for a cache of `dtype`) on `device`."""
+        dt = self.basis_dtype or (dtype if device.type == "cuda" else torch.float32)
+        key = (stream, str(device), gi, str(dt))
         if key not in self._on_device:
             g = self.spec.streams[stream][gi]
             # the codec centres with the fixed-rate groups' mean in both modes
             comps = self.spec.ecsq[stream][gi].components if self.mode == "ecsq" else g.components[:, :g.kept]
-            self._on_device[key] = (g.mean.to(device), comps.to(device).contiguous())
+            self._on_device[key] = (g.mean.to(device), comps.to(device=device, dtype=dt).contiguous())
         return self._on_device[key]
 
     def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
@@ -144,10 +148,10 @@ class CoefficientCoder:
             cos, sin, layout = self._cos_sin(stream, start, n, B, dev)
             groups = []
             for gi, g in enumerate(s.streams[stream]):
-                mean, comps = self._group(stream, gi, dev)
+                mean, comps = self._group(stream, gi, dev, x.dtype)
                 a, b = g.layers
                 feat = ops.rope_center(cache[a:b], cos, sin, mean, layout)
-                z = (feat @ comps).contiguous()
+                z = (feat.to(comps.dtype) @ comps).float().contiguous()
                 if self.mode == "ecsq":
                     groups.append(self._encode_ecsq(z, stream, gi, B, n))
                     continue
@@ -188,9 +192,9 @@ class CoefficientCoder:
         """z of the layer's group (from `coefficients`) -> that layer's cache (B, H, n, D) in `dtype`."""
         gi, row = self.layer_group[layer]
         dev = z.device
-        mean, comps = self._group(stream, gi, dev)
+        mean, comps = self._group(stream, gi, dev, dtype)
         rows = slice(row, row + self.width)
-        feat = z @ comps[rows].T  # (B*n, H*D): only this layer's rows of the components
+        feat = (z.to(comps.dtype) @ comps[rows].T).float()  # (B*n, H*D): only this layer's rows of the components
         H, D, B, n = self.spec.kv_heads, self.spec.head_dim, coded.batch, coded.tokens
         out = torch.empty(1, H, B * n, D, dtype=dtype, device=dev)
         cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev)

@@ -205,7 +205,7 @@ class KVTCCache(Cache):
                              f"sinks={self.sinks}, chunk={self.chunk}")
         self.codec = codec
         self.store = _CodedStore(CoefficientCoder(spec, backend or codec.backend, codec.mode,
-                                                    codec.rate_control, codec.ecsq_format))
+                                                    codec.rate_control, codec.ecsq_format, codec.basis_dtype))
         super().__init__(layers=[KVTCCacheLayer(i, self.sinks, self.store) for i in range(spec.num_layers)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
