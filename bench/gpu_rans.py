@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvtc.artifacts.groups import FeatureGroup  # noqa: E402
 from kvtc.kernels import KVTCCodec, read_blob, rans  # noqa: E402
 from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES  # noqa: E402
 from kvtc.kernels.ecsq import SymbolModel  # noqa: E402
@@ -82,7 +83,7 @@ def geometry_spec(layers: int, heads: int, head_dim: int, ratio: float, componen
         g = torch.Generator(device=DEV.type).manual_seed(si)
         q, _ = torch.linalg.qr(torch.randn(p, components, device=DEV, generator=g))
         blocks = tuple(b for b in budget_blocks(components, ratio * components / p))
-        groups[stream] = (GroupCode((0, layers), torch.randn(p, generator=torch.Generator().manual_seed(si)) * 0.5,
+        groups[stream] = (GroupCode(FeatureGroup.span(0, layers), torch.randn(p, generator=torch.Generator().manual_seed(si)) * 0.5,
                                     q.cpu(), blocks),)
     spec = CodecSpec(name="geom", version="v0", ratio=ratio, model_id="geom", num_layers=layers, kv_heads=heads,
                      head_dim=head_dim, sinks=4, window=128, rope=None, streams=groups)

@@ -1,7 +1,10 @@
 """KVTCCodec: one sequence's KV cache <-> a self-describing compressed blob.
 
 Cache tensors are (layers, kv_heads, tokens, head_dim) exactly as the model cached them (keys
-with RoPE). Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
+with RoPE), layers = the layers that keep a KV cache. A cache whose layers hold different token counts
+(sliding-window or chunked layers, layers without a KV cache) is passed per layer, as a sequence of
+(kv_heads, tokens, head_dim) tensors (None for a layer without a cache), and decodes to the same form
+(kernels/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers). Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
 is RoPE-removed (keys), centred, projected on each group's kept components, quantized per block,
 packed and entropy-coded. Decode reverses it and re-applies RoPE at the original positions.
 """
@@ -9,25 +12,31 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from kvtc.kernels import ecsq, rans
-from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
-                               BlobHeader, Section, SectionKey, read_blob, write_blob)
+from kvtc.artifacts.blocks import ecsq_budget_bytes
+from kvtc.artifacts.groups import group_columns
+from kvtc.kernels import ecsq
+from kvtc.kernels.blob import (NO_CACHE, TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL,
+                               BlobError, BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.bitpack import packed_nbytes
-from kvtc.kernels.entropy import CODERS, PLAIN, decode_section, encode_section
+from kvtc.kernels.entropy import CODERS, PLAIN, decode_sections, encode_section
 from kvtc.kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
 from kvtc.kernels.backend import BACKENDS, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.layered import decode_layered, encode_layered, layer_counts, restrict
 from kvtc.kernels.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_TOKENS = 1 << 31
 _MAX_START = 1 << 62
 DEFAULT_MAX_TOKENS = 1 << 17  # 131072: decode refuses longer blobs unless the caller raises the limit
+
+
+class KernelBundleWarning(UserWarning):
+    """The artifact was made for other runtime kernels than the ones running."""
 
 
 class KVTCCodec:
@@ -75,20 +84,35 @@ class KVTCCodec:
         self.basis_dtype = basis_dtype
         self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
-        self.rope = None
-        if self.spec.rope:
-            self.rope = RopeSpec.from_dict(self.spec.rope)
+        shared, self.rope = self.spec.shared_rope  # one RoPE for every coded layer: fused into the kernels
+        self._per_layer_rope = not shared
+        self._subs: dict[tuple[int, ...], KVTCCodec] = {}
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
 
     @classmethod
     def from_registry(cls, ref: str, ratio: float, registry: Any = None, *, public_key: Any = None,
                       require_signature: bool | None = None, **kwargs: Any) -> "KVTCCodec":
         """ref "name@version|alias|sha256:HEX" pulled and verified through artifacts.pull (imported lazily);
-        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull)."""
-        from kvtc.artifacts import pull
+        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull).
+        The artifact names the kernel bundle it was made for: running other kernels warns, or with
+        require_kernels=True (or $KVTC_REQUIRE_KERNELS=1) is refused."""
+        import os
+        import warnings
 
-        return cls(pull(ref, registry=registry, public_key=public_key, require_signature=require_signature),
-                   ratio, **kwargs)
+        from kvtc.artifacts import kernel_bundle_hash, pull
+
+        require_kernels = kwargs.pop("require_kernels", None)
+        if require_kernels is None:
+            require_kernels = os.environ.get("KVTC_REQUIRE_KERNELS", "") not in ("", "0")
+        artifact = pull(ref, registry=registry, public_key=public_key, require_signature=require_signature)
+        if not artifact.kernels_match():
+            made_for, running = artifact.manifest.get("kernel_bundle_hash"), kernel_bundle_hash()
+            message = (f"{artifact.name}@{artifact.version} was made for kernel bundle {str(made_for)[:16]}, this "
+                       f"process runs {str(running)[:16]}: its kernels/ folder holds the code it was made with")
+            if require_kernels:
+                raise ValueError(message + "; install that kvtc version or recalibrate")
+            warnings.warn(message, KernelBundleWarning, stacklevel=2)
+        return cls(artifact, ratio, **kwargs)
 
     @contextmanager
     def _stage(self, name: str, device: torch.device) -> Iterator[None]:
@@ -116,14 +140,22 @@ class KVTCCodec:
         mode on one device: only the columns that mode's code uses, and only that mode's basis."""
         key = (stream, str(device), mode, str(dtype))
         if key not in self._on_device:
-            width = self.spec.kv_heads * self.spec.head_dim
             groups = self.spec.streams[stream]
-            mean = torch.cat([g.mean for g in groups]).to(device)
+            cols = self._columns(device)
+            mean = torch.empty(self.spec.features, dtype=torch.float32, device=device)
+            for c, g in zip(cols, groups):
+                mean[c] = g.mean.to(device)
             codes = self.spec.ecsq[stream] if mode == "ecsq" else groups
-            parts = [(slice(g.layers[0] * width, g.layers[1] * width),
-                      g.components[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g) for g in codes]
+            parts = [(c, g.components[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g)
+                     for c, g in zip(cols, codes)]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
+
+    def _columns(self, device: torch.device) -> list[slice | torch.Tensor]:
+        """Each group's columns in a token's (layer, KV head, head_dim) features: a slice, or an index tensor."""
+        s = self.spec
+        return [c if isinstance(c, slice) else torch.as_tensor(c, device=device)
+                for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.head_dim)]
 
     def basis_bytes(self) -> int:
         """Bytes of means and components this codec holds on its devices (the runtime's basis memory)."""
@@ -154,9 +186,10 @@ class KVTCCodec:
 
     def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         s = self.spec
-        want = (s.num_layers, s.kv_heads, "tokens", s.head_dim)
+        layers = len(s.coded_layers)
+        want = (layers, s.kv_heads, "tokens", s.head_dim)
         for name, x in (("keys", keys), ("values", values)):
-            if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != s.num_layers \
+            if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != layers \
                     or x.shape[1] != s.kv_heads or x.shape[3] != s.head_dim:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"{name} must be shaped (layers, kv_heads, tokens, head_dim) = {want}, got {got}")
@@ -167,8 +200,35 @@ class KVTCCodec:
         if not 0 <= start < _MAX_START or keys.shape[2] >= _MAX_TOKENS:
             raise ValueError(f"start must be >= 0 and tokens < 2^31; got start={start}, tokens={keys.shape[2]}")
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> bytes:
-        """keys, values (L, H, T, D) fp16/bf16/fp32, token 0 at absolute position `start` -> blob bytes."""
+    def _sub(self, layers: tuple[int, ...]) -> "KVTCCodec":
+        """The codec of the spec restricted to `layers` (one segment of a per-layer cache)."""
+        if layers not in self._subs:
+            self._subs[layers] = KVTCCodec(restrict(self.spec, layers), backend=self.backend, level=self.level,
+                                           coder=self.coder, max_tokens=self.max_tokens, mode=self.mode,
+                                           rate_control=self.rate_control)
+        return self._subs[layers]
+
+    def _remove_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(L, H, n, D) keys of the coded layers -> float32, each layer's own RoPE removed."""
+        ropes = [self.spec.layer_ropes[i] for i in self.spec.coded_layers]
+        return torch.stack([x[j].float() if r is None else r.remove(x[j].float(), positions) for j, r in enumerate(ropes)])
+
+    def _apply_rope(self, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """(L, H, n, D) float32 RoPE-removed keys -> `out` with each layer's own RoPE applied."""
+        for j, i in enumerate(self.spec.coded_layers):
+            r = self.spec.layer_ropes[i]
+            out[j] = x[j] if r is None else r.apply(x[j], positions)
+
+    def encode(self, keys: torch.Tensor | Sequence[torch.Tensor | None], values: torch.Tensor | Sequence[torch.Tensor | None],
+               start: int = 0) -> bytes:
+        """keys, values (L, H, T, D) fp16/bf16/fp32 (L: the layers that keep a KV cache), token 0 at absolute
+        position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob."""
+        if isinstance(keys, (list, tuple)) or isinstance(values, (list, tuple)):
+            counts = layer_counts(self.spec, keys, values)
+            first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
+            if first.dtype not in _DTYPES or not 0 <= start < _MAX_START or max(n for n in counts if n != NO_CACHE) >= _MAX_TOKENS:
+                raise ValueError("per-layer cache: dtype must be float16, bfloat16 or float32, start >= 0, tokens < 2^31")
+            return encode_layered(self.spec, self._sub, keys, values, start, _DTYPES[first.dtype], self.mode)
         self._check_cache(keys, values, start)
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
@@ -185,7 +245,10 @@ class KVTCCodec:
                 mean, parts = self._params(stream, dev, self.mode, bd)
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
-                    feat = ops.rope_center(x[:, :, head:head + mid], cos, sin, mean, layout)
+                    xm = x[:, :, head:head + mid]
+                    if stream == "keys" and self._per_layer_rope:
+                        xm = self._remove_rope(xm, positions)
+                    feat = ops.rope_center(xm, cos, sin, mean, layout)
                 if self.mode == "ecsq":
                     sections += self._encode_ecsq(feat, si, stream, dev, ops.name, parts)
                     continue
@@ -217,7 +280,7 @@ class KVTCCodec:
         for gi, (cols, comps, g) in enumerate(parts):
             with self._stage("project", dev):
                 z = (feat[:, cols].to(comps.dtype) @ comps).float()
-            budget = int(16 * g.mean.shape[0] // self.spec.ratio) * z.shape[0] // 8 if self.rate_control else None
+            budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) if self.rate_control else None
             with self._stage("entropy", dev):
                 words, escapes = ecsq.encode_group(z, g, budget, self.ecsq_format, on_dev)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
@@ -243,37 +306,48 @@ class KVTCCodec:
             with self._stage("project", dev):
                 feat[:, cols] = zhat.to(comps.dtype) @ comps.T
 
-    def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
-        """(key, raw length; None where it varies) of every section a blob with this header must hold, in order."""
+    def section_bounds(self, header: BlobHeader, sections: list[Section] | None = None) -> list[SectionBound]:
+        """Every section a blob with this header must hold, in order, each with the most raw bytes it may
+        inflate to (from the header: token count, kept components, symbol models). The raw sinks and window
+        are common to every mode; the coded middle's sections come from the mode's bound function
+        (`_MODE_BOUNDS`; a new mode adds its own there). `sections`: the blob's table, for a mode whose
+        bound on one section depends on another's stored length."""
         L, H, D, T = header.layers, header.kv_heads, header.head_dim, header.tokens
         item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
         head, mid, tail = self.split(T, header.start)
-        out = [(SectionKey(tag, si, 0, 0), L * H * n * D * item)
+        out = [SectionBound(SectionKey(tag, si, 0, 0), L * H * n * D * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
-        if mid and header.mode == "ecsq":
-            out += [(SectionKey(tag, si, gi, 0), None) for si, stream in enumerate(STREAMS)
-                    for gi in range(len(self.spec.streams[stream])) for tag in (TAG_ECSQ, TAG_ESCAPES)]
-        elif mid:
-            for si, stream in enumerate(STREAMS):
-                for gi, g in enumerate(self.spec.streams[stream]):
-                    for bi, b in enumerate(g.blocks):
-                        if b.bits:
-                            out.append((SectionKey(TAG_PARAMS, si, gi, bi), mid * 4))
-                            out.append((SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
+        if mid:
+            out += _MODE_BOUNDS[header.mode](self, mid, {s.key: s for s in sections or ()}, header)
         return out
 
-    def _check_ecsq_lengths(self, header: BlobHeader, sections: list[Section]) -> None:
-        """Bound each ECSQ section's declared length by what its symbols can need, before inflating any."""
-        mid = self.split(header.tokens, header.start)[1]
-        for s in sections:
-            if s.key.tag not in (TAG_ECSQ, TAG_ESCAPES):
-                continue
-            n = mid * self.spec.ecsq[STREAMS[s.key.stream]][s.key.group].kept
-            bound = 4 * n if s.key.tag == TAG_ESCAPES else (
-                4 + rans.max_section_bytes(n) if header.ecsq_format == "rans" else 4 + 4 * (n + 2))
-            if s.raw_len > bound:
-                raise BlobError(f"section {tuple(s.key)} declares {s.raw_len} bytes, more than {bound} for "
-                                f"{n} symbols: the blob is corrupt")
+    def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
+        """(key, raw length; None where only a bound is known) of every section, in order (see section_bounds)."""
+        return [(b.key, b.max_raw if b.exact else None) for b in self.section_bounds(header)]
+
+    def _fixed_bounds(self, mid: int, _table: dict, _header: BlobHeader) -> list[SectionBound]:
+        out = []
+        for si, stream in enumerate(STREAMS):
+            for gi, g in enumerate(self.spec.streams[stream]):
+                for bi, b in enumerate(g.blocks):
+                    if b.bits:
+                        out.append(SectionBound(SectionKey(TAG_PARAMS, si, gi, bi), mid * 4))
+                        out.append(SectionBound(SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
+        return out
+
+    def _ecsq_bounds(self, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
+        if self.spec.ecsq is None:
+            raise BlobError(f"blob was written in the ECSQ mode; artifact {self.spec.name}@{self.spec.version} has "
+                            f"no ECSQ tables for ratio {self.spec.ratio:g}")
+        out = []
+        for si, stream in enumerate(STREAMS):
+            for gi, g in enumerate(self.spec.ecsq[stream]):
+                key = SectionKey(TAG_ECSQ, si, gi, 0)
+                words = table[key].raw_len if key in table and table[key].coding == PLAIN else None
+                words_max, escapes_max = ecsq.section_bounds(g, mid, words, header.ecsq_format)
+                out.append(SectionBound(key, words_max, exact=False, plain=True))
+                out.append(SectionBound(SectionKey(TAG_ESCAPES, si, gi, 0), escapes_max, exact=False))
+        return out
 
     def _check_header(self, h: BlobHeader) -> None:
         s = self.spec
@@ -283,7 +357,7 @@ class KVTCCodec:
         if h.model_id != s.model_id:
             raise BlobError(f"blob is for model {h.model_id}, this codec's artifact is for model {s.model_id}")
         if (h.layers, h.kv_heads, h.head_dim, h.sinks, h.window) != \
-                (s.num_layers, s.kv_heads, s.head_dim, s.sinks, s.window):
+                (len(s.coded_layers), s.kv_heads, s.head_dim, s.sinks, s.window):
             raise BlobError("blob shape or sink/window settings do not match the codec's artifact")
         head, _mid, tail = self.split(h.tokens, h.start)
         if h.tokens >= _MAX_TOKENS or h.start >= _MAX_START or (h.head_raw, h.tail_raw) != (head, tail):
@@ -293,17 +367,16 @@ class KVTCCodec:
                max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """blob -> (keys, values) (L, H, T, D) in the encoded dtype on `device`.
 
-        Every failure caused by the blob is a BlobError (a ValueError), including a blob declaring more
-        than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating.
+        Every failure caused by the blob's bytes is a BlobError (a ValueError), including a blob declaring
+        more than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating; any
+        other exception is not the blob's doing (a device, memory or a bug) and propagates as it is.
         """
-        dev = torch.device(device)
-        limit = self.max_tokens if max_tokens is None else max_tokens
         try:
-            return self._decode(blob, dev, limit)
-        except BlobError:
-            raise
-        except Exception as exc:  # anything else a hostile blob provokes is still a bad blob
-            raise BlobError(f"blob cannot be decoded ({type(exc).__name__}: {exc})") from exc
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
+        limit = self.max_tokens if max_tokens is None else max_tokens
+        return self._decode(blob, dev, limit)
 
     def _decode(self, blob: bytes | bytearray | memoryview, dev: torch.device, max_tokens: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,19 +384,17 @@ class KVTCCodec:
         if header.tokens > max_tokens:
             raise BlobError(f"blob declares {header.tokens} tokens, over this decoder's limit of {max_tokens}; "
                             "pass max_tokens= to KVTCCodec or decode() if such long caches are expected")
+        if header.layered:
+            if (header.name, header.version, header.ratio, header.model_id) != \
+                    (self.spec.name, self.spec.version, self.spec.ratio, self.spec.model_id):
+                raise BlobError(f"blob was written with artifact {header.name}@{header.version} at ratio "
+                                f"{header.ratio:g} for model {header.model_id}; this codec is {self.spec.name}@"
+                                f"{self.spec.version} at ratio {self.spec.ratio:g}: decode it with the matching codec")
+            return decode_layered(self.spec, self._sub, header, sections, dev, max_tokens)
         self._check_header(header)
-        if header.mode == "ecsq" and self.spec.ecsq is None:
-            raise BlobError(f"blob was written in the ECSQ mode; artifact {self.spec.name}@{self.spec.version} has no "
-                            f"ECSQ tables for ratio {self.spec.ratio:g}")
-        expected = self.expected_sections(header)
-        got = [(s.key, s.raw_len) for s in sections]
-        if len(got) != len(expected) or any(k != ek or (n is not None and r != n)
-                                            for (k, r), (ek, n) in zip(got, expected)):
-            raise BlobError("blob section table does not match the artifact's allocation for this ratio")
-        if header.mode == "ecsq":
-            self._check_ecsq_lengths(header, sections)
+        bounds = self.section_bounds(header, sections)
         with self._stage("entropy_decode", dev):
-            data = {s.key: decode_section(s.coding, s.stored, s.raw_len, str(tuple(s.key))) for s in sections}
+            data = decode_sections(sections, bounds)
         L, H, T, D = header.layers, header.kv_heads, header.tokens, header.head_dim
         dtype = getattr(torch, header.dtype)
         head, mid, tail = self.split(T, header.start)
@@ -352,8 +423,18 @@ class KVTCCodec:
                         feat[:, cols] = zhat.to(comps.dtype) @ comps.T
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
-                    ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
+                    if stream == "keys" and self._per_layer_rope:
+                        plain = torch.empty(L, H, mid, D, dtype=torch.float32, device=dev)
+                        ops.rope_restore(feat, None, None, mean, plain, layout)
+                        self._apply_rope(plain, positions, out[si][:, :, head:head + mid])
+                    else:
+                        ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
+                    finite = torch.finfo(dtype).max  # values rounded past the dtype's range stay finite
+                    out[si][:, :, head:head + mid].clamp_(-finite, finite)
         return out[0], out[1]
+
+
+_MODE_BOUNDS = {"fixed": KVTCCodec._fixed_bounds, "ecsq": KVTCCodec._ecsq_bounds}
 
 
 def _resolve_mode(spec: CodecSpec, mode: str | None) -> str:

@@ -7,7 +7,8 @@ import pytest
 import ray
 
 from kvtc import artifacts
-from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+from kvtc.pipeline.settings import JobSettings
+from kvtc.pipeline.job.calibrate import run
 from kvtc.pipeline.cli import main as cli_main
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
@@ -24,7 +25,7 @@ def ray_local():
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     root = tmp_path_factory.mktemp("base")
-    cfg = CalibrateConfig(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"), name="tiny")
+    cfg = JobSettings.of(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"), name="tiny")
     return cfg, run(cfg)
 
 
@@ -58,6 +59,14 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     rows = {(r["ratio"]): r for r in summary["ratios"]}
     assert rows[4.0]["keys"]["rel_error"] < rows[8.0]["keys"]["rel_error"] < 1.0
     assert "eval_rel_error" in rows[4.0]["values"]
+    # the codec's default mode first (ECSQ: its tables exist), fixed-rate beside it, ECSQ no worse
+    for row in rows.values():
+        assert row["mode"] == "ecsq"
+        for stream in ("keys", "values"):
+            entry = row[stream]
+            assert entry["rel_error"] == entry["ecsq"]["rel_error"] <= entry["fixed"]["rel_error"]
+            assert entry["kept"] == entry["ecsq"]["kept"] and entry["fixed"]["kept"] > 0
+            assert entry["bound_rel_error"] < entry["fixed"]["rel_error"]
     run_info = summary["run"]
     assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["checkpoint_bytes_per_shard"] > 0 and run_info["stats_bytes"] > 0
     # ECSQ mode: tables beside the allocations, within budget, better than fixed-rate, and its chart
@@ -76,9 +85,7 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
 
 def test_basis_budget_caps_both_allocators(baseline, tmp_path):
     cfg, _ = baseline
-    from dataclasses import replace
-
-    summary = run(replace(cfg, registry=str(tmp_path / "reg"), max_components=8))  # cached shards: only the reduce
+    summary = run(cfg.replace(registry=str(tmp_path / "reg"), max_components=8))  # cached shards: only the reduce
     art = artifacts.pull(summary["name"], summary["version"], registry=summary["registry"])
     assert art.manifest["calibration"]["allocator"]["max_components"] == 8
     for stream in ("keys", "values"):
@@ -93,7 +100,7 @@ def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):
     marker = tmp_path / "killed"
     os.environ["KVTC_TEST_KILL_ON_SHARD"] = f"6:{marker}"  # accumulator 2's second shard: resumes from its checkpoint
     try:
-        other = run(CalibrateConfig(**TINY, workers=2, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
+        other = run(JobSettings.of(**TINY, workers=2, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
     finally:
         del os.environ["KVTC_TEST_KILL_ON_SHARD"]
     assert marker.exists(), "the test hook did not kill a worker"
@@ -125,14 +132,14 @@ def test_rerun_reuses_cached_shards_and_extension_runs_only_new_ones(baseline, t
     again = run(cfg)
     assert again["run"]["shards_run"] == 0 and again["run"]["shards_cached"] > 0
     doubled = {**TINY, "tokens": 2 * TINY["tokens"]}
-    shutil.copytree(cfg.store, tmp_path / "extended")  # the baseline's store stays as it is for other tests
-    longer = run(CalibrateConfig(**doubled, workers=1, registry=cfg.registry, store=str(tmp_path / "extended"), name="tiny"))
+    shutil.copytree(cfg.runtime.store, tmp_path / "extended")  # the baseline's store stays as it is for other tests
+    longer = run(JobSettings.of(**doubled, workers=1, registry=cfg.runtime.registry, store=str(tmp_path / "extended"), name="tiny"))
     assert 0 < longer["run"]["shards_run"] <= longer["run"]["shards_cached"] + 2
     assert longer["run"]["tokens_run"] <= TINY["tokens"]
     # doubling the tokens adds no statistics bytes: one running total per accumulator (ids list aside)
     assert longer["run"]["stats_bytes"] == pytest.approx(summary["run"]["stats_bytes"], rel=0.05)
     # and the extended totals are exactly those of a fresh run on the doubled corpus
-    fresh = run(CalibrateConfig(**doubled, workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
+    fresh = run(JobSettings.of(**doubled, workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
     _assert_same_artifact(longer, fresh)
 
 
@@ -141,16 +148,16 @@ def test_corrupt_statistics_object_is_named_and_recomputed(baseline, tmp_path):
 
     cfg, summary = baseline
     store = tmp_path / "store"
-    shutil.copytree(cfg.store, store)
+    shutil.copytree(cfg.runtime.store, store)
     (victim,) = [p for p in store.rglob("acc/4-1-*.stats")]
     data = bytearray(victim.read_bytes())
     data[200] ^= 0x01  # one bit of a Gram entry
     victim.write_bytes(bytes(data))
     other = dict(TINY, workers=1, registry=str(tmp_path / "reg"), store=str(store), name="tiny")
     with pytest.raises(ValueError, match=rf"{victim.name} is corrupt \(checksum mismatch .*rerun"):
-        run(CalibrateConfig(**other))
+        run(JobSettings.of(**other))
     assert not victim.exists() and victim.with_name(victim.name + ".corrupt").exists()
-    again = run(CalibrateConfig(**other))
+    again = run(JobSettings.of(**other))
     assert 0 < again["run"]["shards_run"] < summary["run"]["shards_run"]
     _assert_same_artifact(summary, again)
 
@@ -159,7 +166,7 @@ def test_corpus_running_out_warns_and_records(tmp_path):
     corpus = tmp_path / "small.txt"
     corpus.write_text("A short document about key value caches. " * 400)
     with pytest.warns(UserWarning, match="ran out"):
-        summary = run(CalibrateConfig(**{**TINY, "corpus": str(corpus), "eval_corpus": None, "tokens": 100_000},
+        summary = run(JobSettings.of(**{**TINY, "corpus": str(corpus), "eval_corpus": None, "tokens": 100_000},
                                       workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="small"))
     art = artifacts.pull("small", summary["version"], registry=summary["registry"])
     assert any("ran out" in n for n in art.manifest["calibration"]["notes"])
@@ -170,8 +177,8 @@ def test_corpus_running_out_warns_and_records(tmp_path):
     (["--ratios", "0.5,8"], "must be > 1"),
     (["--ratios", "5000"], "cheapest quantized block"),
     (["--corpus", "nosuchcorpus:xyz"], "accepted"),
-    (["--basis-budget", "200%"], "basis budget"),
-    (["--max-components", "0"], "max components"),
+    (["--basis-budget", "200%"], "--basis-budget"),
+    (["--max-components", "-3"], "--max-components"),
 ])
 def test_bad_input_fails_before_model_work(argv, message, tmp_path, capsys):
     code = cli_main(["calibrate", "--model", "tiny:llama", "--seq-len", "128", "--window", "16",

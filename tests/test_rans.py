@@ -137,7 +137,7 @@ def test_codec_refuses_an_unknown_format_and_a_rans_flag_without_ecsq(ecsq_codec
         KVTCCodec(ecsq_codec_spec, mode="ecsq", ecsq_format="lz4")
     keys, values = synthetic_cache(ecsq_codec_spec, 9, torch.float32)
     blob = bytearray(KVTCCodec(ecsq_codec_spec, mode="fixed").encode(keys, values))
-    blob[6:8] = struct.pack("<H", 2)
+    blob[6:8] = struct.pack("<H", 4)  # the rANS flag without the ECSQ flag
     with pytest.raises(BlobError, match="flags"):
         read_blob(bytes(blob))
 

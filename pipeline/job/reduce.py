@@ -1,14 +1,14 @@
 """Reduce: from the stored accumulators, compute PCA bases and one DP bit allocation per ratio for
 every stream and group, measure them on held-out rows (and the second domain), and publish.
 
-Three steps: `reduce_group` (pure: one stream and group's basis and held-out rows in, its
-allocations, metrics and curve rows out; no store), `aggregate` (stream-level figures over
-groups) and `publish_calibration` (manifest fields, report, registry). `reduce_and_publish` runs
-them: one stream and group at a time, its basis from `kvtc.pipeline.job.basis_solver` (a GPU Ray
-task when the cluster has GPUs, this process otherwise). Exact solves (GPU, or p <= 4096) compute
-every component the least aggressive ratio could keep; above that a CPU solves the leading k by
-subspace iteration, starting at max(512, p / 16) and doubling k while an allocation keeps more
-than 80% of it (more components could then change the allocation).
+Stages, one stream and group at a time (its basis is the largest object): solve
+(`kvtc.pipeline.job.basis_solver`: a GPU Ray task when the cluster has GPUs, this process on every
+core otherwise; the solver chosen from k / p, see `choose_solver`) -> fit (`fit_group`: DP
+allocations and ECSQ tables, a `GroupFit`) -> measure (`measure_group`: both modes' metrics and the
+curves, a `GroupResult`); then `aggregate` (stream-level figures over groups) and publish
+(`publish_calibration`: manifest fields, report, registry). A subspace solve whose components the
+allocation fills is followed by an exact solve (or a wider subspace where that does not fit).
+Each stage's seconds go to `timing` (solve_s, fit_s, measure_s, publish_s).
 
 Accumulators are summed in accumulator order, each folded in shard order, so the artifact is
 bit-identical for any number of workers. Held-out rows come from whole held-out shards (never in
@@ -25,15 +25,19 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import torch
 
+from kvtc.artifacts.groups import FeatureGroup, group_columns
+from kvtc.kernels.layers import layers_of
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import basis_size, rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
-from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis
-from kvtc.pipeline.job.basis_solver import max_components, solve_group
+from kvtc.pipeline.fit.pca import Basis, every_core
+from kvtc.pipeline.job.basis_solver import choose_solver, max_components, next_solve, solve_group
 from kvtc.pipeline.job.store import ShardStore
+from kvtc.pipeline.settings import JobSettings
 from kvtc.workers.stats import STREAMS, CalibrationStats
 
 MIN_HELDOUT_ROWS = 16
@@ -108,21 +112,46 @@ class GroupResult:
     ecsq: dict = field(default_factory=dict)  # ECSQ mode: (ratio, stream, group) -> table
 
 
-def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, held: HeldOut,
-                 evals: HeldOut | None, cols: slice, sinks: int, window: int,
-                 ecsq_totals: dict | None = None) -> GroupResult:
-    """One stream and group: DP allocations at `ratios` on the held-out middle rows' projections,
-    ECSQ tables, metrics on held-out (middle and all positions) and eval rows, spectrum, PCA-error
-    and rate-distortion curves. `ecsq_totals` gathers the ECSQ stream-level sums over groups."""
-    ecsq_totals = {} if ecsq_totals is None else ecsq_totals
-    mid = held.middle(sinks, window)
+@dataclass
+class GroupFit:
+    """The fit stage's hand-off for one stream and group: its basis, its held-out rows (all positions
+    `rows_all` (N, p); the middle ones `x_mid` and their projections `z_mid` (M, k)), the DP
+    allocations and the ECSQ fits at every ratio, and the seconds the fit took."""
+
+    stream: str
+    group: int
+    basis: Basis
+    rows_all: np.ndarray
+    x_mid: np.ndarray
+    z_mid: torch.Tensor
+    allocs: list
+    fits: list
+    seconds: float = 0.0
+
+    @property
+    def kept(self) -> int:
+        return max([a.kept for a in self.allocs] + [f.kept for f in self.fits])
+
+
+def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, held: HeldOut,
+              cols: slice | np.ndarray, sinks: int, window: int) -> GroupFit:
+    """Fit: DP allocations and ECSQ tables at `ratios` on the held-out middle rows' projections."""
+    t0 = time.perf_counter()
     rows_all = getattr(held, stream)[:, cols]
-    x_mid = rows_all[mid]
-    z_mid = basis.project(x_mid)  # one GEMM serves the error tables and the held-out metrics
+    x_mid = rows_all[held.middle(sinks, window)]
+    z_mid = basis.project(x_mid)  # one GEMM serves the error tables, the ECSQ fit and the held-out metrics
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
     fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
                                ecsq_fit.EcsqSettings(max_components=alloc.max_components))
-    kept = max([a.kept for a in allocs] + [f.kept for f in fits])
+    return GroupFit(stream, group, basis, rows_all, x_mid, z_mid, allocs, fits, time.perf_counter() - t0)
+
+
+def measure_group(fit: GroupFit, held: HeldOut, evals: HeldOut | None, cols: slice | np.ndarray, sinks: int,
+                  window: int, ecsq_totals: dict) -> GroupResult:
+    """Measure: metrics of both modes on held-out (middle and all positions) and eval rows, spectrum,
+    PCA-error and rate-distortion curves; `ecsq_totals` gathers the ECSQ stream-level sums over groups."""
+    stream, group, basis, allocs, fits = fit.stream, fit.group, fit.basis, fit.allocs, fit.fits
+    rows_all, x_mid, z_mid, kept = fit.rows_all, fit.x_mid, fit.z_mid, fit.kept
     out = GroupResult(stream, group, (basis.mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32),
                                       basis.components[:, :kept].astype(np.float32)))
     out.notes = list(dict.fromkeys(w for a in allocs for w in a.warnings))
@@ -167,6 +196,12 @@ def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: Allocator
     return out
 
 
+def _free_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def aggregate(results: list[GroupResult]) -> list[dict]:
     """Stream-level metric rows (group None): errors combined over groups weighted by their norms,
     bits per token summed."""
@@ -186,14 +221,15 @@ def aggregate(results: list[GroupResult]) -> list[dict]:
     return rows
 
 
-def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, store: ShardStore, shards: list[dict],
-                       accumulators: list[tuple[str, list[str]]], registry: str, tokens_requested: int,
-                       alias_latest: bool = True, model_dtype: str = "float32", on_cluster_gpu: bool = False,
-                       timing: dict | None = None) -> dict:
+def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore, shards: list[dict],
+                       accumulators: list[tuple[str, list[str]]], registry: str, alias_latest: bool = True,
+                       model_dtype: str = "float32", on_cluster_gpu: bool = False, timing: dict | None = None) -> dict:
     """Everything after the shard pool: returns the job summary (name, version, per-ratio errors).
     `accumulators`: (object name, shard ids) in accumulator order; `timing` receives reduce figures."""
     timing = {} if timing is None else timing
     t0 = time.perf_counter()
+    alloc, cap, red = cfg.allocator, cfg.capture, cfg.reduce
+    tokens_requested = int(cfg.plan.tokens or 0)
     notes: list[str] = []
     by_index = sorted(shards, key=lambda s: s["index"])
     heldout_ids = [s["id"] for s in by_index if s["role"] == "heldout"]
@@ -207,94 +243,118 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     if not names:
         raise ValueError("no training shard: the corpus is too small for --tokens/--seqs-per-shard/--holdout-fraction")
 
-    held = load_rows(store, heldout_ids, cfg.heldout_rows)
+    held = load_rows(store, heldout_ids, red.heldout_rows)
     if held is None:
         raise ValueError("no held-out shard; raise --holdout-fraction or --tokens")
-    mid = held.middle(cfg.sinks, cfg.window)
+    mid = held.middle(cap.sinks, cap.window)
     if int(mid.sum()) < MIN_HELDOUT_ROWS:
         raise ValueError(f"only {int(mid.sum())} held-out rows; at least {MIN_HELDOUT_ROWS} are needed")
-    evals = load_rows(store, eval_ids, cfg.heldout_rows) if eval_ids else None
+    evals = load_rows(store, eval_ids, red.heldout_rows) if eval_ids else None
 
-    width = int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
-    groups = [tuple(g) for g in _groups(cfg.groups, int(fingerprint["num_layers"]))]
+    kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
+    groups = cap.group_layers(layers_of(fingerprint))
+    columns = group_columns(groups, kv_heads, head_dim)
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
-    curve_ratio = sorted(cfg.ratios)[len(cfg.ratios) // 2]
-    p_total = int(fingerprint["num_layers"]) * width
+    curve_ratio = red.curve_ratio
+    p_total = sum(g.dim(kv_heads, head_dim) for g in groups)
     curve_k = max(1, min(p_total, int(16 * p_total / curve_ratio) // 4))
     by_tokens: list[dict] = []
-    if cfg.tokens_curve_points > 0:
-        fold_stats(store, names, diagnostics.prefix_points(len(names), cfg.tokens_curve_points),
+    if red.tokens_curve_points > 0:
+        fold_stats(store, names, diagnostics.prefix_points(len(names), red.tokens_curve_points),
                    lambda total: by_tokens.extend(
-                       diagnostics.prefix_errors(total, held, evals, curve_ratio, cfg.sinks, cfg.window, k=curve_k)))
+                       diagnostics.prefix_errors(total, held, evals, curve_ratio, cap.sinks, cap.window, k=curve_k)))
     t_curve = time.perf_counter()
 
     results: list[GroupResult] = []
+    stage_s = {"fit": 0.0, "measure": 0.0}
     ecsq_totals: dict = {}
     solve_timings: list[dict] = []
     train_rows = 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(STREAMS) * len(groups), unit="group", desc="reduce", dynamic_ncols=True, disable=None,
+               file=sys.stderr)
     for stream in STREAMS:
-        for g, (a, b) in enumerate(groups):
-            p = (b - a) * width
-            bound = max_components(p, cfg.ratios, alloc)
-            k = bound if on_cluster_gpu or p <= EXACT_MAX_P else min(bound, max(512, p // 16))
-            while True:  # subspace iteration: widen until the least aggressive allocation stops short of k
-                basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu)
+        for g, group in enumerate(groups):
+            p = group.dim(kv_heads, head_dim)
+            bound = max_components(p, red.ratios, alloc)
+            method, k = choose_solver(p, bound, on_cluster_gpu, _free_bytes())
+            while True:  # a subspace the allocation fills is followed by an exact solve (or a wider one)
+                basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu, method)
                 solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
                 totals = {key: list(v) if isinstance(v, list) else v for key, v in ecsq_totals.items()}
-                result = reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, slice(a * width, b * width),
-                                      cfg.sinks, cfg.window, totals)
+                with every_core():
+                    fitted = fit_group(stream, g, basis, red.ratios, alloc, held, columns[g], cap.sinks, cap.window)
+                    t_measure = time.perf_counter()
+                    result = measure_group(fitted, held, evals, columns[g], cap.sinks, cap.window, totals)
+                stage_s["fit"] += fitted.seconds
+                stage_s["measure"] += time.perf_counter() - t_measure
+                del fitted
                 train_rows = basis.n
-                if k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
+                if solved["method"] == "exact" or k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
                     ecsq_totals = totals
-                    x_mid = getattr(held, stream)[held.middle(cfg.sinks, cfg.window)][:, a * width:b * width]
-                    result.curves["basis_size"] = basis_size.curve_rows(basis, x_mid, basis.project(x_mid), stream, g,
-                                                                        cfg.ratios)
+                    x_mid = getattr(held, stream)[held.middle(cap.sinks, cap.window)][:, columns[g]]
+                    with every_core():
+                        result.curves["basis_size"] = basis_size.curve_rows(basis, x_mid, basis.project(x_mid), stream,
+                                                                            g, red.ratios)
                     del basis, x_mid
                     break
                 del basis
-                k = min(bound, 2 * k)
+                method, k = next_solve(p, k, bound, _free_bytes())
             results.append(result)
-            print(f"kvtc reduce: {stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on "
-                  f"{solved['device']} ({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}", file=sys.stderr)
+            line = (f"{stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on {solved['device']} "
+                    f"({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}")
+            if cfg.runtime.verbose:
+                bar.write(f"kvtc reduce: {line}", file=sys.stderr)
+            bar.update(1)
+            bar.set_postfix_str(f"{stream} g{g}: {solved['method']} {solved['eig_s']:.0f} s", refresh=False)
+    bar.close()
     for r in results:
         notes.extend(w for w in r.notes if w not in notes)
     timing.update(curve_s=t_curve - t0, solve_s=sum(t["sum_s"] + t["eig_s"] for t in solve_timings),
-                  eig_s=sum(t["eig_s"] for t in solve_timings), groups=solve_timings)
+                  eig_s=sum(t["eig_s"] for t in solve_timings), groups=solve_timings, fit_s=stage_s["fit"],
+                  measure_s=stage_s["measure"])
+    t_publish = time.perf_counter()
 
-    from kvtc import artifacts
 
-    calibration = artifacts.CalibrationRecord(
-        sinks=cfg.sinks, window=cfg.window, seq_len=cfg.seq_len, seed=cfg.seed, ratios=tuple(cfg.ratios),
-        groups=tuple(groups), allocator=alloc.to_dict(), group_spec=cfg.groups, sample=cfg.sample,
-        tokens_requested=tokens_requested, eval_tokens=cfg.eval_tokens, seqs_per_shard=cfg.seqs_per_shard,
-        holdout_fraction=cfg.holdout_fraction, heldout_rows_cap=cfg.heldout_rows, text_column=cfg.text_column,
-        dtype=cfg.dtype, model_dtype=model_dtype, keys=cfg.keys, tokens=tokens_in, train_rows=int(train_rows),
-        heldout_rows=int(mid.sum()), eval_rows=0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
-        notes=tuple(notes),
-        tokens_curve={"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP",
-                      "prefixes": "whole accumulators, in order"},
-    ).to_manifest()
+    calibration = calibration_record(cfg, groups, model_dtype, tokens_in, int(train_rows), int(mid.sum()),
+                                     0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum()), notes,
+                                     {"ratio": curve_ratio, "components": curve_k,
+                                      "method": "top-k randomized PCA, analytic DP",
+                                      "prefixes": "whole accumulators, in order"}).to_manifest()
     corpus = {
-        "spec": cfg.corpus, "eval_spec": cfg.eval_corpus, "seq_len": cfg.seq_len, "seed": cfg.seed,
+        "spec": cfg.plan.corpus, "eval_spec": cfg.plan.eval_corpus, "seq_len": cfg.plan.seq_len, "seed": cap.seed,
         "train_shards": [s["id"] for s in by_index if s["role"] == "train"], "heldout_shards": heldout_ids,
         "eval_shards": eval_ids, "accumulators": names, "tokens": {s["id"]: s["tokens"] for s in shards},
     }
     from kvtc.pipeline.job.corpus import describe
 
-    corpus = dict(corpus, mixture=describe(str(corpus.get("spec", cfg.corpus))))  # sources, pkgdocs distributions
+    corpus = dict(corpus, mixture=describe(str(corpus.get("spec", cfg.plan.corpus))))  # sources, pkgdocs distributions
     summary = publish_calibration(cfg, fingerprint, calibration, corpus, results, by_tokens, registry, alias_latest,
                                   notes, rate_distortion.stream_metrics(ecsq_totals))
     timing["reduce_s"] = time.perf_counter() - t0
+    timing["publish_s"] = time.perf_counter() - t_publish
     return summary
 
 
-def _groups(spec: str, num_layers: int) -> list[tuple[int, int]]:
-    from kvtc.workers.capture import CaptureSettings
+def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype: str, tokens: int,
+                       train_rows: int, heldout_rows: int, eval_rows: int, notes: list[str], tokens_curve: dict):
+    """The manifest's CalibrationRecord: the settings verbatim, their flat fields for readers, the results."""
+    from kvtc.artifacts import CalibrationRecord
 
-    return CaptureSettings(groups=spec).group_layers(num_layers)
+    cap, plan = cfg.capture, cfg.plan
+    return CalibrationRecord(
+        sinks=cap.sinks, window=cap.window, seq_len=plan.seq_len, seed=cap.seed, ratios=cfg.reduce.ratios,
+        groups=tuple(groups), allocator=cfg.allocator.to_dict(), group_spec=cap.groups, sample=cap.sample,
+        tokens_requested=plan.tokens, eval_tokens=plan.eval_tokens, seqs_per_shard=plan.seqs_per_shard,
+        holdout_fraction=plan.holdout_fraction, heldout_rows_cap=cfg.reduce.heldout_rows, text_column=plan.text_column,
+        dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
+        heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
+        settings=cfg.computational(),
+    )
 
 
-def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],
+def publish_calibration(cfg: JobSettings, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],
                         by_tokens: list[dict], registry: str, alias_latest: bool, notes: list[str],
                         ecsq_metrics: list[dict]) -> dict:
     """Assemble the artifact from the per-group results, store report and charts, publish."""
@@ -312,7 +372,7 @@ def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict,
     extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}")
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus, bases=bases,
-        allocations=allocations, metrics=metrics, curves=curves, extra_files=extra, parent=cfg.parent,
+        allocations=allocations, metrics=metrics, curves=curves, extra_files=extra, parent=cfg.runtime.parent,
         ecsq={key: table for r in results for key, table in r.ecsq.items()},
     )
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
@@ -320,13 +380,31 @@ def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict,
 
 
 def summarize(ref, metrics: list[dict], notes: list[str]) -> dict:
-    """The `--json` summary: per ratio and stream, the stream-level held-out (and eval) errors."""
-    table: dict = {}
+    """The `--json` summary: per ratio, the codec's default mode ("ecsq" where the artifact has its
+    tables, else "fixed") and per stream that mode's held-out and second-domain errors and kept
+    components first, then each mode's figures under "ecsq" and "fixed" and the Gaussian bound."""
+    modes: dict = {}
     for m in metrics:
-        entry = table.setdefault(m["ratio"], {}).setdefault(m["stream"], {})
-        if m["group"] is None:
-            entry[m["metric"] if m["split"] == "heldout" else f"{m['split']}_{m['metric']}"] = m["value"]
-        elif m["metric"] == "kept" and m["split"] == "heldout":  # summed over groups
-            entry["kept"] = entry.get("kept", 0) + int(m["value"])
-    rows = [{"ratio": r, **v} for r, v in sorted(table.items())]
+        if m["split"] not in ("heldout", "eval") or (m["group"] is not None and m["metric"] not in ("kept", "ecsq_kept")):
+            continue
+        mode, metric = ("ecsq", m["metric"][5:]) if m["metric"].startswith("ecsq_") else ("fixed", m["metric"])
+        if metric == "heldout_bound_rel_error":
+            mode, metric = "bound", "rel_error"
+        entry = modes.setdefault(m["ratio"], {}).setdefault(m["stream"], {}).setdefault(mode, {})
+        name = metric if m["split"] == "heldout" else f"eval_{metric}"
+        if metric == "kept":
+            if m["split"] == "heldout" and m["group"] is not None:  # summed over groups
+                entry["kept"] = entry.get("kept", 0) + int(m["value"])
+        elif m["group"] is None:
+            entry[name] = m["value"]
+    rows = []
+    for ratio, streams in sorted(modes.items()):
+        default = "ecsq" if all("rel_error" in s.get("ecsq", {}) for s in streams.values()) else "fixed"
+        row: dict = {"ratio": ratio, "mode": default}
+        for stream, by_mode in streams.items():
+            first = by_mode.get(default, {})
+            row[stream] = {**{k: first[k] for k in ("rel_error", "eval_rel_error", "kept") if k in first},
+                           "ecsq": by_mode.get("ecsq", {}), "fixed": by_mode.get("fixed", {}),
+                           "bound_rel_error": by_mode.get("bound", {}).get("rel_error")}
+        rows.append(row)
     return {"name": ref.name, "version": ref.version, "registry": ref.registry, "ratios": rows, "warnings": notes}
