@@ -73,7 +73,8 @@ class ChunkTransform:
 
             check_config(spec, model_config)
         self.spec = replace(spec, sinks=0, window=0)
-        self.codec = KVTCCodec(self.spec, backend=codec.backend, level=0)
+        self.codec = KVTCCodec(self.spec, backend=codec.backend, level=0, ecsq_format=codec.ecsq_format,
+                               basis_dtype=codec.basis_dtype)
 
     @classmethod
     def from_settings(cls, settings: ChunkSerdeSettings) -> "ChunkTransform":

@@ -49,13 +49,19 @@ class KVTCCodec:
     "fixed" (per-block fixed-rate codes with per-token scales, DEFLATE). Decode follows the blob's mode.
     rate_control (ECSQ): coarsen the step of a (stream, group) whose coded bytes would exceed the
     ratio's budget (text unlike the calibration's); False keeps the calibrated step everywhere.
+    ecsq_format: the ECSQ symbols' format in new blobs: "rans" (default; interleaved rANS, decoded and
+    encoded on the device by Triton kernels where the cache lives on CUDA, by the numpy reference
+    elsewhere) or "constriction" (the first format, host only). Decode follows the blob's format.
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
+    basis_dtype: dtype of the components held on the device (only the columns the mode's code uses);
+    None: the cache's dtype on CUDA, float32 on CPU.
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
-                 rate_control: bool = True) -> None:
+                 rate_control: bool = True, ecsq_format: str = "rans",
+                 basis_dtype: torch.dtype | None = None) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -70,6 +76,13 @@ class KVTCCodec:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         self.backend, self.level, self.coder, self.max_tokens = backend, level, coder, max_tokens
         self.mode = _resolve_mode(self.spec, mode)
+        if ecsq_format not in ecsq.ECSQ_FORMATS:
+            raise ValueError(f"ecsq_format must be one of {ecsq.ECSQ_FORMATS}, got {ecsq_format!r}")
+        self.ecsq_format = ecsq_format
+        self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
+        if basis_dtype not in (None, *_DTYPES):
+            raise ValueError(f"basis_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {basis_dtype!r}")
+        self.basis_dtype = basis_dtype
         self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
         shared, self.rope = self.spec.shared_rope  # one RoPE for every coded layer: fused into the kernels
@@ -115,15 +128,27 @@ class KVTCCodec:
             torch.cuda.synchronize(device)
         self.profile[name] = self.profile.get(name, 0.0) + time.perf_counter() - t0
 
-    def _params(self, stream: str, device: torch.device) -> tuple[torch.Tensor, list]:
-        key = (stream, str(device))
+    def basis_dtype_on(self, device: torch.device, cache_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the components held on `device`: `basis_dtype`, or by default the cache's dtype on CUDA
+        (fp16/bf16 GEMMs) and float32 on CPU (where half-precision GEMMs are slow)."""
+        if self.basis_dtype is not None:
+            return self.basis_dtype
+        return cache_dtype if device.type == "cuda" else torch.float32
+
+    def _params(self, stream: str, device: torch.device, mode: str = "fixed", dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, list]:
+        """(mean (p,) float32, per group (feature slice, components (p_g, kept) in `dtype`, group)) for one
+        mode on one device: only the columns that mode's code uses, and only that mode's basis."""
+        key = (stream, str(device), mode, str(dtype))
         if key not in self._on_device:
             groups = self.spec.streams[stream]
             cols = self._columns(device)
             mean = torch.empty(self.spec.features, dtype=torch.float32, device=device)
             for c, g in zip(cols, groups):
                 mean[c] = g.mean.to(device)
-            parts = [(c, g.components[:, : g.kept].to(device), g) for c, g in zip(cols, groups)]
+            codes = self.spec.ecsq[stream] if mode == "ecsq" else groups
+            parts = [(c, g.components[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g)
+                     for c, g in zip(cols, codes)]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
 
@@ -132,6 +157,16 @@ class KVTCCodec:
         s = self.spec
         return [c if isinstance(c, slice) else torch.as_tensor(c, device=device)
                 for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.head_dim)]
+
+    def basis_bytes(self) -> int:
+        """Bytes of means and components this codec holds on its devices (the runtime's basis memory)."""
+        seen, total = set(), 0
+        for mean, parts in self._on_device.values():
+            for t in [mean] + [c for _, c, _ in parts]:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total
 
     def split(self, tokens: int, start: int) -> tuple[int, int, int]:
         """(raw head, coded middle, raw tail) token counts for a cache of `tokens` starting at `start`."""
@@ -208,7 +243,8 @@ class KVTCCodec:
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
-                mean, parts = self._params(stream, dev)
+                bd = self.basis_dtype_on(dev, keys.dtype)
+                mean, parts = self._params(stream, dev, self.mode, bd)
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
                     xm = x[:, :, head:head + mid]
@@ -216,11 +252,11 @@ class KVTCCodec:
                         xm = self._remove_rope(xm, positions)
                     feat = ops.rope_center(xm, cos, sin, mean, layout)
                 if self.mode == "ecsq":
-                    sections += self._encode_ecsq(feat, si, stream, dev)
+                    sections += self._encode_ecsq(feat, si, stream, dev, ops.name, parts)
                     continue
                 for gi, (cols, comps, code) in enumerate(parts):
                     with self._stage("project", dev):
-                        z = (feat[:, cols] @ comps).contiguous()
+                        z = (feat[:, cols].to(comps.dtype) @ comps).float().contiguous()
                     with self._stage("quantize_pack", dev):
                         coded = quantize_pack_blocks(z, code.blocks, reference=ops.name == "torch")
                         coded = [(params_bytes(c[1]), codes_bytes(c[0])) if c else None for c in coded]
@@ -230,39 +266,47 @@ class KVTCCodec:
                             sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPES[keys.dtype], L, H, T, D, start,
-                            s.sinks, s.window, head, tail, mode=self.mode)
+                            s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format)
         return write_blob(header, sections)
 
-    def _ecsq_params(self, stream: str, device: torch.device) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-        key = (f"ecsq:{stream}", str(device))
-        if key not in self._on_device:
-            self._on_device[key] = [(c, g.components.to(device), g.offsets.to(device))
-                                    for c, g in zip(self._columns(device), self.spec.ecsq[stream])]
-        return self._on_device[key]
+    def on_device(self, dev: torch.device, ops_name: str) -> bool:
+        """Whether the rANS symbols are coded by the Triton kernels where the tensors are."""
+        if self.device_entropy is not None:
+            return self.device_entropy and ops_name == "triton"
+        return dev.type == "cuda" and ops_name == "triton"
 
-    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device) -> list[Section]:
-        """Centred features (mid, p) of one stream -> per group: ANS words section, escapes section."""
-        out = []
-        for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
+    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops_name: str,
+                     parts: list) -> list[Section]:
+        """Centred features (mid, p) of one stream -> per group: coded symbols section, escapes section."""
+        out, on_dev = [], self.on_device(dev, ops_name)
+        for gi, (cols, comps, g) in enumerate(parts):
             with self._stage("project", dev):
-                z = feat[:, cols] @ comps
+                z = (feat[:, cols].to(comps.dtype) @ comps).float()
             budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) if self.rate_control else None
             with self._stage("entropy", dev):
-                words, escapes = ecsq.encode_group(z, g, budget)
+                words, escapes = ecsq.encode_group(z, g, budget, self.ecsq_format, on_dev)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
             out.append(self._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
         return out
 
-    def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device) -> None:
+    def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
+        key = (f"offsets:{stream}:{gi}", str(device))
+        if key not in self._on_device:
+            self._on_device[key] = (self.spec.ecsq[stream][gi].offsets.to(device), [])
+        return self._on_device[key][0]
+
+    def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
+                     fmt: str, on_dev: bool, parts: list) -> None:
         """Fill feat (mid, p) with one stream's reconstructed centred features."""
-        for gi, ((cols, comps, off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
+        for gi, (cols, comps, g) in enumerate(parts):
+            off = self._offsets(stream, gi, dev)
             with self._stage("entropy_decode", dev):
-                q, step = ecsq.decode_group(data[SectionKey(TAG_ECSQ, si, gi, 0)],
-                                            data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g)
+                q, step = ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
+                                               data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, fmt, dev, on_dev)
             with self._stage("dequantize", dev):
-                zhat = ecsq.dequantize(torch.from_numpy(q).to(dev), step, off)
+                zhat = ecsq.dequantize(q, step, off)
             with self._stage("project", dev):
-                feat[:, cols] = zhat @ comps.T
+                feat[:, cols] = zhat.to(comps.dtype) @ comps.T
 
     def section_bounds(self, header: BlobHeader, sections: list[Section] | None = None) -> list[SectionBound]:
         """Every section a blob with this header must hold, in order, each with the most raw bytes it may
@@ -276,14 +320,14 @@ class KVTCCodec:
         out = [SectionBound(SectionKey(tag, si, 0, 0), L * H * n * D * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
         if mid:
-            out += _MODE_BOUNDS[header.mode](self, mid, {s.key: s for s in sections or ()})
+            out += _MODE_BOUNDS[header.mode](self, mid, {s.key: s for s in sections or ()}, header)
         return out
 
     def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
         """(key, raw length; None where only a bound is known) of every section, in order (see section_bounds)."""
         return [(b.key, b.max_raw if b.exact else None) for b in self.section_bounds(header)]
 
-    def _fixed_bounds(self, mid: int, _table: dict) -> list[SectionBound]:
+    def _fixed_bounds(self, mid: int, _table: dict, _header: BlobHeader) -> list[SectionBound]:
         out = []
         for si, stream in enumerate(STREAMS):
             for gi, g in enumerate(self.spec.streams[stream]):
@@ -293,7 +337,7 @@ class KVTCCodec:
                         out.append(SectionBound(SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
         return out
 
-    def _ecsq_bounds(self, mid: int, table: dict) -> list[SectionBound]:
+    def _ecsq_bounds(self, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
         if self.spec.ecsq is None:
             raise BlobError(f"blob was written in the ECSQ mode; artifact {self.spec.name}@{self.spec.version} has "
                             f"no ECSQ tables for ratio {self.spec.ratio:g}")
@@ -302,7 +346,7 @@ class KVTCCodec:
             for gi, g in enumerate(self.spec.ecsq[stream]):
                 key = SectionKey(TAG_ECSQ, si, gi, 0)
                 words = table[key].raw_len if key in table and table[key].coding == PLAIN else None
-                words_max, escapes_max = ecsq.section_bounds(g, mid, words)
+                words_max, escapes_max = ecsq.section_bounds(g, mid, words, header.ecsq_format)
                 out.append(SectionBound(key, words_max, exact=False, plain=True))
                 out.append(SectionBound(SectionKey(TAG_ESCAPES, si, gi, 0), escapes_max, exact=False))
         return out
@@ -361,10 +405,11 @@ class KVTCCodec:
             ops = resolve_ops(self.backend, dev)
             positions = torch.arange(header.start + head, header.start + head + mid, device=dev)
             for si, stream in enumerate(STREAMS):
-                mean, parts = self._params(stream, dev)
+                mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype))
                 feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
                 if header.mode == "ecsq":
-                    self._decode_ecsq(data, si, stream, mid, feat, dev)
+                    self._decode_ecsq(data, si, stream, mid, feat, dev, header.ecsq_format,
+                                      self.on_device(dev, ops.name), parts)
                 for gi, (cols, comps, code) in enumerate(parts if header.mode == "fixed" else ()):
                     zhat = torch.zeros(mid, code.kept, dtype=torch.float32, device=dev)
                     with self._stage("dequantize", dev):
@@ -374,7 +419,7 @@ class KVTCCodec:
                                 params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
                                 ops.unpack_dequantize(packed, params, b.qtype, zhat, b.start, b.size)
                     with self._stage("project", dev):
-                        feat[:, cols] = zhat @ comps.T
+                        feat[:, cols] = zhat.to(comps.dtype) @ comps.T
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
                     if stream == "keys" and self._per_layer_rope:

@@ -226,7 +226,8 @@ class KVTCCache(Cache):
         self.codec = codec
         full = [i for i, kind in enumerate(_kinds(spec)) if kind == "full"]
         coded = spec if full == list(range(spec.num_layers)) else restrict(spec, full)
-        self.store = _CodedStore(CoefficientCoder(coded, backend or codec.backend, codec.mode, codec.rate_control))
+        self.store = _CodedStore(CoefficientCoder(coded, backend or codec.backend, codec.mode, codec.rate_control,
+                                                    codec.ecsq_format, codec.basis_dtype))
         own = DynamicCache(config=config).layers if full != list(range(spec.num_layers)) else []
         local = {layer: j for j, layer in enumerate(full)}
         layers = [KVTCCacheLayer(local[i], self.sinks, self.store) if i in local else own[i]

@@ -79,6 +79,20 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
         assert rows[8.0][stream]["ecsq"]["rel_error"] < rows[8.0][stream]["fixed"]["rel_error"]
         assert rows[8.0][stream]["bound_rel_error"] <= rows[8.0][stream]["ecsq"]["rel_error"]
     assert {r["mode"] for r in art.curve("rate_distortion")} == {"fixed", "ecsq", "bound_heldout", "bound_calibration"}
+    assert {r["cap"] for r in art.curve("basis_size")} == {6, 12, 24, 48, 0}
+    assert (folder / "charts/basis_size.png").stat().st_size > 0
+
+
+def test_basis_budget_caps_both_allocators(baseline, tmp_path):
+    cfg, _ = baseline
+    summary = run(cfg.replace(registry=str(tmp_path / "reg"), max_components=8))  # cached shards: only the reduce
+    art = artifacts.pull(summary["name"], summary["version"], registry=summary["registry"])
+    assert art.manifest["calibration"]["allocator"]["max_components"] == 8
+    for stream in ("keys", "values"):
+        assert art.basis(stream)[2].shape[1] <= 8
+        for r in (4.0, 8.0):
+            assert art.ecsq(r, stream)["kept"] <= 8
+            assert max(b[0] + b[1] for b in art.allocation(r, stream) if b[3]) <= 8
 
 
 def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):
@@ -163,6 +177,8 @@ def test_corpus_running_out_warns_and_records(tmp_path):
     (["--ratios", "0.5,8"], "must be > 1"),
     (["--ratios", "5000"], "cheapest quantized block"),
     (["--corpus", "nosuchcorpus:xyz"], "accepted"),
+    (["--basis-budget", "200%"], "--basis-budget"),
+    (["--max-components", "-3"], "--max-components"),
 ])
 def test_bad_input_fails_before_model_work(argv, message, tmp_path, capsys):
     code = cli_main(["calibrate", "--model", "tiny:llama", "--seq-len", "128", "--window", "16",

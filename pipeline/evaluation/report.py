@@ -210,7 +210,7 @@ def chart_allocation(allocations: dict, features: int | None = None) -> bytes | 
 def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
           model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
     """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
-    from kvtc.pipeline.evaluation import rate_distortion
+    from kvtc.pipeline.evaluation import basis_size, rate_distortion
 
     files: dict[str, bytes] = {}
     cal = calibration or {}
@@ -228,6 +228,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
                                                                 seq_len=cal.get("seq_len")),
         "charts/allocation.png": chart_allocation(allocations, features),
         "charts/rate_distortion.png": rate_distortion.chart(curves.get("rate_distortion", [])),
+        "charts/basis_size.png": basis_size.chart(curves.get("basis_size", [])),
     }
     md = [f"# {title}", ""]
     if model:

@@ -29,8 +29,8 @@ from kvtc.pipeline.job.store import ShardStore
 
 
 def max_components(p: int, ratios, settings: AllocatorSettings) -> int:
-    """Most components any allocation at `ratios` can keep (AllocatorSettings.max_components)."""
-    return settings.max_components(p, ratios)
+    """Most components any allocation at `ratios` can keep, within the basis budget (AllocatorSettings.kept_bound)."""
+    return settings.kept_bound(p, ratios)
 
 
 FEW_SHARE = 8  # subspace iteration pays when the allocation can keep at most p / FEW_SHARE components

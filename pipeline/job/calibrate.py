@@ -103,7 +103,7 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     from kvtc.workers.models import load_spec
 
     t0 = time.perf_counter()
-    capture, rt = cfg.capture, cfg.runtime
+    alloc, capture, rt = cfg.allocator, cfg.capture, cfg.runtime
     registry = artifacts.Registry(rt.registry).uri
     artifacts.check_writable(registry)
     for spec in filter(None, (cfg.plan.corpus, cfg.plan.eval_corpus)):
@@ -113,6 +113,13 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     cfg = replace(cfg, capture=capture)
     check_seq_len(info, cfg.plan.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
+    if alloc.basis_budget:  # a share of the model's parameters: resolved to components per group, recorded as such
+        from kvtc.pipeline.fit.basis_budget import BasisBudget, model_parameters
+
+        features = sum(g.dim(info.num_kv_heads, info.head_dim) for g in capture.group_layers(info.layers))
+        cap = BasisBudget(alloc.basis_budget, alloc.max_components or None).cap(model_parameters(info.config), features)
+        alloc = replace(alloc, max_components=cap)
+        cfg = replace(cfg, allocator=alloc)
     for group in capture.group_layers(info.layers):
         validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), cfg.allocator)
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
@@ -142,7 +149,7 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     from kvtc.workers.models import fingerprint_id, resolve_dtype
 
     cfg, fingerprint = planned.settings, planned.fingerprint
-    capture, rt = cfg.capture, cfg.runtime
+    alloc, capture, rt = cfg.allocator, cfg.capture, cfg.runtime
     shards_seen: list[dict] = []
     duplicates: list[str] = []
 

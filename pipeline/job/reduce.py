@@ -30,7 +30,7 @@ import torch
 from kvtc.artifacts.groups import FeatureGroup, group_columns
 from kvtc.kernels.layers import layers_of
 from kvtc.pipeline.evaluation import diagnostics
-from kvtc.pipeline.evaluation import rate_distortion, report
+from kvtc.pipeline.evaluation import basis_size, rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
@@ -141,7 +141,8 @@ def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSet
     x_mid = rows_all[held.middle(sinks, window)]
     z_mid = basis.project(x_mid)  # one GEMM serves the error tables, the ECSQ fit and the held-out metrics
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
-    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim)
+    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
+                               ecsq_fit.EcsqSettings(max_components=alloc.max_components))
     return GroupFit(stream, group, basis, rows_all, x_mid, z_mid, allocs, fits, time.perf_counter() - t0)
 
 
@@ -156,7 +157,7 @@ def measure_group(fit: GroupFit, held: HeldOut, evals: HeldOut | None, cols: sli
     out.notes = list(dict.fromkeys(w for a in allocs for w in a.warnings))
     out.ecsq = {(f.ratio, stream, group): f.to_table() for f in fits}
     curves = out.curves = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [], "pca_error": [],
-                           "rate_distortion": []}
+                           "rate_distortion": [], "basis_size": []}
     curves["spectrum"] = [{"stream": stream, "group": group, "index": i, "eigenvalue": float(v)}
                           for i, v in enumerate(basis.eigenvalues)]
     ks = sorted({k for k in _PCA_KS if k <= basis.k} | {basis.k})
@@ -290,10 +291,15 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
                 stage_s["measure"] += time.perf_counter() - t_measure
                 del fitted
                 train_rows = basis.n
-                del basis
                 if solved["method"] == "exact" or k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
                     ecsq_totals = totals
+                    x_mid = getattr(held, stream)[held.middle(cap.sinks, cap.window)][:, columns[g]]
+                    with every_core():
+                        result.curves["basis_size"] = basis_size.curve_rows(basis, x_mid, basis.project(x_mid), stream,
+                                                                            g, red.ratios)
+                    del basis, x_mid
                     break
+                del basis
                 method, k = next_solve(p, k, bound, _free_bytes())
             results.append(result)
             line = (f"{stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on {solved['device']} "
@@ -356,7 +362,8 @@ def publish_calibration(cfg: JobSettings, fingerprint: dict, calibration: dict, 
 
     metrics = [m for r in results for m in r.metrics] + ecsq_metrics + aggregate(results)
     curves: dict[str, list[dict]] = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [],
-                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": []}
+                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": [],
+                                     "basis_size": []}
     for r in results:
         for name, rows in r.curves.items():
             curves[name] += rows
