@@ -149,7 +149,7 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     from kvtc.workers.models import fingerprint_id, resolve_dtype
 
     cfg, fingerprint = planned.settings, planned.fingerprint
-    alloc, capture, rt = cfg.allocator, cfg.capture, cfg.runtime
+    capture, rt = cfg.capture, cfg.runtime
     shards_seen: list[dict] = []
     duplicates: list[str] = []
 
