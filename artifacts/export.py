@@ -45,6 +45,7 @@ import numpy as np
 from kvtc.artifacts.artifact import Artifact
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.schema import STREAMS
+from kvtc.artifacts.safe_io import write_contained
 
 FORMAT = "kvtc-dynamo/3"
 DYNAMO_INT_BITS = (1, 2, 4, 8)
@@ -146,9 +147,9 @@ def buffer_bytes(ranges: list[dict], batch: int) -> int:
                for r in ranges)
 
 
-def _write(path: Path, array: np.ndarray) -> dict:
+def _write(out: Path, name: str, array: np.ndarray) -> dict:
     data = np.ascontiguousarray(array, dtype="<f4").tobytes()
-    path.write_bytes(data)
+    path = write_contained(out, name, data)  # never through a symlink planted in the output folder
     return {"file": path.name, "shape": list(array.shape), "dtype": "float32", "byte_order": "little",
             "order": "row-major", "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -162,7 +163,7 @@ def _check(artifact: Artifact, options: DynamoExportOptions) -> str:
                           "the projection to keys as stored, with RoPE. Recalibrate with --keys rope-kept, or pass "
                           "--allow-rope-removed if your consumer removes RoPE before compressing and re-applies it")
     if options.layout == "paged":
-        wide = [list(g) for g in cal.groups if g[1] - g[0] > 1]
+        wide = [g.to_json() for g in cal.groups if len(g.layers) > 1]
         if wide:
             raise ExportError(f"{artifact.name}@{artifact.version} has groups spanning several layers {wide}: in a "
                               "paged KV layout each layer's pages are stored apart, so such a row is not contiguous. "
@@ -205,8 +206,8 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
             "dynamo_bytes_per_call": per_call,
             "dynamo_ratio": round(2 * features * options.batch / per_call, 3) if ranges else None,
             "rope_removed": stream == "keys" and keys == "rope-removed",
-            "mean": _write(out / f"{stem}.mean.f32", mean),
-            "projection": _write(out / f"{stem}.projection.f32", projection),
+            "mean": _write(out, f"{stem}.mean.f32", mean),
+            "projection": _write(out, f"{stem}.projection.f32", projection),
             "ranges": ranges,
         })
     model = artifact.manifest["model"]
@@ -220,8 +221,8 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
            "streams": list(STREAMS), "feature_order": ["layer", "kv_head", "head_dim"], "layout": options.layout,
            "keys": keys, "fp8_blocks": options.fp8,
            "num_kv_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "rope": model["rope"],
+           **({"layers": model["layers"]} if model.get("layers") else {}),  # per-layer kinds and RoPE
            "sinks": calibration.sinks, "window": calibration.window,
            "kernel_bundle_hash": artifact.manifest.get("kernel_bundle_hash"), "configs": configs}
-    path = out / "dynamo_kvtc.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path = write_contained(out, "dynamo_kvtc.json", (json.dumps(doc, indent=2) + "\n").encode())
     return path

@@ -27,6 +27,7 @@ back except through the same restricted loader (`weights_only=True`). Beside it,
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import numpy as np
 from kvtc.artifacts.artifact import Artifact
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.export import ExportError
+from kvtc.artifacts.safe_io import write_contained
 from kvtc.artifacts.schema import STREAMS
 
 SGLANG_FILE_VERSION = "v3-worker-quant"
@@ -122,8 +124,9 @@ def export_sglang(artifact: Artifact, ratio: float, directory: str | Path) -> Pa
                         "sglang_ratio": round(16 * int(mean.shape[0]) / bits, 3)})
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / SGLANG_FILE
-    torch.save(payload, path)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    path = write_contained(out, SGLANG_FILE, buffer.getvalue())  # never through a planted symlink
     features = sum(s["features"] for s in summary)
     total_bits = sum(s["bits_per_token"] for s in summary)
     cal = CalibrationRecord.from_manifest(artifact.manifest)
@@ -133,5 +136,5 @@ def export_sglang(artifact: Artifact, ratio: float, directory: str | Path) -> Pa
            "window": cal.window, "rope": artifact.manifest["model"].get("rope"),
            "bytes_per_token": total_bits / 8, "sglang_ratio": round(16 * features / total_bits, 3),
            "streams": summary}
-    path.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_contained(out, path.with_suffix(".json").name, (json.dumps(doc, indent=2) + "\n").encode())
     return path

@@ -9,6 +9,9 @@
    GPU against LAPACK on the CPU at p = 2048 (eigenvalues and subspace), then its time at the
    Llama-3.1-8B half-geometry p = 16384 from a packed Gram.
 4. Worker overhead on the GPU: `bench/worker_overhead.py --device cuda` figures.
+5. The codec's device path (bench/gpu_rans.py): rANS bit identity against the numpy reference,
+   rANS decode/encode GB/s and the restore of a 32K-token cache of an 8B geometry against the
+   fixed-rate mode.
 
     python bench/gpu_check.py [--skip-overhead]
 """
@@ -126,6 +129,9 @@ def main() -> int:
         return 2
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
     ok = check_kernels() & check_capture() & check_reducer()
+    import gpu_rans
+
+    ok &= gpu_rans.check_identity() & gpu_rans.check_geometry(32768, 4096)
     if not args.skip_overhead:
         subprocess.run([sys.executable, str(ROOT / "bench" / "worker_overhead.py"), "--device", "cuda",
                         "--sequences", "32", "--batch", "8"], check=False, env=os.environ.copy())

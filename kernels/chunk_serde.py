@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.kernels.blob import BlobError, BlobHeader, Section, write_blob
 from kvtc.kernels.codec import KVTCCodec
 
@@ -101,10 +102,10 @@ class ChunkTransform:
             mode = codec.mode if codec.mode in MODES else ("ecsq" if spec.ecsq is not None else "fixed")
         if mode not in MODES:
             raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {MODES}, not {mode!r}")
-        self.codec = KVTCCodec(self.spec, backend=codec.backend, level=0, mode=mode)
+        options = dict(backend=codec.backend, level=0, ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype)
+        self.codec = KVTCCodec(self.spec, mode=mode, **options)
         self.mode = self.codec.mode
-        self.fixed = self.codec if self.mode == "fixed" else KVTCCodec(self.spec, backend=codec.backend, level=0,
-                                                                       mode="fixed")
+        self.fixed = self.codec if self.mode == "fixed" else KVTCCodec(self.spec, mode="fixed", **options)
         self.pad = pad
 
     @classmethod
@@ -150,7 +151,7 @@ class ChunkTransform:
         """Largest ECSQ blob of `tokens` tokens rate control lets through: header plus each (stream,
         group)'s budget (the codec's: floor(16 p / ratio) bits per token, in bytes over the chunk)."""
         head, _ = self._header_bytes(self.codec, tokens, dtype)
-        budget = sum(int(16 * g.mean.shape[0] // self.spec.ratio) * tokens // 8
+        budget = sum(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, tokens)
                      for groups in self.spec.ecsq.values() for g in groups) if tokens else 0
         return head + budget
 

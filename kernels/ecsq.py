@@ -6,8 +6,11 @@ sign(q) (|q| - offsets[j, min(|q|, C) - 1]) step (0 for q = 0). Each component i
 of the group's symbol models (a quantized Gaussian of the component's scale, stored as integer
 counts so encoder and decoder build identical tables); a model covers symbols [-R, R] plus an
 escape symbol, and escaped values follow in a separate int32 list, so any finite input
-round-trips within one step. Symbols are coded with constriction's ANS coder, model by model
-(all tokens of the components that share a model in one call, from lookup tables).
+round-trips within one step. Symbols are coded in one of two formats (`ECSQ_FORMATS`):
+"rans" (the default: interleaved rANS with static tables, kernels/rans.py, decoded and encoded by
+Triton kernels on the device, kernels/rans_triton.py, or by the numpy reference on CPU hosts) or
+"constriction" (the first format: constriction's ANS coder, model by model, all tokens of the
+components that share a model in one call, on the host).
 
 Rate control (`encode_group`): the calibrated step meets the ratio's budget on average over
 held-out text; text that codes larger (another domain) gets a coarser step, step 2^(j / 32) for
@@ -25,6 +28,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtc.artifacts.groups import FeatureGroup
+from kvtc.kernels import rans
 from kvtc.kernels.blob import BlobError
 
 MAX_SYMBOL = 1 << 30
@@ -32,6 +37,11 @@ PROBABILITY_TOTAL = 1 << 20
 STEP_GRID = 32  # rate control: step multipliers 2^(j / STEP_GRID)
 MAX_STEP_EXPONENT = 255
 _EXPONENT = struct.Struct("<i")
+ECSQ_FORMATS = ("rans", "constriction")
+STREAM_FORMAT = 1  # high 16 bits of the exponent field: 1 = coder started from the end-of-stream state
+_INITIAL = (0, 1)  # the coder's initial state 2^32 as constriction writes it (low word, high word)
+_STATE_BITS = 32   # constriction's num_valid_bits() of that state; a well-formed stream never drops below it
+_MAX_SYMBOL_BITS = 25  # a symbol costs at most 24 bits (+ rounding) under a 24-bit-precision model
 
 
 class SymbolModel(NamedTuple):
@@ -43,10 +53,10 @@ class SymbolModel(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class EcsqGroup:
-    """One basis at one ratio: layers [a, b); mean (p,), components (p, kept) float32; step; model
+    """One basis at one ratio: its group (layers x KV heads); mean (p,), components (p, kept) float32; step; model
     (kept,) int index into `models` per component; offsets (kept, C) float32 centroid offsets in steps."""
 
-    layers: tuple[int, int]
+    group: FeatureGroup
     mean: torch.Tensor
     components: torch.Tensor
     step: float
@@ -57,19 +67,19 @@ class EcsqGroup:
     def __post_init__(self) -> None:
         p, kept = self.components.shape if self.components.ndim == 2 else (-1, -1)
         if self.mean.ndim != 1 or p != self.mean.shape[0]:
-            raise ValueError(f"ECSQ group {self.layers}: mean {tuple(self.mean.shape)} and components "
+            raise ValueError(f"ECSQ group {self.group.label}: mean {tuple(self.mean.shape)} and components "
                              f"{tuple(self.components.shape)} must be (p,) and (p, kept)")
         if not (self.step > 0 and np.isfinite(self.step)):
-            raise ValueError(f"ECSQ group {self.layers}: step must be a positive finite number, got {self.step}")
+            raise ValueError(f"ECSQ group {self.group.label}: step must be a positive finite number, got {self.step}")
         if self.model.shape != (kept,) or self.offsets.ndim != 2 or self.offsets.shape[0] != kept \
                 or self.offsets.shape[1] < 1:
-            raise ValueError(f"ECSQ group {self.layers}: model {self.model.shape} and offsets "
+            raise ValueError(f"ECSQ group {self.group.label}: model {self.model.shape} and offsets "
                              f"{tuple(self.offsets.shape)} must be ({kept},) and ({kept}, C)")
         if kept and (self.model.min() < 0 or self.model.max() >= len(self.models)):
-            raise ValueError(f"ECSQ group {self.layers}: a component names a symbol model outside 0..{len(self.models) - 1}")
+            raise ValueError(f"ECSQ group {self.group.label}: a component names a symbol model outside 0..{len(self.models) - 1}")
         for m in self.models:
             if m.radius < 0 or m.counts.shape != (2 * m.radius + 2,) or m.counts.min() < 1:
-                raise ValueError(f"ECSQ group {self.layers}: a symbol model needs 2 radius + 2 counts, each >= 1")
+                raise ValueError(f"ECSQ group {self.group.label}: a symbol model needs 2 radius + 2 counts, each >= 1")
 
     @property
     def kept(self) -> int:
@@ -79,6 +89,19 @@ class EcsqGroup:
     def columns(self) -> tuple[np.ndarray, ...]:
         """Per model, the component indices that use it (ascending)."""
         return tuple(np.flatnonzero(self.model == i) for i in range(len(self.models)))
+
+    @functools.cached_property
+    def escape_bits(self) -> float:
+        """The fewest bits an escape symbol costs in the words under any used model (measured on the coder)."""
+        import constriction
+
+        costs = []
+        for m, cols, model in zip(self.models, self.columns, self.coders):
+            if cols.size:
+                coder = constriction.stream.stack.AnsCoder(np.array(_INITIAL, dtype=np.uint32))
+                coder.encode_reverse(np.full(256, 2 * m.radius + 1, dtype=np.int32), model)
+                costs.append(max(0.0, (coder.num_valid_bits() - _STATE_BITS - 1) / 256 - 0.05))
+        return min(costs, default=0.0)
 
     @functools.cached_property
     def coders(self) -> tuple:
@@ -110,7 +133,7 @@ def encode_symbols(q: np.ndarray, group: EcsqGroup) -> tuple[bytes, bytes]:
     """symbols (N, kept) int32 -> (ANS words as little-endian bytes, escaped symbols as int32 bytes)."""
     import constriction
 
-    coder = constriction.stream.stack.AnsCoder()
+    coder = constriction.stream.stack.AnsCoder(np.array(_INITIAL, dtype=np.uint32))
     chunks = []
     for m, cols, model in zip(group.models, group.columns, group.coders):
         s = q[:, cols].ravel().astype(np.int64)
@@ -125,11 +148,13 @@ def encode_symbols(q: np.ndarray, group: EcsqGroup) -> tuple[bytes, bytes]:
 
 def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) -> np.ndarray:
     """Inverse of encode_symbols -> symbols (tokens, kept) int32; BlobError for a stream that does
-    not decode to exactly `tokens` rows (truncated, corrupt) or escapes that do not fit the models."""
+    not decode to exactly `tokens` rows ending in the coder's initial state (truncated, corrupt,
+    leftover words) or escapes that do not fit the models."""
     import constriction
 
-    if len(words) % 4 or len(escapes) % 4:
-        raise BlobError("ECSQ section lengths must be multiples of 4 bytes: the stream is truncated or corrupt")
+    if len(words) % 4 or len(escapes) % 4 or len(words) < 4 * len(_INITIAL):
+        raise BlobError("ECSQ section lengths must be multiples of 4 bytes and hold at least the coder's state: "
+                        "the stream is truncated or corrupt")
     esc = np.frombuffer(escapes, dtype="<i4").astype(np.int64)
     q = np.empty((tokens, group.kept), dtype=np.int32)
     used = 0
@@ -139,6 +164,8 @@ def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) 
             if not cols.size or not tokens:
                 continue
             idx = coder.decode(model, tokens * cols.size).astype(np.int64)
+            if coder.num_valid_bits() < _STATE_BITS:
+                raise BlobError("ECSQ stream ran dry before its last symbol: it is truncated or corrupt")
             out = idx == 2 * m.radius + 1
             n = int(out.sum())
             if used + n > esc.size:
@@ -150,34 +177,66 @@ def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) 
             vals[out] = extra
             used += n
             q[:, cols] = vals.reshape(tokens, cols.size)
-        empty = coder.is_empty()
+        rest = coder.get_compressed()
     except BlobError:
         raise
     except Exception as exc:  # constriction reports exhausted or invalid data as ValueError/AssertionError
         raise BlobError(f"ECSQ stream does not decode ({exc}): it is truncated or corrupt") from None
-    if not empty or used != esc.size:
-        raise BlobError("ECSQ stream does not end where its symbols do (leftover words or escapes): "
-                        "it is truncated or corrupt")
+    if tuple(int(w) for w in rest) != _INITIAL or used != esc.size:
+        raise BlobError("ECSQ stream does not end where its symbols do (leftover words or escapes, or a final "
+                        "state other than the coder's initial state): it is truncated or corrupt")
     return q
 
 
-def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None) -> tuple[bytes, bytes]:
-    """z (N, kept) projections -> (words section: step exponent j then ANS words, escapes section).
-    max_bytes: the two sections' budget; j is the smallest exponent (step 2^(j / STEP_GRID)) that fits."""
+def _check_format(fmt: str) -> None:
+    if fmt not in ECSQ_FORMATS:
+        raise ValueError(f"ECSQ format must be one of {ECSQ_FORMATS}, got {fmt!r}")
 
-    def attempt(j: int) -> tuple[tuple[bytes, bytes], int, np.ndarray]:
-        q = quantize(z, group.step * 2.0 ** (j / STEP_GRID)).cpu().numpy()
-        words, escapes = encode_symbols(q, group)
-        return (_EXPONENT.pack(j) + words, escapes), _EXPONENT.size + len(words) + len(escapes), q
+
+def section_bounds(group: EcsqGroup, tokens: int, words_len: int | None = None, fmt: str = "constriction"
+                   ) -> tuple[int, int]:
+    """(most bytes of the words section, exponent included; most bytes of the escapes section) for
+    `tokens` rows; with the words section's real length, escapes are also bounded by what it can name."""
+    symbols = tokens * group.kept
+    if fmt == "rans":
+        words_max = _EXPONENT.size + rans.max_section_bytes(symbols)
+    else:
+        words_max = _EXPONENT.size + 4 * (len(_INITIAL) + 1 + (symbols * _MAX_SYMBOL_BITS + 31) // 32)
+    escapes = symbols
+    if words_len is not None and group.escape_bits > 0 and fmt != "rans":
+        bits = 8 * max(0, words_len - _EXPONENT.size) + 64
+        escapes = min(escapes, int(bits / group.escape_bits) + 1)
+    return words_max, 4 * escapes
+
+
+def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None, fmt: str = "constriction",
+                 on_device: bool = False) -> tuple[bytes, bytes]:
+    """z (N, kept) projections -> (words section: step exponent j then the coded symbols, escapes section).
+    max_bytes: the two sections' budget; j is the smallest exponent (step 2^(j / STEP_GRID)) that fits.
+    fmt: "rans" or "constriction"; on_device (rans): code with the Triton kernel where z lies, so only
+    the coded bytes reach the host."""
+    _check_format(fmt)
+
+    def attempt(j: int) -> tuple[tuple[bytes, bytes], int, torch.Tensor]:
+        q = quantize(z, group.step * 2.0 ** (j / STEP_GRID))
+        if fmt == "constriction":
+            words, escapes = encode_symbols(q.cpu().numpy(), group)
+        elif on_device:
+            from kvtc.kernels.rans_triton import encode_device
+
+            words, escapes = encode_device(q, rans.group_tables(group))
+        else:
+            words, escapes = rans.encode(q.cpu().numpy(), rans.group_tables(group))
+        return (_EXPONENT.pack(j | STREAM_FORMAT << 16) + words, escapes), _EXPONENT.size + len(words) + len(escapes), q
 
     best, size, q = attempt(0)
-    if max_bytes is None or size <= max_bytes or not q.size:
+    if max_bytes is None or size <= max_bytes or not q.numel():
         return best
     lo, hi, j = 0, None, 0
     for _ in range(16):
         if hi is None:
             # a doubled step saves about one bit per token on each component coded at a useful rate
-            live = max(1, int((np.abs(q).mean(0) >= 0.5).sum()))
+            live = max(1, int((q.abs().float().mean(0) >= 0.5).sum()))
             j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil((size - max_bytes) * 8 / q.shape[0] / live * STEP_GRID)))
         else:
             j = (lo + hi) // 2
@@ -193,11 +252,41 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
     return best
 
 
-def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) -> tuple[np.ndarray, float]:
-    """Inverse of encode_group -> (symbols (tokens, kept) int32, the step they were quantized with)."""
+def _exponent(words: bytes | memoryview) -> int:
     if len(words) < _EXPONENT.size:
         raise BlobError("ECSQ section is shorter than its step exponent: the stream is truncated")
-    (j,) = _EXPONENT.unpack(words[:_EXPONENT.size])
-    if not 0 <= j <= MAX_STEP_EXPONENT:
+    (field,) = _EXPONENT.unpack(words[:_EXPONENT.size])
+    j, stream_format = field & 0xFFFF, field >> 16
+    if stream_format == 0 and j <= MAX_STEP_EXPONENT:
+        raise BlobError("ECSQ stream was written by an older release without an end-of-stream state (a truncated "
+                        "one cannot be told apart): re-encode the cache with this release")
+    if stream_format != STREAM_FORMAT or not 0 <= j <= MAX_STEP_EXPONENT:
         raise BlobError(f"ECSQ step exponent {j} is outside 0..{MAX_STEP_EXPONENT}: the blob is corrupt")
-    return decode_symbols(words[_EXPONENT.size:], escapes, tokens, group), group.step * 2.0 ** (j / STEP_GRID)
+    return j
+
+
+def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup, fmt: str = "constriction"
+                 ) -> tuple[np.ndarray, float]:
+    """Inverse of encode_group on the host -> (symbols (tokens, kept) int32, the step they were quantized with)."""
+    _check_format(fmt)
+    j = _exponent(words)
+    if fmt == "rans":
+        q = rans.decode(memoryview(words)[_EXPONENT.size:], escapes, tokens, rans.group_tables(group))
+    else:
+        q = decode_symbols(words[_EXPONENT.size:], escapes, tokens, group)
+    return q, group.step * 2.0 ** (j / STEP_GRID)
+
+
+def decode_group_to(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup, fmt: str,
+                    device: torch.device, on_device: bool) -> tuple[torch.Tensor, float]:
+    """decode_group -> symbols as an int32 tensor on `device`; with on_device (rans) the Triton kernel
+    decodes where the symbols are used and only the coded bytes travel."""
+    _check_format(fmt)
+    if fmt == "rans" and on_device:
+        from kvtc.kernels.rans_triton import decode_device
+
+        j = _exponent(words)
+        q = decode_device(memoryview(words)[_EXPONENT.size:], escapes, tokens, rans.group_tables(group), device)
+        return q, group.step * 2.0 ** (j / STEP_GRID)
+    q, step = decode_group(words, escapes, tokens, group, fmt)
+    return torch.from_numpy(q).to(device), step

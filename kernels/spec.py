@@ -1,11 +1,12 @@
 """CodecSpec: everything the runtime codec needs, decoupled from how it was calibrated.
 
 Built from an Artifact (`CodecSpec.from_artifact`) or directly from tensors (tests, benches).
-One GroupCode per (stream, group): a group is a contiguous range of layers [a, b) whose
-features (layer, kv head, head_dim order) get one basis.
+One GroupCode per (stream, group): a group (kvtc.artifacts.groups.FeatureGroup) is an ordered set
+of layers x a KV head range [h0, h1) whose features (layer, kv head, head_dim order) get one basis.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,9 @@ import torch
 
 from kvtc.artifacts.blocks import Block, qtype_bits
 from kvtc.artifacts.fingerprint import model_id
+from kvtc.artifacts.groups import FeatureGroup, check_cover, parse_groups
+from kvtc.kernels.layers import LayerSpec, cached_layers, layers_from_json
+from kvtc.kernels.rope import RopeSpec
 from kvtc.artifacts.schema import STREAMS
 from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
 
@@ -24,10 +28,10 @@ CodedBlock = Block  # the allocation block of kvtc.artifacts.blocks, under the r
 
 @dataclass(frozen=True, eq=False)
 class GroupCode:
-    """One basis: layers [a, b); mean (p_g,) and components (p_g, k) float32; blocks sorted, disjoint
-    (components in gaps are coded as "none")."""
+    """One basis: its group (layers x KV heads); mean (p_g,) and components (p_g, k) float32; blocks
+    sorted, disjoint (components in gaps are coded as "none")."""
 
-    layers: tuple[int, int]
+    group: FeatureGroup
     mean: torch.Tensor
     components: torch.Tensor
     blocks: tuple[CodedBlock, ...]
@@ -35,17 +39,17 @@ class GroupCode:
     def __post_init__(self) -> None:
         p = self.mean.shape[0]
         if self.mean.ndim != 1 or self.components.ndim != 2 or self.components.shape[0] != p:
-            raise ValueError(f"group {self.layers}: mean {tuple(self.mean.shape)} and components "
+            raise ValueError(f"group {self.group.label}: mean {tuple(self.mean.shape)} and components "
                              f"{tuple(self.components.shape)} must be (p,) and (p, k)")
         pos = 0
         for b in self.blocks:
             if b.start < pos or b.size < 1:
-                raise ValueError(f"group {self.layers}: blocks must be sorted and disjoint; {b} starts before {pos}")
+                raise ValueError(f"group {self.group.label}: blocks must be sorted and disjoint; {b} starts before {pos}")
             if qtype_bits(b.qtype) != b.bits:
-                raise ValueError(f"group {self.layers}: block {b} has bits {b.bits}, type says {qtype_bits(b.qtype)}")
+                raise ValueError(f"group {self.group.label}: block {b} has bits {b.bits}, type says {qtype_bits(b.qtype)}")
             pos = b.start + b.size
         if pos > self.components.shape[1]:
-            raise ValueError(f"group {self.layers}: blocks cover {pos} components, basis has {self.components.shape[1]}")
+            raise ValueError(f"group {self.group.label}: blocks cover {pos} components, basis has {self.components.shape[1]}")
 
     @property
     def kept(self) -> int:
@@ -58,6 +62,9 @@ class CodecSpec:
     """Runtime codec parameters for one artifact at one compression ratio.
 
     rope: the model's RoPE, removed from keys before coding; None for keys calibrated with RoPE kept.
+    layers: the per-layer schema (kvtc.kernels.layers) of a model whose layers differ (kinds, RoPE); None:
+    every layer full attention with `rope`. Groups cover the layers that keep a KV cache; each layer's
+    keys lose that layer's RoPE (none for NoPE layers, none at all when keys were calibrated RoPE-kept).
     """
 
     name: str
@@ -72,34 +79,53 @@ class CodecSpec:
     rope: dict[str, Any] | None
     streams: dict[str, tuple[GroupCode, ...]] = field(default_factory=dict)
     ecsq: dict[str, tuple[EcsqGroup, ...]] | None = None  # the ECSQ mode's groups, when calibrated
+    layers: tuple[LayerSpec, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.layers is not None and len(self.layers) != self.num_layers:
+            raise ValueError(f"the layer schema lists {len(self.layers)} layers, the spec {self.num_layers}")
         if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or self.sinks < 0 or self.window < 0:
             raise ValueError("num_layers, kv_heads, head_dim must be >= 1 and sinks, window >= 0")
         if not (self.ratio > 0 and math.isfinite(self.ratio)):
             raise ValueError(f"ratio must be a positive number, got {self.ratio}")
         if set(self.streams) != set(STREAMS):
             raise ValueError(f"streams must be exactly {STREAMS}, got {sorted(self.streams)}")
-        width = self.kv_heads * self.head_dim
         for stream, groups in self.streams.items():
-            pos = 0
+            check_cover([g.group for g in groups], self.coded_layers, self.kv_heads, f"{stream} groups")
             for g in groups:
-                a, b = g.layers
-                if a != pos or b <= a or g.mean.shape[0] != (b - a) * width:
-                    raise ValueError(f"{stream}: groups must tile layers 0..{self.num_layers} in order with "
-                                     f"p_g = layers * {width}; got {g.layers} with p_g {g.mean.shape[0]}")
-                pos = b
-            if pos != self.num_layers:
-                raise ValueError(f"{stream}: groups cover {pos} of {self.num_layers} layers")
+                if g.mean.shape[0] != g.group.dim(self.kv_heads, self.head_dim):
+                    raise ValueError(f"{stream} group {g.group.label}: p_g {g.mean.shape[0]} is not layers x heads "
+                                     f"x {self.head_dim} = {g.group.dim(self.kv_heads, self.head_dim)}")
+        if [g.group for g in self.streams["keys"]] != [g.group for g in self.streams["values"]]:
+            raise ValueError("keys and values must have the same groups in the same order")
         if self.ecsq is not None:
             if set(self.ecsq) != set(STREAMS) or any(
-                    [e.layers for e in self.ecsq[st]] != [g.layers for g in self.streams[st]] for st in STREAMS):
+                    [e.group for e in self.ecsq[st]] != [g.group for g in self.streams[st]] for st in STREAMS):
                 raise ValueError("ECSQ groups must match the fixed-rate groups stream by stream")
 
     @property
     def features(self) -> int:
         """p = layers * kv_heads * head_dim."""
-        return self.num_layers * self.kv_heads * self.head_dim
+        return len(self.coded_layers) * self.kv_heads * self.head_dim
+
+    @property
+    def coded_layers(self) -> list[int]:
+        """Layers that keep a KV cache (all of them without a schema), ascending."""
+        return list(range(self.num_layers)) if self.layers is None else cached_layers(self.layers)
+
+    @property
+    def layer_ropes(self) -> list[RopeSpec | None]:
+        """Per layer, the RoPE removed from its keys before coding (None: none)."""
+        if self.layers is None:
+            rope = None if self.rope is None else RopeSpec.from_dict(self.rope)
+            return [rope] * self.num_layers
+        return [l.rope for l in self.layers]
+
+    @property
+    def shared_rope(self) -> tuple[bool, RopeSpec | None]:
+        """(True, rope) when every coded layer removes the same RoPE (or none), else (False, None)."""
+        ropes = {self.layer_ropes[i] for i in self.coded_layers}
+        return (True, ropes.pop()) if len(ropes) == 1 else (False, None)
 
     @classmethod
     def from_artifact(cls, artifact: Any, ratio: float) -> "CodecSpec":
@@ -107,24 +133,32 @@ class CodecSpec:
         m = artifact.manifest
         fp, cal = m["model"], m["calibration"]
         num_layers = int(fp["num_layers"])
-        groups = [tuple(int(v) for v in g) for g in cal.get("groups") or [[0, num_layers]]]
+        groups = parse_groups(cal.get("groups") or [[0, num_layers]])
         streams: dict[str, tuple[GroupCode, ...]] = {}
         for stream in STREAMS:
             codes = []
-            for gi, (a, b) in enumerate(groups):
+            for gi, group in enumerate(groups):
                 mean, _eig, comps = artifact.basis(stream, gi)
                 blocks = tuple(CodedBlock(int(s), int(n), str(t), int(bits))
                                for s, n, t, bits in artifact.allocation(ratio, stream, gi))
                 kept = max((b.start + b.size for b in blocks if b.bits), default=0)
                 blocks = tuple(b for b in blocks if b.start < kept)
-                codes.append(GroupCode((a, b), torch.as_tensor(mean, dtype=torch.float32).contiguous(),
+                codes.append(GroupCode(group, torch.as_tensor(mean, dtype=torch.float32).contiguous(),
                                        torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(), blocks))
             streams[stream] = tuple(codes)
         return cls(name=str(m["name"]), version=str(m["version"]), ratio=float(ratio), model_id=model_id(fp),
                    num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
                    sinks=int(cal["sinks"]), window=int(cal["window"]), streams=streams,
                    rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"),
-                   ecsq=_ecsq_groups(artifact, ratio, groups))
+                   ecsq=_ecsq_groups(artifact, ratio, groups), layers=_schema(fp, cal.get("keys") == "rope-kept"))
+
+
+def _schema(fingerprint: dict, rope_kept: bool) -> tuple[LayerSpec, ...] | None:
+    """The manifest's layer schema (None for uniform models); keys calibrated RoPE-kept remove no RoPE."""
+    if not fingerprint.get("layers"):
+        return None
+    layers = layers_from_json(fingerprint["layers"])
+    return tuple(dataclasses.replace(l, rope=None) for l in layers) if rope_kept else layers
 
 
 def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[EcsqGroup, ...]] | None:
@@ -134,13 +168,13 @@ def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[E
     out = {}
     for stream in STREAMS:
         codes = []
-        for gi, layers in enumerate(groups):
+        for gi, group in enumerate(groups):
             table = artifact.ecsq(ratio, stream, gi)
             if table is None:
                 return None
             mean, _eig, comps = artifact.basis(stream, gi)
             kept = int(table["kept"])
-            codes.append(EcsqGroup(tuple(layers), torch.as_tensor(mean, dtype=torch.float32).contiguous(),
+            codes.append(EcsqGroup(group, torch.as_tensor(mean, dtype=torch.float32).contiguous(),
                                    torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(),
                                    float(table["step"]), np.asarray(table["model"], dtype=np.int64),
                                    torch.as_tensor(table["offsets"], dtype=torch.float32),

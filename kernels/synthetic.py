@@ -10,7 +10,8 @@ import random
 
 import torch
 
-from kvtc.artifacts.blocks import QTYPES, block_cost_bits, qtype_bits
+from kvtc.artifacts.blocks import QTYPES, block_cost_bits, budget_bits, qtype_bits
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.rope import RopeSpec
 from kvtc.kernels.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
 
@@ -27,7 +28,7 @@ def _orthonormal(p: int, seed: int) -> torch.Tensor:
 
 def budget_blocks(p: int, ratio: float) -> tuple[CodedBlock, ...]:
     """A DP-like allocation within B = floor(16 p / ratio) bits: fp8 head, int4 body, int2 tail."""
-    budget = int(16 * p // ratio)
+    budget = budget_bits(p, ratio)
     template = [(1, "fp8")] * 4 + [(16, "int8"), (16, "fp8"), (16, "none")] + [(64, "int4")] * 4
     blocks, pos = [], 0
     for size, qtype in template + [(256, "int2")] * (p // 256 + 1):
@@ -55,22 +56,22 @@ def random_blocks(k: int, seed: int) -> tuple[CodedBlock, ...]:
 
 
 def synthetic_spec(num_layers: int, kv_heads: int, head_dim: int, ratio: float = 16.0, *,
-                   groups: list[tuple[int, int]] | None = None, sinks: int = 4, window: int = 128, seed: int = 0,
+                   groups: list[tuple[int, int] | FeatureGroup] | None = None, sinks: int = 4, window: int = 128, seed: int = 0,
                    kept: int | None = None, rope_theta: float | None = 10000.0, name: str = "synthetic",
                    version: str = "v0") -> CodecSpec:
-    """CodecSpec with random orthonormal bases; allocation by budget_blocks, or random_blocks over `kept`."""
-    groups = groups or [(0, num_layers)]
-    width = kv_heads * head_dim
+    """CodecSpec with random orthonormal bases; allocation by budget_blocks, or random_blocks over `kept`.
+    groups: FeatureGroups, or (a, b) pairs meaning layers [a, b) (default: one group of every layer)."""
+    groups = [g if isinstance(g, FeatureGroup) else FeatureGroup.span(*g) for g in groups or [(0, num_layers)]]
     streams = {}
     for si, stream in enumerate(STREAMS):
         codes = []
-        for gi, (a, b) in enumerate(groups):
-            p = (b - a) * width
+        for gi, group in enumerate(groups):
+            p = group.dim(kv_heads, head_dim)
             blocks = random_blocks(kept, seed + 7 * si + gi) if kept else budget_blocks(p, ratio)
             k = blocks[-1].start + blocks[-1].size if blocks else 0
             basis = _orthonormal(p, seed + 101 * si + gi)[:, :k].contiguous()
             g = torch.Generator().manual_seed(seed + 13 * si + gi)
-            codes.append(GroupCode((a, b), torch.randn(p, generator=g) * 0.5, basis, blocks))
+            codes.append(GroupCode(group, torch.randn(p, generator=g) * 0.5, basis, blocks))
         streams[stream] = tuple(codes)
     rope = None
     if rope_theta is not None:
@@ -101,3 +102,31 @@ def synthetic_cache(spec: CodecSpec, tokens: int, dtype: torch.dtype = torch.flo
             x = RopeSpec.from_dict(spec.rope).apply(x, torch.arange(start, start + tokens))
         out.append(x.to(dtype).contiguous())
     return out[0], out[1]
+
+
+def synthetic_ecsq(spec: CodecSpec, step: float = 0.05, noise: float = 0.02) -> CodecSpec:
+    """The spec with ECSQ groups matched to synthetic_cache's spectrum: one step, Gaussian symbol models
+    of std 2^c steps (c = 0..6), each component on the nearest; centroid offsets 0.02 steps."""
+    import dataclasses
+
+    import numpy as np
+
+    from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
+
+    def model(std: float) -> SymbolModel:
+        radius = max(1, int(6 * std))
+        s = np.arange(-radius, radius + 1)
+        p = np.exp(-0.5 * (s / std) ** 2)
+        return SymbolModel(radius, np.append(np.maximum(np.round(p / p.sum() * (1 << 20)), 1).astype(np.int64), 3))
+
+    models = tuple(model(2.0 ** c) for c in range(7))
+    groups = {}
+    for stream in STREAMS:
+        out = []
+        for g in spec.streams[stream]:
+            k = g.components.shape[1]
+            std = np.hypot((np.arange(k) + 1.0) ** -0.7 * 4, noise) / step
+            index = np.clip(np.round(np.log2(std)), 0, 6).astype(np.int64)
+            out.append(EcsqGroup(g.group, g.mean, g.components, step, index, torch.full((k, 2), 0.02), models))
+        groups[stream] = tuple(out)
+    return dataclasses.replace(spec, ecsq=groups)

@@ -18,7 +18,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups
 from kvtc.artifacts.schema import STREAMS
+from kvtc.kernels.layers import layers_of
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
 from kvtc.workers.triangle import add_upper_rows, packed_len, symmetric
@@ -56,17 +58,16 @@ class CalibrationStats:
 
     fingerprint: dict[str, Any]
     settings: dict[str, Any]
-    groups: list[tuple[int, int]]
+    groups: list[FeatureGroup]
     dims: list[int]
     shard_ids: tuple[str, ...] = ()
     moments: dict[tuple[str, int], _Moments] = field(default_factory=dict)
 
     @classmethod
     def new(cls, fingerprint: dict[str, Any], settings: CaptureSettings, shard_ids: tuple[str, ...] = ()) -> "CalibrationStats":
-        """Empty statistics; group g has (b - a) * kv_heads * head_dim features for its layers [a, b)."""
-        groups = settings.group_layers(int(fingerprint["num_layers"]))
-        width = int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
-        dims = [(b - a) * width for a, b in groups]
+        """Empty statistics; group g has layers x its KV heads x head_dim features."""
+        groups = settings.group_layers(layers_of(fingerprint))
+        dims = [g.dim(int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])) for g in groups]
         return cls(dict(fingerprint), settings.to_dict(), groups, dims, tuple(shard_ids))
 
     def _get(self, stream: str, group: int, device: torch.device) -> _Moments:
@@ -88,16 +89,18 @@ class CalibrationStats:
                 raise ValueError(f"captured {stream} must be (N, {sum(self.dims)}), got {tuple(x.shape)}")
             x = x.to(torch.float32)
             tf32 = x.is_cuda and captured.source_dtype in ("bfloat16", "float16")
-            start = 0
-            for g, p in enumerate(self.dims):
+            for g, cols in enumerate(self._columns()):
                 m = self._get(stream, g, x.device)
                 if m.gram.device != x.device:
                     m.sum, m.gram = m.sum.to(x.device), m.gram.to(x.device)
-                xg = x[:, start : start + p]
+                xg = x[:, cols if isinstance(cols, slice) else torch.as_tensor(cols, device=x.device)]
                 m.n += x.shape[0]
                 m.sum += xg.sum(0, dtype=torch.float64)
                 _upper_gram_update(m.gram, xg.contiguous(), tf32)
-                start += p
+
+    def _columns(self) -> list:
+        """Each group's columns in a captured row (coded layers ascending, KV head, head_dim)."""
+        return group_columns(self.groups, int(self.fingerprint["num_kv_heads"]), int(self.fingerprint["head_dim"]))
 
     def packed(self, stream: str, group: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """-> (n, sum (p,) float64, packed upper-triangle Gram (p(p+1)/2,) float64), numpy views."""
@@ -150,19 +153,20 @@ class CalibrationStats:
             "format": FORMAT,
             "fingerprint": self.fingerprint,
             "settings": self.settings,
-            "groups": [list(g) for g in self.groups],
+            "groups": groups_json(self.groups),
             "dims": self.dims,
             "shard_ids": list(self.shard_ids),
             "counts": {f"{s}/{g}": m.n for (s, g), m in sorted(self.moments.items())},
         }
 
-    def write_to(self, f: BinaryIO) -> int:
-        """Stream to an open binary file: per stream/group `sum` and packed `gram_triu`; returns bytes."""
+    def write_to(self, f: BinaryIO, hmac_key: bytes | None = None) -> int:
+        """Stream to an open binary file: per stream/group `sum` and packed `gram_triu`; returns bytes.
+        hmac_key: the shard store's key, authenticating the object (see stats_file)."""
         tensors: dict[str, np.ndarray] = {}
         for (s, g), m in sorted(self.moments.items()):
             tensors[f"{s}/{g}/sum"] = m.sum.cpu().numpy()
             tensors[f"{s}/{g}/gram_triu"] = m.gram.cpu().numpy()
-        return write_stats(f, tensors, self.metadata())
+        return write_stats(f, tensors, self.metadata(), hmac_key)
 
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
@@ -175,31 +179,42 @@ class CalibrationStats:
 
         target = os.fspath(path_or_uri)
         if "://" not in target:
-            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-            tmp = f"{target}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
-                n = self.write_to(f)
-            os.replace(tmp, target)
-            return n
+            from kvtc.artifacts.local_files import atomic_write
+
+            return atomic_write(target, self.write_to)
         with fsspec.open(target, "wb") as f:
             return self.write_to(f)
 
     @staticmethod
-    def read_metadata(f: BinaryIO, name: str) -> dict[str, Any]:
+    def read_metadata(f: BinaryIO, name: str, hmac_key: bytes | None = None) -> dict[str, Any]:
         """The metadata of a stored object (shard ids, counts, ...) without reading its arrays."""
-        meta = read_footer(f, name)["metadata"]
+        meta = read_footer(f, name, hmac_key)["metadata"]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptStats(name, f"not a KVTC statistics object (expected format {FORMAT!r})")
+        if not isinstance(meta.get("shard_ids"), list) or not all(isinstance(x, str) for x in meta["shard_ids"]):
+            raise CorruptStats(name, "its shard list is not a list of shard ids")
         return meta
 
     @classmethod
-    def read_from(cls, f: BinaryIO, name: str, keys: list[tuple[str, int]] | None = None) -> "CalibrationStats":
-        """Read an object (only the (stream, group) `keys` when given), verifying every checksum."""
-        footer = read_footer(f, name)
+    def read_from(cls, f: BinaryIO, name: str, keys: list[tuple[str, int]] | None = None,
+                  hmac_key: bytes | None = None) -> "CalibrationStats":
+        """Read an object (only the (stream, group) `keys` when given), verifying every checksum; any
+        malformed content is a CorruptStats naming it."""
+        footer = read_footer(f, name, hmac_key)
+        try:
+            return cls._from_footer(f, name, footer, keys)
+        except CorruptStats:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CorruptStats(name, f"malformed metadata ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _from_footer(cls, f: BinaryIO, name: str, footer: dict, keys: list[tuple[str, int]] | None
+                     ) -> "CalibrationStats":
         meta = footer["metadata"]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptStats(name, f"not a KVTC statistics object (expected format {FORMAT!r})")
-        out = cls(meta["fingerprint"], meta["settings"], [tuple(g) for g in meta["groups"]], list(meta["dims"]),
+        out = cls(meta["fingerprint"], meta["settings"], parse_groups(meta["groups"]), list(meta["dims"]),
                   tuple(meta["shard_ids"]))
         for key, n in meta["counts"].items():
             s, g = key.split("/")
@@ -207,8 +222,10 @@ class CalibrationStats:
                 continue
             total = torch.from_numpy(read_tensor(f, footer, f"{s}/{g}/sum", name))
             gram = torch.from_numpy(read_tensor(f, footer, f"{s}/{g}/gram_triu", name))
-            if gram.shape != (packed_len(out.dims[int(g)]),):
-                raise CorruptStats(name, f"{key} Gram has {tuple(gram.shape)} entries for p={out.dims[int(g)]}")
+            if gram.shape != (packed_len(out.dims[int(g)]),) or total.shape != (out.dims[int(g)],) \
+                    or gram.dtype != torch.float64 or total.dtype != torch.float64:
+                raise CorruptStats(name, f"{key} sum {tuple(total.shape)} / Gram {tuple(gram.shape)} are not float64 "
+                                   f"arrays for p={out.dims[int(g)]}")
             out.moments[(s, int(g))] = _Moments(int(n), total, gram)
         return out
 

@@ -13,9 +13,9 @@ import argparse
 import io
 import json
 import math
-import os
 import sys
 
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.schema import STREAMS
 
 SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
@@ -61,7 +61,8 @@ def limit_rows(metrics: list[dict], split: str = "heldout") -> list[dict]:
 
 
 def error_table(metrics: list[dict]) -> str:
-    """Stream-level calibration errors per ratio: held-out, PCA-only (group 0), eval corpus, bound."""
+    """Stream-level calibration errors per ratio: the codec's default mode first (ECSQ where the ratio
+    has its metrics), its eval-corpus error, then fixed-rate beside it, PCA-only (group 0) and the bound."""
     by: dict[tuple, float] = {}
     for m in metrics:
         by[(float(m["ratio"]), m["stream"], m.get("group"), m["split"], m["metric"])] = float(m["value"])
@@ -69,12 +70,16 @@ def error_table(metrics: list[dict]) -> str:
     rows = []
     for r in ratios:
         for s in STREAMS:
-            rows.append([f"{r:g}", s, _pct(by.get((r, s, None, "heldout", "rel_error"))),
+            ecsq = by.get((r, s, None, "heldout", "ecsq_rel_error")) is not None
+            first = "ecsq_rel_error" if ecsq else "rel_error"
+            rows.append([f"{r:g}", s, "ECSQ" if ecsq else "fixed", _pct(by.get((r, s, None, "heldout", first))),
+                         _pct(by.get((r, s, None, "eval", first))),
+                         _pct(by.get((r, s, None, "heldout", "rel_error"))),
                          _pct(by.get((r, s, 0, "heldout", "pca_rel_error"))),
-                         _pct(by.get((r, s, None, "eval", "rel_error"))),
                          _pct(by.get((r, s, None, "heldout", "bound_rel_error"))),
                          f"{by.get((r, s, None, 'heldout', 'bits_per_token'), float('nan')):.0f}"])
-    return _md(["CR", "stream", "held-out", "PCA only (group 0)", "eval corpus", "Gaussian bound", "bits/token"], rows)
+    return _md(["CR", "stream", "default mode", "held-out", "eval corpus", "fixed-rate held-out", "PCA only (group 0)",
+                "Gaussian bound", "fixed-rate bits/token"], rows)
 
 
 def _figure(ncols: int):
@@ -205,7 +210,7 @@ def chart_allocation(allocations: dict, features: int | None = None) -> bytes | 
 def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
           model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
     """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
-    from kvtc.pipeline.evaluation import rate_distortion
+    from kvtc.pipeline.evaluation import basis_size, rate_distortion
 
     files: dict[str, bytes] = {}
     cal = calibration or {}
@@ -213,7 +218,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
     groups = cal.get("groups") or []
     features = None
     if model and groups:
-        features = (int(groups[0][1]) - int(groups[0][0])) * int(model["num_kv_heads"]) * int(model["head_dim"])
+        features = FeatureGroup.from_json(groups[0]).dim(int(model["num_kv_heads"]), int(model["head_dim"]))
     charts = {
         "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", []), curve.get("ratio"),
                                                             cal.get("tokens")),
@@ -223,6 +228,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
                                                                 seq_len=cal.get("seq_len")),
         "charts/allocation.png": chart_allocation(allocations, features),
         "charts/rate_distortion.png": rate_distortion.chart(curves.get("rate_distortion", [])),
+        "charts/basis_size.png": basis_size.chart(curves.get("basis_size", [])),
     }
     md = [f"# {title}", ""]
     if model:
@@ -266,15 +272,10 @@ def _handler(args: argparse.Namespace) -> int:
         with open(args.quality) as f:
             quality = json.load(f)
     out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
-    root = os.path.realpath(out)
+    from kvtc.artifacts.safe_io import write_contained
+
     for rel, data in build_from_artifact(art, quality).items():
-        path = os.path.join(out, rel)
-        if not os.path.realpath(path).startswith(root + os.sep):
-            raise ValueError(f"report file {rel!r} would be written outside {out}; refusing it")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-        print(path)
+        print(write_contained(out, rel, data))  # refuses to leave `out` or to follow a symlink
     print(f"kvtc report: wrote {out}", file=sys.stderr)
     return 0
 
