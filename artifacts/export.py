@@ -166,6 +166,7 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
            "streams": list(STREAMS), "feature_order": ["layer", "kv_head", "head_dim"], "layout": options.layout,
            "keys": keys, "fp8_blocks": options.fp8,
            "num_kv_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "rope": model["rope"],
+           **({"layers": model["layers"]} if model.get("layers") else {}),  # per-layer kinds and RoPE
            "sinks": calibration.sinks, "window": calibration.window,
            "kernel_bundle_hash": artifact.manifest.get("kernel_bundle_hash"), "configs": configs}
     path = write_contained(out, "dynamo_kvtc.json", (json.dumps(doc, indent=2) + "\n").encode())

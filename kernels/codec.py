@@ -4,7 +4,8 @@ Cache tensors are (layers, kv_heads, tokens, head_dim) exactly as the model cach
 with RoPE), layers = the layers that keep a KV cache. A cache whose layers hold different token counts
 (sliding-window or chunked layers, layers without a KV cache) is passed per layer, as a sequence of
 (kv_heads, tokens, head_dim) tensors (None for a layer without a cache), and decodes to the same form
-(kernels/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers). Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
+(kernels/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers).
+Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
 is RoPE-removed (keys), centred, projected on each group's kept components, quantized per block,
 packed and entropy-coded. Decode reverses it and re-applies RoPE at the original positions.
 """
@@ -228,7 +229,8 @@ class KVTCCodec:
         if isinstance(keys, (list, tuple)) or isinstance(values, (list, tuple)):
             counts = layer_counts(self.spec, keys, values)
             first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
-            if first.dtype not in _DTYPES or not 0 <= start < _MAX_START or max(n for n in counts if n != NO_CACHE) >= _MAX_TOKENS:
+            longest = max(n for n in counts if n != NO_CACHE)
+            if first.dtype not in _DTYPES or not 0 <= start < _MAX_START or longest >= _MAX_TOKENS:
                 raise ValueError("per-layer cache: dtype must be float16, bfloat16 or float32, start >= 0, tokens < 2^31")
             return encode_layered(self.spec, self._sub, keys, values, start, _DTYPES[first.dtype], self.mode)
         self._check_cache(keys, values, start)
@@ -373,10 +375,7 @@ class KVTCCodec:
         more than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating; any
         other exception is not the blob's doing (a device, memory or a bug) and propagates as it is.
         """
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
+        dev = _usable_device(device)
         limit = self.max_tokens if max_tokens is None else max_tokens
         return self._decode(blob, dev, limit)
 
@@ -434,6 +433,19 @@ class KVTCCodec:
                     finite = torch.finfo(dtype).max  # values rounded past the dtype's range stay finite
                     out[si][:, :, head:head + mid].clamp_(-finite, finite)
         return out[0], out[1]
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """torch.device(device), or ValueError (bad input, not a bad blob) when it is no device decode can write to."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
+    if dev.type == "meta" or (dev.type == "cuda" and not (torch.cuda.is_available()
+                                                         and (dev.index or 0) < torch.cuda.device_count())):
+        raise ValueError(f"device={device!r} is not available here (CUDA devices: "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); pass 'cpu' or an existing GPU")
+    return dev
 
 
 _MODE_BOUNDS = {"fixed": KVTCCodec._fixed_bounds, "ecsq": KVTCCodec._ecsq_bounds}

@@ -91,7 +91,7 @@ class CoefficientCoder:
         self.backend = backend
         self.mode, self.rate_control, self.ecsq_format = mode, rate_control, ecsq_format
         self.basis_dtype = basis_dtype  # None: the cache's dtype on CUDA, float32 elsewhere (as KVTCCodec)
-        self.rope = RopeSpec.from_dict(spec.rope) if spec.rope else None
+        self.layer_ropes: list[RopeSpec | None] = spec.layer_ropes  # each layer's own RoPE (None: NoPE / kept)
         self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # layer -> [(group index, row offset of the layer inside the group's features, (h0, h1))], a
         # layer in several groups when groups split its KV heads; layer_group: its first (group, row)
@@ -129,13 +129,26 @@ class CoefficientCoder:
     def _ops(self, device: torch.device) -> Ops:
         return resolve_ops(self.backend, device)
 
-    def _cos_sin(self, stream: str, start: int, tokens: int, batch: int, device: torch.device
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
-        if stream != "keys" or self.rope is None:
+    def _cos_sin(self, stream: str, start: int, tokens: int, batch: int, device: torch.device,
+                 rope: RopeSpec | None) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+        if stream != "keys" or rope is None:
             return None, None, "half"
         positions = torch.arange(start, start + tokens, device=device).repeat(batch)
-        cos, sin = self.rope.cos_sin(positions)
-        return cos.contiguous(), sin.contiguous(), self.rope.layout
+        cos, sin = rope.cos_sin(positions)
+        return cos.contiguous(), sin.contiguous(), rope.layout
+
+    def _features(self, stream: str, cache: torch.Tensor, group: FeatureGroup, mean: torch.Tensor, ops: Ops,
+                  start: int, n: int, batch: int) -> torch.Tensor:
+        """A group's centred, RoPE-removed features (B*n, p_g): fused when its layers share one RoPE."""
+        x = _group_cache(cache, group, self.spec.kv_heads)
+        ropes = {self.layer_ropes[l] for l in group.layers} if stream == "keys" else {None}
+        if len(ropes) == 1:
+            cos, sin, layout = self._cos_sin(stream, start, n, batch, cache.device, ropes.pop())
+            return ops.rope_center(x, cos, sin, mean, layout)
+        positions = torch.arange(start, start + n, device=cache.device).repeat(batch)
+        plain = torch.stack([x[j].float() if self.layer_ropes[l] is None else self.layer_ropes[l].remove(x[j].float(), positions)
+                             for j, l in enumerate(group.layers)])
+        return ops.rope_center(plain, None, None, mean, "half")
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedTokens:
         """keys, values (L, B, H, n, D) as the model cached them, first token at position `start`."""
@@ -151,11 +164,10 @@ class CoefficientCoder:
         blocks: dict[str, tuple] = {}
         for stream, x in zip(STREAMS, (keys, values)):
             cache = x.permute(0, 2, 1, 3, 4).reshape(L, H, B * n, D)  # tokens in (batch, token) order
-            cos, sin, layout = self._cos_sin(stream, start, n, B, dev)
             groups = []
             for gi, g in enumerate(s.streams[stream]):
                 mean, comps = self._group(stream, gi, dev, x.dtype)
-                feat = ops.rope_center(_group_cache(cache, g.group, H), cos, sin, mean, layout)
+                feat = self._features(stream, cache, g.group, mean, ops, start, n, B)
                 z = (feat.to(comps.dtype) @ comps).float().contiguous()
                 if self.mode == "ecsq":
                     groups.append(self._encode_ecsq(z, stream, gi, B, n))
@@ -201,7 +213,7 @@ class CoefficientCoder:
         zs = z if isinstance(z, dict) else {parts[0][0]: z}
         dev = next(iter(zs.values())).device
         out = torch.empty(1, self.spec.kv_heads, B * n, D, dtype=dtype, device=dev)
-        cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev)
+        cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev, self.layer_ropes[layer])
         for gi, row, (h0, h1) in parts:
             mean, comps = self._group(stream, gi, dev, dtype)
             rows = slice(row, row + (h1 - h0) * D)

@@ -30,11 +30,13 @@ class LayerSpec:
         if self.kind not in KINDS:
             raise ValueError(f"layer kind {self.kind!r} is not one of {KINDS}")
         if (self.span is not None) != (self.kind in ("sliding", "chunked")) or (self.span is not None and self.span < 1):
-            raise ValueError(f"a {self.kind} layer needs {'a window/chunk >= 1' if self.kind in ('sliding', 'chunked') else 'no span'}, got {self.span}")
+            need = "a window/chunk >= 1" if self.kind in ("sliding", "chunked") else "no span"
+            raise ValueError(f"a {self.kind} layer needs {need}, got {self.span}")
         if self.cached and min(self.kv_heads, self.head_dim) < 1:
             raise ValueError(f"a {self.kind} layer needs kv_heads and head_dim >= 1")
         if self.rope is not None and (not self.cached or self.rope.head_dim != self.head_dim):
-            raise ValueError(f"layer RoPE head_dim {self.rope.head_dim} does not fit a {self.kind} layer of head_dim {self.head_dim}")
+            raise ValueError(f"layer RoPE head_dim {self.rope.head_dim} does not fit a {self.kind} layer of "
+                             f"head_dim {self.head_dim}")
 
     @property
     def cached(self) -> bool:

@@ -35,7 +35,8 @@ EXIT_OK, EXIT_INTERNAL, EXIT_ERROR, EXIT_INTEGRITY, EXIT_INTERRUPTED = 0, 1, 2, 
 EXIT_CODES = {
     0: "success",
     1: "internal error (a bug: rerun with --debug and report the traceback)",
-    2: "bad input: an invalid option, unknown name, unreachable or unwritable registry/cluster, missing file",
+    2: "bad input: an invalid option, unknown name, unreachable or unwritable registry/cluster, missing file, "
+       "a cluster that failed",
     3: "drift: the artifact drifted past --threshold",
     4: "drift/recalibrate: the model is not the artifact's",
     5: "recalibrate: the new version was not promoted",
@@ -167,6 +168,9 @@ def exit_code(exc: BaseException) -> int | None:
         return EXIT_INTEGRITY
     if isinstance(exc, (ValueError, LookupError, OSError, TimeoutError)):
         return EXIT_ERROR  # bad input (InputError is a ValueError); OSError: missing files, permissions, hosts
+    ray = sys.modules.get("ray.exceptions")
+    if ray is not None and isinstance(exc, ray.RayError) and not isinstance(exc, ray.RayTaskError):
+        return EXIT_ERROR  # the cluster failed (a node or its raylet died, out of memory): not the job's bug
     return None  # RuntimeError, TypeError, AssertionError, ...: a bug
 
 

@@ -161,3 +161,7 @@ def test_a_bad_device_is_bad_input(ecsq):
     with pytest.raises(ValueError, match="device='gpu0' is not a torch device") as info:
         codec.decode(blob, device="gpu0")
     assert not isinstance(info.value, (RuntimeError, BlobError))
+    for unusable in ("meta", f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"):
+        with pytest.raises(ValueError, match="is not available here") as info:
+            codec.decode(blob, device=unusable)
+        assert not isinstance(info.value, BlobError)

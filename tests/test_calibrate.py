@@ -76,8 +76,8 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
             table = art.ecsq(r, stream)
             assert 0 < table["bits_per_token"] <= table["budget_bits"] == int(16 * p // r)
             assert table["kept"] <= arrays[stream][2].shape[1]
-        assert rows[8.0][stream]["ecsq_rel_error"] < rows[8.0][stream]["rel_error"]
-        assert rows[8.0][stream]["heldout_bound_rel_error"] <= rows[8.0][stream]["ecsq_rel_error"]
+        assert rows[8.0][stream]["ecsq"]["rel_error"] < rows[8.0][stream]["fixed"]["rel_error"]
+        assert rows[8.0][stream]["bound_rel_error"] <= rows[8.0][stream]["ecsq"]["rel_error"]
     assert {r["mode"] for r in art.curve("rate_distortion")} == {"fixed", "ecsq", "bound_heldout", "bound_calibration"}
     assert {r["cap"] for r in art.curve("basis_size")} == {6, 12, 24, 48, 0}
     assert (folder / "charts/basis_size.png").stat().st_size > 0

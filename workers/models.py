@@ -107,7 +107,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.n
     digest = sha256_file(path)
     cached = cache_dir / f"gguf-{digest[:24]}"
     if not (cached / "config.json").exists():
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        from transformers import AutoConfig
+
+        config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                     dtype=torch.float32)
         # The weights are already dequantized; drop the GGUF quantizer so save_pretrained accepts them.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -233,7 +237,43 @@ def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
     cached = cache_dir / f"gguf-{digest[:24]}"
     if (cached / "config.json").exists():
         return AutoConfig.from_pretrained(cached)
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+
+
+def gguf_fields(path: Path) -> dict[str, Any]:
+    """The GGUF file's scalar metadata, {key: value} (strings decoded), read without its tensors."""
+    from gguf import GGUFReader
+
+    out: dict[str, Any] = {}
+    for key, field in GGUFReader(str(path), "r").fields.items():
+        if len(field.data) != 1:
+            continue
+        value = field.parts[field.data[0]]
+        out[key] = bytes(value).decode("utf-8", "replace") if value.dtype.kind == "u" and value.dtype.itemsize == 1 \
+            and len(value) != 1 else value.tolist()[0] if hasattr(value, "tolist") and len(value) == 1 else value
+    return out
+
+
+def with_gguf_rope_scaling(config: Any, fields: dict[str, Any]) -> Any:
+    """Carry a GGUF's `<arch>.rope.scaling.*` (linear or YaRN), which transformers' GGUF reader leaves out for
+    some architectures (Gemma 3: linear x8 on its global layers), into the config's RoPE parameters for
+    full-attention layers, where they have none; the model then rotates as the original did."""
+    arch = fields.get("general.architecture")
+    kind = fields.get(f"{arch}.rope.scaling.type")
+    factor = fields.get(f"{arch}.rope.scaling.factor")
+    if kind not in ("linear", "yarn") or not factor or float(factor) == 1.0:
+        return config
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    nested = params and "rope_theta" not in params
+    target = dict(params.get("full_attention") or {}) if nested else params
+    if not target or target.get("rope_type", "default") != "default":
+        return config
+    target.update(rope_type=kind, factor=float(factor))
+    original = fields.get(f"{arch}.rope.scaling.original_context_length")
+    if kind == "yarn":
+        target["original_max_position_embeddings"] = int(original or config.max_position_embeddings)
+    config.rope_parameters = {**params, "full_attention": target} if nested else target
+    return config
 
 
 def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = None) -> ModelSpec:

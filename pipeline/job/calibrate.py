@@ -13,7 +13,8 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.shards import ShardPlan, plan_shards
@@ -58,28 +59,55 @@ def _memory_estimate(cfg: JobSettings, num_layers, width: int, groups: str, work
                     kept_max=max(max_components(p, cfg.reduce.ratios, cfg.allocator) for p in dims))
 
 
-def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
+@dataclass(frozen=True)
+class Planned:
+    """The plan stage's hand-off: the settings as they will run (tokens resolved), where the version
+    goes, the shard store root, the model's tokenizer and fingerprint (config only, no weights)."""
+
+    settings: JobSettings
+    registry: str
+    store_root: str
+    tokenizer: Any
+    fingerprint: dict
+    seconds: float
+
+
+@dataclass
+class Folded:
+    """The fold stage's hand-off: the shard store scope, every planned shard ({id, index, role,
+    tokens, cached}), the accumulators (name, shard ids) in order, the workers' results, and timings."""
+
+    store: Any
+    shards: list[dict]
+    accumulators: list[tuple[str, list[str]]]
+    results: list[dict]
+    workers: int
+    model_dtype: str
+    on_cluster_gpu: bool
+    duplicates: list[str]
+    startup_s: float
+    fold_s: float
+
+
+def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
+    """Plan: check every input before any model work (registry writable, corpus specs, model spec,
+    sequence length, ratios, memory) and resolve the token count."""
     import psutil
     import torch
 
     from kvtc import artifacts
     from kvtc.pipeline.fit.allocator import validate_ratios
-    from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
     from kvtc.pipeline.job.memory_plan import check_fits
-    from kvtc.pipeline.job.reduce import reduce_and_publish
-    from kvtc.pipeline.job.shard_worker import ShardWorker
-    from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
+    from kvtc.pipeline.job.store import default_store_uri
     from kvtc.workers.capture import check_seq_len, resolve_groups
-    from kvtc.workers.models import fingerprint_id, load_spec, resolve_dtype
+    from kvtc.workers.models import load_spec
 
-    t_start = time.perf_counter()
+    t0 = time.perf_counter()
     alloc, capture, rt = cfg.allocator, cfg.capture, cfg.runtime
-    plan = AccumulatorPlan(cfg.reduce.accumulators)
     registry = artifacts.Registry(rt.registry).uri
     artifacts.check_writable(registry)
     for spec in filter(None, (cfg.plan.corpus, cfg.plan.eval_corpus)):
         iter_documents(spec, cfg.plan.text_column)  # a bad spec fails here, before any model work
-
     info = load_spec(cfg.model.model, cache_dir=rt.cache_dir)  # config and tokenizer only: the driver never loads weights
     capture = replace(capture, groups=resolve_groups(capture.groups, info.layers))  # "auto" on one layer kind: "model"
     cfg = replace(cfg, capture=capture)
@@ -93,28 +121,41 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         alloc = replace(alloc, max_components=cap)
         cfg = replace(cfg, allocator=alloc)
     for group in capture.group_layers(info.layers):
-        validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), alloc)
+        validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), cfg.allocator)
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
         est = _memory_estimate(cfg, info.layers, width, capture.groups, local_workers)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, capture.groups,
                    lambda k: _memory_estimate(cfg, info.layers, width, f"layers:{k}", local_workers))
-    tokenizer, fingerprint = info.tokenizer, info.fingerprint
-
-    on_gpu = torch.cuda.is_available()
-    tokens = cfg.plan.tokens or (DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS)
     if cfg.plan.tokens is None:
-        print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)", file=sys.stderr)
+        on_gpu = torch.cuda.is_available()
+        tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS
+        print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)",
+              file=sys.stderr)
         cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
-    store_root = rt.store or default_store_uri()
-    plan_s = time.perf_counter() - t_start
+    return Planned(cfg, registry, rt.store or default_store_uri(), info.tokenizer, info.fingerprint,
+                   time.perf_counter() - t0)
 
+
+def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False) -> Folded:
+    """Fold: run the planned shards through the model (a Ray actor pool, Ray already started, by this
+    job when `ray_started`; or this process) into the stored accumulators and held-out rows; cached
+    shards are not run again."""
+    import torch
+
+    from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
+    from kvtc.pipeline.job.shard_worker import ShardWorker
+    from kvtc.pipeline.job.store import ShardStore, capture_key
+    from kvtc.workers.models import fingerprint_id, resolve_dtype
+
+    cfg, fingerprint = planned.settings, planned.fingerprint
+    capture, rt = cfg.capture, cfg.runtime
     shards_seen: list[dict] = []
     duplicates: list[str] = []
-    rows_per_heldout_shard = max(1, cfg.reduce.heldout_rows // 2)
 
     def payloads(store: ShardStore, planner: FoldPlanner):
-        for role, shard in plan_shards(shard_plan(cfg, tokens), tokenizer, fingerprint["max_positions"], duplicates):
+        for role, shard in plan_shards(shard_plan(cfg, cfg.plan.tokens), planned.tokenizer, fingerprint["max_positions"],
+                                       duplicates):
             entry = {"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size), "cached": False}
             shards_seen.append(entry)
             if role == "train":
@@ -129,6 +170,33 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
                 yield {"shard": shard.to_payload(), "role": role}
         yield from planner.finish()
 
+    # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
+    worker_gpu = torch.cuda.is_available() if in_process else gpus >= 1
+    model_dtype = str(resolve_dtype(cfg.model.dtype, torch.device("cuda" if worker_gpu else "cpu"))).removeprefix("torch.")
+    store = ShardStore(planned.store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
+    planner = FoldPlanner(AccumulatorPlan(cfg.reduce.accumulators), store)
+    actor_kwargs = dict(
+        model=cfg.model.model, capture=capture.to_dict(), store_root=planned.store_root, dtype=cfg.model.dtype,
+        cache_dir=rt.cache_dir, threads=rt.threads_per_worker, rows_per_heldout_shard=max(1, cfg.reduce.heldout_rows // 2),
+        fingerprint=fingerprint, model_dtype=model_dtype,
+    )
+    timing: dict = {}
+    if in_process:
+        workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
+    else:
+        workers, results = _run_on_ray(cfg, gpus, ray_started, ShardWorker, actor_kwargs, payloads(store, planner),
+                                       timing)
+    return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
+                  timing["startup_s"], timing["run_s"])
+
+
+def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
+    """plan -> fold -> (solve -> fit -> measure per stream and group) -> publish."""
+    from kvtc.pipeline.job.reduce import reduce_and_publish
+
+    t_start = time.perf_counter()
+    planned = plan_job(cfg, in_process)
+    cfg, rt = planned.settings, planned.settings.runtime
     started, gpus = False, 0.0
     if not in_process:
         import ray
@@ -142,66 +210,58 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
     try:
         if not in_process:
             gpus = ray_pool.cluster_gpus()
-        # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
-        worker_gpu = on_gpu if in_process else gpus >= 1
-        model_dtype = str(resolve_dtype(cfg.model.dtype, torch.device("cuda" if worker_gpu else "cpu"))).removeprefix("torch.")
-        store = ShardStore(store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
-        planner = FoldPlanner(plan, store)
-        actor_kwargs = dict(
-            model=cfg.model.model, capture=capture.to_dict(), store_root=store_root, dtype=cfg.model.dtype,
-            cache_dir=rt.cache_dir, threads=rt.threads_per_worker, rows_per_heldout_shard=rows_per_heldout_shard, fingerprint=fingerprint,
-            model_dtype=model_dtype,
-        )
-        timing: dict = {}
-        if in_process:
-            workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
-        else:
-            workers, results = _run_on_ray(cfg, gpus, started, ShardWorker, actor_kwargs, payloads(store, planner), timing)
-        pool_seconds = timing["run_s"]
+        folded = fold_shards(planned, in_process, gpus, started)
         if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
             ray.shutdown()
             started = False
         reduce_timing: dict = {}
         summary = reduce_and_publish(
-            cfg=cfg, fingerprint=fingerprint, store=store, shards=shards_seen,
-            accumulators=planner.accumulators(), registry=registry, alias_latest=alias_latest,
-            model_dtype=model_dtype, on_cluster_gpu=gpus >= 1, timing=reduce_timing,
+            cfg=cfg, fingerprint=planned.fingerprint, store=folded.store, shards=folded.shards,
+            accumulators=folded.accumulators, registry=planned.registry, alias_latest=alias_latest,
+            model_dtype=folded.model_dtype, on_cluster_gpu=folded.on_cluster_gpu, timing=reduce_timing,
         )
     finally:
         if started:
             ray.shutdown()
+    if folded.duplicates:
+        summary["warnings"].append(f"{len(folded.duplicates)} shards repeated an earlier shard's tokens and were folded once")
+    summary["run"] = run_figures(planned, folded, reduce_timing, time.perf_counter() - t_start)
+    return summary, {"store": folded.store, "shards": folded.shards, "fingerprint": planned.fingerprint}
 
+
+def run_figures(planned: Planned, folded: Folded, reduce_timing: dict, wall_s: float) -> dict:
+    """The summary's "run" section: pool figures, store bytes, and the seconds of every stage."""
+    results, rt = folded.results, planned.settings.runtime
     run_tokens = sum(r["tokens_run"] for r in results)
-    if duplicates:
-        summary["warnings"].append(f"{len(duplicates)} shards repeated an earlier shard's tokens and were folded once")
-    folded = [r for r in results if r["role"] == "train" and not r.get("skipped")]
-    summary["run"] = {
-        "workers": workers,
+    trained = [r for r in results if r["role"] == "train" and not r.get("skipped")]
+    pool_s = folded.fold_s
+    out = {
+        "workers": folded.workers,
         "threads_per_worker": rt.threads_per_worker,
-        "accumulators": cfg.reduce.accumulators,
+        "accumulators": planned.settings.reduce.accumulators,
         "shards_run": sum(not r.get("skipped") for r in results),
-        "shards_cached": sum(s["cached"] for s in shards_seen),
+        "shards_cached": sum(s["cached"] for s in folded.shards),
         "tokens_run": run_tokens,
-        "startup_seconds": round(timing["startup_s"], 2),
-        "pool_seconds": round(pool_seconds, 2),
-        "pool_tokens_per_s": round(run_tokens / pool_seconds, 1) if pool_seconds > 0 and run_tokens else None,
-        "checkpoint_bytes_per_shard": int(sum(r["bytes"] for r in folded) / max(1, len(folded))),
-        "capture_seconds": round(sum(r.get("capture_s", 0.0) for r in folded), 2),  # summed over workers
-        "fold_seconds": round(sum(r.get("fold_s", 0.0) for r in folded), 2),
-        "checkpoint_seconds": round(sum(r.get("checkpoint_s", 0.0) for r in folded), 2),
-        "stats_bytes": store.stats_bytes(),
+        "startup_seconds": round(folded.startup_s, 2),
+        "pool_seconds": round(pool_s, 2),
+        "pool_tokens_per_s": round(run_tokens / pool_s, 1) if pool_s > 0 and run_tokens else None,
+        "checkpoint_bytes_per_shard": int(sum(r["bytes"] for r in trained) / max(1, len(trained))),
+        "capture_seconds": round(sum(r.get("capture_s", 0.0) for r in trained), 2),  # summed over workers
+        "fold_seconds": round(sum(r.get("fold_s", 0.0) for r in trained), 2),
+        "checkpoint_seconds": round(sum(r.get("checkpoint_s", 0.0) for r in trained), 2),
+        "stats_bytes": folded.store.stats_bytes(),
         "reduce_seconds": round(reduce_timing.get("reduce_s", 0.0), 2),
         "solve_seconds": round(reduce_timing.get("solve_s", 0.0), 2),
         "eig_seconds": round(reduce_timing.get("eig_s", 0.0), 2),
         "curve_seconds": round(reduce_timing.get("curve_s", 0.0), 2),
-        "wall_seconds": round(time.perf_counter() - t_start, 2),
+        "wall_seconds": round(wall_s, 2),
         # plan -> fold (model work, after the actors loaded the model) -> solve -> fit -> measure -> publish
-        "stages": {"plan": round(plan_s, 2), "startup": round(timing["startup_s"], 2), "fold": round(pool_seconds, 2),
+        "stages": {"plan": round(planned.seconds, 2), "startup": round(folded.startup_s, 2), "fold": round(pool_s, 2),
                    "tokens_curve": round(reduce_timing.get("curve_s", 0.0), 2),
                    **{k: round(reduce_timing.get(f"{k}_s", 0.0), 2) for k in ("solve", "fit", "measure", "publish")}},
     }
-    summary["run"]["wall_over_model_work"] = round(summary["run"]["wall_seconds"] / pool_seconds, 2) if pool_seconds else None
-    return summary, {"store": store, "shards": shards_seen, "fingerprint": fingerprint}
+    out["wall_over_model_work"] = round(wall_s / pool_s, 2) if pool_s else None
+    return out
 
 
 def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dict) -> list[dict]:
