@@ -200,6 +200,8 @@ def fuzz(cases: int, share: float) -> None:
                 dev = None
             outcome["interpreter agrees" if (ref is None) == (dev is None) and (ref is None or np.array_equal(ref, dev))
                     else "interpreter DISAGREES"] += 1
+        if (case + 1) % 1000 == 0:
+            print(f"fuzz: {case + 1} of {cases} after {time.perf_counter() - t0:.0f} s: {dict(outcome)}", flush=True)
     print(f"fuzz: {cases} mutated rANS blobs in {time.perf_counter() - t0:.0f} s: {dict(outcome)}")
 
 

@@ -206,7 +206,9 @@ class KVTCCodec:
         if layers not in self._subs:
             self._subs[layers] = KVTCCodec(restrict(self.spec, layers), backend=self.backend, level=self.level,
                                            coder=self.coder, max_tokens=self.max_tokens, mode=self.mode,
-                                           rate_control=self.rate_control)
+                                           rate_control=self.rate_control, ecsq_format=self.ecsq_format,
+                                           basis_dtype=self.basis_dtype)
+            self._subs[layers].device_entropy = self.device_entropy
         return self._subs[layers]
 
     def _remove_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
