@@ -1,7 +1,7 @@
 """KVTCCache: a transformers cache that holds older tokens as KVTC coefficients.
 
     cache = KVTCCache(codec, config=model.config)
-    model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    model.generate(ids, cache=cache, max_new_tokens=256)    # transformers 5 (4.x: past_key_values=cache)
 
 Per layer, the first `sinks` positions and the recent tokens stay in the model's dtype. The codec's
 basis spans every layer of a token, so tokens are coded only once all layers hold them: after the
@@ -208,7 +208,10 @@ class KVTCCache(Cache):
     config: the model's config (shapes are checked against the artifact here, not at first use).
     window / sinks: override the artifact's; chunk: tokens coded together (>= 1).
     The coded chunks follow the codec's mode (`codec.mode`, and `codec.rate_control` for ECSQ).
-    Batches code every row with positions = cache index (no left padding).
+    Batches code every row with positions = cache index. With a RoPE-removed artifact, a forward whose
+    position_ids differ from the cache index (a left-padded batch: per-row positions) is refused with
+    a ValueError before anything is cached; an artifact calibrated with `--keys rope-kept` codes
+    without positions and takes left-padded batches.
     """
 
     def __init__(self, codec: KVTCCodec, config: Any, *, window: int | None = None, sinks: int | None = None,
@@ -234,14 +237,31 @@ class KVTCCache(Cache):
                   for i in range(spec.num_layers)]
         self._coded = [layers[i] for i in full]
         self._last_coded = full[-1] if full else -1
+        self._first_coded = full[0] if full else -1
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == self._first_coded and self.codec.spec.rope is not None:
+            self._check_positions(_position_ids(args, kwargs), key_states.shape[-2])
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if layer_idx == self._last_coded:
             self._code_due_tokens()
         return out
+
+    def _check_positions(self, position_ids: torch.Tensor | None, new: int) -> None:
+        """Refuse positions that are not the cache index (RoPE is removed and re-applied at the cache index)."""
+        if position_ids is None:
+            return
+        seen = self.layers[self._first_coded].cumulative_length
+        want = torch.arange(seen, seen + new, device=position_ids.device)
+        rows = position_ids.reshape(-1, position_ids.shape[-1])
+        if rows.shape[-1] != new or not bool((rows == want).all()):
+            bad = next(i for i in range(rows.shape[0]) if rows.shape[-1] != new or not bool((rows[i] == want).all()))
+            raise ValueError(f"KVTCCache: row {bad} runs at positions {rows[bad, :4].tolist()}..., the cache index at "
+                             f"{want[:4].tolist()}...: left-padded batches (per-row positions) are not supported with "
+                             "a RoPE-removed artifact, whose keys are coded at the cache index. Pad on the right, run "
+                             "rows separately, or use an artifact calibrated with --keys rope-kept")
 
     def _code_due_tokens(self) -> None:
         recent = {layer.keys.shape[-2] for layer in self._coded if layer.is_initialized}
@@ -272,6 +292,15 @@ class KVTCCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.store.clear()
+
+
+def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The forward's position_ids, as transformers hands them to Cache.update (in its kwargs dict)."""
+    for source in (kwargs, kwargs.get("kwargs") or {}, *(a for a in args if isinstance(a, dict))):
+        ids = source.get("position_ids") if isinstance(source, dict) else None
+        if isinstance(ids, torch.Tensor):
+            return ids
+    return None
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

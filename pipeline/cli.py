@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    sub.add_parser("lmcache-server", add_help=False,  # handled in main(): every argument goes to LMCache
+                   help="LMCache's own server (`lmcache server ARGS`) with the kvtc serde registered")
     return parser
 
 
@@ -180,7 +182,12 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lmcache-server"]:
+        from kvtc.kernels.lmcache_server import main as lmcache_server
+
+        return lmcache_server(argv[1:])
+    argv, debug = _split_debug(argv)
     debug = debug or os.environ.get("KVTC_DEBUG", "") not in ("", "0")
     parser = build_parser()
     args = parser.parse_args(argv)
