@@ -150,6 +150,7 @@ def fuzz(cases: int, share: float) -> None:
 
     from kvtc.kernels.synthetic import synthetic_cache, synthetic_ecsq, synthetic_spec
 
+    torch.set_num_threads(1)  # tiny GEMMs: a thread pool only waits on a loaded machine
     spec = synthetic_ecsq(synthetic_spec(3, 2, 16, 4.0, kept=24, sinks=2, window=3, groups=[(0, 1), (1, 3)]))
     codec = KVTCCodec(spec, mode="ecsq", rate_control=False)
     keys, values = synthetic_cache(spec, 17, torch.float16)
