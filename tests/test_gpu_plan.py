@@ -103,3 +103,32 @@ def test_tied_head_follows_the_embedding_and_a_short_budget_is_refused():
     assert placed["model.layers.1"] == placed["model.norm"] == 1
     with pytest.raises(ValueError, match="do not fit the worker's 2 GPU"):
         device_map(shell, {0: total // 4, 1: total // 4})
+
+
+def test_job_plans_the_model_from_its_config_and_refuses_too_few_gpus():
+    from kvtc.pipeline.fit.allocator import AllocatorSettings
+    from kvtc.pipeline.job.calibrate import CalibrateConfig, _gpu_plan
+    from kvtc.workers.models import load_spec
+
+    info = load_spec("tiny:llama")  # bf16 on GPUs: 6.5 MB of weights
+    cfg = CalibrateConfig(model="tiny:llama", seq_len=256)
+    assert _gpu_plan(cfg, info, AllocatorSettings(), 4, 1 << 30, 4).gpus == 1
+    assert _gpu_plan(cfg, info, AllocatorSettings(), 4, 8 << 20, 4).gpus == 2  # 8 MiB GPUs: two per worker
+    with pytest.raises(ValueError, match="--gpus-per-worker 1 is too few: the model needs 2 GPUs per worker"):
+        _gpu_plan(CalibrateConfig(model="tiny:llama", seq_len=256, gpus_per_worker=1), info, AllocatorSettings(),
+                  4, 8 << 20, 4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus-per-worker", "0"], "--gpus-per-worker must be >= 1"),
+    (["--gpus-per-worker", "2"], "no GPU torch can see"),
+])
+def test_cli_refuses_bad_gpus_per_worker_before_model_work(argv, message, tmp_path, monkeypatch, capsys):
+    from kvtc.pipeline import cli
+
+    if torch.cuda.is_available() and argv[-1] == "2":
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
+    rc = cli.main(["calibrate", "--model", "tiny:llama", "--registry", str(tmp_path / "reg"), *argv])
+    assert rc == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "cache" / "shards").exists()

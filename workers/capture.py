@@ -131,7 +131,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
     with torch.inference_mode():
         # per-layer (B, H, T, D) -> rows (N, L, H, D), N = B*k in (sequence, position) order
         def gather(per_layer: list[torch.Tensor]) -> torch.Tensor:
-            stacked = torch.stack(per_layer).permute(1, 3, 0, 2, 4)  # (B, T, L, H, D)
+            stacked = torch.stack([x.to(lm.device) for x in per_layer]).permute(1, 3, 0, 2, 4)  # (B, T, L, H, D)
             rows = stacked[bi, pos].reshape(b * k, *stacked.shape[2:])  # (N, L, H, D)
             return rows.to(torch.float32)
 
@@ -157,4 +157,4 @@ def raw_cache(lm: LoadedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, t
     if input_ids.shape[1] > lm.max_positions:
         raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's limit of {lm.max_positions}")
     keys, values = _forward_cache(lm, input_ids)
-    return torch.stack([x[0] for x in keys]), torch.stack([x[0] for x in values])
+    return torch.stack([x[0].to(lm.device) for x in keys]), torch.stack([x[0].to(lm.device) for x in values])

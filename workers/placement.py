@@ -40,6 +40,15 @@ def device_map(model: torch.nn.Module, budgets: dict[int, int]) -> dict[str, int
     return placed
 
 
+def config_device_map(config, dtype: torch.dtype, budgets: dict[int, int]) -> dict[str, int]:
+    """The device map of the model `config` describes, with weights in `dtype`, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return device_map(shell, budgets)
+
+
 def spread(model: torch.nn.Module, budgets: dict[int, int]) -> torch.nn.Module:
     """Dispatch a loaded (CPU) model over CUDA devices 0..n-1 within `budgets` bytes each."""
     from accelerate import dispatch_model

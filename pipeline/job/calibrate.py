@@ -43,6 +43,7 @@ class CalibrateConfig:
     address: str | None = None
     workers: int | None = None
     threads_per_worker: int = 1
+    gpus_per_worker: int | None = None
     sinks: int = 4
     window: int = 128
     groups: str = "model"
@@ -82,6 +83,7 @@ class CalibrateConfig:
         if self.registry is not None and not str(self.registry).strip():
             raise ValueError("--registry is empty; pass a path or URI, or omit it for $KVTC_REGISTRY or ./registry")
         for flag, value in (("--workers", self.workers), ("--threads-per-worker", self.threads_per_worker),
+                            ("--gpus-per-worker", self.gpus_per_worker),
                             ("--tokens", self.tokens), ("--eval-tokens", self.eval_tokens), ("--seq-len", self.seq_len)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -160,6 +162,9 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
     for a, b in capture.group_layers(info.num_layers):
         validate_ratios(cfg.ratios, (b - a) * width, alloc)
     if in_process or not (cfg.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
+        if cfg.gpus_per_worker and not in_process and not torch.cuda.is_available():
+            raise ValueError(f"--gpus-per-worker {cfg.gpus_per_worker}: this machine has no GPU torch can see and no "
+                             "cluster was given; omit it to run on CPUs, or join a cluster with GPUs (--address)")
         local_workers = 1 if in_process else cfg.workers or max(1, (os.cpu_count() or 1) // cfg.threads_per_worker)
         est = _memory_estimate(cfg, info.num_layers, width, cfg.groups, local_workers, alloc)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, cfg.groups,
@@ -200,8 +205,14 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
 
         started = ray_pool.start_ray(cfg.address, num_cpus=None)
     try:
+        gpu_plan = None
         if not in_process:
             gpus = ray_pool.cluster_gpus()
+            if cfg.gpus_per_worker and gpus < 1:
+                raise ValueError(f"--gpus-per-worker {cfg.gpus_per_worker}: Ray reports no GPU in the cluster; "
+                                 "omit it to run on CPUs, or join a cluster with GPUs (--address)")
+            if gpus >= 1:  # before any model work: refuse a model the workers' GPUs cannot hold
+                gpu_plan = _gpu_plan(cfg, info, alloc, gpus, *ray_pool.gpu_inventory())
         # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
         worker_gpu = on_gpu if in_process else gpus >= 1
         model_dtype = str(resolve_dtype(cfg.dtype, torch.device("cuda" if worker_gpu else "cpu"))).removeprefix("torch.")
@@ -216,7 +227,8 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
         if in_process:
             workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
         else:
-            workers, results = _run_on_ray(cfg, gpus, started, ShardWorker, actor_kwargs, payloads(store, planner), timing)
+            workers, results = _run_on_ray(cfg, gpu_plan, started, ShardWorker, actor_kwargs, payloads(store, planner),
+                                           timing)
         pool_seconds = timing["run_s"]
         if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
             ray.shutdown()
@@ -278,18 +290,36 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dic
     return results
 
 
-def _run_on_ray(cfg: CalibrateConfig, gpus: float, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
+def _gpu_plan(cfg: CalibrateConfig, info, alloc, cluster_gpus: float, gpu_bytes: int, gpus_per_node: int):
+    """GPUs per worker (memory_plan.plan_gpus) for the model's weights in the workers' dtype."""
+    import torch
+
+    from kvtc.pipeline.job.memory_plan import plan_gpus
+    from kvtc.workers.model_size import model_size
+    from kvtc.workers.models import resolve_dtype
+
+    size = model_size(info.config, resolve_dtype(cfg.dtype, torch.device("cuda")), cfg.seq_len)
+    width = info.num_kv_heads * info.head_dim
+    return plan_gpus(size, gpu_bytes, int(cluster_gpus), gpus_per_node,
+                     lambda workers: _memory_estimate(cfg, info.num_layers, width, cfg.groups, cfg.workers or workers,
+                                                      alloc).worker, cfg.gpus_per_worker)
+
+
+def _run_on_ray(cfg: CalibrateConfig, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
                 timing: dict) -> tuple[int, list[dict]]:
     """(workers, results) of the shards on a Ray actor pool (Ray already started, by this job when
-    `started`); fold tasks are pinned to the actor that owns their accumulator."""
+    `started`); fold tasks are pinned to the actor that owns their accumulator. With GPUs, each worker
+    takes `gpu_plan.gpus` of them and spreads the model over them when more than one."""
     import ray
 
     from kvtc.pipeline.job import ray_pool
 
     cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-    workers = cfg.workers or (int(gpus) if gpus >= 1 else max(1, cpus // cfg.threads_per_worker))
+    workers = cfg.workers or (gpu_plan.workers if gpu_plan else max(1, cpus // cfg.threads_per_worker))
+    if gpu_plan is not None and gpu_plan.gpus > 1:
+        worker_kwargs = {**worker_kwargs, "gpu_budgets": gpu_plan.max_memory()}
     pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=cfg.threads_per_worker,
-                                 gpus_per_worker=1.0 if gpus >= 1 else 0.0, env_inherited=started)
+                                 gpus_per_worker=float(gpu_plan.gpus) if gpu_plan else 0.0, env_inherited=started)
     return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing,
                                       route=lambda payload: payload.get("acc_index"))
 
@@ -309,6 +339,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: a local Ray started for the job)")
     p.add_argument("--workers", type=int, default=None, help="worker actors (default: one per GPU, else one per CPU)")
     p.add_argument("--threads-per-worker", type=int, default=d.threads_per_worker)
+    p.add_argument("--gpus-per-worker", type=int, default=None,
+                   help="GPUs each worker spreads the model over (default: the fewest that hold its weights, statistics "
+                        "and activations, from its config, dtype and the GPU memory; refused when too few)")
     p.add_argument("--sinks", type=int, default=d.sinks, help="leading positions kept raw (default 4)")
     p.add_argument("--window", type=int, default=d.window, help="trailing positions kept raw (default 128)")
     p.add_argument("--groups", default=d.groups, help="model (default), layer, or layers:K")
