@@ -12,6 +12,7 @@ import numpy as np
 from kvtc.artifacts import bundle, ecsq_tables, tables
 from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError
 from kvtc.artifacts.blocks import Block
+from kvtc.artifacts.groups import FeatureGroup, parse_groups
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
 from kvtc.artifacts.schema import STREAMS
 
@@ -126,8 +127,9 @@ class Artifact:
             raise IntegrityError(f"{self.name}@{self.version}: file {rel} fails its sha256 check; refusing it")
         return contained(self.path, rel)
 
-    def groups(self) -> list[tuple[int, int]]:
-        return [tuple(g) for g in self.manifest["calibration"]["groups"]]
+    def groups(self) -> list[FeatureGroup]:
+        """The basis groups (layers x KV heads); manifests written before groups had head ranges load too."""
+        return parse_groups(self.manifest["calibration"]["groups"])
 
     def ratios(self) -> list[float]:
         allocations = self.manifest.get("allocations") or {}

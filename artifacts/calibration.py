@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from kvtc.artifacts.groups import FeatureGroup, groups_json, parse_groups
+
 RELATIVE_ERROR = "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed"
 KEY_FORMS = ("rope-removed", "rope-kept")
 
@@ -17,8 +19,8 @@ KEY_FORMS = ("rope-removed", "rope-kept")
 @dataclass(frozen=True)
 class CalibrationRecord:
     """sinks, window: positions kept raw; seq_len: tokens per sequence; seed: corpus shuffle and
-    position sampling; ratios: compression ratios allocated; groups: layer ranges [a, b), one basis
-    each, cut by `group_spec` (model, layer, layers:K); sample: fraction of positions captured;
+    position sampling; ratios: compression ratios allocated; groups: FeatureGroups (layers x KV heads), one
+    basis each, cut by `group_spec` (model, layer, layers:K, auto); sample: fraction of positions captured;
     allocator: the allocator settings as a dict; tokens_requested / eval_tokens: corpus budgets;
     seqs_per_shard, holdout_fraction: the shard plan; heldout_rows_cap: held-out rows kept per
     stream; dtype: the dtype asked for, model_dtype: the one the model ran in; keys: "rope-removed"
@@ -31,7 +33,7 @@ class CalibrationRecord:
     seq_len: int
     seed: int
     ratios: tuple[float, ...]
-    groups: tuple[tuple[int, int], ...]
+    groups: tuple[FeatureGroup, ...]
     allocator: dict[str, Any]
     group_spec: str = "model"
     sample: float = 1.0
@@ -58,11 +60,11 @@ class CalibrationRecord:
         if not self.ratios or any(not float(r) > 1 for r in self.ratios):
             raise ValueError(f"calibration record: ratios must be > 1, got {list(self.ratios)}")
         try:
-            groups = tuple((int(a), int(b)) for a, b in self.groups)
-        except (TypeError, ValueError):
-            raise ValueError(f"calibration record: groups must be [start, end) layer ranges, got {self.groups!r}") from None
-        if not groups or any(b <= a for a, b in groups):
-            raise ValueError(f"calibration record: groups must be non-empty [start, end) layer ranges, got {groups}")
+            groups = tuple(parse_groups(self.groups))
+        except ValueError as exc:
+            raise ValueError(f"calibration record: bad groups ({exc})") from None
+        if not groups:
+            raise ValueError("calibration record: groups must not be empty")
         if self.holdout_fraction is not None and not 0 < self.holdout_fraction < 1:
             raise ValueError(f"calibration record: holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
         if self.keys not in KEY_FORMS:
@@ -83,7 +85,7 @@ class CalibrationRecord:
     def to_manifest(self) -> dict[str, Any]:
         """The manifest's "calibration" section (plain JSON values)."""
         out = asdict(self)
-        out["ratios"], out["groups"], out["notes"] = list(self.ratios), [list(g) for g in self.groups], list(self.notes)
+        out["ratios"], out["groups"], out["notes"] = list(self.ratios), groups_json(self.groups), list(self.notes)
         out["relative_error"] = RELATIVE_ERROR if self.keys == "rope-removed" else \
             RELATIVE_ERROR.replace("RoPE-removed", "with RoPE (as cached)")
         return out

@@ -56,6 +56,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from kvtc.artifacts.calibration import CalibrationRecord
+    from kvtc.artifacts.groups import groups_json
     from kvtc.artifacts.registry import split_ref
 
     reg = _registry(args)
@@ -67,7 +68,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         f"model: {model.get('spec')}  layers {model.get('num_layers')}  kv heads {model.get('num_kv_heads')}  "
         f"head_dim {model.get('head_dim')}",
         f"calibration: sinks {cal.sinks}  window {cal.window}  seq_len {cal.seq_len}  tokens {cal.tokens}  "
-        f"groups {[list(g) for g in cal.groups]}  ratios {list(cal.ratios)}  keys {cal.keys}",
+        f"groups {groups_json(cal.groups)}  ratios {list(cal.ratios)}  keys {cal.keys}",
         f"corpus: {manifest['corpus'].get('spec')}",
         "bases: " + ", ".join(f"{e['stream']}/g{e['group']} p={e['p']} k={e['k']}" for e in manifest["bases"]["entries"]),
         f"curves: {', '.join(manifest.get('curves', {})) or '-'}  extras: {', '.join(manifest.get('extras', [])) or '-'}",

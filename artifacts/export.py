@@ -117,7 +117,7 @@ def _check(artifact: Artifact, options: DynamoExportOptions) -> str:
                           "the projection to keys as stored, with RoPE. Recalibrate with --keys rope-kept, or pass "
                           "--allow-rope-removed if your consumer removes RoPE before compressing and re-applies it")
     if options.layout == "paged":
-        wide = [list(g) for g in cal.groups if g[1] - g[0] > 1]
+        wide = [g.to_json() for g in cal.groups if len(g.layers) > 1]
         if wide:
             raise ExportError(f"{artifact.name}@{artifact.version} has groups spanning several layers {wide}: in a "
                               "paged KV layout each layer's pages are stored apart, so such a row is not contiguous. "

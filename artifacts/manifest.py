@@ -72,7 +72,7 @@ def build_files(content: ArtifactContent, kernels_dir: Path | None = None) -> tu
         stem = f"bases/{stream}-g{int(group)}"
         files[f"{stem}.components.parquet"], files[f"{stem}.mean.parquet"] = tables.encode_basis(
             mean, eig[:k], comp[:, :k], content.bases_dtype)
-        entries.append({"stream": stream, "group": int(group), "layers": list(layers[int(group)]),
+        entries.append({"stream": stream, "group": int(group), "layers": layers[int(group)].to_json(),
                         "p": int(mean.shape[0]), "k": int(k), "components": f"{stem}.components.parquet",
                         "mean": f"{stem}.mean.parquet"})
     parts: dict = {"bases": {"dtype": content.bases_dtype, "mean_dtype": "float32", "eigenvalue_dtype": "float32",

@@ -1,7 +1,7 @@
 """What the calibration pipeline hands to `publish`: `ArtifactContent`, validated on construction.
 
-Feature layout of a group (the unit with one basis): the contiguous layer range [a, b) of the
-model, features ordered layer, then kv head, then head_dim, so p = (b - a) * kv_heads * head_dim.
+Feature layout of a group (the unit with one basis, kvtc.artifacts.groups): its layers in order,
+each layer's KV heads [h0, h1), then head_dim, so p = layers * (h1 - h0) * head_dim.
 Keys are in RoPE-removed space. Components are columns: components (p, k), k <= p.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvtc.artifacts.blocks import qtype_bits, scale_bits
+from kvtc.artifacts.groups import FeatureGroup, parse_groups
 
 SCHEMA_VERSION = 1
 STREAMS = ("keys", "values")
@@ -134,18 +135,13 @@ class ArtifactContent:
             if parts[0] in RESERVED_TOP_LEVEL:
                 raise ValueError(f"extra file {rel!r} collides with a reserved name ({', '.join(RESERVED_TOP_LEVEL)})")
 
-    def group_layers(self) -> list[tuple[int, int]]:
-        """The calibration's layer ranges [a, b), one per group."""
-        groups = self.calibration["groups"]
-        try:
-            return [(int(a), int(b)) for a, b in groups]
-        except (TypeError, ValueError):
-            raise ValueError(f"calibration groups must be a list of [start, end) layer ranges, got {groups!r}") from None
+    def group_layers(self) -> list[FeatureGroup]:
+        """The calibration's groups (layers x KV heads), one per basis; old manifests' [a, b) ranges load too."""
+        return parse_groups(self.calibration["groups"])
 
     def group_dim(self, group: int) -> int:
-        """p of a group: layers x kv_heads x head_dim."""
-        a, b = self.group_layers()[group]
-        return (b - a) * int(self.model["num_kv_heads"]) * int(self.model["head_dim"])
+        """p of a group: layers x its KV heads x head_dim."""
+        return self.group_layers()[group].dim(int(self.model["num_kv_heads"]), int(self.model["head_dim"]))
 
     def _check_bases(self) -> None:
         groups = self.group_layers()

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvtc.artifacts.blocks import block_cost_bits, qtype_bits
 from kvtc.artifacts.manifest import encode_manifest, listing_hash, manifest_digest
+from kvtc.artifacts.groups import parse_groups
 from kvtc.artifacts.schema import STREAMS, ArtifactContent
 
 PATTERN = (("fp8", 4), ("int4", 8), ("int2", 16))
@@ -49,8 +50,8 @@ def toy_content(name: str = "toy", num_layers: int = 2, num_kv_heads: int = 2, h
     corpus = {"spec": "pydoc", "shard_ids": ["a1b2", "c3d4"], "tokens": {"calibration": 4096, "holdout": 1024}}
     bases, allocations, metrics = {}, {}, []
     for stream in STREAMS:
-        for g, (a, b) in enumerate(groups):
-            p = (b - a) * num_kv_heads * head_dim
+        for g, group in enumerate(parse_groups(groups)):
+            p = group.dim(num_kv_heads, head_dim)
             components, _ = np.linalg.qr(rng.standard_normal((p, p)))
             eigenvalues = np.sort(rng.exponential(size=p))[::-1]
             bases[(stream, g)] = (rng.standard_normal(p).astype(np.float32), eigenvalues.astype(np.float32),

@@ -56,7 +56,6 @@ def heldout_bound(art, codec: KVTCCodec, caches, bits: dict[str, float]) -> dict
     """Reverse water-filling on this held-out set's variances in the stored basis, at `bits` per token
     per stream (shared among groups in proportion to their features)."""
     out = {}
-    width = codec.spec.kv_heads * codec.spec.head_dim
     for si, stream in enumerate(STREAMS):
         dist = norm = 0.0
         rows = []
@@ -69,13 +68,13 @@ def heldout_bound(art, codec: KVTCCodec, caches, bits: dict[str, float]) -> dict
                 x = codec.rope.remove(x, pos)
             rows.append(x.permute(2, 0, 1, 3).reshape(mid, -1))
         flat = torch.cat(rows)
-        for gi, (a, b) in enumerate(art.groups()):
+        for gi, group in enumerate(art.groups()):
             mean, _eig, comps = art.basis(stream, gi)
-            xc = flat[:, a * width:b * width] - torch.from_numpy(mean)
+            xc = flat[:, group.columns(codec.spec.kv_heads, codec.spec.head_dim)] - torch.from_numpy(mean)
             z = xc @ torch.from_numpy(comps)
             var = z.double().square().mean(0).numpy()
             outside = float(xc.double().square().sum() - z.double().square().sum()) / flat.shape[0]
-            budget = bits[stream] * (b - a) / codec.spec.num_layers
+            budget = bits[stream] * mean.shape[0] / codec.spec.features
             dist += waterfilling_distortion(var, budget, max(outside, 0.0)) * flat.shape[0]
         norm = float(flat.double().square().sum())
         out[stream] = math.sqrt(dist / norm)

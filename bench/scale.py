@@ -82,7 +82,7 @@ def one_run(spec: str, args: argparse.Namespace) -> dict:
         summary = run(cfg, in_process=not args.ray)
     wall = time.perf_counter() - t0
     width = geometry.kv_heads * geometry.head_dim
-    dims = [(b - a) * width for a, b in CaptureSettings(groups=groups).group_layers(geometry.layers)]
+    dims = [len(g.layers) * width for g in CaptureSettings(groups=groups).group_layers(geometry.layers)]
     r = summary["run"]
     out = {
         "run": spec, "p": geometry.features, "groups": groups, "tokens": tokens, "train_shards": r["shards_run"],

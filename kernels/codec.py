@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
+from kvtc.artifacts.groups import group_columns
 from kvtc.kernels import ecsq
 from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
                                BlobHeader, Section, SectionKey, read_blob, write_blob)
@@ -93,13 +94,20 @@ class KVTCCodec:
     def _params(self, stream: str, device: torch.device) -> tuple[torch.Tensor, list]:
         key = (stream, str(device))
         if key not in self._on_device:
-            width = self.spec.kv_heads * self.spec.head_dim
             groups = self.spec.streams[stream]
-            mean = torch.cat([g.mean for g in groups]).to(device)
-            parts = [(slice(g.layers[0] * width, g.layers[1] * width), g.components[:, : g.kept].to(device), g)
-                     for g in groups]
+            cols = self._columns(device)
+            mean = torch.empty(self.spec.features, dtype=torch.float32, device=device)
+            for c, g in zip(cols, groups):
+                mean[c] = g.mean.to(device)
+            parts = [(c, g.components[:, : g.kept].to(device), g) for c, g in zip(cols, groups)]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
+
+    def _columns(self, device: torch.device) -> list[slice | torch.Tensor]:
+        """Each group's columns in a token's (layer, KV head, head_dim) features: a slice, or an index tensor."""
+        s = self.spec
+        return [c if isinstance(c, slice) else torch.as_tensor(c, device=device)
+                for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.head_dim)]
 
     def split(self, tokens: int, start: int) -> tuple[int, int, int]:
         """(raw head, coded middle, raw tail) token counts for a cache of `tokens` starting at `start`."""
@@ -172,9 +180,8 @@ class KVTCCodec:
     def _ecsq_params(self, stream: str, device: torch.device) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
         key = (f"ecsq:{stream}", str(device))
         if key not in self._on_device:
-            width = self.spec.kv_heads * self.spec.head_dim
-            self._on_device[key] = [(slice(g.layers[0] * width, g.layers[1] * width), g.components.to(device),
-                                     g.offsets.to(device)) for g in self.spec.ecsq[stream]]
+            self._on_device[key] = [(c, g.components.to(device), g.offsets.to(device))
+                                    for c, g in zip(self._columns(device), self.spec.ecsq[stream])]
         return self._on_device[key]
 
     def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device) -> list[Section]:

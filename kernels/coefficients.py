@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import ecsq
 from kvtc.kernels.backend import Ops, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
@@ -89,15 +90,19 @@ class CoefficientCoder:
         self.mode, self.rate_control = mode, rate_control
         self.rope = RopeSpec.from_dict(spec.rope) if spec.rope else None
         self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        width = spec.kv_heads * spec.head_dim
-        self.width = width
-        # layer -> (group index, row offset of the layer inside the group's features)
-        self.layer_group = {l: (gi, (l - g.layers[0]) * width)
-                            for gi, g in enumerate(spec.streams["keys"]) for l in range(*g.layers)}
+        # layer -> [(group index, row offset of the layer inside the group's features, (h0, h1))], a
+        # layer in several groups when groups split its KV heads; layer_group: its first (group, row)
+        self.layer_parts: dict[int, list[tuple[int, int, tuple[int, int]]]] = {}
+        for gi, g in enumerate(spec.streams["keys"]):
+            heads = g.group.head_range(spec.kv_heads)
+            for l in g.group.layers:
+                row = g.group.layer_offset(l, spec.kv_heads, spec.head_dim)
+                self.layer_parts.setdefault(l, []).append((gi, row, heads))
+        self.layer_group = {l: parts[0][:2] for l, parts in self.layer_parts.items()}
         for stream in STREAMS if mode == "fixed" else ():
             for g in spec.streams[stream]:
                 if any(b.qtype not in _BLOCK_TYPES for b in g.blocks):
-                    raise ValueError(f"{stream} group {g.layers}: block types {sorted({b.qtype for b in g.blocks})} "
+                    raise ValueError(f"{stream} group {g.group.label}: block types {sorted({b.qtype for b in g.blocks})} "
                                      f"are not all per-block min/max or fp8 types {_BLOCK_TYPES}")
 
     def _group(self, stream: str, gi: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,8 +149,7 @@ class CoefficientCoder:
             groups = []
             for gi, g in enumerate(s.streams[stream]):
                 mean, comps = self._group(stream, gi, dev)
-                a, b = g.layers
-                feat = ops.rope_center(cache[a:b], cos, sin, mean, layout)
+                feat = ops.rope_center(_group_cache(cache, g.group, H), cos, sin, mean, layout)
                 z = (feat @ comps).contiguous()
                 if self.mode == "ecsq":
                     groups.append(self._encode_ecsq(z, stream, gi, B, n))
@@ -183,17 +187,29 @@ class CoefficientCoder:
 
     def decode_layer(self, coded: CodedTokens, z: torch.Tensor, stream: str, layer: int, dtype: torch.dtype
                      ) -> torch.Tensor:
-        """z of the layer's group (from `coefficients`) -> that layer's cache (B, H, n, D) in `dtype`."""
-        gi, row = self.layer_group[layer]
-        dev = z.device
-        mean, comps = self._group(stream, gi, dev)
-        rows = slice(row, row + self.width)
-        feat = z @ comps[rows].T  # (B*n, H*D): only this layer's rows of the components
-        H, D, B, n = self.spec.kv_heads, self.spec.head_dim, coded.batch, coded.tokens
-        out = torch.empty(1, H, B * n, D, dtype=dtype, device=dev)
+        """z of the layer's group (from `coefficients`) -> that layer's cache (B, H, n, D) in `dtype`.
+        A layer whose heads are split over groups: z is a dict {group index: z} of those groups."""
+        D, B, n = self.spec.head_dim, coded.batch, coded.tokens
+        parts = self.layer_parts[layer]
+        zs = z if isinstance(z, dict) else {parts[0][0]: z}
+        dev = next(iter(zs.values())).device
+        out = torch.empty(1, self.spec.kv_heads, B * n, D, dtype=dtype, device=dev)
         cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev)
-        self._ops(dev).rope_restore(feat, cos, sin, mean[rows].contiguous(), out, layout)
-        return out[0].reshape(H, B, n, D).transpose(0, 1)
+        for gi, row, (h0, h1) in parts:
+            mean, comps = self._group(stream, gi, dev)
+            rows = slice(row, row + (h1 - h0) * D)
+            feat = zs[gi] @ comps[rows].T  # (B*n, heads*D): only this layer's rows of the components
+            self._ops(dev).rope_restore(feat, cos, sin, mean[rows].contiguous(), out[:, h0:h1], layout)
+        return out[0].reshape(-1, B, n, D).transpose(0, 1)
+
+
+def _group_cache(cache: torch.Tensor, group: FeatureGroup, kv_heads: int) -> torch.Tensor:
+    """cache (L, H, N, D) -> the group's layers and heads (L_g, H_g, N, D), a view when its layers are a range."""
+    h0, h1 = group.head_range(kv_heads)
+    a = group.layers[0]
+    if group.layers == tuple(range(a, a + len(group.layers))):
+        return cache[a:a + len(group.layers), h0:h1]
+    return cache[list(group.layers), h0:h1]
 
 
 _BLOCK_TYPES = ("int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8", "none")

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.blob import BlobError
 
 MAX_SYMBOL = 1 << 30
@@ -43,10 +44,10 @@ class SymbolModel(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class EcsqGroup:
-    """One basis at one ratio: layers [a, b); mean (p,), components (p, kept) float32; step; model
+    """One basis at one ratio: its group (layers x KV heads); mean (p,), components (p, kept) float32; step; model
     (kept,) int index into `models` per component; offsets (kept, C) float32 centroid offsets in steps."""
 
-    layers: tuple[int, int]
+    group: FeatureGroup
     mean: torch.Tensor
     components: torch.Tensor
     step: float
@@ -57,19 +58,19 @@ class EcsqGroup:
     def __post_init__(self) -> None:
         p, kept = self.components.shape if self.components.ndim == 2 else (-1, -1)
         if self.mean.ndim != 1 or p != self.mean.shape[0]:
-            raise ValueError(f"ECSQ group {self.layers}: mean {tuple(self.mean.shape)} and components "
+            raise ValueError(f"ECSQ group {self.group.label}: mean {tuple(self.mean.shape)} and components "
                              f"{tuple(self.components.shape)} must be (p,) and (p, kept)")
         if not (self.step > 0 and np.isfinite(self.step)):
-            raise ValueError(f"ECSQ group {self.layers}: step must be a positive finite number, got {self.step}")
+            raise ValueError(f"ECSQ group {self.group.label}: step must be a positive finite number, got {self.step}")
         if self.model.shape != (kept,) or self.offsets.ndim != 2 or self.offsets.shape[0] != kept \
                 or self.offsets.shape[1] < 1:
-            raise ValueError(f"ECSQ group {self.layers}: model {self.model.shape} and offsets "
+            raise ValueError(f"ECSQ group {self.group.label}: model {self.model.shape} and offsets "
                              f"{tuple(self.offsets.shape)} must be ({kept},) and ({kept}, C)")
         if kept and (self.model.min() < 0 or self.model.max() >= len(self.models)):
-            raise ValueError(f"ECSQ group {self.layers}: a component names a symbol model outside 0..{len(self.models) - 1}")
+            raise ValueError(f"ECSQ group {self.group.label}: a component names a symbol model outside 0..{len(self.models) - 1}")
         for m in self.models:
             if m.radius < 0 or m.counts.shape != (2 * m.radius + 2,) or m.counts.min() < 1:
-                raise ValueError(f"ECSQ group {self.layers}: a symbol model needs 2 radius + 2 counts, each >= 1")
+                raise ValueError(f"ECSQ group {self.group.label}: a symbol model needs 2 radius + 2 counts, each >= 1")
 
     @property
     def kept(self) -> int:

@@ -56,18 +56,19 @@ class _CodedStore:
 
     def layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Coded tokens of `layer` -> keys, values (B, H, coded tokens, D) in `dtype`."""
-        gi, _ = self.coder.layer_group[layer]
-        last = self.coder.spec.streams["keys"][gi].layers[1] - 1
+        groups = [gi for gi, _, _ in self.coder.layer_parts[layer]]
         out = []
         for stream in ("keys", "values"):
-            zs = self._z.get((stream, gi))
-            if zs is None:
-                zs = [self.coder.coefficients(c, stream, gi) for c in self.chunks]
-                self._z[(stream, gi)] = zs
-            out.append(torch.cat([self.coder.decode_layer(c, z, stream, layer, dtype)
-                                  for c, z in zip(self.chunks, zs)], dim=2))
-            if layer == last:
-                del self._z[(stream, gi)]
+            per_group = {}
+            for gi in groups:
+                if (stream, gi) not in self._z:
+                    self._z[(stream, gi)] = [self.coder.coefficients(c, stream, gi) for c in self.chunks]
+                per_group[gi] = self._z[(stream, gi)]
+            out.append(torch.cat([self.coder.decode_layer(c, {gi: zs[i] for gi, zs in per_group.items()}, stream,
+                                                          layer, dtype) for i, c in enumerate(self.chunks)], dim=2))
+            for gi in groups:
+                if layer == max(self.coder.spec.streams["keys"][gi].group.layers):
+                    del self._z[(stream, gi)]
         return out[0], out[1]
 
 

@@ -1,8 +1,8 @@
 """CodecSpec: everything the runtime codec needs, decoupled from how it was calibrated.
 
 Built from an Artifact (`CodecSpec.from_artifact`) or directly from tensors (tests, benches).
-One GroupCode per (stream, group): a group is a contiguous range of layers [a, b) whose
-features (layer, kv head, head_dim order) get one basis.
+One GroupCode per (stream, group): a group (kvtc.artifacts.groups.FeatureGroup) is an ordered set
+of layers x a KV head range [h0, h1) whose features (layer, kv head, head_dim order) get one basis.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from kvtc.artifacts.blocks import Block, qtype_bits
 from kvtc.artifacts.fingerprint import model_id
+from kvtc.artifacts.groups import FeatureGroup, check_cover, parse_groups
 from kvtc.artifacts.schema import STREAMS
 from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
 
@@ -24,10 +25,10 @@ CodedBlock = Block  # the allocation block of kvtc.artifacts.blocks, under the r
 
 @dataclass(frozen=True, eq=False)
 class GroupCode:
-    """One basis: layers [a, b); mean (p_g,) and components (p_g, k) float32; blocks sorted, disjoint
-    (components in gaps are coded as "none")."""
+    """One basis: its group (layers x KV heads); mean (p_g,) and components (p_g, k) float32; blocks
+    sorted, disjoint (components in gaps are coded as "none")."""
 
-    layers: tuple[int, int]
+    group: FeatureGroup
     mean: torch.Tensor
     components: torch.Tensor
     blocks: tuple[CodedBlock, ...]
@@ -35,17 +36,17 @@ class GroupCode:
     def __post_init__(self) -> None:
         p = self.mean.shape[0]
         if self.mean.ndim != 1 or self.components.ndim != 2 or self.components.shape[0] != p:
-            raise ValueError(f"group {self.layers}: mean {tuple(self.mean.shape)} and components "
+            raise ValueError(f"group {self.group.label}: mean {tuple(self.mean.shape)} and components "
                              f"{tuple(self.components.shape)} must be (p,) and (p, k)")
         pos = 0
         for b in self.blocks:
             if b.start < pos or b.size < 1:
-                raise ValueError(f"group {self.layers}: blocks must be sorted and disjoint; {b} starts before {pos}")
+                raise ValueError(f"group {self.group.label}: blocks must be sorted and disjoint; {b} starts before {pos}")
             if qtype_bits(b.qtype) != b.bits:
-                raise ValueError(f"group {self.layers}: block {b} has bits {b.bits}, type says {qtype_bits(b.qtype)}")
+                raise ValueError(f"group {self.group.label}: block {b} has bits {b.bits}, type says {qtype_bits(b.qtype)}")
             pos = b.start + b.size
         if pos > self.components.shape[1]:
-            raise ValueError(f"group {self.layers}: blocks cover {pos} components, basis has {self.components.shape[1]}")
+            raise ValueError(f"group {self.group.label}: blocks cover {pos} components, basis has {self.components.shape[1]}")
 
     @property
     def kept(self) -> int:
@@ -80,20 +81,17 @@ class CodecSpec:
             raise ValueError(f"ratio must be a positive number, got {self.ratio}")
         if set(self.streams) != set(STREAMS):
             raise ValueError(f"streams must be exactly {STREAMS}, got {sorted(self.streams)}")
-        width = self.kv_heads * self.head_dim
         for stream, groups in self.streams.items():
-            pos = 0
+            check_cover([g.group for g in groups], range(self.num_layers), self.kv_heads, f"{stream} groups")
             for g in groups:
-                a, b = g.layers
-                if a != pos or b <= a or g.mean.shape[0] != (b - a) * width:
-                    raise ValueError(f"{stream}: groups must tile layers 0..{self.num_layers} in order with "
-                                     f"p_g = layers * {width}; got {g.layers} with p_g {g.mean.shape[0]}")
-                pos = b
-            if pos != self.num_layers:
-                raise ValueError(f"{stream}: groups cover {pos} of {self.num_layers} layers")
+                if g.mean.shape[0] != g.group.dim(self.kv_heads, self.head_dim):
+                    raise ValueError(f"{stream} group {g.group.label}: p_g {g.mean.shape[0]} is not layers x heads "
+                                     f"x {self.head_dim} = {g.group.dim(self.kv_heads, self.head_dim)}")
+        if [g.group for g in self.streams["keys"]] != [g.group for g in self.streams["values"]]:
+            raise ValueError("keys and values must have the same groups in the same order")
         if self.ecsq is not None:
             if set(self.ecsq) != set(STREAMS) or any(
-                    [e.layers for e in self.ecsq[st]] != [g.layers for g in self.streams[st]] for st in STREAMS):
+                    [e.group for e in self.ecsq[st]] != [g.group for g in self.streams[st]] for st in STREAMS):
                 raise ValueError("ECSQ groups must match the fixed-rate groups stream by stream")
 
     @property
@@ -107,17 +105,17 @@ class CodecSpec:
         m = artifact.manifest
         fp, cal = m["model"], m["calibration"]
         num_layers = int(fp["num_layers"])
-        groups = [tuple(int(v) for v in g) for g in cal.get("groups") or [[0, num_layers]]]
+        groups = parse_groups(cal.get("groups") or [[0, num_layers]])
         streams: dict[str, tuple[GroupCode, ...]] = {}
         for stream in STREAMS:
             codes = []
-            for gi, (a, b) in enumerate(groups):
+            for gi, group in enumerate(groups):
                 mean, _eig, comps = artifact.basis(stream, gi)
                 blocks = tuple(CodedBlock(int(s), int(n), str(t), int(bits))
                                for s, n, t, bits in artifact.allocation(ratio, stream, gi))
                 kept = max((b.start + b.size for b in blocks if b.bits), default=0)
                 blocks = tuple(b for b in blocks if b.start < kept)
-                codes.append(GroupCode((a, b), torch.as_tensor(mean, dtype=torch.float32).contiguous(),
+                codes.append(GroupCode(group, torch.as_tensor(mean, dtype=torch.float32).contiguous(),
                                        torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(), blocks))
             streams[stream] = tuple(codes)
         return cls(name=str(m["name"]), version=str(m["version"]), ratio=float(ratio), model_id=model_id(fp),
@@ -134,13 +132,13 @@ def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[E
     out = {}
     for stream in STREAMS:
         codes = []
-        for gi, layers in enumerate(groups):
+        for gi, group in enumerate(groups):
             table = artifact.ecsq(ratio, stream, gi)
             if table is None:
                 return None
             mean, _eig, comps = artifact.basis(stream, gi)
             kept = int(table["kept"])
-            codes.append(EcsqGroup(tuple(layers), torch.as_tensor(mean, dtype=torch.float32).contiguous(),
+            codes.append(EcsqGroup(group, torch.as_tensor(mean, dtype=torch.float32).contiguous(),
                                    torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(),
                                    float(table["step"]), np.asarray(table["model"], dtype=np.int64),
                                    torch.as_tensor(table["offsets"], dtype=torch.float32),

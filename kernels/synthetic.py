@@ -11,6 +11,7 @@ import random
 import torch
 
 from kvtc.artifacts.blocks import QTYPES, block_cost_bits, qtype_bits
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.rope import RopeSpec
 from kvtc.kernels.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
 
@@ -55,22 +56,22 @@ def random_blocks(k: int, seed: int) -> tuple[CodedBlock, ...]:
 
 
 def synthetic_spec(num_layers: int, kv_heads: int, head_dim: int, ratio: float = 16.0, *,
-                   groups: list[tuple[int, int]] | None = None, sinks: int = 4, window: int = 128, seed: int = 0,
+                   groups: list[tuple[int, int] | FeatureGroup] | None = None, sinks: int = 4, window: int = 128, seed: int = 0,
                    kept: int | None = None, rope_theta: float | None = 10000.0, name: str = "synthetic",
                    version: str = "v0") -> CodecSpec:
-    """CodecSpec with random orthonormal bases; allocation by budget_blocks, or random_blocks over `kept`."""
-    groups = groups or [(0, num_layers)]
-    width = kv_heads * head_dim
+    """CodecSpec with random orthonormal bases; allocation by budget_blocks, or random_blocks over `kept`.
+    groups: FeatureGroups, or (a, b) pairs meaning layers [a, b) (default: one group of every layer)."""
+    groups = [g if isinstance(g, FeatureGroup) else FeatureGroup.span(*g) for g in groups or [(0, num_layers)]]
     streams = {}
     for si, stream in enumerate(STREAMS):
         codes = []
-        for gi, (a, b) in enumerate(groups):
-            p = (b - a) * width
+        for gi, group in enumerate(groups):
+            p = group.dim(kv_heads, head_dim)
             blocks = random_blocks(kept, seed + 7 * si + gi) if kept else budget_blocks(p, ratio)
             k = blocks[-1].start + blocks[-1].size if blocks else 0
             basis = _orthonormal(p, seed + 101 * si + gi)[:, :k].contiguous()
             g = torch.Generator().manual_seed(seed + 13 * si + gi)
-            codes.append(GroupCode((a, b), torch.randn(p, generator=g) * 0.5, basis, blocks))
+            codes.append(GroupCode(group, torch.randn(p, generator=g) * 0.5, basis, blocks))
         streams[stream] = tuple(codes)
     rope = None
     if rope_theta is not None:

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len, raw_cache
 from kvtc.workers.models import load_model
 from kvtc.workers.tiny import TINY_ARCHS
@@ -92,9 +93,10 @@ def test_sampling_is_deterministic_and_content_seeded():
 
 
 def test_group_layers_and_settings_validation():
-    assert CaptureSettings().group_layers(30) == [(0, 30)]
-    assert CaptureSettings(groups="layer").group_layers(3) == [(0, 1), (1, 2), (2, 3)]
-    assert CaptureSettings(groups="layers:4").group_layers(30)[-2:] == [(24, 28), (28, 30)]
+    span = FeatureGroup.span
+    assert CaptureSettings().group_layers(30) == [span(0, 30)]
+    assert CaptureSettings(groups="layer").group_layers(3) == [span(0, 1), span(1, 2), span(2, 3)]
+    assert CaptureSettings(groups="layers:4").group_layers(30)[-2:] == [span(24, 28), span(28, 30)]
     assert CaptureSettings.from_dict(CaptureSettings(groups="layers:2").to_dict()) == CaptureSettings(groups="layers:2")
     for bad in ({"groups": "heads"}, {"groups": "layers:0"}, {"sinks": -1}, {"sample": 0.0}, {"sample": 1.5}):
         with pytest.raises(ValueError):

@@ -25,9 +25,8 @@ def reference_reconstruction(spec: CodecSpec, cache: torch.Tensor, stream: str, 
         x = rope.remove(x, pos)
     flat = x.permute(2, 0, 1, 3).reshape(mid, -1)
     out = torch.empty_like(flat)
-    width = H * D
     for g in spec.streams[stream]:
-        cols = slice(g.layers[0] * width, g.layers[1] * width)
+        cols = g.group.columns(H, D)
         z = (flat[:, cols] - g.mean) @ g.components
         zhat = torch.zeros_like(z)
         for b in g.blocks:
@@ -114,7 +113,7 @@ class FakeArtifact:
         self.spec = spec
         self.manifest = {"name": "fake", "version": "v3", "model": fingerprint,
                          "calibration": {"sinks": spec.sinks, "window": spec.window,
-                                         "groups": [list(g.layers) for g in spec.streams["keys"]]}}
+                                         "groups": [g.group.to_json() for g in spec.streams["keys"]]}}
 
     def basis(self, stream, group=0):
         g = self.spec.streams[stream][group]
@@ -177,3 +176,27 @@ def test_codec_from_registry_with_a_published_toy_artifact(tmp_path):
     other = KVTCCodec.from_registry("toy@latest", 8.0, registry=str(tmp_path))
     with pytest.raises(BlobError, match="ratio"):
         other.decode(blob)
+
+
+def test_roundtrip_with_layer_sets_and_head_ranges_equals_reference():
+    """Groups as (ordered layer set x KV head range): non-contiguous layers, heads split across groups."""
+    from kvtc.artifacts.groups import FeatureGroup
+
+    groups = [FeatureGroup((2, 0), (0, 1)), FeatureGroup((0, 2), (1, 3)), FeatureGroup((1,))]
+    spec = synthetic_spec(3, 3, 8, groups=groups, sinks=2, window=3, kept=12, rope_theta=None, seed=5)
+    keys, values = synthetic_cache(spec, 17, torch.float32, seed=2)
+    codec = KVTCCodec(spec)
+    for mode_blob in (codec.encode(keys, values),):
+        k2, v2 = codec.decode(mode_blob)
+        for orig, dec, stream in ((keys, k2, "keys"), (values, v2, "values")):
+            assert torch.equal(dec[:, :, :2], orig[:, :, :2]) and torch.equal(dec[:, :, -3:], orig[:, :, -3:])
+            assert torch.allclose(dec[:, :, 2:-3], reference_reconstruction(spec, orig, stream, 0), atol=1e-5)
+
+
+def test_groups_must_cover_every_layer_and_head_once():
+    from kvtc.artifacts.groups import FeatureGroup
+
+    with pytest.raises(ValueError, match="layer 0 head 1 is in two groups"):
+        synthetic_spec(2, 2, 8, groups=[FeatureGroup((0, 1)), FeatureGroup((0,), (1, 2))], kept=4)
+    with pytest.raises(ValueError, match="missing"):
+        synthetic_spec(2, 2, 8, groups=[FeatureGroup((0, 1), (0, 1))], kept=4)

@@ -5,6 +5,7 @@ import inspect
 import pytest
 import torch
 
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
 from kvtc.kernels.kvtc_cache import cache_tensors, compress_cache, restore_cache
 from kvtc.kernels.rope import RopeSpec
@@ -24,7 +25,7 @@ def near_lossless_spec(model, sinks: int = 3, window: int = 5) -> CodecSpec:
     for stream in ("keys", "values"):
         q, _ = torch.linalg.qr(torch.randn(p, p, generator=g))
         blocks = tuple(CodedBlock(s, min(16, p - s), "int8", 8) for s in range(0, p, 16))
-        streams[stream] = (GroupCode((0, L), torch.zeros(p), q.contiguous(), blocks),)
+        streams[stream] = (GroupCode(FeatureGroup.span(0, L), torch.zeros(p), q.contiguous(), blocks),)
     return CodecSpec("tiny", "v0", 2.0, "tiny", L, H, D, sinks, window,
                      rope_from_config(cfg).to_dict(), streams)
 
@@ -92,11 +93,11 @@ def _calibrated_smollm2_codec(lm, ratio: float, sinks: int, window: int) -> KVTC
     streams = {}
     for stream in ("keys", "values"):
         codes = []
-        for gi, (a, b) in enumerate(stats.groups):
+        for gi, group in enumerate(stats.groups):
             basis = pca.pca_from_moments(*stats.stream(stream, gi))
             (alloc,) = allocator.allocate([ratio], basis, None, analytic)
             blocks = tuple(CodedBlock(x.start, x.size, x.qtype, x.bits) for x in alloc.blocks)
-            codes.append(GroupCode((a, b), torch.as_tensor(basis.mean, dtype=torch.float32),
+            codes.append(GroupCode(group, torch.as_tensor(basis.mean, dtype=torch.float32),
                                    torch.as_tensor(basis.components[:, :alloc.kept], dtype=torch.float32), blocks))
         streams[stream] = tuple(codes)
     spec = CodecSpec("smollm2-test", "v0", ratio, "smollm2", lm.num_layers, lm.num_kv_heads, lm.head_dim,

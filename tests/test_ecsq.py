@@ -7,6 +7,7 @@ import torch
 
 from kvtc.artifacts import publish, pull
 from kvtc.artifacts.ecsq_tables import decode_ecsq, encode_ecsq
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.testing import toy_content
 from kvtc.kernels import BlobError, CodecSpec, KVTCCodec, read_blob
 from kvtc.kernels.blob import TAG_ECSQ, Section, write_blob
@@ -22,8 +23,8 @@ def _gaussian(lam: np.ndarray, n: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(n, lam.shape[0], generator=g, dtype=torch.float64) * torch.from_numpy(np.sqrt(lam))).float()
 
 
-def _group(fit: EcsqFit, mean: torch.Tensor, components: torch.Tensor, layers=(0, 1)) -> EcsqGroup:
-    return EcsqGroup(layers, mean, components[:, :fit.kept].contiguous(), fit.step, fit.model.astype(np.int64),
+def _group(fit: EcsqFit, mean: torch.Tensor, components: torch.Tensor, group=FeatureGroup((0,))) -> EcsqGroup:
+    return EcsqGroup(group, mean, components[:, :fit.kept].contiguous(), fit.step, fit.model.astype(np.int64),
                      torch.from_numpy(fit.offsets), fit.models)
 
 
@@ -99,11 +100,11 @@ def _ecsq_spec(ratio: float = 8.0, seed: int = 0) -> CodecSpec:
         flat = cache.float().permute(2, 0, 1, 3).reshape(400, -1)
         groups = []
         for g in base.streams[stream]:
-            cols = slice(g.layers[0] * 32, g.layers[1] * 32)
+            cols = g.group.columns(2, 16)
             full = synthetic_spec(2, 2, 16, 1.5, groups=[(0, 1), (1, 2)], kept=32, seed=seed)  # all components
-            comps = next(x for x in full.streams[stream] if x.layers == g.layers).components
+            comps = next(x for x in full.streams[stream] if x.group == g.group).components
             z = (flat[:, cols] - g.mean) @ comps
-            groups.append(_group(fit_ecsq(ratio, z, 32), g.mean, comps, g.layers))
+            groups.append(_group(fit_ecsq(ratio, z, 32), g.mean, comps, g.group))
         ecsq[stream] = tuple(groups)
     return CodecSpec(**{**{k: getattr(base, k) for k in ("name", "version", "ratio", "model_id", "num_layers", "kv_heads",
                                                         "head_dim", "sinks", "window", "rope", "streams")}, "ecsq": ecsq})

@@ -6,6 +6,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
+from kvtc.artifacts.groups import FeatureGroup  # noqa: E402
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCache, KVTCCodec  # noqa: E402
 from kvtc.kernels.coefficients import CoefficientCoder  # noqa: E402
 from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
@@ -26,7 +27,7 @@ def near_lossless_spec(model, sinks: int = 3, window: int = 5, groups=None, rope
             p = (b - a) * H * D
             q, _ = torch.linalg.qr(torch.randn(p, p, generator=g))
             blocks = tuple(CodedBlock(s, min(16, p - s), "int8", 8) for s in range(0, p, 16))
-            codes.append(GroupCode((a, b), torch.randn(p, generator=g) * 0.1, q.contiguous(), blocks))
+            codes.append(GroupCode(FeatureGroup.span(a, b), torch.randn(p, generator=g) * 0.1, q.contiguous(), blocks))
         streams[stream] = tuple(codes)
     return CodecSpec("tiny", "v0", 2.0, "tiny", L, H, D, sinks, window,
                      rope_from_config(cfg).to_dict() if rope else None, streams)
@@ -96,19 +97,24 @@ def test_rope_kept_basis_runs_without_rope_removal():
     assert cache.coded_tokens > 0 and got_tokens == want_tokens
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_layer_decode_matches_codec_decode(backend):
-    """Per-layer decode from the coefficients equals the blob codec's decode of the same tokens."""
-    spec = synthetic_spec(3, 2, 8, 4.0, groups=[(0, 2), (2, 3)], sinks=0, window=0, seed=5)
+SPLIT_GROUPS = [FeatureGroup((2, 0), (0, 1)), FeatureGroup((0, 2), (1, 2)), FeatureGroup((1,))]
+
+
+@pytest.mark.parametrize("backend,groups", [("torch", [(0, 2), (2, 3)]), ("triton", [(0, 2), (2, 3)]),
+                                            ("torch", SPLIT_GROUPS), ("triton", SPLIT_GROUPS)])
+def test_layer_decode_matches_codec_decode(backend, groups):
+    """Per-layer decode from the coefficients equals the blob codec's decode of the same tokens (also with
+    groups over non-contiguous layers and split KV heads)."""
+    spec = synthetic_spec(3, 2, 8, 4.0, groups=groups, sinks=0, window=0, seed=5)
     keys, values = synthetic_cache(spec, 13, dtype=torch.float32, start=40)
     codec = KVTCCodec(spec, backend=backend)
     want_k, want_v = codec.decode(codec.encode(keys, values, start=40))
     coder = CoefficientCoder(spec, backend)
     coded = coder.encode(keys[:, None], values[:, None], 40)
     for layer in range(3):
-        gi, _ = coder.layer_group[layer]
         for stream, want in (("keys", want_k), ("values", want_v)):
-            got = coder.decode_layer(coded, coder.coefficients(coded, stream, gi), stream, layer, torch.float32)
+            z = {gi: coder.coefficients(coded, stream, gi) for gi, _, _ in coder.layer_parts[layer]}
+            got = coder.decode_layer(coded, z, stream, layer, torch.float32)
             assert got.shape == (1, 2, 13, 8)
             torch.testing.assert_close(got[0], want[layer], rtol=1e-4, atol=1e-4)
 
@@ -165,9 +171,9 @@ def calibrated_spec(model, ratio: float, sinks: int = 3, window: int = 5, groups
             comps = vec.flip(1).float().contiguous()
             blocks = budget_blocks(feat.shape[1], ratio)
             kept = blocks[-1].start + blocks[-1].size
-            codes.append(GroupCode((a, b), mean, comps[:, :kept].contiguous(), blocks))
+            codes.append(GroupCode(FeatureGroup.span(a, b), mean, comps[:, :kept].contiguous(), blocks))
             fit = fit_ecsq(ratio, (feat - mean) @ comps, feat.shape[1])
-            tables.append(EcsqGroup((a, b), mean, comps[:, :fit.kept].contiguous(), fit.step,
+            tables.append(EcsqGroup(FeatureGroup.span(a, b), mean, comps[:, :fit.kept].contiguous(), fit.step,
                                     fit.model.astype("int64"), torch.from_numpy(fit.offsets), fit.models))
         streams[stream], ecsq[stream] = tuple(codes), tuple(tables)
     return CodecSpec("tiny", "v0", float(ratio), "tiny", L, H, D, sinks, window, rope.to_dict(), streams, ecsq)

@@ -41,10 +41,9 @@ def test_stats_equal_direct_numpy(lm, groups):
     cap = capture_kv(lm, _ids(2, 300, seed=0), settings)
     stats = CalibrationStats.new(lm.fingerprint, settings, shard_ids=("s0",))
     stats.update(cap)
-    width = lm.num_kv_heads * lm.head_dim
-    for g, (a, b) in enumerate(settings.group_layers(lm.num_layers)):
+    for g, group in enumerate(settings.group_layers(lm.num_layers)):
         for stream in ("keys", "values"):
-            rows = getattr(cap, stream)[:, a * width : b * width].numpy()
+            rows = getattr(cap, stream)[:, group.columns(lm.num_kv_heads, lm.head_dim)].numpy()
             _assert_moments(stats, stream, g, rows)
     assert len(stats.dims) == len(settings.group_layers(lm.num_layers)) and sum(stats.dims) == cap.keys.shape[1]
 

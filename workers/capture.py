@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.workers.models import LoadedModel
 
 KEY_FORMS = ("rope-removed", "rope-kept")
@@ -39,12 +40,12 @@ class CaptureSettings:
             if head != "layers" or not k.isdigit() or int(k) < 1:
                 raise ValueError(f"groups must be 'model', 'layer' or 'layers:K' with K >= 1, got {self.groups!r}")
 
-    def group_layers(self, num_layers: int) -> list[tuple[int, int]]:
-        """Layer ranges [a, b) of each group, in order."""
+    def group_layers(self, num_layers: int) -> list[FeatureGroup]:
+        """The groups (one basis each), in order: layer ranges [a, b) over all KV heads."""
         if self.groups == "model":
-            return [(0, num_layers)]
+            return [FeatureGroup.span(0, num_layers)]
         k = 1 if self.groups == "layer" else int(self.groups.split(":")[1])
-        return [(a, min(a + k, num_layers)) for a in range(0, num_layers, k)]
+        return [FeatureGroup.span(a, min(a + k, num_layers)) for a in range(0, num_layers, k)]
 
     def eligible(self, seq_len: int) -> int:
         return seq_len - self.sinks - self.window

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups
 from kvtc.artifacts.schema import STREAMS
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
@@ -56,17 +57,16 @@ class CalibrationStats:
 
     fingerprint: dict[str, Any]
     settings: dict[str, Any]
-    groups: list[tuple[int, int]]
+    groups: list[FeatureGroup]
     dims: list[int]
     shard_ids: tuple[str, ...] = ()
     moments: dict[tuple[str, int], _Moments] = field(default_factory=dict)
 
     @classmethod
     def new(cls, fingerprint: dict[str, Any], settings: CaptureSettings, shard_ids: tuple[str, ...] = ()) -> "CalibrationStats":
-        """Empty statistics; group g has (b - a) * kv_heads * head_dim features for its layers [a, b)."""
+        """Empty statistics; group g has layers x its KV heads x head_dim features."""
         groups = settings.group_layers(int(fingerprint["num_layers"]))
-        width = int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
-        dims = [(b - a) * width for a, b in groups]
+        dims = [g.dim(int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])) for g in groups]
         return cls(dict(fingerprint), settings.to_dict(), groups, dims, tuple(shard_ids))
 
     def _get(self, stream: str, group: int, device: torch.device) -> _Moments:
@@ -88,16 +88,18 @@ class CalibrationStats:
                 raise ValueError(f"captured {stream} must be (N, {sum(self.dims)}), got {tuple(x.shape)}")
             x = x.to(torch.float32)
             tf32 = x.is_cuda and captured.source_dtype in ("bfloat16", "float16")
-            start = 0
-            for g, p in enumerate(self.dims):
+            for g, cols in enumerate(self._columns()):
                 m = self._get(stream, g, x.device)
                 if m.gram.device != x.device:
                     m.sum, m.gram = m.sum.to(x.device), m.gram.to(x.device)
-                xg = x[:, start : start + p]
+                xg = x[:, cols if isinstance(cols, slice) else torch.as_tensor(cols, device=x.device)]
                 m.n += x.shape[0]
                 m.sum += xg.sum(0, dtype=torch.float64)
                 _upper_gram_update(m.gram, xg.contiguous(), tf32)
-                start += p
+
+    def _columns(self) -> list:
+        """Each group's columns in a captured row (coded layers ascending, KV head, head_dim)."""
+        return group_columns(self.groups, int(self.fingerprint["num_kv_heads"]), int(self.fingerprint["head_dim"]))
 
     def packed(self, stream: str, group: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """-> (n, sum (p,) float64, packed upper-triangle Gram (p(p+1)/2,) float64), numpy views."""
@@ -150,7 +152,7 @@ class CalibrationStats:
             "format": FORMAT,
             "fingerprint": self.fingerprint,
             "settings": self.settings,
-            "groups": [list(g) for g in self.groups],
+            "groups": groups_json(self.groups),
             "dims": self.dims,
             "shard_ids": list(self.shard_ids),
             "counts": {f"{s}/{g}": m.n for (s, g), m in sorted(self.moments.items())},
@@ -199,7 +201,7 @@ class CalibrationStats:
         meta = footer["metadata"]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptStats(name, f"not a KVTC statistics object (expected format {FORMAT!r})")
-        out = cls(meta["fingerprint"], meta["settings"], [tuple(g) for g in meta["groups"]], list(meta["dims"]),
+        out = cls(meta["fingerprint"], meta["settings"], parse_groups(meta["groups"]), list(meta["dims"]),
                   tuple(meta["shard_ids"]))
         for key, n in meta["counts"].items():
             s, g = key.split("/")

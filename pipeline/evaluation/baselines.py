@@ -215,7 +215,7 @@ def pca_uniform_codec(artifact, ratio: float):
             mean, eig, comps = artifact.basis(stream, gi)
             blocks = tuple(CodedBlock(*b) for b in uniform_blocks(eig, mean.shape[0], ratio))
             kept = blocks[-1].start + blocks[-1].size
-            codes.append(GroupCode(g.layers, g.mean, torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(),
+            codes.append(GroupCode(g.group, g.mean, torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(),
                                    blocks))
         groups[stream] = tuple(codes)
     uniform = CodecSpec(spec.name, spec.version, float(ratio), spec.model_id, spec.num_layers, spec.kv_heads,

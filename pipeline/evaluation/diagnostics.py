@@ -10,6 +10,7 @@ import math
 import numpy as np
 import torch
 
+from kvtc.artifacts.groups import group_columns
 from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.metrics import default_edges, evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
@@ -45,18 +46,18 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
     `settings` says), stream-level error over all groups on held-out (and eval) rows."""
     settings = settings or AllocatorSettings(error_model="analytic")
     splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
-    groups = [tuple(g) for g in total.groups]
-    width = heldout.keys.shape[1] // groups[-1][1]
+    fp = total.fingerprint
+    columns = group_columns(total.groups, int(fp["num_kv_heads"]), int(fp["head_dim"]))
     rows = []
     for stream in STREAMS:
         acc = {name: [0.0, 0.0] for name, _ in splits}
-        for g, (a, b) in enumerate(groups):
+        for g, cols in enumerate(columns):
             n, s, gram = total.stream(stream, g)
-            basis = top_basis(n, s, gram, min(k, (b - a) * width))
+            basis = top_basis(n, s, gram, min(k, total.dims[g]))
             mid = heldout.middle(sinks, window)
-            (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, a * width:b * width], settings)
+            (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, cols], settings)
             for name, rows_ in splits:
-                x = getattr(rows_, stream)[rows_.middle(sinks, window)][:, a * width:b * width]
+                x = getattr(rows_, stream)[rows_.middle(sinks, window)][:, cols]
                 norm = float(np.square(x, dtype=np.float64).sum())
                 (ev,) = evaluate(basis, [alloc], x)
                 acc[name][0] += ev.rel_error ** 2 * norm

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 
+from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.schema import STREAMS
 
 SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
@@ -213,7 +214,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
     groups = cal.get("groups") or []
     features = None
     if model and groups:
-        features = (int(groups[0][1]) - int(groups[0][0])) * int(model["num_kv_heads"]) * int(model["head_dim"])
+        features = FeatureGroup.from_json(groups[0]).dim(int(model["num_kv_heads"]), int(model["head_dim"]))
     charts = {
         "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", []), curve.get("ratio"),
                                                             cal.get("tokens")),

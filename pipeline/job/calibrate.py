@@ -128,7 +128,7 @@ def _memory_estimate(cfg: CalibrateConfig, num_layers: int, width: int, groups: 
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
 
-    dims = [(b - a) * width for a, b in CaptureSettings(groups=groups).group_layers(num_layers)]
+    dims = [len(g.layers) * width for g in CaptureSettings(groups=groups).group_layers(num_layers)]
     return estimate(dims, accumulators=cfg.accumulators, workers=workers, rows_per_batch=cfg.seq_len,
                     heldout_rows=cfg.heldout_rows, kept_max=max(max_components(p, cfg.ratios, alloc) for p in dims))
 
@@ -159,8 +159,8 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
     info = load_spec(cfg.model, cache_dir=cfg.cache_dir)  # config and tokenizer only: the driver never loads weights
     check_seq_len(info, cfg.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
-    for a, b in capture.group_layers(info.num_layers):
-        validate_ratios(cfg.ratios, (b - a) * width, alloc)
+    for group in capture.group_layers(info.num_layers):
+        validate_ratios(cfg.ratios, group.dim(info.num_kv_heads, info.head_dim), alloc)
     if in_process or not (cfg.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         if cfg.gpus_per_worker and not in_process and not torch.cuda.is_available():
             raise ValueError(f"--gpus-per-worker {cfg.gpus_per_worker}: this machine has no GPU torch can see and no "

@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvtc.artifacts.groups import FeatureGroup, group_columns
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
@@ -109,7 +110,7 @@ class GroupResult:
 
 
 def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, held: HeldOut,
-                 evals: HeldOut | None, cols: slice, sinks: int, window: int,
+                 evals: HeldOut | None, cols: slice | np.ndarray, sinks: int, window: int,
                  ecsq_totals: dict | None = None) -> GroupResult:
     """One stream and group: DP allocations at `ratios` on the held-out middle rows' projections,
     ECSQ tables, metrics on held-out (middle and all positions) and eval rows, spectrum, PCA-error
@@ -214,11 +215,12 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
         raise ValueError(f"only {int(mid.sum())} held-out rows; at least {MIN_HELDOUT_ROWS} are needed")
     evals = load_rows(store, eval_ids, cfg.heldout_rows) if eval_ids else None
 
-    width = int(fingerprint["num_kv_heads"]) * int(fingerprint["head_dim"])
-    groups = [tuple(g) for g in _groups(cfg.groups, int(fingerprint["num_layers"]))]
+    kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
+    groups = _groups(cfg.groups, fingerprint)
+    columns = group_columns(groups, kv_heads, head_dim)
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
     curve_ratio = sorted(cfg.ratios)[len(cfg.ratios) // 2]
-    p_total = int(fingerprint["num_layers"]) * width
+    p_total = sum(g.dim(kv_heads, head_dim) for g in groups)
     curve_k = max(1, min(p_total, int(16 * p_total / curve_ratio) // 4))
     by_tokens: list[dict] = []
     if cfg.tokens_curve_points > 0:
@@ -232,15 +234,15 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     solve_timings: list[dict] = []
     train_rows = 0
     for stream in STREAMS:
-        for g, (a, b) in enumerate(groups):
-            p = (b - a) * width
+        for g, group in enumerate(groups):
+            p = group.dim(kv_heads, head_dim)
             bound = max_components(p, cfg.ratios, alloc)
             k = bound if on_cluster_gpu or p <= EXACT_MAX_P else min(bound, max(512, p // 16))
             while True:  # subspace iteration: widen until the least aggressive allocation stops short of k
                 basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu)
                 solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
                 totals = {key: list(v) if isinstance(v, list) else v for key, v in ecsq_totals.items()}
-                result = reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, slice(a * width, b * width),
+                result = reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, columns[g],
                                       cfg.sinks, cfg.window, totals)
                 train_rows = basis.n
                 del basis
@@ -283,10 +285,10 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     return summary
 
 
-def _groups(spec: str, num_layers: int) -> list[tuple[int, int]]:
+def _groups(spec: str, fingerprint: dict) -> list[FeatureGroup]:
     from kvtc.workers.capture import CaptureSettings
 
-    return CaptureSettings(groups=spec).group_layers(num_layers)
+    return CaptureSettings(groups=spec).group_layers(int(fingerprint["num_layers"]))
 
 
 def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],

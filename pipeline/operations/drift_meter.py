@@ -12,6 +12,7 @@ import torch
 
 from kvtc.artifacts.blocks import Block
 from kvtc.artifacts.calibration import CalibrationRecord
+from kvtc.artifacts.groups import group_columns
 from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.metrics import evaluate
 from kvtc.pipeline.fit.allocator import Allocation
@@ -59,8 +60,8 @@ class Meter:
 
     def __init__(self, art) -> None:
         self.models = artifact_models(art)
-        width = int(art.manifest["model"]["num_kv_heads"]) * int(art.manifest["model"]["head_dim"])
-        self.cols = [slice(a * width, b * width) for a, b in art.groups()]
+        model = art.manifest["model"]
+        self.cols = group_columns(art.groups(), int(model["num_kv_heads"]), int(model["head_dim"]))
         self.sums: dict[tuple[float, str, int], np.ndarray] = {}
         self.rows = 0
 
