@@ -12,7 +12,9 @@ order) and maps every rank to its shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
+
+from kvtc.artifacts.groups import FeatureGroup
 
 
 @dataclass(frozen=True)
@@ -58,19 +60,38 @@ class TensorParallelLayout:
         """[h0, h1): the KV heads rank `rank` holds."""
         return self.shards[self.shard_of(rank)]
 
-    def to_dict(self) -> dict[str, Any]:
-        """The manifest's "tensor_parallel" section."""
+    def rank_groups(self, rank: int, groups: Sequence[FeatureGroup]) -> list[int]:
+        """Indices of the groups (bases) rank `rank` codes: those over exactly its KV heads."""
+        heads = self.heads(rank)
+        return [i for i, g in enumerate(groups) if g.head_range(self.kv_heads) == heads]
+
+    def to_dict(self, groups: Sequence[FeatureGroup] | None = None) -> dict[str, Any]:
+        """The manifest's "tensor_parallel" section; with the calibration's `groups`, each rank lists
+        the indices of its groups."""
+        ranks = [{"rank": r, "heads": list(self.heads(r)), "shard": self.shard_of(r)} for r in range(self.tp)]
+        if groups is not None:
+            for r in ranks:
+                r["groups"] = self.rank_groups(r["rank"], groups)
         return {"tp": self.tp, "kv_heads": self.kv_heads, "attention_heads": self.attention_heads,
-                "replicas": self.replicas, "shards": [list(s) for s in self.shards],
-                "ranks": [{"rank": r, "heads": list(self.heads(r)), "shard": self.shard_of(r)} for r in range(self.tp)]}
+                "replicas": self.replicas, "shards": [list(s) for s in self.shards], "ranks": ranks}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "TensorParallelLayout | None":
+    def from_dict(cls, d: dict[str, Any] | None, groups: Sequence[FeatureGroup] | None = None
+                  ) -> "TensorParallelLayout | None":
         """None for artifacts without the section (single-rank); a section that disagrees with the
-        sharding rule is refused."""
+        sharding rule (or, given the calibration's `groups`, with them) is refused."""
         if not d:
             return None
-        layout = cls(int(d["tp"]), int(d["kv_heads"]), int(d.get("attention_heads") or 0))
-        if "ranks" in d and layout.to_dict()["ranks"] != d["ranks"]:
-            raise ValueError(f"the manifest's tensor_parallel ranks do not follow the engines' sharding at TP {layout.tp}")
+        try:
+            layout = cls(int(d["tp"]), int(d["kv_heads"]), int(d.get("attention_heads") or 0))
+            ranks = list(d.get("ranks") or [])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"the manifest's tensor_parallel section is malformed ({exc})") from None
+        want = layout.to_dict(groups)["ranks"]
+        keys = ("rank", "heads", "shard") if groups is None else ("rank", "heads", "shard", "groups")
+        if ranks and [{k: r.get(k) for k in keys} for r in ranks] != [{k: r[k] for k in keys} for r in want]:
+            raise ValueError(f"the manifest's tensor_parallel ranks do not follow the engines' sharding at TP "
+                             f"{layout.tp} over {layout.kv_heads} KV heads (or not the calibration's groups)")
+        if groups is not None and any(not r["groups"] for r in want):
+            raise ValueError(f"the calibration's groups do not cover every rank's KV heads at TP {layout.tp}")
         return layout

@@ -41,20 +41,23 @@ class KVTCCodec:
     rate_control (ECSQ): coarsen the step of a (stream, group) whose coded bytes would exceed the
     ratio's budget (text unlike the calibration's); False keeps the calibrated step everywhere.
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
+    rank: a tensor-parallel rank of an artifact calibrated with --tp: the codec then takes and returns
+    that rank's local cache, (layers, its KV heads, tokens, head_dim) (`spec.heads` says which heads);
+    None codes the whole cache (every head, each range with its rank's bases).
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
-                 rate_control: bool = True) -> None:
+                 rate_control: bool = True, rank: int | None = None) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
-            self.spec = artifact
+            self.spec = artifact if rank is None else artifact.for_rank(rank)
         else:
             if ratio is None:
                 raise ValueError("KVTCCodec(artifact, ratio): ratio is required, e.g. 8, 16 or 32")
-            self.spec = CodecSpec.from_artifact(artifact, ratio)
+            self.spec = CodecSpec.from_artifact(artifact, ratio, rank=rank)
         if backend not in BACKENDS or coder not in CODERS or not 0 <= level <= 9:
             raise ValueError(f"backend must be one of {BACKENDS}, coder one of {CODERS}, level in 0..9")
         if not isinstance(max_tokens, int) or max_tokens < 0:
@@ -72,7 +75,8 @@ class KVTCCodec:
     def from_registry(cls, ref: str, ratio: float, registry: Any = None, *, public_key: Any = None,
                       require_signature: bool | None = None, **kwargs: Any) -> "KVTCCodec":
         """ref "name@version|alias|sha256:HEX" pulled and verified through artifacts.pull (imported lazily);
-        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull)."""
+        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull);
+        rank=r (a keyword, see the class) gives tensor-parallel rank r's codec."""
         from kvtc.artifacts import pull
 
         return cls(pull(ref, registry=registry, public_key=public_key, require_signature=require_signature),

@@ -7,7 +7,7 @@ of layers x a KV head range [h0, h1) whose features (layer, kv head, head_dim or
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from kvtc.artifacts.blocks import Block, qtype_bits
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.artifacts.groups import FeatureGroup, check_cover, parse_groups
 from kvtc.artifacts.schema import STREAMS
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
 
 
@@ -59,6 +60,9 @@ class CodecSpec:
     """Runtime codec parameters for one artifact at one compression ratio.
 
     rope: the model's RoPE, removed from keys before coding; None for keys calibrated with RoPE kept.
+    tensor_parallel: the artifact's TP layout (None: single-rank). A rank's spec (`for_rank`) codes only
+    that rank's KV heads: kv_heads is its head count, its groups' heads count from 0, `heads` says
+    which of the model's KV heads they are, and its model_id names them (blobs of other heads are refused).
     """
 
     name: str
@@ -73,6 +77,9 @@ class CodecSpec:
     rope: dict[str, Any] | None
     streams: dict[str, tuple[GroupCode, ...]] = field(default_factory=dict)
     ecsq: dict[str, tuple[EcsqGroup, ...]] | None = None  # the ECSQ mode's groups, when calibrated
+    tensor_parallel: TensorParallelLayout | None = None
+    rank: int | None = None
+    heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or self.sinks < 0 or self.window < 0:
@@ -99,9 +106,36 @@ class CodecSpec:
         """p = layers * kv_heads * head_dim."""
         return self.num_layers * self.kv_heads * self.head_dim
 
+    def for_rank(self, rank: int) -> "CodecSpec":
+        """The spec of tensor-parallel rank `rank`: its groups only, over its KV heads renumbered from 0.
+        A single-rank artifact has one rank, 0: the whole cache."""
+        if self.rank is not None:
+            raise ValueError(f"this spec is already rank {self.rank}'s; build the rank's spec from the artifact's")
+        if self.tensor_parallel is None:
+            if rank != 0:
+                raise ValueError(f"artifact {self.name}@{self.version} was calibrated for one rank (no --tp): its only "
+                                 f"rank is 0, got rank={rank!r}; recalibrate with --tp N for per-rank bases")
+            return self
+        tp = self.tensor_parallel
+        h0, h1 = heads = tp.heads(rank)
+        picked = tp.rank_groups(rank, [g.group for g in self.streams["keys"]])
+
+        def local(codes: tuple) -> tuple:
+            return tuple(replace(codes[i], group=FeatureGroup(codes[i].group.layers, (0, h1 - h0))) for i in picked)
+
+        return replace(self, kv_heads=h1 - h0, model_id=f"{self.model_id}/kv{h0}-{h1}", rank=rank, heads=heads,
+                       streams={st: local(self.streams[st]) for st in STREAMS},
+                       ecsq=None if self.ecsq is None else {st: local(self.ecsq[st]) for st in STREAMS})
+
     @classmethod
-    def from_artifact(cls, artifact: Any, ratio: float) -> "CodecSpec":
-        """Read basis and allocation through the Artifact interface (.manifest, .basis, .allocation)."""
+    def from_artifact(cls, artifact: Any, ratio: float, rank: int | None = None) -> "CodecSpec":
+        """Read basis and allocation through the Artifact interface (.manifest, .basis, .allocation);
+        `rank`: that tensor-parallel rank's spec (see for_rank), None: every KV head."""
+        spec = cls._from_artifact(artifact, ratio)
+        return spec if rank is None else spec.for_rank(rank)
+
+    @classmethod
+    def _from_artifact(cls, artifact: Any, ratio: float) -> "CodecSpec":
         m = artifact.manifest
         fp, cal = m["model"], m["calibration"]
         num_layers = int(fp["num_layers"])
@@ -122,7 +156,8 @@ class CodecSpec:
                    num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
                    sinks=int(cal["sinks"]), window=int(cal["window"]), streams=streams,
                    rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"),
-                   ecsq=_ecsq_groups(artifact, ratio, groups))
+                   ecsq=_ecsq_groups(artifact, ratio, groups),
+                   tensor_parallel=TensorParallelLayout.from_dict(cal.get("tensor_parallel"), groups))
 
 
 def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[EcsqGroup, ...]] | None:

@@ -33,7 +33,7 @@ def sizes():
 
 
 def _first_gpu(layers: int, groups: str, accumulators: int = 4):
-    dims = [(b - a) * 8 * 128 for a, b in CaptureSettings(groups=groups).group_layers(layers)]
+    dims = [g.dim(8, 128) for g in CaptureSettings(groups=groups).group_layers(layers)]
     return lambda workers: estimate(dims, accumulators=accumulators, workers=workers, rows_per_batch=SEQ,
                                     heldout_rows=8192, kept_max=4096).worker
 

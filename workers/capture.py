@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.workers.models import LoadedModel
 
 KEY_FORMS = ("rope-removed", "rope-kept")
@@ -19,7 +20,9 @@ KEY_FORMS = ("rope-removed", "rope-kept")
 
 @dataclass(frozen=True)
 class CaptureSettings:
-    """Which positions and how features are grouped. Positions [0, sinks) and the last `window` are excluded."""
+    """Which positions and how features are grouped. Positions [0, sinks) and the last `window` are excluded.
+    tp: tensor-parallel ranks; above 1 every layer group is split by the KV head ranges the ranks hold
+    (kvtc.artifacts.tensor_parallel), one basis per (layer group, head range)."""
 
     sinks: int = 4
     window: int = 128
@@ -27,8 +30,11 @@ class CaptureSettings:
     sample: float = 1.0
     seed: int = 0
     keys: str = "rope-removed"
+    tp: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
         if self.keys not in KEY_FORMS:
             raise ValueError(f"keys must be one of {KEY_FORMS}, got {self.keys!r}")
         if self.sinks < 0 or self.window < 0:
@@ -40,12 +46,20 @@ class CaptureSettings:
             if head != "layers" or not k.isdigit() or int(k) < 1:
                 raise ValueError(f"groups must be 'model', 'layer' or 'layers:K' with K >= 1, got {self.groups!r}")
 
-    def group_layers(self, num_layers: int) -> list[FeatureGroup]:
-        """The groups (one basis each), in order: layer ranges [a, b) over all KV heads."""
+    def group_layers(self, num_layers: int, kv_heads: int | None = None) -> list[FeatureGroup]:
+        """The groups (one basis each), in order: layer ranges [a, b) over all KV heads; with tp > 1
+        (kv_heads needed), each range once per rank's head range, head range major (a rank's groups
+        are consecutive)."""
         if self.groups == "model":
-            return [FeatureGroup.span(0, num_layers)]
-        k = 1 if self.groups == "layer" else int(self.groups.split(":")[1])
-        return [FeatureGroup.span(a, min(a + k, num_layers)) for a in range(0, num_layers, k)]
+            spans = [FeatureGroup.span(0, num_layers)]
+        else:
+            k = 1 if self.groups == "layer" else int(self.groups.split(":")[1])
+            spans = [FeatureGroup.span(a, min(a + k, num_layers)) for a in range(0, num_layers, k)]
+        if self.tp == 1:
+            return spans
+        if kv_heads is None:
+            raise ValueError("tensor-parallel groups need the model's KV head count")
+        return [FeatureGroup(g.layers, heads) for heads in TensorParallelLayout(self.tp, kv_heads).shards for g in spans]
 
     def eligible(self, seq_len: int) -> int:
         return seq_len - self.sinks - self.window
@@ -54,6 +68,8 @@ class CaptureSettings:
         d = asdict(self)
         if self.keys == "rope-removed":
             del d["keys"]  # the default stays out, so shard-store keys written before the option still match
+        if self.tp == 1:
+            del d["tp"]  # likewise
         return d
 
     @classmethod

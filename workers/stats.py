@@ -65,7 +65,7 @@ class CalibrationStats:
     @classmethod
     def new(cls, fingerprint: dict[str, Any], settings: CaptureSettings, shard_ids: tuple[str, ...] = ()) -> "CalibrationStats":
         """Empty statistics; group g has layers x its KV heads x head_dim features."""
-        groups = settings.group_layers(int(fingerprint["num_layers"]))
+        groups = settings.group_layers(int(fingerprint["num_layers"]), int(fingerprint["num_kv_heads"]))
         dims = [g.dim(int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])) for g in groups]
         return cls(dict(fingerprint), settings.to_dict(), groups, dims, tuple(shard_ids))
 

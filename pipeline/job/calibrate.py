@@ -44,6 +44,7 @@ class CalibrateConfig:
     workers: int | None = None
     threads_per_worker: int = 1
     gpus_per_worker: int | None = None
+    tp: int = 1
     sinks: int = 4
     window: int = 128
     groups: str = "model"
@@ -83,7 +84,7 @@ class CalibrateConfig:
         if self.registry is not None and not str(self.registry).strip():
             raise ValueError("--registry is empty; pass a path or URI, or omit it for $KVTC_REGISTRY or ./registry")
         for flag, value in (("--workers", self.workers), ("--threads-per-worker", self.threads_per_worker),
-                            ("--gpus-per-worker", self.gpus_per_worker),
+                            ("--gpus-per-worker", self.gpus_per_worker), ("--tp", self.tp),
                             ("--tokens", self.tokens), ("--eval-tokens", self.eval_tokens), ("--seq-len", self.seq_len)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -100,7 +101,7 @@ class CalibrateConfig:
 
 def _capture_dict(cfg: CalibrateConfig) -> dict:
     return {"sinks": cfg.sinks, "window": cfg.window, "groups": cfg.groups, "sample": cfg.sample, "seed": cfg.seed,
-            "keys": cfg.keys}
+            "keys": cfg.keys, "tp": cfg.tp}
 
 
 def shard_plan(cfg: CalibrateConfig, tokens: int) -> ShardPlan:
@@ -123,12 +124,13 @@ def calibrate_local(cfg: CalibrateConfig) -> tuple[dict, dict]:
     return _execute(cfg, True, in_process=True)
 
 
-def _memory_estimate(cfg: CalibrateConfig, num_layers: int, width: int, groups: str, workers: int, alloc):
+def _memory_estimate(cfg: CalibrateConfig, info, groups: str, workers: int, alloc):
     from kvtc.pipeline.job.basis_solver import max_components
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
 
-    dims = [len(g.layers) * width for g in CaptureSettings(groups=groups).group_layers(num_layers)]
+    dims = [g.dim(info.num_kv_heads, info.head_dim)
+            for g in CaptureSettings(groups=groups, tp=cfg.tp).group_layers(info.num_layers, info.num_kv_heads)]
     return estimate(dims, accumulators=cfg.accumulators, workers=workers, rows_per_batch=cfg.seq_len,
                     heldout_rows=cfg.heldout_rows, kept_max=max(max_components(p, cfg.ratios, alloc) for p in dims))
 
@@ -138,6 +140,7 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
     import torch
 
     from kvtc import artifacts
+    from kvtc.artifacts.tensor_parallel import TensorParallelLayout
     from kvtc.pipeline.fit.allocator import AllocatorSettings, validate_ratios
     from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
     from kvtc.pipeline.job.memory_plan import check_fits
@@ -159,16 +162,18 @@ def _execute(cfg: CalibrateConfig, alias_latest: bool, in_process: bool) -> tupl
     info = load_spec(cfg.model, cache_dir=cfg.cache_dir)  # config and tokenizer only: the driver never loads weights
     check_seq_len(info, cfg.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
-    for group in capture.group_layers(info.num_layers):
+    text_config = getattr(info.config, "text_config", None) or info.config
+    TensorParallelLayout(cfg.tp, info.num_kv_heads, int(getattr(text_config, "num_attention_heads", 0) or 0))
+    for group in capture.group_layers(info.num_layers, info.num_kv_heads):
         validate_ratios(cfg.ratios, group.dim(info.num_kv_heads, info.head_dim), alloc)
     if in_process or not (cfg.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         if cfg.gpus_per_worker and not in_process and not torch.cuda.is_available():
             raise ValueError(f"--gpus-per-worker {cfg.gpus_per_worker}: this machine has no GPU torch can see and no "
                              "cluster was given; omit it to run on CPUs, or join a cluster with GPUs (--address)")
         local_workers = 1 if in_process else cfg.workers or max(1, (os.cpu_count() or 1) // cfg.threads_per_worker)
-        est = _memory_estimate(cfg, info.num_layers, width, cfg.groups, local_workers, alloc)
+        est = _memory_estimate(cfg, info, cfg.groups, local_workers, alloc)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, cfg.groups,
-                   lambda k: _memory_estimate(cfg, info.num_layers, width, f"layers:{k}", local_workers, alloc))
+                   lambda k: _memory_estimate(cfg, info, f"layers:{k}", local_workers, alloc))
     tokenizer, fingerprint = info.tokenizer, info.fingerprint
 
     on_gpu = torch.cuda.is_available()
@@ -299,10 +304,9 @@ def _gpu_plan(cfg: CalibrateConfig, info, alloc, cluster_gpus: float, gpu_bytes:
     from kvtc.workers.models import resolve_dtype
 
     size = model_size(info.config, resolve_dtype(cfg.dtype, torch.device("cuda")), cfg.seq_len)
-    width = info.num_kv_heads * info.head_dim
     return plan_gpus(size, gpu_bytes, int(cluster_gpus), gpus_per_node,
-                     lambda workers: _memory_estimate(cfg, info.num_layers, width, cfg.groups, cfg.workers or workers,
-                                                      alloc).worker, cfg.gpus_per_worker)
+                     lambda workers: _memory_estimate(cfg, info, cfg.groups, cfg.workers or workers, alloc).worker,
+                     cfg.gpus_per_worker)
 
 
 def _run_on_ray(cfg: CalibrateConfig, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
@@ -345,6 +349,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", type=int, default=d.sinks, help="leading positions kept raw (default 4)")
     p.add_argument("--window", type=int, default=d.window, help="trailing positions kept raw (default 128)")
     p.add_argument("--groups", default=d.groups, help="model (default), layer, or layers:K")
+    p.add_argument("--tp", type=int, default=d.tp,
+                   help="tensor-parallel ranks the model is served at (default 1): one basis per rank's KV heads "
+                        "(and per layer group), as vLLM and SGLang shard them; ranks holding the same heads share one")
     p.add_argument("--sample", type=float, default=d.sample, help="fraction of positions sampled (default 1.0)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--keys", choices=("rope-removed", "rope-kept"), default=d.keys,
@@ -404,7 +411,7 @@ def config_from_manifest(manifest: dict, **overrides) -> CalibrateConfig:
         model=manifest["model"]["spec"], corpus=corpus["spec"], eval_corpus=corpus.get("eval_spec") or None,
         ratios=rec.ratios, tokens=rec.tokens_requested, eval_tokens=rec.eval_tokens, seq_len=rec.seq_len,
         seqs_per_shard=rec.seqs_per_shard, sinks=rec.sinks, window=rec.window, groups=rec.group_spec,
-        sample=rec.sample, seed=rec.seed, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
+        sample=rec.sample, seed=rec.seed, tp=rec.tp, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
         text_column=rec.text_column, dtype=rec.dtype, keys=rec.keys, block_sizes=tuple(rec.allocator["block_sizes"]),
         types=tuple(rec.allocator["types"]), error_model=rec.allocator["error_model"],
     )

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
@@ -216,7 +217,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     evals = load_rows(store, eval_ids, cfg.heldout_rows) if eval_ids else None
 
     kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
-    groups = _groups(cfg.groups, fingerprint)
+    groups = _groups(cfg.groups, fingerprint, cfg.tp)
     columns = group_columns(groups, kv_heads, head_dim)
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
     curve_ratio = sorted(cfg.ratios)[len(cfg.ratios) // 2]
@@ -266,6 +267,7 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
         tokens_requested=tokens_requested, eval_tokens=cfg.eval_tokens, seqs_per_shard=cfg.seqs_per_shard,
         holdout_fraction=cfg.holdout_fraction, heldout_rows_cap=cfg.heldout_rows, text_column=cfg.text_column,
         dtype=cfg.dtype, model_dtype=model_dtype, keys=cfg.keys, tokens=tokens_in, train_rows=int(train_rows),
+        tensor_parallel=None if cfg.tp == 1 else TensorParallelLayout(cfg.tp, kv_heads).to_dict(groups),
         heldout_rows=int(mid.sum()), eval_rows=0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
         notes=tuple(notes),
         tokens_curve={"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP",
@@ -285,10 +287,11 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     return summary
 
 
-def _groups(spec: str, fingerprint: dict) -> list[FeatureGroup]:
+def _groups(spec: str, fingerprint: dict, tp: int = 1) -> list[FeatureGroup]:
     from kvtc.workers.capture import CaptureSettings
 
-    return CaptureSettings(groups=spec).group_layers(int(fingerprint["num_layers"]))
+    settings = CaptureSettings(groups=spec, tp=tp)
+    return settings.group_layers(int(fingerprint["num_layers"]), int(fingerprint["num_kv_heads"]))
 
 
 def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],
