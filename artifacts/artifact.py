@@ -104,6 +104,8 @@ class Artifact:
         self._allocations: dict | None = None
         self._ecsq: dict | None = None
         self.damaged: list[str] = []
+        self.digest: str | None = None      # set by pull: the verified manifest's digest
+        self.signed_by: str | None = None   # set by pull: the key id whose signature was checked
         if verify:
             self.verify()
 

@@ -8,6 +8,7 @@ reference quantizers define the arithmetic) consumes them.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 QTYPES = ("none", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8")
@@ -34,6 +35,26 @@ def scale_bits(qtype: str) -> int:
 def block_cost_bits(qtype: str, size: int) -> int:
     """Bits per token that a block of `size` components of type `qtype` costs."""
     return size * qtype_bits(qtype) + scale_bits(qtype)
+
+
+def budget_bits(p: int, ratio: float) -> int:
+    """The bit budget of one token of one stream (p features of 16 bits) at compression `ratio`: floor(16 p / CR)."""
+    return int(math.floor(16 * p / ratio + 1e-9))
+
+
+def ecsq_budget_bytes(p: int, ratio: float, tokens: int) -> int:
+    """The byte budget of `tokens` ECSQ-coded tokens of one stream and group of p features."""
+    return budget_bits(p, ratio) * tokens // 8
+
+
+def cheapest_block_bits(types, sizes, p: int) -> int:
+    """The fewest bits per token any quantized block (of `types`, a size in `sizes` up to p) costs."""
+    return min(block_cost_bits(t, s) for t in types if t != "none" for s in sizes if s <= p)
+
+
+def cheapest_bits_per_component(types, sizes, p: int) -> float:
+    """The fewest bits per token per component any quantized block (size up to p) costs."""
+    return min(block_cost_bits(t, s) / s for t in types if t != "none" for s in sizes if s <= p)
 
 
 class Block(NamedTuple):

@@ -28,6 +28,8 @@ class CalibrationRecord:
     or "rope-kept" (keys calibrated as the model caches them, for consumers without positions).
     tensor_parallel: the TP layout the bases were cut for (kvtc.artifacts.tensor_parallel: TP size, each
     rank's KV heads and groups); None for a single-rank artifact.
+    settings: the job's computational settings verbatim, group by group (kvtc.pipeline.settings;
+    None in versions published before they were recorded): what recalibration repeats.
     Results: tokens (train + held-out), train/heldout/eval rows, notes (warnings of the run),
     tokens_curve (how the error-by-tokens curve was measured)."""
 
@@ -56,6 +58,7 @@ class CalibrationRecord:
     eval_rows: int = 0
     notes: tuple[str, ...] = ()
     tokens_curve: dict[str, Any] | None = field(default=None, compare=False)
+    settings: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 0 or self.seq_len < 2:
@@ -73,6 +76,9 @@ class CalibrationRecord:
             raise ValueError(f"calibration record: holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
         if self.keys not in KEY_FORMS:
             raise ValueError(f"calibration record: keys must be one of {KEY_FORMS}, got {self.keys!r}")
+        if self.settings is not None and not (isinstance(self.settings, dict)
+                                              and all(isinstance(v, dict) for v in self.settings.values())):
+            raise ValueError("calibration record: settings must map each group to its fields")
         if self.seqs_per_shard is not None and self.seqs_per_shard < 1:
             raise ValueError(f"calibration record: seqs_per_shard must be >= 1, got {self.seqs_per_shard}")
         object.__setattr__(self, "ratios", tuple(float(r) for r in self.ratios))

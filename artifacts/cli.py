@@ -6,14 +6,38 @@ Only argparse/json are imported here; the artifact modules load inside the handl
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import sys
 import tempfile
+import warnings
+from typing import Callable, Iterator
 
 
 def _print(args: argparse.Namespace, data: object, text: str) -> int:
     print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
     return 0
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str) -> Iterator[None]:
+    """Show each warning as one stderr line `kvtc COMMAND: warning: ...` (no source line)."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"kvtc {command}: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def _with_one_line_warnings(command: str, func: Callable[[argparse.Namespace], int]
+                            ) -> Callable[[argparse.Namespace], int]:
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        with one_line_warnings(command):
+            return func(args)
+    return run
 
 
 def _registry(args: argparse.Namespace):
@@ -88,7 +112,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvtc.artifacts.errors import IntegrityError
-    from kvtc.artifacts.manifest import manifest_digest
+    from kvtc.artifacts.manifest import SIGNATURE_FILE
     from kvtc.artifacts.pull import pull
 
     reg = _registry(args)
@@ -112,12 +136,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
                              f"{', '.join(artifact.damaged)} (decoding does not need them)")
     n = len(artifact.manifest["files"])
     unlisted = reg.unlisted(artifact.name, artifact.version, artifact.manifest)
-    digest = manifest_digest(reg.read_manifest_bytes(artifact.name, artifact.version)[0])
-    signed = "signature checked" if args.key and reg.read_signature(artifact.name, artifact.version) else \
-        "signature not checked (pass --key)" if reg.read_signature(artifact.name, artifact.version) else "unsigned"
+    digest = artifact.digest
+    has_signature = (artifact.path / SIGNATURE_FILE).is_file()
+    signed = "signature checked" if artifact.signed_by else \
+        "signature not checked (pass --key or set $KVTC_PUBLIC_KEY)" if has_signature else "unsigned"
     data = {"name": artifact.name, "version": artifact.version, "digest": digest, "files": n, "ok": True,
-            "signature": signed, "unlisted": unlisted}
-    text = f"ok: {artifact.name}@{artifact.version} ({digest}), {n} files match their sha256 and size; {signed}"
+            "signature": signed, "signed_by": artifact.signed_by, "unlisted": unlisted}
+    key = f" (key {artifact.signed_by[:16]})" if artifact.signed_by else ""
+    text = f"ok: {artifact.name}@{artifact.version} ({digest}), {n} files match their sha256 and size; {signed}{key}"
     if unlisted:
         text += f"\nwarning: {len(unlisted)} file(s) not in the manifest, ignored by pull: {', '.join(unlisted)}"
     return _print(args, data, text)
@@ -172,10 +198,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ref_help = "NAME, NAME@VERSION, NAME@ALIAS or NAME@sha256:HEX (default alias: latest)"
     p = subparsers.add_parser("list", parents=[common], help="list artifacts, or the versions of one")
     p.add_argument("name", nargs="?", help="artifact name")
-    p.set_defaults(func=cmd_list)
+    p.set_defaults(func=_with_one_line_warnings("list", cmd_list))
     p = subparsers.add_parser("show", parents=[common], help="summarise a version's manifest")
     p.add_argument("ref", help=ref_help)
-    p.set_defaults(func=cmd_show)
+    p.set_defaults(func=_with_one_line_warnings("show", cmd_show))
     signed = argparse.ArgumentParser(add_help=False)
     signed.add_argument("--key", default=None, help="Ed25519 public key (PEM) to check the signature with "
                         "(default $KVTC_PUBLIC_KEY)")
@@ -184,17 +210,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("ref", help=ref_help)
     p.add_argument("--to", help="also copy the verified folder here")
     p.add_argument("--cache-dir", help="cache directory (default $KVTC_CACHE or ~/.cache/kvtc)")
-    p.set_defaults(func=cmd_pull)
+    p.set_defaults(func=_with_one_line_warnings("pull", cmd_pull))
     p = subparsers.add_parser("verify", parents=[common, signed],
                               help="check a version's manifest digest, every file, the kernel bundle and the signature")
     p.add_argument("ref", help=ref_help)
     p.add_argument("--adopt", action="store_true", help="record the manifest digest of a version published before "
                    "digests existed, if all its files verify (trust on first use)")
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=_with_one_line_warnings("verify", cmd_verify))
     p = subparsers.add_parser("alias", parents=[common], help="point an alias (production, ...) at a version")
     p.add_argument("ref", help=ref_help)
     p.add_argument("alias", help="alias name")
-    p.set_defaults(func=cmd_alias)
+    p.set_defaults(func=_with_one_line_warnings("alias", cmd_alias))
     p = subparsers.add_parser("export", parents=[common], help="export one ratio for a runtime (dynamo)")
     p.add_argument("ref", help=ref_help)
     p.add_argument("--ratio", type=float, required=True, help="compression ratio to export")
@@ -207,15 +233,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-rope-removed", action="store_true",
                    help="export a RoPE-removed key basis (the consumer removes and re-applies RoPE itself)")
     p.add_argument("--cache-dir", help="cache directory (default $KVTC_CACHE or ~/.cache/kvtc)")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=_with_one_line_warnings("export", cmd_export))
     p = subparsers.add_parser("sign", parents=[common], help="sign a published version's manifest (Ed25519)")
     p.add_argument("ref", help=ref_help)
     p.add_argument("--key", required=True, help="Ed25519 private key (PEM, e.g. from `kvtc keygen`)")
-    p.set_defaults(func=cmd_sign)
+    p.set_defaults(func=_with_one_line_warnings("sign", cmd_sign))
     p = subparsers.add_parser("keygen", help="write an Ed25519 key pair for signing artifacts")
     p.add_argument("--out", required=True, help="path prefix: writes PREFIX.pem (private) and PREFIX.pub.pem")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_keygen)
+    p.set_defaults(func=_with_one_line_warnings("keygen", cmd_keygen))
 
 
 def main(argv: list[str] | None = None) -> int:

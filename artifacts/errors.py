@@ -1,5 +1,12 @@
-"""Errors raised by the artifact registry; each subclasses a built-in the `kvtc` CLI reports cleanly."""
+"""Error kinds. Each subclasses a built-in; the `kvtc` CLI maps them to exit codes: bad input (a
+ValueError, LookupError or OSError, and InputError for what is neither) exits 2 with one line,
+IntegrityError 6; anything else is a bug (exit 1, traceback with --debug)."""
 from __future__ import annotations
+
+
+class InputError(ValueError):
+    """Bad input or environment the user can fix (a model the project cannot calibrate, a missing
+    optional package, a store another job changed); the message says what to do."""
 
 
 class ArtifactNotFoundError(FileNotFoundError):
@@ -10,7 +17,7 @@ class IntegrityError(RuntimeError):
     """A stored file whose size or sha256 does not match the manifest (tampered or truncated)."""
 
 
-class VersionExistsError(RuntimeError):
+class VersionExistsError(FileExistsError):
     """Publishing a version id that already exists (versions are immutable)."""
 
 

@@ -38,6 +38,7 @@ import numpy as np
 from kvtc.artifacts.artifact import Artifact
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.schema import STREAMS
+from kvtc.artifacts.safe_io import write_contained
 
 FORMAT = "kvtc-dynamo/2"
 DYNAMO_INT_BITS = (1, 2, 4, 8)
@@ -101,9 +102,9 @@ def row_bits(ranges: list[dict]) -> int:
     return sum((r["end_idx"] - r["start_idx"]) * r["int_bits"] + DYNAMO_RANGE_METADATA_BITS for r in ranges)
 
 
-def _write(path: Path, array: np.ndarray) -> dict:
+def _write(out: Path, name: str, array: np.ndarray) -> dict:
     data = np.ascontiguousarray(array, dtype="<f4").tobytes()
-    path.write_bytes(data)
+    path = write_contained(out, name, data)  # never through a symlink planted in the output folder
     return {"file": path.name, "shape": list(array.shape), "dtype": "float32", "byte_order": "little",
             "order": "row-major", "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -152,8 +153,8 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
             "budget_bits": info["budget_bits"], "dynamo_bits_per_row": bits,
             "dynamo_ratio": round(16 * features / bits, 3) if bits else None,
             "rope_removed": stream == "keys" and keys == "rope-removed",
-            "mean": _write(out / f"{stem}.mean.f32", mean),
-            "projection": _write(out / f"{stem}.projection.f32", components[:, columns]),
+            "mean": _write(out, f"{stem}.mean.f32", mean),
+            "projection": _write(out, f"{stem}.projection.f32", components[:, columns]),
             "ranges": ranges,
         })
     model = artifact.manifest["model"]
@@ -167,6 +168,5 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
            "num_kv_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "rope": model["rope"],
            "sinks": calibration.sinks, "window": calibration.window,
            "kernel_bundle_hash": artifact.manifest.get("kernel_bundle_hash"), "configs": configs}
-    path = out / "dynamo_kvtc.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path = write_contained(out, "dynamo_kvtc.json", (json.dumps(doc, indent=2) + "\n").encode())
     return path

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from kvtc.artifacts.errors import ArtifactNotFoundError, VersionExistsError
 from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIGNATURE_FILE, build_files, build_manifest,
                                      encode_manifest, manifest_digest)
-from kvtc.artifacts.registry import Registry, as_registry, split_ref
+from kvtc.artifacts.registry import RESERVED_ALIASES, Registry, as_registry, split_ref
+from kvtc.artifacts.safe_io import SMALL_FILE
 from kvtc.artifacts.schema import ArtifactContent
 
 CLAIM_STALE_S = 600.0
@@ -128,7 +129,7 @@ def _commit_object(reg: Registry, name: str, version: str, files: dict[str, byte
     if reg.fs.exists(f"{prefix}/{MANIFEST}"):
         raise exists
     if not _create(reg, claim, token):
-        held = json.loads(reg.fs.cat_file(claim))
+        held = json.loads(reg.read(claim, SMALL_FILE, "publish claim"))
         if time.time() - float(held.get("time", 0)) < CLAIM_STALE_S:
             raise VersionExistsError(f"{name}@{version} is being published by another process (or one died less "
                                      f"than {CLAIM_STALE_S:.0f} s ago); pick another version id or retry later")
@@ -139,7 +140,7 @@ def _commit_object(reg: Registry, name: str, version: str, files: dict[str, byte
     for rel, data in files.items():
         reg.fs.pipe_file(f"{prefix}/{rel}", data)
     _pause("before_commit")
-    if reg.fs.cat_file(claim) != token:
+    if reg.read(claim, SMALL_FILE, "publish claim") != token:
         raise VersionExistsError(f"{name}@{version}: another publisher took over the claim; this publish is abandoned")
     if not _create(reg, f"{prefix}/{MANIFEST}", manifest):
         raise exists
@@ -166,6 +167,9 @@ def publish(content: ArtifactContent, registry: "Registry | str | None" = None, 
             parent = f"{pname}@{reg.resolve(pname, pref)}" if pname != content.name else reg.resolve(pname, pref)
         except ArtifactNotFoundError as exc:
             raise ValueError(f"parent {content.parent!r} does not exist: {exc}") from None
+    if version is not None and (version in RESERVED_ALIASES or reg.exists(reg.path(content.name, "aliases", version))):
+        raise ValueError(f"version id {version!r} is an alias of {content.name}; a version id always means that "
+                         "version: choose another id")
     files, parts = build_files(content)
     commit = _commit_local if reg.local else _commit_object
     for attempt in range(5):

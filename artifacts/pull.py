@@ -1,8 +1,11 @@
 """Fetch a version into the local cache ($KVTC_CACHE, default ~/.cache/kvtc), verifying every file.
 
-Local registries are read in place (and verified); remote ones are downloaded into
-<cache>/<registry hash>/<name>/<version>/ through a staging folder renamed into place, so a cache
-entry is either whole or absent. A cached copy that no longer verifies is fetched again.
+Every registry, local or remote, is read once: the manifest's bytes are checked (digest, pin,
+signature) and the files it lists are streamed (at most their listed size, regular files only) into
+<cache>/<registry hash>/<name>/<version>/ through a staging folder, verified there and renamed into
+place, so a cache entry is either whole or absent, and what the caller gets is the private copy that
+was verified, never the registry's files again (a file swapped after the check is never used).
+A cached copy that no longer verifies is fetched again.
 """
 from __future__ import annotations
 
@@ -15,15 +18,13 @@ from pathlib import Path
 
 from kvtc.artifacts.artifact import Artifact, contained, verify_folder
 from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.local_files import cache_root  # noqa: F401  (also imported from here)
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manifest_digest
 from kvtc.artifacts.registry import Registry, as_registry, split_ref
+from kvtc.artifacts.safe_io import write_contained
 
 PUBLIC_KEY_ENV = "KVTC_PUBLIC_KEY"            # default Ed25519 public key (PEM path) to check signatures with
 REQUIRE_SIGNATURE_ENV = "KVTC_REQUIRE_SIGNATURE"  # "1": refuse unsigned versions
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("KVTC_CACHE") or Path.home() / ".cache" / "kvtc").expanduser()
 
 
 def _within(root: Path, path: Path) -> Path:
@@ -40,10 +41,16 @@ def _download(reg: Registry, name: str, version: str, manifest_bytes: bytes, man
     try:
         prefix = reg.version_path(name, version)
         staging.mkdir(parents=True)
-        for rel in manifest["files"]:
+        extras = set(manifest.get("extras") or [])
+        for rel, entry in manifest["files"].items():
             target = contained(staging, rel)
             target.parent.mkdir(parents=True, exist_ok=True)
-            reg.fs.get_file(reg.check_under_root(f"{prefix}/{rel}"), str(target))
+            try:
+                reg.copy_file(f"{prefix}/{rel}", target, entry["size"], f"{reg.uri}: {name}@{version}: file")
+            except IntegrityError:
+                if rel not in extras:
+                    raise
+                target.unlink(missing_ok=True)  # an oversized or special optional file: left out, reported damaged
         damaged = verify_folder(staging, manifest, f"{reg.uri}: {name}@{version}")
         (staging / DIGEST_FILE).write_bytes((manifest_digest(manifest_bytes) + "\n").encode())
         if signature is not None:
@@ -60,8 +67,10 @@ def _download(reg: Registry, name: str, version: str, manifest_bytes: bytes, man
 
 
 def check_signature(reg: Registry, name: str, version: str, manifest_bytes: bytes,
-                    public_key: "str | os.PathLike | None", require_signature: bool) -> str | None:
-    """Verify manifest.sig with `public_key` when given; -> the signer's key id, or None when unchecked."""
+                    public_key: "str | os.PathLike | None", require_signature: bool,
+                    signature: bytes | None = None) -> str | None:
+    """Verify `signature` (default: the version's manifest.sig) with `public_key` when given; -> the
+    signer's key id, or None when unchecked."""
     where = f"{reg.uri}: {name}@{version}"
     if require_signature and not public_key:
         raise ValueError("requiring a signature needs the signer's public key: pass --key PUBLIC.pem "
@@ -71,7 +80,8 @@ def check_signature(reg: Registry, name: str, version: str, manifest_bytes: byte
     from kvtc.artifacts.signing import load_public_key, verify_signature
 
     load_public_key(public_key)  # a bad key file fails even when there is nothing to check
-    signature = reg.read_signature(name, version)
+    if signature is None:
+        signature = reg.read_signature(name, version)
     if signature is None and not require_signature:
         warnings.warn(f"{where} is not signed; loading it unverified (require signatures with "
                       "--require-signature)", stacklevel=3)
@@ -88,6 +98,8 @@ def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = Non
     `public_key` (default $KVTC_PUBLIC_KEY) its signature is checked, and `require_signature` (default
     $KVTC_REQUIRE_SIGNATURE=1) refuses unsigned versions. Files the manifest does not list are ignored.
     Raises ArtifactNotFoundError (unknown name/ref) or IntegrityError naming what was tampered with.
+    The result is the verified private copy (`.digest`: its manifest digest; `.signed_by`: the key id
+    that signed it, None when no signature was checked).
     """
     reg = as_registry(registry)
     public_key = public_key or os.environ.get(PUBLIC_KEY_ENV) or None
@@ -95,28 +107,31 @@ def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = Non
         require_signature = os.environ.get(REQUIRE_SIGNATURE_ENV, "") not in ("", "0")
     name, ref = split_ref(name, ref)
     version, digest = reg.resolve_pinned(name, ref)
-    prefix = reg.version_path(name, version)
     manifest_bytes, manifest = reg.read_manifest_bytes(name, version, digest)
-    check_signature(reg, name, version, manifest_bytes, public_key, require_signature)
-    if reg.local:
-        return Artifact(prefix, manifest, verify=verify)
-    key = hashlib.sha256(reg.uri.encode()).hexdigest()[:16]
+    signature = reg.read_signature(name, version)
+    signer = check_signature(reg, name, version, manifest_bytes, public_key, require_signature, signature)
+    where = os.path.realpath(reg.root) if reg.local else reg.uri
+    key = hashlib.sha256(where.encode()).hexdigest()[:16]
     root = cache_root(cache_dir)
     dest = _within(root, root / key / name / version)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    artifact = None
     if (dest / MANIFEST).is_file():
         try:
             if (dest / MANIFEST).read_bytes() != manifest_bytes:
                 raise IntegrityError(f"cached manifest of {name}@{version} differs from the registry's")
-            return Artifact(dest, manifest, verify=verify)
+            artifact = Artifact(dest, manifest, verify=verify)
         except IntegrityError:
             shutil.rmtree(dest, ignore_errors=True)
-    damaged = _download(reg, name, version, manifest_bytes, manifest, dest, reg.read_signature(name, version))
-    artifact = Artifact(dest, manifest, verify=False)
-    artifact.damaged = damaged
-    if damaged:
-        warnings.warn(f"{name}@{version}: optional files fail their checks and are refused: {', '.join(damaged)} "
-                      "(decoding does not need them)", stacklevel=2)
+    if artifact is None:
+        damaged = _download(reg, name, version, manifest_bytes, manifest, dest, signature)
+        artifact = Artifact(dest, manifest, verify=False)
+        artifact.damaged = damaged
+        if damaged:
+            warnings.warn(f"{name}@{version}: optional files fail their checks and are refused: {', '.join(damaged)} "
+                          "(decoding does not need them)", stacklevel=2)
+    artifact.signed_by = signer
+    artifact.digest = manifest_digest(manifest_bytes)
     return artifact
 
 
@@ -133,7 +148,5 @@ def copy_to(artifact: Artifact, directory: str | os.PathLike) -> Path:
         source = artifact.path / rel
         if rel in artifact.damaged or not source.is_file():
             continue
-        out = contained(target, rel)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, out)
+        write_contained(target, rel, source.read_bytes())
     return target

@@ -7,6 +7,10 @@ Every name, version and alias that becomes a path segment matches schema.NAME_PA
 every path is checked to stay under the root. Every manifest read checks the manifest against its
 digest file (and against the digest an alias recorded or a NAME@sha256:HEX ref pinned), that it
 names the folder it was read from, and that its listing hash holds.
+
+Every read refuses a file that is not a regular file (FIFO, device, directory, symlink) and reads at
+most what it may hold (`safe_io`). A version id always means that version: refs resolve version ids
+before aliases, and an alias may not be named like a version id.
 """
 from __future__ import annotations
 
@@ -14,18 +18,25 @@ import datetime as dt
 import json
 import os
 import posixpath
+import re
 import tempfile
 import uuid
+import warnings
+from pathlib import Path
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from kvtc.artifacts.local_files import atomic_write, process_umask  # noqa: F401  (process_umask: re-exported)
 from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError, RegistryNotWritableError
 from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIDECARS, SIGNATURE_FILE, check_digest, decode_manifest,
                                      manifest_digest)
+from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, copy_limited, read_limited
 from kvtc.artifacts.schema import DIGEST_PATTERN, NAME_PATTERN, check_name
 
 DEFAULT_ROOT = "registry"
+VERSION_ID_PATTERN = re.compile(r"[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}")  # manifest.new_version_id's form
+RESERVED_ALIASES = ("latest",)
 
 
 def check_ref(ref: str) -> str:
@@ -46,35 +57,9 @@ def split_ref(spec: str, ref: str | None = None) -> tuple[str, str]:
     return check_name("artifact name", name), check_ref(inline or ref or "latest")
 
 
-def process_umask() -> int:
-    """The umask, read without changing it where the OS allows (os.umask(0) would race other threads)."""
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    umask = os.umask(0o077)
-    os.umask(umask)
-    return umask
-
-
 def write_local_atomic(target: str, data: bytes) -> None:
-    """Temp file + fsync + rename, created with the process umask (mkstemp alone would leave 0600)."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
-    try:
-        os.fchmod(fd, 0o666 & ~process_umask())
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Temp file + fsync + rename (kvtc.artifacts.local_files.atomic_write)."""
+    atomic_write(target, data)
 
 
 class Registry:
@@ -126,7 +111,21 @@ class Registry:
             self.fs.invalidate_cache()
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path) if self.local else self.fs.exists(path)
+        return os.path.lexists(path) if self.local else self.fs.exists(path)
+
+    def read(self, path: str, limit: int, what: str) -> bytes:
+        """A regular file's bytes, at most `limit` of them (see safe_io); FileNotFoundError when absent."""
+        return read_limited(self.fs, self.local, path, limit, what)
+
+    def read_optional(self, path: str, limit: int, what: str) -> bytes | None:
+        try:
+            return self.read(path, limit, what)
+        except FileNotFoundError:
+            return None
+
+    def copy_file(self, path: str, target: Path, size: int, what: str) -> None:
+        """Stream a listed file into `target`, refusing more than its `size` bytes or a non-regular file."""
+        copy_limited(self.fs, self.local, self.check_under_root(path), target, size, what)
 
     def names(self) -> list[str]:
         """Artifact names with at least one committed version."""
@@ -162,7 +161,7 @@ class Registry:
     def _read_alias(self, path: str) -> tuple[str, str | None]:
         """-> (version, recorded manifest digest or None); the version must be a valid id."""
         try:
-            record = json.loads(self.fs.cat_file(path))
+            record = json.loads(self.read(self.check_under_root(path), SMALL_FILE, "alias file"))
             version, digest = record["version"], record.get("digest")
         except (ValueError, KeyError, TypeError, AttributeError, IsADirectoryError) as exc:
             raise ValueError(f"alias file {path} is unreadable ({type(exc).__name__}); re-set it with "
@@ -179,7 +178,7 @@ class Registry:
         return version, digest
 
     def resolve(self, name: str, ref: str = "latest") -> str:
-        """Alias, version id or sha256 digest -> committed version id (aliases win over versions of the same spelling)."""
+        """Version id, alias or sha256 digest -> committed version id (a version id always means that version)."""
         return self.resolve_pinned(name, ref)[0]
 
     def resolve_pinned(self, name: str, ref: str = "latest") -> tuple[str, str | None]:
@@ -188,6 +187,8 @@ class Registry:
         self._fresh()
         if ref.startswith("sha256:"):
             return self.find_digest(name, ref), ref
+        if self.exists(self.path(name, "versions", ref, MANIFEST)):
+            return ref, None  # a version id is never shadowed by an alias of the same spelling
         alias_path = self.path(name, "aliases", ref)
         version, digest = self._read_alias(alias_path) if self.exists(alias_path) else (ref, None)
         if not self.exists(self.path(name, "versions", version, MANIFEST)):
@@ -202,31 +203,26 @@ class Registry:
         """The version whose manifest has this digest (reads the recorded digests, newest first)."""
         for version in reversed(self.versions(name)):
             try:
-                recorded = self.fs.cat_file(self.path(name, "versions", version, DIGEST_FILE)).decode().strip()
-            except (OSError, UnicodeDecodeError):
+                recorded = self.read(self.path(name, "versions", version, DIGEST_FILE), SMALL_FILE,
+                                     "digest file").decode().strip()
+            except (OSError, UnicodeDecodeError, IntegrityError):
                 continue
             if recorded == digest:
                 return version
         raise ArtifactNotFoundError(f"{name}: no version with manifest digest {digest} in {self.uri}")
-
-    def _cat_optional(self, path: str) -> bytes | None:
-        try:
-            return self.fs.cat_file(path)
-        except FileNotFoundError:
-            return None
 
     def read_manifest_bytes(self, name: str, version: str, digest: str | None = None) -> tuple[bytes, dict]:
         """-> (manifest.json bytes, checked manifest); IntegrityError when tampered (see the module doc)."""
         where = f"{self.uri}: {name}@{version}"
         prefix = self.version_path(check_name("artifact name", name), check_name("version", version))
         try:
-            data = self.fs.cat_file(f"{prefix}/{MANIFEST}")
+            data = self.read(f"{prefix}/{MANIFEST}", MANIFEST_LIMIT, f"{where}: manifest")
         except FileNotFoundError:
             raise ArtifactNotFoundError(f"{where}: no {MANIFEST}") from None
         except (IsADirectoryError, PermissionError, NotADirectoryError) as exc:
             raise IntegrityError(f"{where}: {MANIFEST} cannot be read as a file ({type(exc).__name__})") from None
         try:
-            recorded = self._cat_optional(f"{prefix}/{DIGEST_FILE}")
+            recorded = self.read_optional(f"{prefix}/{DIGEST_FILE}", SMALL_FILE, f"{where}: digest file")
         except (IsADirectoryError, PermissionError, NotADirectoryError):
             recorded = b""
         check_digest(data, recorded, digest, where)
@@ -236,7 +232,13 @@ class Registry:
         return self.read_manifest_bytes(name, version, digest)[1]
 
     def read_signature(self, name: str, version: str) -> bytes | None:
-        return self._cat_optional(f"{self.version_path(name, version)}/{SIGNATURE_FILE}")
+        """manifest.sig's bytes, or None when the version is unsigned; IntegrityError for a non-regular file."""
+        try:
+            return self.read_optional(f"{self.version_path(name, version)}/{SIGNATURE_FILE}", SMALL_FILE,
+                                      f"{self.uri}: {name}@{version}: signature")
+        except (IsADirectoryError, PermissionError, NotADirectoryError) as exc:
+            raise IntegrityError(f"{self.uri}: {name}@{version}: {SIGNATURE_FILE} cannot be read as a file "
+                                 f"({type(exc).__name__}); refusing it") from None
 
     def unlisted(self, name: str, version: str, manifest: dict) -> list[str]:
         """Files in the version folder that its manifest does not list (ignored by pull)."""
@@ -263,9 +265,9 @@ class Registry:
         """Write the digest file of a version published before digests existed (trust on first use:
         run `kvtc verify --adopt` where the registry is trusted); -> its digest. The caller verifies the files."""
         prefix = self.version_path(check_name("artifact name", name), check_name("version", version))
-        if self._cat_optional(f"{prefix}/{DIGEST_FILE}") is not None:
+        if self.exists(f"{prefix}/{DIGEST_FILE}"):
             raise ValueError(f"{name}@{version} already has a {DIGEST_FILE}; nothing to adopt")
-        data = self.fs.cat_file(f"{prefix}/{MANIFEST}")
+        data = self.read(f"{prefix}/{MANIFEST}", MANIFEST_LIMIT, f"{self.uri}: {name}@{version}: manifest")
         decode_manifest(data, f"{self.uri}: {name}@{version}", name, version)
         digest = manifest_digest(data)
         record = (digest + "\n").encode()
@@ -278,7 +280,10 @@ class Registry:
     def set_alias(self, name: str, alias: str, version: str) -> None:
         """Point `alias` at a committed `version` (recording its manifest digest), atomically
         (temp file + rename with the process umask, or one PUT)."""
-        check_name("alias", alias)
+        check_alias_name(alias)
+        if alias not in RESERVED_ALIASES and self.exists(self.path(check_name("artifact name", name), "versions", alias)):
+            raise ValueError(f"alias {alias!r} is the id of a version of {name}; a version id always means that "
+                             "version: choose another alias name")
         version = self.resolve(name, version)
         data, _ = self.read_manifest_bytes(name, version)
         record = json.dumps({"version": version, "digest": manifest_digest(data),
@@ -306,15 +311,25 @@ class Registry:
         written = None
         for _ in range(20):
             self._fresh()
-            found = [path.rstrip("/").rsplit("/", 1)[-1] for path in self.fs.ls(self.path(name, "published"), detail=False)]
-            entries = sorted(f for f in found if "." in f and f.split(".", 1)[0].isalnum()
-                             and NAME_PATTERN.fullmatch(f.split(".", 1)[1]))
-            newest = entries[-1].split(".", 1)[1] if entries else version
+            newest = self._newest_published(name) or version
             if newest == written:
                 break
             self.set_alias(name, "latest", newest)
             written = newest
         return written
+
+    def _newest_published(self, name: str) -> str | None:
+        """The newest version with a `published/` marker that still exists; stale markers (version deleted) warn."""
+        found = [path.rstrip("/").rsplit("/", 1)[-1] for path in self.fs.ls(self.path(name, "published"), detail=False)]
+        entries = sorted((f for f in found if "." in f and f.split(".", 1)[0].isalnum()
+                          and NAME_PATTERN.fullmatch(f.split(".", 1)[1])), reverse=True)
+        for entry in entries:
+            version = entry.split(".", 1)[1]
+            if self.exists(self.path(name, "versions", version, MANIFEST)):
+                return version
+            warnings.warn(f"{self.uri}: {name}/published/{entry} names version {version}, which no longer exists; "
+                          "skipping it for `latest` (delete the marker to silence this)", stacklevel=3)
+        return None
 
     def check_writable(self) -> None:
         """Write and delete a probe object under the root; raise RegistryNotWritableError if that fails."""
@@ -328,6 +343,15 @@ class Registry:
             raise RegistryNotWritableError(
                 f"registry {self.uri} is not writable ({type(exc).__name__}: {exc}); set --registry or "
                 "KVTC_REGISTRY to a writable path or URI, or fix its credentials, before calibrating") from None
+
+
+def check_alias_name(alias: str) -> str:
+    """An alias name: a valid name that does not read as a version id (those always mean their version)."""
+    check_name("alias", alias)
+    if VERSION_ID_PATTERN.fullmatch(alias):
+        raise ValueError(f"alias {alias!r} reads as a version id; a version id always means that version: "
+                         "choose another alias name")
+    return alias
 
 
 def as_registry(registry: "Registry | str | os.PathLike | None") -> Registry:

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.errors import InputError, IntegrityError
 
 ALGORITHM = "ed25519"
 _CONTEXT = b"kvtc-manifest-v1\0"  # domain separation: a manifest signature is never valid for anything else
@@ -26,7 +26,7 @@ def _crypto():
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:
-        raise RuntimeError("signing needs the `cryptography` package: pip install 'kvtc-calibration[sign]'") from None
+        raise InputError("signing needs the `cryptography` package: pip install 'kvtc-calibration[sign]'") from None
     return serialization, ed25519, InvalidSignature
 
 

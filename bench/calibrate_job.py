@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvtc.pipeline.job.calibrate import CalibrateConfig, run  # noqa: E402
+from kvtc.pipeline.settings import JobSettings  # noqa: E402
+from kvtc.pipeline.job.calibrate import run  # noqa: E402
 from kvtc.pipeline.job.shards import make_shards  # noqa: E402
 from kvtc.workers.models import load_model  # noqa: E402
 
@@ -47,7 +48,7 @@ def scaling(tokens: int) -> dict:
     out = {}
     for workers in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = CalibrateConfig(tokens=tokens, eval_corpus=None, workers=workers, threads_per_worker=1, seqs_per_shard=2,
+            cfg = JobSettings.of(tokens=tokens, eval_corpus=None, workers=workers, threads_per_worker=1, seqs_per_shard=2,
                                   tokens_curve_points=0,
                                   registry=f"{tmp}/reg", store=f"{tmp}/store", name="bench-scaling")
             summary = run(cfg)
@@ -69,7 +70,7 @@ def main() -> None:
     if not args.skip_default:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            summary = run(CalibrateConfig(registry=f"{tmp}/reg", store=f"{tmp}/store"))
+            summary = run(JobSettings.of(registry=f"{tmp}/reg", store=f"{tmp}/store"))
             wall = time.perf_counter() - t0
         r = summary["run"]
         cr16 = next(row for row in summary["ratios"] if row["ratio"] == 16.0)

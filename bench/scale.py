@@ -62,7 +62,8 @@ class TreeRSS:
 
 
 def one_run(spec: str, args: argparse.Namespace) -> dict:
-    from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+    from kvtc.pipeline.job.calibrate import run
+    from kvtc.pipeline.settings import JobSettings
     from kvtc.pipeline.job.memory_plan import packed_bytes
     from kvtc.workers.capture import CaptureSettings
     from kvtc.workers.tiny import Geometry
@@ -71,10 +72,11 @@ def one_run(spec: str, args: argparse.Namespace) -> dict:
     geometry, tokens, seqs = Geometry.parse(parts[0]), int(parts[1]), int(parts[2])
     groups = ":".join(parts[3:]) or "model"
     root = tempfile.mkdtemp(prefix="kvtc-scale-", dir=args.root)
-    cfg = CalibrateConfig(
+    cfg = JobSettings.of(
         model=f"tiny:llama@{parts[0]}", corpus=args.corpus, eval_corpus=None, tokens=tokens, seq_len=args.seq_len,
         seqs_per_shard=seqs, window=args.window, ratios=tuple(float(r) for r in args.ratios.split(",")), groups=groups,
-        accumulators=args.accumulators, workers=args.workers, threads_per_worker=1 if args.ray else os.cpu_count() or 1, heldout_rows=args.heldout_rows, tokens_curve_points=0,
+        accumulators=args.accumulators, workers=args.workers, threads_per_worker=1 if args.ray else os.cpu_count() or 1,
+        heldout_rows=args.heldout_rows, tokens_curve_points=args.tokens_curve_points,
         registry=os.path.join(root, "registry"), store=os.path.join(root, "store"), name="scale",
     )
     t0 = time.perf_counter()
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accumulators", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--heldout-rows", type=int, default=1024)
+    ap.add_argument("--tokens-curve-points", type=int, default=0, help="error-by-tokens chart points (0: off; each refolds the accumulators)")
     ap.add_argument("--root", default=None, help="where the per-run stores and registries go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the stores and registries")
     ap.add_argument("--ray", action="store_true", help="run the shards on a local Ray pool (default: in this process, "

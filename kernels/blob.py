@@ -41,6 +41,16 @@ class SectionKey(NamedTuple):
     block: int
 
 
+class SectionBound(NamedTuple):
+    """What a blob's mode allows one section to be, derived from the header before anything is inflated:
+    `max_raw` bytes at most (exactly, when `exact`), stored plain when `plain` (its bytes are the stream)."""
+
+    key: SectionKey
+    max_raw: int
+    exact: bool = True
+    plain: bool = False
+
+
 @dataclass(frozen=True)
 class BlobHeader:
     """What made the blob and the shape of the cache it holds (tokens counted from `start`)."""

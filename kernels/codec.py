@@ -13,12 +13,13 @@ from typing import Any, Iterator
 
 import torch
 
+from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels import ecsq
 from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
-                               BlobHeader, Section, SectionKey, read_blob, write_blob)
+                               BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.bitpack import packed_nbytes
-from kvtc.kernels.entropy import CODERS, PLAIN, decode_section, encode_section
+from kvtc.kernels.entropy import CODERS, PLAIN, decode_sections, encode_section
 from kvtc.kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
 from kvtc.kernels.backend import BACKENDS, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
@@ -194,7 +195,7 @@ class KVTCCodec:
         for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
             with self._stage("project", dev):
                 z = feat[:, cols] @ comps
-            budget = int(16 * g.mean.shape[0] // self.spec.ratio) * z.shape[0] // 8 if self.rate_control else None
+            budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) if self.rate_control else None
             with self._stage("entropy", dev):
                 words, escapes = ecsq.encode_group(z, g, budget)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
@@ -212,23 +213,47 @@ class KVTCCodec:
             with self._stage("project", dev):
                 feat[:, cols] = zhat @ comps.T
 
-    def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
-        """(key, raw length; None where it varies) of every section a blob with this header must hold, in order."""
+    def section_bounds(self, header: BlobHeader, sections: list[Section] | None = None) -> list[SectionBound]:
+        """Every section a blob with this header must hold, in order, each with the most raw bytes it may
+        inflate to (from the header: token count, kept components, symbol models). The raw sinks and window
+        are common to every mode; the coded middle's sections come from the mode's bound function
+        (`_MODE_BOUNDS`; a new mode adds its own there). `sections`: the blob's table, for a mode whose
+        bound on one section depends on another's stored length."""
         L, H, D, T = header.layers, header.kv_heads, header.head_dim, header.tokens
         item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
         head, mid, tail = self.split(T, header.start)
-        out = [(SectionKey(tag, si, 0, 0), L * H * n * D * item)
+        out = [SectionBound(SectionKey(tag, si, 0, 0), L * H * n * D * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
-        if mid and header.mode == "ecsq":
-            out += [(SectionKey(tag, si, gi, 0), None) for si, stream in enumerate(STREAMS)
-                    for gi in range(len(self.spec.streams[stream])) for tag in (TAG_ECSQ, TAG_ESCAPES)]
-        elif mid:
-            for si, stream in enumerate(STREAMS):
-                for gi, g in enumerate(self.spec.streams[stream]):
-                    for bi, b in enumerate(g.blocks):
-                        if b.bits:
-                            out.append((SectionKey(TAG_PARAMS, si, gi, bi), mid * 4))
-                            out.append((SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
+        if mid:
+            out += _MODE_BOUNDS[header.mode](self, mid, {s.key: s for s in sections or ()})
+        return out
+
+    def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
+        """(key, raw length; None where only a bound is known) of every section, in order (see section_bounds)."""
+        return [(b.key, b.max_raw if b.exact else None) for b in self.section_bounds(header)]
+
+    def _fixed_bounds(self, mid: int, _table: dict) -> list[SectionBound]:
+        out = []
+        for si, stream in enumerate(STREAMS):
+            for gi, g in enumerate(self.spec.streams[stream]):
+                for bi, b in enumerate(g.blocks):
+                    if b.bits:
+                        out.append(SectionBound(SectionKey(TAG_PARAMS, si, gi, bi), mid * 4))
+                        out.append(SectionBound(SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
+        return out
+
+    def _ecsq_bounds(self, mid: int, table: dict) -> list[SectionBound]:
+        if self.spec.ecsq is None:
+            raise BlobError(f"blob was written in the ECSQ mode; artifact {self.spec.name}@{self.spec.version} has "
+                            f"no ECSQ tables for ratio {self.spec.ratio:g}")
+        out = []
+        for si, stream in enumerate(STREAMS):
+            for gi, g in enumerate(self.spec.ecsq[stream]):
+                key = SectionKey(TAG_ECSQ, si, gi, 0)
+                words = table[key].raw_len if key in table and table[key].coding == PLAIN else None
+                words_max, escapes_max = ecsq.section_bounds(g, mid, words)
+                out.append(SectionBound(key, words_max, exact=False, plain=True))
+                out.append(SectionBound(SectionKey(TAG_ESCAPES, si, gi, 0), escapes_max, exact=False))
         return out
 
     def _check_header(self, h: BlobHeader) -> None:
@@ -249,17 +274,16 @@ class KVTCCodec:
                max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """blob -> (keys, values) (L, H, T, D) in the encoded dtype on `device`.
 
-        Every failure caused by the blob is a BlobError (a ValueError), including a blob declaring more
-        than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating.
+        Every failure caused by the blob's bytes is a BlobError (a ValueError), including a blob declaring
+        more than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating; any
+        other exception is not the blob's doing (a device, memory or a bug) and propagates as it is.
         """
-        dev = torch.device(device)
-        limit = self.max_tokens if max_tokens is None else max_tokens
         try:
-            return self._decode(blob, dev, limit)
-        except BlobError:
-            raise
-        except Exception as exc:  # anything else a hostile blob provokes is still a bad blob
-            raise BlobError(f"blob cannot be decoded ({type(exc).__name__}: {exc})") from exc
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
+        limit = self.max_tokens if max_tokens is None else max_tokens
+        return self._decode(blob, dev, limit)
 
     def _decode(self, blob: bytes | bytearray | memoryview, dev: torch.device, max_tokens: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,16 +292,9 @@ class KVTCCodec:
             raise BlobError(f"blob declares {header.tokens} tokens, over this decoder's limit of {max_tokens}; "
                             "pass max_tokens= to KVTCCodec or decode() if such long caches are expected")
         self._check_header(header)
-        if header.mode == "ecsq" and self.spec.ecsq is None:
-            raise BlobError(f"blob was written in the ECSQ mode; artifact {self.spec.name}@{self.spec.version} has no "
-                            f"ECSQ tables for ratio {self.spec.ratio:g}")
-        expected = self.expected_sections(header)
-        got = [(s.key, s.raw_len) for s in sections]
-        if len(got) != len(expected) or any(k != ek or (n is not None and r != n)
-                                            for (k, r), (ek, n) in zip(got, expected)):
-            raise BlobError("blob section table does not match the artifact's allocation for this ratio")
+        bounds = self.section_bounds(header, sections)
         with self._stage("entropy_decode", dev):
-            data = {s.key: decode_section(s.coding, s.stored, s.raw_len, str(tuple(s.key))) for s in sections}
+            data = decode_sections(sections, bounds)
         L, H, T, D = header.layers, header.kv_heads, header.tokens, header.head_dim
         dtype = getattr(torch, header.dtype)
         head, mid, tail = self.split(T, header.start)
@@ -306,7 +323,12 @@ class KVTCCodec:
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
                     ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
+                    finite = torch.finfo(dtype).max  # values rounded past the dtype's range stay finite
+                    out[si][:, :, head:head + mid].clamp_(-finite, finite)
         return out[0], out[1]
+
+
+_MODE_BOUNDS = {"fixed": KVTCCodec._fixed_bounds, "ecsq": KVTCCodec._ecsq_bounds}
 
 
 def _resolve_mode(spec: CodecSpec, mode: str | None) -> str:

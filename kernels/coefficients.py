@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import ecsq
 from kvtc.kernels.backend import Ops, resolve_ops
@@ -163,7 +164,7 @@ class CoefficientCoder:
                      ) -> tuple[tuple[bytes, bytes], ...]:
         """z (B*n, kept) -> per sequence (words, escapes), budgeted like the codec's sections for n tokens."""
         g = self.spec.ecsq[stream][gi]
-        budget = int(16 * g.mean.shape[0] // self.spec.ratio) * n // 8 if self.rate_control else None
+        budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, n) if self.rate_control else None
         return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget) for b in range(batch))
 
     def coefficients(self, coded: CodedTokens, stream: str, gi: int) -> torch.Tensor:

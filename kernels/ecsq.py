@@ -33,6 +33,10 @@ PROBABILITY_TOTAL = 1 << 20
 STEP_GRID = 32  # rate control: step multipliers 2^(j / STEP_GRID)
 MAX_STEP_EXPONENT = 255
 _EXPONENT = struct.Struct("<i")
+STREAM_FORMAT = 1  # high 16 bits of the exponent field: 1 = coder started from the end-of-stream state
+_INITIAL = (0, 1)  # the coder's initial state 2^32 as constriction writes it (low word, high word)
+_STATE_BITS = 32   # constriction's num_valid_bits() of that state; a well-formed stream never drops below it
+_MAX_SYMBOL_BITS = 25  # a symbol costs at most 24 bits (+ rounding) under a 24-bit-precision model
 
 
 class SymbolModel(NamedTuple):
@@ -82,6 +86,19 @@ class EcsqGroup:
         return tuple(np.flatnonzero(self.model == i) for i in range(len(self.models)))
 
     @functools.cached_property
+    def escape_bits(self) -> float:
+        """The fewest bits an escape symbol costs in the words under any used model (measured on the coder)."""
+        import constriction
+
+        costs = []
+        for m, cols, model in zip(self.models, self.columns, self.coders):
+            if cols.size:
+                coder = constriction.stream.stack.AnsCoder(np.array(_INITIAL, dtype=np.uint32))
+                coder.encode_reverse(np.full(256, 2 * m.radius + 1, dtype=np.int32), model)
+                costs.append(max(0.0, (coder.num_valid_bits() - _STATE_BITS - 1) / 256 - 0.05))
+        return min(costs, default=0.0)
+
+    @functools.cached_property
     def coders(self) -> tuple:
         """Per model, constriction's lookup-table categorical model."""
         import constriction
@@ -111,7 +128,7 @@ def encode_symbols(q: np.ndarray, group: EcsqGroup) -> tuple[bytes, bytes]:
     """symbols (N, kept) int32 -> (ANS words as little-endian bytes, escaped symbols as int32 bytes)."""
     import constriction
 
-    coder = constriction.stream.stack.AnsCoder()
+    coder = constriction.stream.stack.AnsCoder(np.array(_INITIAL, dtype=np.uint32))
     chunks = []
     for m, cols, model in zip(group.models, group.columns, group.coders):
         s = q[:, cols].ravel().astype(np.int64)
@@ -126,11 +143,13 @@ def encode_symbols(q: np.ndarray, group: EcsqGroup) -> tuple[bytes, bytes]:
 
 def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) -> np.ndarray:
     """Inverse of encode_symbols -> symbols (tokens, kept) int32; BlobError for a stream that does
-    not decode to exactly `tokens` rows (truncated, corrupt) or escapes that do not fit the models."""
+    not decode to exactly `tokens` rows ending in the coder's initial state (truncated, corrupt,
+    leftover words) or escapes that do not fit the models."""
     import constriction
 
-    if len(words) % 4 or len(escapes) % 4:
-        raise BlobError("ECSQ section lengths must be multiples of 4 bytes: the stream is truncated or corrupt")
+    if len(words) % 4 or len(escapes) % 4 or len(words) < 4 * len(_INITIAL):
+        raise BlobError("ECSQ section lengths must be multiples of 4 bytes and hold at least the coder's state: "
+                        "the stream is truncated or corrupt")
     esc = np.frombuffer(escapes, dtype="<i4").astype(np.int64)
     q = np.empty((tokens, group.kept), dtype=np.int32)
     used = 0
@@ -140,6 +159,8 @@ def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) 
             if not cols.size or not tokens:
                 continue
             idx = coder.decode(model, tokens * cols.size).astype(np.int64)
+            if coder.num_valid_bits() < _STATE_BITS:
+                raise BlobError("ECSQ stream ran dry before its last symbol: it is truncated or corrupt")
             out = idx == 2 * m.radius + 1
             n = int(out.sum())
             if used + n > esc.size:
@@ -151,15 +172,27 @@ def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) 
             vals[out] = extra
             used += n
             q[:, cols] = vals.reshape(tokens, cols.size)
-        empty = coder.is_empty()
+        rest = coder.get_compressed()
     except BlobError:
         raise
     except Exception as exc:  # constriction reports exhausted or invalid data as ValueError/AssertionError
         raise BlobError(f"ECSQ stream does not decode ({exc}): it is truncated or corrupt") from None
-    if not empty or used != esc.size:
-        raise BlobError("ECSQ stream does not end where its symbols do (leftover words or escapes): "
-                        "it is truncated or corrupt")
+    if tuple(int(w) for w in rest) != _INITIAL or used != esc.size:
+        raise BlobError("ECSQ stream does not end where its symbols do (leftover words or escapes, or a final "
+                        "state other than the coder's initial state): it is truncated or corrupt")
     return q
+
+
+def section_bounds(group: EcsqGroup, tokens: int, words_len: int | None = None) -> tuple[int, int]:
+    """(most bytes of the words section, exponent included; most bytes of the escapes section) for
+    `tokens` rows; with the words section's real length, escapes are also bounded by what it can name."""
+    symbols = tokens * group.kept
+    words_max = _EXPONENT.size + 4 * (len(_INITIAL) + 1 + (symbols * _MAX_SYMBOL_BITS + 31) // 32)
+    escapes = symbols
+    if words_len is not None and group.escape_bits > 0:
+        bits = 8 * max(0, words_len - _EXPONENT.size) + 64
+        escapes = min(escapes, int(bits / group.escape_bits) + 1)
+    return words_max, 4 * escapes
 
 
 def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None) -> tuple[bytes, bytes]:
@@ -169,7 +202,7 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
     def attempt(j: int) -> tuple[tuple[bytes, bytes], int, np.ndarray]:
         q = quantize(z, group.step * 2.0 ** (j / STEP_GRID)).cpu().numpy()
         words, escapes = encode_symbols(q, group)
-        return (_EXPONENT.pack(j) + words, escapes), _EXPONENT.size + len(words) + len(escapes), q
+        return (_EXPONENT.pack(j | STREAM_FORMAT << 16) + words, escapes), _EXPONENT.size + len(words) + len(escapes), q
 
     best, size, q = attempt(0)
     if max_bytes is None or size <= max_bytes or not q.size:
@@ -198,7 +231,11 @@ def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) ->
     """Inverse of encode_group -> (symbols (tokens, kept) int32, the step they were quantized with)."""
     if len(words) < _EXPONENT.size:
         raise BlobError("ECSQ section is shorter than its step exponent: the stream is truncated")
-    (j,) = _EXPONENT.unpack(words[:_EXPONENT.size])
-    if not 0 <= j <= MAX_STEP_EXPONENT:
+    (field,) = _EXPONENT.unpack(words[:_EXPONENT.size])
+    j, stream_format = field & 0xFFFF, field >> 16
+    if stream_format == 0 and j <= MAX_STEP_EXPONENT:
+        raise BlobError("ECSQ stream was written by an older release without an end-of-stream state (a truncated "
+                        "one cannot be told apart): re-encode the cache with this release")
+    if stream_format != STREAM_FORMAT or not 0 <= j <= MAX_STEP_EXPONENT:
         raise BlobError(f"ECSQ step exponent {j} is outside 0..{MAX_STEP_EXPONENT}: the blob is corrupt")
     return decode_symbols(words[_EXPONENT.size:], escapes, tokens, group), group.step * 2.0 ** (j / STEP_GRID)

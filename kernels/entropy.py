@@ -2,13 +2,14 @@
 
 Coding ids in the blob: 0 plain, 1 zlib stream (RFC 1950, CPU zlib), 2 raw DEFLATE (RFC 1951, as
 nvCOMP's Deflate with BitstreamKind.RAW writes it). Every coding decodes on CPU with zlib, so a
-blob written on a GPU host reads anywhere. Decoding never inflates past the declared raw length.
+blob written on a GPU host reads anywhere. Decoding never inflates past the declared raw length,
+and `decode_sections` checks every declared raw length against its mode's bound first.
 """
 from __future__ import annotations
 
 import zlib
 
-from kvtc.kernels.blob import BlobError
+from kvtc.kernels.blob import BlobError, Section, SectionBound, SectionKey
 
 PLAIN, ZLIB, RAW_DEFLATE = 0, 1, 2
 CODERS = ("zlib", "plain", "nvcomp")
@@ -67,3 +68,22 @@ def decode_section(coding: int, stored: bytes | memoryview, raw_len: int, what: 
     if len(out) != raw_len or extra or not inflater.eof or inflater.unused_data:
         raise BlobError(f"section {what}: DEFLATE data does not inflate to exactly {raw_len} bytes")
     return out
+
+
+def check_sections(sections: list[Section], bounds: list[SectionBound]) -> None:
+    """BlobError unless the section table is exactly `bounds` (keys in order) and every declared raw
+    length and coding is within its bound; the one check every blob mode's sections pass before inflating."""
+    if len(sections) != len(bounds) or any(s.key != b.key for s, b in zip(sections, bounds)):
+        raise BlobError("blob section table does not match the artifact's allocation for this ratio")
+    for s, b in zip(sections, bounds):
+        if s.raw_len > b.max_raw or (b.exact and s.raw_len != b.max_raw):
+            raise BlobError(f"section {tuple(s.key)} declares {s.raw_len} raw bytes; its header allows "
+                            f"{'exactly' if b.exact else 'at most'} {b.max_raw}: the blob is corrupt")
+        if b.plain and s.coding != PLAIN:
+            raise BlobError(f"section {tuple(s.key)} must be stored plain, has coding {s.coding}: the blob is corrupt")
+
+
+def decode_sections(sections: list[Section], bounds: list[SectionBound]) -> dict[SectionKey, bytes]:
+    """check_sections, then inflate each section to its (bounded) raw length."""
+    check_sections(sections, bounds)
+    return {s.key: decode_section(s.coding, s.stored, s.raw_len, str(tuple(s.key))) for s in sections}

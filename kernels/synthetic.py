@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from kvtc.artifacts.blocks import QTYPES, block_cost_bits, qtype_bits
+from kvtc.artifacts.blocks import QTYPES, block_cost_bits, budget_bits, qtype_bits
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.rope import RopeSpec
 from kvtc.kernels.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
@@ -28,7 +28,7 @@ def _orthonormal(p: int, seed: int) -> torch.Tensor:
 
 def budget_blocks(p: int, ratio: float) -> tuple[CodedBlock, ...]:
     """A DP-like allocation within B = floor(16 p / ratio) bits: fp8 head, int4 body, int2 tail."""
-    budget = int(16 * p // ratio)
+    budget = budget_bits(p, ratio)
     template = [(1, "fp8")] * 4 + [(16, "int8"), (16, "fp8"), (16, "none")] + [(64, "int4")] * 4
     blocks, pos = [], 0
     for size, qtype in template + [(256, "int2")] * (p // 256 + 1):

@@ -35,7 +35,7 @@ EXIT_OK, EXIT_INTERNAL, EXIT_ERROR, EXIT_INTEGRITY, EXIT_INTERRUPTED = 0, 1, 2, 
 EXIT_CODES = {
     0: "success",
     1: "internal error (a bug: rerun with --debug and report the traceback)",
-    2: "bad input, unknown name, unreachable or unwritable registry/cluster, or another expected failure",
+    2: "bad input: an invalid option, unknown name, unreachable or unwritable registry/cluster, missing file",
     3: "drift: the artifact drifted past --threshold",
     4: "drift/recalibrate: the model is not the artifact's",
     5: "recalibrate: the new version was not promoted",
@@ -59,6 +59,39 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.register(sub)
     return parser
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, parent_defaults: bool = False) -> None:
+    """The `kvtc calibrate` options, one per settings field (kvtc.pipeline.settings), in argument
+    groups by concern. Options not given stay out of the namespace (argparse.SUPPRESS), so the
+    settings' own defaults apply, or with `parent_defaults` (recalibrate) the parent's."""
+    from dataclasses import MISSING
+
+    from kvtc.pipeline.settings import COMPUTATIONAL, options
+
+    sections: dict[str, argparse._ArgumentGroup] = {}
+    for group, name, opt, default in options():
+        section = sections.get(group) or sections.setdefault(group, parser.add_argument_group(f"{group} settings"))
+        shown = "" if default is MISSING or default is None else \
+            f" (default {opt.show(default) if opt.show else default})"
+        suffix = " [default: the parent's]" if parent_defaults and group in COMPUTATIONAL else shown
+        section.add_argument("--" + name.replace("_", "-"), dest=name, type=opt.kind, choices=opt.choices,
+                             default=argparse.SUPPRESS, help=f"{opt.help}{suffix}")
+
+
+def settings_options(args: argparse.Namespace) -> dict:
+    """The settings options given on a parsed command line: {flat field name: word as typed}."""
+    from kvtc.pipeline.settings import options
+
+    names = {name for _, name, _, _ in options()}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def settings_from_args(args: argparse.Namespace):
+    """JobSettings from a parsed `kvtc calibrate` command line (kvtc.pipeline.settings.JobSettings.of)."""
+    from kvtc.pipeline.settings import JobSettings
+
+    return JobSettings.of(**settings_options(args))
 
 
 def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
@@ -128,9 +161,9 @@ def exit_code(exc: BaseException) -> int | None:
 
     if isinstance(exc, IntegrityError):
         return EXIT_INTEGRITY
-    if isinstance(exc, (ValueError, LookupError, OSError, RuntimeError, TimeoutError)):
-        return EXIT_ERROR  # OSError covers missing files, permissions and unreachable hosts
-    return None
+    if isinstance(exc, (ValueError, LookupError, OSError, TimeoutError)):
+        return EXIT_ERROR  # bad input (InputError is a ValueError); OSError: missing files, permissions, hosts
+    return None  # RuntimeError, TypeError, AssertionError, ...: a bug
 
 
 def _one_line(exc: BaseException) -> str:

@@ -7,7 +7,8 @@ import pytest
 import ray
 
 from kvtc import artifacts
-from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+from kvtc.pipeline.settings import JobSettings
+from kvtc.pipeline.job.calibrate import run
 from kvtc.pipeline.cli import main as cli_main
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
@@ -24,7 +25,7 @@ def ray_local():
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     root = tmp_path_factory.mktemp("base")
-    cfg = CalibrateConfig(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"), name="tiny")
+    cfg = JobSettings.of(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"), name="tiny")
     return cfg, run(cfg)
 
 
@@ -77,7 +78,7 @@ def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):
     marker = tmp_path / "killed"
     os.environ["KVTC_TEST_KILL_ON_SHARD"] = f"6:{marker}"  # accumulator 2's second shard: resumes from its checkpoint
     try:
-        other = run(CalibrateConfig(**TINY, workers=2, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
+        other = run(JobSettings.of(**TINY, workers=2, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
     finally:
         del os.environ["KVTC_TEST_KILL_ON_SHARD"]
     assert marker.exists(), "the test hook did not kill a worker"
@@ -109,14 +110,14 @@ def test_rerun_reuses_cached_shards_and_extension_runs_only_new_ones(baseline, t
     again = run(cfg)
     assert again["run"]["shards_run"] == 0 and again["run"]["shards_cached"] > 0
     doubled = {**TINY, "tokens": 2 * TINY["tokens"]}
-    shutil.copytree(cfg.store, tmp_path / "extended")  # the baseline's store stays as it is for other tests
-    longer = run(CalibrateConfig(**doubled, workers=1, registry=cfg.registry, store=str(tmp_path / "extended"), name="tiny"))
+    shutil.copytree(cfg.runtime.store, tmp_path / "extended")  # the baseline's store stays as it is for other tests
+    longer = run(JobSettings.of(**doubled, workers=1, registry=cfg.runtime.registry, store=str(tmp_path / "extended"), name="tiny"))
     assert 0 < longer["run"]["shards_run"] <= longer["run"]["shards_cached"] + 2
     assert longer["run"]["tokens_run"] <= TINY["tokens"]
     # doubling the tokens adds no statistics bytes: one running total per accumulator (ids list aside)
     assert longer["run"]["stats_bytes"] == pytest.approx(summary["run"]["stats_bytes"], rel=0.05)
     # and the extended totals are exactly those of a fresh run on the doubled corpus
-    fresh = run(CalibrateConfig(**doubled, workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
+    fresh = run(JobSettings.of(**doubled, workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="tiny"))
     _assert_same_artifact(longer, fresh)
 
 
@@ -125,16 +126,16 @@ def test_corrupt_statistics_object_is_named_and_recomputed(baseline, tmp_path):
 
     cfg, summary = baseline
     store = tmp_path / "store"
-    shutil.copytree(cfg.store, store)
+    shutil.copytree(cfg.runtime.store, store)
     (victim,) = [p for p in store.rglob("acc/4-1-*.stats")]
     data = bytearray(victim.read_bytes())
     data[200] ^= 0x01  # one bit of a Gram entry
     victim.write_bytes(bytes(data))
     other = dict(TINY, workers=1, registry=str(tmp_path / "reg"), store=str(store), name="tiny")
     with pytest.raises(ValueError, match=rf"{victim.name} is corrupt \(checksum mismatch .*rerun"):
-        run(CalibrateConfig(**other))
+        run(JobSettings.of(**other))
     assert not victim.exists() and victim.with_name(victim.name + ".corrupt").exists()
-    again = run(CalibrateConfig(**other))
+    again = run(JobSettings.of(**other))
     assert 0 < again["run"]["shards_run"] < summary["run"]["shards_run"]
     _assert_same_artifact(summary, again)
 
@@ -143,7 +144,7 @@ def test_corpus_running_out_warns_and_records(tmp_path):
     corpus = tmp_path / "small.txt"
     corpus.write_text("A short document about key value caches. " * 400)
     with pytest.warns(UserWarning, match="ran out"):
-        summary = run(CalibrateConfig(**{**TINY, "corpus": str(corpus), "eval_corpus": None, "tokens": 100_000},
+        summary = run(JobSettings.of(**{**TINY, "corpus": str(corpus), "eval_corpus": None, "tokens": 100_000},
                                       workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="small"))
     art = artifacts.pull("small", summary["version"], registry=summary["registry"])
     assert any("ran out" in n for n in art.manifest["calibration"]["notes"])

@@ -5,9 +5,12 @@ import dataclasses
 import pytest
 
 from kvtc.artifacts import CalibrationRecord
-from kvtc.pipeline.job.calibrate import CalibrateConfig, config_from_manifest, shard_plan
+from kvtc.pipeline.cli import build_parser, settings_options
+from kvtc.pipeline.job.calibrate import shard_plan
 from kvtc.pipeline.job.shards import DEFAULT_EVAL_SEQS, plan_shards
 from kvtc.pipeline.operations.recalibrate_plan import build_configs
+from kvtc.pipeline.settings import (ALLOCATOR_OPTIONS, CAPTURE_OPTIONS, COMPUTATIONAL, JobSettings,
+                                    settings_from_manifest)
 
 ALLOCATOR = {"block_sizes": [1, 16], "types": ["none", "int4"], "error_model": "analytic"}
 
@@ -41,8 +44,9 @@ def test_older_manifests_infer_what_they_did_not_record():
     rec = CalibrationRecord.from_manifest(manifest)
     assert rec.seqs_per_shard == 2 and rec.eval_tokens == 384 and rec.tokens_requested == 2048
     assert rec.holdout_fraction is None and rec.heldout_rows_cap is None
-    cfg = config_from_manifest(manifest)
-    assert cfg.holdout_fraction == CalibrateConfig().holdout_fraction and cfg.heldout_rows == CalibrateConfig().heldout_rows
+    cfg = settings_from_manifest(manifest)
+    assert cfg.plan.holdout_fraction == JobSettings().plan.holdout_fraction
+    assert cfg.reduce.heldout_rows == JobSettings().reduce.heldout_rows
 
 
 def test_bad_records_are_refused_with_the_field_named():
@@ -61,10 +65,11 @@ def test_bad_records_are_refused_with_the_field_named():
 def test_recalibration_replaces_only_the_options_given():
     manifest = _manifest(_record())
     run_cfg, repeat = build_configs(manifest, {"ratios": "4,16", "eval_corpus": "none", "registry": "r"}, "v1")
-    assert repeat == config_from_manifest(manifest, name="tiny", parent="v1")
-    assert repeat.ratios == (4.0, 8.0) and repeat.eval_corpus == "stdlib" and repeat.sample == 0.5
-    assert repeat.block_sizes == (1, 16) and repeat.types == ("none", "int4") and repeat.error_model == "analytic"
-    assert run_cfg == dataclasses.replace(repeat, ratios=(4.0, 16.0), eval_corpus=None, registry="r")
+    assert repeat == settings_from_manifest(manifest).with_runtime(name="tiny", parent="v1")
+    assert repeat.reduce.ratios == (4.0, 8.0) and repeat.plan.eval_corpus == "stdlib" and repeat.capture.sample == 0.5
+    assert repeat.allocator.block_sizes == (1, 16) and repeat.allocator.types == ("none", "int4")
+    assert repeat.allocator.error_model == "analytic"
+    assert run_cfg == repeat.replace(ratios=(4.0, 16.0), eval_corpus=None, registry="r")
     with pytest.raises(ValueError, match="parent's name"):
         build_configs(manifest, {"name": "other"}, "v1")
 
@@ -72,8 +77,8 @@ def test_recalibration_replaces_only_the_options_given():
 def test_one_shard_plan_with_one_eval_default():
     from kvtc.workers.models import embedded_tokenizer
 
-    cfg = CalibrateConfig(corpus="pydoc", eval_corpus="stdlib", seq_len=64, seqs_per_shard=2, tokens=64 * 12)
-    plan = shard_plan(cfg, cfg.tokens)
+    cfg = JobSettings.of(corpus="pydoc", eval_corpus="stdlib", seq_len=64, seqs_per_shard=2, tokens=64 * 12)
+    plan = shard_plan(cfg, cfg.plan.tokens)
     assert plan.eval_budget == DEFAULT_EVAL_SEQS * 64
     roles = list(plan_shards(plan, embedded_tokenizer()))
     order = [r for r, _ in roles]
@@ -92,3 +97,66 @@ def test_rope_kept_keys_travel_through_the_record():
     assert CalibrationRecord.from_manifest(_manifest(rec)).keys == "rope-kept"
     with pytest.raises(ValueError, match="keys"):
         _record(keys="rope")
+
+
+PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", "none", "--ratios", "4,12",
+                "--tokens", "4096", "--eval-tokens", "512", "--seq-len", "256", "--seqs-per-shard", "3",
+                "--holdout-fraction", "0.3", "--text-column", "body", "--dtype", "bfloat16", "--sinks", "2",
+                "--window", "32", "--groups", "layers:2", "--sample", "0.5", "--seed", "7", "--keys", "rope-kept",
+                "--block-sizes", "1,32", "--types", "none,int4", "--error-model", "analytic", "--heldout-rows", "999",
+                "--tokens-curve-points", "0", "--accumulators", "2", "--tp", "2"]
+
+
+def _parsed(command: str, flags: list[str]) -> dict:
+    target = ["tiny"] if command == "recalibrate" else []
+    return settings_options(build_parser().parse_args([command, *target, *flags]))
+
+
+def test_every_setting_of_a_parent_survives_recalibration():
+    """Each computational option of `kvtc calibrate`, set away from its default, is recorded verbatim
+    and comes back when `kvtc recalibrate` derives its settings from the parent."""
+    parent = JobSettings.of(**_parsed("calibrate", PARENT_FLAGS))
+    default = JobSettings()
+    changed = [k for k, v in parent.flat().items() if v != default.flat()[k]]
+    given = {name for name in _parsed("calibrate", PARENT_FLAGS)}
+    assert set(changed) == given  # every flag took effect, so the check below covers it
+    rec = _record(settings=parent.computational())
+    manifest = _manifest(rec)
+    manifest["calibration"] = __import__("json").loads(__import__("json").dumps(manifest["calibration"]))  # as stored
+    run_cfg, repeat = build_configs(manifest, _parsed("recalibrate", []), "v1")
+    assert run_cfg.computational() == repeat.computational() == parent.computational()
+    assert run_cfg.reduce.accumulators == 2 and run_cfg.reduce.tokens_curve_points == 0
+    # and every computational flag is a recalibrate option defaulting to the parent's
+    flags = {f for f in PARENT_FLAGS if f.startswith("--")}
+    assert len(flags) == sum(len(parent.computational()[g]) for g in COMPUTATIONAL) - len(_internal())
+    changed_again, _ = build_configs(manifest, _parsed("recalibrate", ["--accumulators", "3"]), "v1")
+    assert changed_again.reduce.accumulators == 3 and changed_again.plan == parent.plan
+
+
+def _internal() -> set[str]:
+    """Allocator and capture fields that are not options (set in code only)."""
+    from kvtc.pipeline.fit.allocator import AllocatorSettings
+    from kvtc.workers.capture import CaptureSettings
+
+    return ({f.name for f in dataclasses.fields(AllocatorSettings)} - set(ALLOCATOR_OPTIONS)) | \
+        ({f.name for f in dataclasses.fields(CaptureSettings)} - set(CAPTURE_OPTIONS))
+
+
+def test_capture_and_allocator_options_name_real_fields():
+    from kvtc.pipeline.fit.allocator import AllocatorSettings
+    from kvtc.workers.capture import CaptureSettings
+
+    assert set(CAPTURE_OPTIONS) <= {f.name for f in dataclasses.fields(CaptureSettings)}
+    assert set(ALLOCATOR_OPTIONS) <= {f.name for f in dataclasses.fields(AllocatorSettings)}
+
+
+def test_bad_settings_are_refused_with_the_option_named():
+    with pytest.raises(ValueError, match="--accumulators"):
+        JobSettings.of(accumulators=0)
+    with pytest.raises(ValueError, match="--tokens-curve-points"):
+        JobSettings.of(tokens_curve_points=-1)
+    assert JobSettings.of(tokens_curve_points=0).reduce.tokens_curve_points == 0
+    with pytest.raises(ValueError, match="ratios"):
+        JobSettings.of(ratios="8,8")
+    with pytest.raises(TypeError, match="unknown calibration setting"):
+        JobSettings.of(colour="blue")

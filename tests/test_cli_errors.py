@@ -109,6 +109,23 @@ def test_unexpected_errors_are_one_line_unless_debug(reg, capsys, monkeypatch):
     assert rc == 1 and "Traceback" in err
 
 
+def test_error_kinds_bad_input_bug_integrity(reg, capsys, monkeypatch):
+    """Bad input exits 2 in one line; a RuntimeError (an allocator bug, a kernel failure) is a bug, not bad
+    input: exit 1 pointing to --debug; an integrity failure has its own code."""
+    from kvtc.artifacts.errors import InputError, IntegrityError
+
+    for exc, code, words in ((InputError("the worker runs another dtype; pass --dtype"), 2, "error: the worker runs"),
+                             (RuntimeError("allocator bug: ratio 8 costs 9 bits > budget 8"), 1, "internal error"),
+                             (IntegrityError("manifest digest mismatch"), 6, "error: manifest digest")):
+        def fail(_args, exc=exc):
+            raise exc
+
+        _replace_command(monkeypatch, "list", fail)
+        rc, _, err = _run(capsys, "list", "--registry", reg)
+        assert rc == code and words in err and len(err.strip().splitlines()) == 1, err
+        assert ("--debug" in err) == (code == 1)
+
+
 def test_json_stdout_holds_only_the_json(reg, capfd, monkeypatch):
     def noisy(args):
         worker = threading.Thread(target=lambda: print("(raylet) worker log line", flush=True))

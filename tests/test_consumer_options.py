@@ -9,7 +9,8 @@ import torch
 
 from kvtc import artifacts
 from kvtc.kernels import KVTCCache, KVTCCodec
-from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+from kvtc.pipeline.settings import JobSettings
+from kvtc.pipeline.job.calibrate import run
 from kvtc.workers.capture import raw_cache
 from kvtc.workers.models import load_model
 
@@ -22,7 +23,7 @@ def rope_kept(tmp_path_factory):
     root = tmp_path_factory.mktemp("consumer")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        summary = run(CalibrateConfig(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"),
+        summary = run(JobSettings.of(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"),
                                       name="tiny-kept"))
     finally:
         ray.shutdown()

@@ -10,7 +10,8 @@ import pytest
 
 from kvtc import artifacts
 from kvtc.pipeline.evaluation import quality
-from kvtc.pipeline.job.calibrate import CalibrateConfig, calibrate_local
+from kvtc.pipeline.settings import JobSettings
+from kvtc.pipeline.job.calibrate import calibrate_local
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
             eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0), name="tiny")
@@ -19,7 +20,7 @@ TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=12
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
-    cfg = CalibrateConfig(**TINY, registry=str(root / "reg"), store=str(root / "store"))
+    cfg = JobSettings.of(**TINY, registry=str(root / "reg"), store=str(root / "store"))
     summary, _ = calibrate_local(cfg)
     return summary
 

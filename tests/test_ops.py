@@ -11,7 +11,8 @@ import ray
 
 from kvtc import artifacts
 from kvtc.pipeline import cli as kvtc_cli
-from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+from kvtc.pipeline.settings import JobSettings
+from kvtc.pipeline.job.calibrate import run
 from kvtc.pipeline.operations.schedule import Schedule, Scheduler, command_job, parse_command
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=128, window=16, tokens=2048,
@@ -32,7 +33,7 @@ def ray_and_cli():
 def parent(tmp_path_factory):
     """A calibrated artifact `tiny` (registry, store, version), published once for the module."""
     root = tmp_path_factory.mktemp("ops")
-    cfg = CalibrateConfig(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"), name="tiny")
+    cfg = JobSettings.of(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"), name="tiny")
     summary = run(cfg)
     return root, summary["version"]
 
@@ -99,7 +100,7 @@ def test_worse_version_kept_unaliased_and_fault_leaves_registry_as_it_was(parent
 
     def fail(point):
         if point == "before_commit":
-            raise RuntimeError("injected fault while publishing")
+            raise OSError("injected fault while publishing")  # a disk or network failure
 
     with monkeypatch.context() as mp:
         mp.setattr(publish_mod, "_pause", fail)

@@ -84,8 +84,6 @@ def test_tampered_or_truncated_file_is_refused(registry, tmp_path):
 
 
 def test_cached_copy_that_no_longer_verifies_is_fetched_again(registry, tmp_path):
-    if registry.local:
-        pytest.skip("local registries are read in place, not cached")
     publish(toy_content(), registry)
     art = pull("toy", registry=registry, cache_dir=tmp_path / "c")
     target = art.path / "metrics.parquet"

@@ -10,7 +10,8 @@ from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.evaluation.error_by_tokens import error_by_tokens
-from kvtc.pipeline.job.calibrate import CalibrateConfig, calibrate_local
+from kvtc.pipeline.settings import JobSettings
+from kvtc.pipeline.job.calibrate import calibrate_local
 from kvtc.pipeline.job.reduce import load_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -21,7 +22,7 @@ TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=12
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
-    cfg = CalibrateConfig(**TINY, registry=str(root / "reg"), store=str(root / "store"))
+    cfg = JobSettings.of(**TINY, registry=str(root / "reg"), store=str(root / "store"))
     summary, ctx = calibrate_local(cfg)
     art = artifacts.pull("tiny@latest", registry=summary["registry"])
     return summary, ctx, art

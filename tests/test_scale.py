@@ -36,9 +36,10 @@ def test_geometry_preset_has_the_kv_geometry_and_loads_without_weights():
 
 def test_layer_groups_through_calibration_codec_and_charts(tmp_path):
     from kvtc.kernels import KVTCCodec
-    from kvtc.pipeline.job.calibrate import CalibrateConfig, calibrate_local
+    from kvtc.pipeline.settings import JobSettings
+    from kvtc.pipeline.job.calibrate import calibrate_local
 
-    cfg = CalibrateConfig(model="tiny:llama@4x2x32", corpus="pydoc", eval_corpus=None, seq_len=128, window=16,
+    cfg = JobSettings.of(model="tiny:llama@4x2x32", corpus="pydoc", eval_corpus=None, seq_len=128, window=16,
                           tokens=2048, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0), groups="layers:2",
                           accumulators=2, name="geo", registry=str(tmp_path / "reg"), store=str(tmp_path / "store"))
     summary, _ = calibrate_local(cfg)

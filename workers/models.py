@@ -59,7 +59,9 @@ class LoadedModel:
 
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("KVTC_CACHE") or Path.home() / ".cache" / "kvtc").expanduser()
+    from kvtc.artifacts.local_files import cache_root
+
+    return cache_root(cache_dir)
 
 
 def embedded_gguf_path() -> Path:

@@ -177,12 +177,9 @@ class CalibrationStats:
 
         target = os.fspath(path_or_uri)
         if "://" not in target:
-            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-            tmp = f"{target}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
-                n = self.write_to(f)
-            os.replace(tmp, target)
-            return n
+            from kvtc.artifacts.local_files import atomic_write
+
+            return atomic_write(target, self.write_to)
         with fsspec.open(target, "wb") as f:
             return self.write_to(f)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtc.artifacts.blocks import budget_bits
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
 from kvtc.kernels.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, read_blob
 from kvtc.kernels.reference import quantize_dequantize
@@ -189,7 +190,7 @@ def uniform_blocks(eigenvalues, p: int, ratio: float, block: int = PCA_UNIFORM_B
     b bits (cost block * b + 32 each); b is the choice in bit_choices whose analytic error
     (dropped variance + lambda 4^-b on the kept ones) is lowest. Returns [(start, size, type, bits)]."""
     lam = torch.tensor(np.array(eigenvalues, dtype=np.float64))
-    budget = int(16 * p // ratio)
+    budget = budget_bits(p, ratio)
     best: tuple[float, list] | None = None
     for b in bit_choices:
         n = min(budget // (block * b + 32), math.ceil(lam.numel() / block))

@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass, field
 
 from kvtc.pipeline.evaluation.report import limit_rows, limit_table, quality_table
-from kvtc.pipeline.job.calibrate import config_from_manifest, shard_plan
+from kvtc.pipeline.job.calibrate import shard_plan
+from kvtc.pipeline.settings import settings_from_manifest
 from kvtc.pipeline.job.shards import make_shards, plan_shards
 
 BASELINES = ("kivi", "fp8", "pca_uniform", "evict", "deflate")
@@ -186,12 +187,12 @@ def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq
     spec = spec or corpus.get("spec")
     if not spec:
         raise ValueError("the artifact names no corpus; pass --corpus")
-    cfg = config_from_manifest(artifact.manifest, corpus=spec, eval_corpus=None)
-    seq_len = cfg.seq_len
+    cfg = settings_from_manifest(artifact.manifest).replace(corpus=spec, eval_corpus=None)
+    seq_len = cfg.plan.seq_len
     out = []
     if own:
         held = set(corpus.get("heldout_shards") or [])
-        plan = shard_plan(cfg, cfg.tokens or count * seq_len)
+        plan = shard_plan(cfg, cfg.plan.tokens or count * seq_len)
         for role, shard in plan_shards(plan, tokenizer, max_seq_len):
             if role == "heldout" and shard.id in held:
                 out.extend(shard.input_ids[: count - len(out)])

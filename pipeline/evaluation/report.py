@@ -13,7 +13,6 @@ import argparse
 import io
 import json
 import math
-import os
 import sys
 
 from kvtc.artifacts.groups import FeatureGroup
@@ -267,15 +266,10 @@ def _handler(args: argparse.Namespace) -> int:
         with open(args.quality) as f:
             quality = json.load(f)
     out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
-    root = os.path.realpath(out)
+    from kvtc.artifacts.safe_io import write_contained
+
     for rel, data in build_from_artifact(art, quality).items():
-        path = os.path.join(out, rel)
-        if not os.path.realpath(path).startswith(root + os.sep):
-            raise ValueError(f"report file {rel!r} would be written outside {out}; refusing it")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-        print(path)
+        print(write_contained(out, rel, data))  # refuses to leave `out` or to follow a symlink
     print(f"kvtc report: wrote {out}", file=sys.stderr)
     return 0
 

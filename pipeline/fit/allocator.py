@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtc.artifacts.blocks import Block, block_cost_bits, qtype_bits
+from kvtc.artifacts.blocks import (Block, block_cost_bits, budget_bits, cheapest_bits_per_component,  # noqa: F401
+                                   cheapest_block_bits, qtype_bits)
 from kvtc.pipeline.fit.block_errors import ErrorTables, analytic_tables, measured_tables
 from kvtc.pipeline.fit.pca import Basis
 
@@ -64,6 +65,12 @@ class AllocatorSettings:
     @property
     def quantized_types(self) -> tuple[str, ...]:
         return tuple(t for t in self.types if t != "none")
+
+    def max_components(self, p: int, ratios) -> int:
+        """Most components any allocation at `ratios` can keep: the largest budget over the cheapest
+        bits per component, capped at p."""
+        per_component = cheapest_bits_per_component(self.types, self.block_sizes, p)
+        return max(1, min(p, math.floor(budget_bits(p, min(ratios)) / per_component)))
 
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "types": list(self.types), "error_model": self.error_model,
@@ -112,11 +119,6 @@ class Allocation:
                 "warnings": list(self.warnings), "blocks": [b.to_dict() for b in self.blocks]}
 
 
-def budget_bits(p: int, ratio: float) -> int:
-    """Bits per token per stream: floor(16 p / CR)."""
-    return int(math.floor(16 * p / ratio + 1e-9))
-
-
 def validate_ratios(ratios, p: int, settings: AllocatorSettings = AllocatorSettings()) -> tuple[float, ...]:
     """Check every ratio before any model work; returns them as floats, in the given order."""
     out = tuple(float(r) for r in ratios)
@@ -124,7 +126,7 @@ def validate_ratios(ratios, p: int, settings: AllocatorSettings = AllocatorSetti
         raise ValueError("no compression ratios given; pass e.g. 8 16 32")
     if len(set(out)) != len(out):
         raise ValueError(f"compression ratios {out} contain duplicates")
-    cheapest = min(block_cost_bits(t, s) for t in settings.quantized_types for s in settings.block_sizes if s <= p)
+    cheapest = cheapest_block_bits(settings.types, settings.block_sizes, p)
     for r in out:
         if not math.isfinite(r) or r <= 1:
             raise ValueError(f"compression ratio {r:g} must be a finite number > 1")
@@ -255,7 +257,6 @@ def allocate(ratios, basis: Basis, heldout: np.ndarray | torch.Tensor | None = N
     ratios = validate_ratios(ratios, basis.dim, settings)
     notes: tuple[str, ...] = ()
     if tables is None:
-        cheapest = min(block_cost_bits(t, s) / s for t in settings.quantized_types for s in settings.block_sizes)
-        k = min(basis.k, math.ceil(budget_bits(basis.dim, min(ratios)) / cheapest))
+        k = min(basis.k, settings.max_components(basis.dim, ratios))
         tables, notes = error_tables(basis, heldout, settings, k, projections)
     return [allocate_from_tables(r, tables, settings, notes) for r in ratios]

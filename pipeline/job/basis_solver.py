@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 
 import numpy as np
 
-from kvtc.artifacts.blocks import block_cost_bits
-from kvtc.pipeline.fit.allocator import AllocatorSettings, budget_bits
+from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, pca_from_packed
 from kvtc.pipeline.job.store import ShardStore
 
 
 def max_components(p: int, ratios, settings: AllocatorSettings) -> int:
-    """Most components any allocation at `ratios` can keep: the largest budget over the cheapest
-    cost per component (a quantized block of the largest size), capped at p."""
-    per_component = min(block_cost_bits(t, s) / s for t in settings.quantized_types for s in settings.block_sizes if s <= p)
-    return max(1, min(p, math.floor(budget_bits(p, min(ratios)) / per_component)))
+    """Most components any allocation at `ratios` can keep (AllocatorSettings.max_components)."""
+    return settings.max_components(p, ratios)
 
 
 def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: int) -> tuple[int, np.ndarray, np.ndarray]:

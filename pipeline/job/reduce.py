@@ -36,6 +36,7 @@ from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis
 from kvtc.pipeline.job.basis_solver import max_components, solve_group
 from kvtc.pipeline.job.store import ShardStore
+from kvtc.pipeline.settings import JobSettings
 from kvtc.workers.stats import STREAMS, CalibrationStats
 
 MIN_HELDOUT_ROWS = 16
@@ -187,14 +188,15 @@ def aggregate(results: list[GroupResult]) -> list[dict]:
     return rows
 
 
-def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, store: ShardStore, shards: list[dict],
-                       accumulators: list[tuple[str, list[str]]], registry: str, tokens_requested: int,
-                       alias_latest: bool = True, model_dtype: str = "float32", on_cluster_gpu: bool = False,
-                       timing: dict | None = None) -> dict:
+def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore, shards: list[dict],
+                       accumulators: list[tuple[str, list[str]]], registry: str, alias_latest: bool = True,
+                       model_dtype: str = "float32", on_cluster_gpu: bool = False, timing: dict | None = None) -> dict:
     """Everything after the shard pool: returns the job summary (name, version, per-ratio errors).
     `accumulators`: (object name, shard ids) in accumulator order; `timing` receives reduce figures."""
     timing = {} if timing is None else timing
     t0 = time.perf_counter()
+    alloc, cap, red = cfg.allocator, cfg.capture, cfg.reduce
+    tokens_requested = int(cfg.plan.tokens or 0)
     notes: list[str] = []
     by_index = sorted(shards, key=lambda s: s["index"])
     heldout_ids = [s["id"] for s in by_index if s["role"] == "heldout"]
@@ -208,26 +210,26 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     if not names:
         raise ValueError("no training shard: the corpus is too small for --tokens/--seqs-per-shard/--holdout-fraction")
 
-    held = load_rows(store, heldout_ids, cfg.heldout_rows)
+    held = load_rows(store, heldout_ids, red.heldout_rows)
     if held is None:
         raise ValueError("no held-out shard; raise --holdout-fraction or --tokens")
-    mid = held.middle(cfg.sinks, cfg.window)
+    mid = held.middle(cap.sinks, cap.window)
     if int(mid.sum()) < MIN_HELDOUT_ROWS:
         raise ValueError(f"only {int(mid.sum())} held-out rows; at least {MIN_HELDOUT_ROWS} are needed")
-    evals = load_rows(store, eval_ids, cfg.heldout_rows) if eval_ids else None
+    evals = load_rows(store, eval_ids, red.heldout_rows) if eval_ids else None
 
     kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
-    groups = _groups(cfg.groups, fingerprint, cfg.tp)
+    groups = cap.group_layers(int(fingerprint["num_layers"]), kv_heads)
     columns = group_columns(groups, kv_heads, head_dim)
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
-    curve_ratio = sorted(cfg.ratios)[len(cfg.ratios) // 2]
+    curve_ratio = red.curve_ratio
     p_total = sum(g.dim(kv_heads, head_dim) for g in groups)
     curve_k = max(1, min(p_total, int(16 * p_total / curve_ratio) // 4))
     by_tokens: list[dict] = []
-    if cfg.tokens_curve_points > 0:
-        fold_stats(store, names, diagnostics.prefix_points(len(names), cfg.tokens_curve_points),
+    if red.tokens_curve_points > 0:
+        fold_stats(store, names, diagnostics.prefix_points(len(names), red.tokens_curve_points),
                    lambda total: by_tokens.extend(
-                       diagnostics.prefix_errors(total, held, evals, curve_ratio, cfg.sinks, cfg.window, k=curve_k)))
+                       diagnostics.prefix_errors(total, held, evals, curve_ratio, cap.sinks, cap.window, k=curve_k)))
     t_curve = time.perf_counter()
 
     results: list[GroupResult] = []
@@ -237,14 +239,14 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
     for stream in STREAMS:
         for g, group in enumerate(groups):
             p = group.dim(kv_heads, head_dim)
-            bound = max_components(p, cfg.ratios, alloc)
+            bound = max_components(p, red.ratios, alloc)
             k = bound if on_cluster_gpu or p <= EXACT_MAX_P else min(bound, max(512, p // 16))
             while True:  # subspace iteration: widen until the least aggressive allocation stops short of k
                 basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu)
                 solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
                 totals = {key: list(v) if isinstance(v, list) else v for key, v in ecsq_totals.items()}
-                result = reduce_group(stream, g, basis, cfg.ratios, alloc, held, evals, columns[g],
-                                      cfg.sinks, cfg.window, totals)
+                result = reduce_group(stream, g, basis, red.ratios, alloc, held, evals, columns[g],
+                                      cap.sinks, cap.window, totals)
                 train_rows = basis.n
                 del basis
                 if k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
@@ -261,40 +263,46 @@ def reduce_and_publish(*, cfg, fingerprint: dict, alloc: AllocatorSettings, stor
 
     from kvtc import artifacts
 
-    calibration = artifacts.CalibrationRecord(
-        sinks=cfg.sinks, window=cfg.window, seq_len=cfg.seq_len, seed=cfg.seed, ratios=tuple(cfg.ratios),
-        groups=tuple(groups), allocator=alloc.to_dict(), group_spec=cfg.groups, sample=cfg.sample,
-        tokens_requested=tokens_requested, eval_tokens=cfg.eval_tokens, seqs_per_shard=cfg.seqs_per_shard,
-        holdout_fraction=cfg.holdout_fraction, heldout_rows_cap=cfg.heldout_rows, text_column=cfg.text_column,
-        dtype=cfg.dtype, model_dtype=model_dtype, keys=cfg.keys, tokens=tokens_in, train_rows=int(train_rows),
-        tensor_parallel=None if cfg.tp == 1 else TensorParallelLayout(cfg.tp, kv_heads).to_dict(groups),
-        heldout_rows=int(mid.sum()), eval_rows=0 if evals is None else int(evals.middle(cfg.sinks, cfg.window).sum()),
-        notes=tuple(notes),
-        tokens_curve={"ratio": curve_ratio, "components": curve_k, "method": "top-k randomized PCA, analytic DP",
-                      "prefixes": "whole accumulators, in order"},
-    ).to_manifest()
+    calibration = calibration_record(cfg, groups, model_dtype, tokens_in, int(train_rows), int(mid.sum()),
+                                     0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum()), notes,
+                                     {"ratio": curve_ratio, "components": curve_k,
+                                      "method": "top-k randomized PCA, analytic DP",
+                                      "prefixes": "whole accumulators, in order"}, kv_heads).to_manifest()
     corpus = {
-        "spec": cfg.corpus, "eval_spec": cfg.eval_corpus, "seq_len": cfg.seq_len, "seed": cfg.seed,
+        "spec": cfg.plan.corpus, "eval_spec": cfg.plan.eval_corpus, "seq_len": cfg.plan.seq_len, "seed": cap.seed,
         "train_shards": [s["id"] for s in by_index if s["role"] == "train"], "heldout_shards": heldout_ids,
         "eval_shards": eval_ids, "accumulators": names, "tokens": {s["id"]: s["tokens"] for s in shards},
     }
     from kvtc.pipeline.job.corpus import describe
 
-    corpus = dict(corpus, mixture=describe(str(corpus.get("spec", cfg.corpus))))  # sources, pkgdocs distributions
+    corpus = dict(corpus, mixture=describe(str(corpus.get("spec", cfg.plan.corpus))))  # sources, pkgdocs distributions
     summary = publish_calibration(cfg, fingerprint, calibration, corpus, results, by_tokens, registry, alias_latest,
                                   notes, rate_distortion.stream_metrics(ecsq_totals))
     timing["reduce_s"] = time.perf_counter() - t0
     return summary
 
 
-def _groups(spec: str, fingerprint: dict, tp: int = 1) -> list[FeatureGroup]:
-    from kvtc.workers.capture import CaptureSettings
+def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype: str, tokens: int,
+                       train_rows: int, heldout_rows: int, eval_rows: int, notes: list[str], tokens_curve: dict,
+                       kv_heads: int = 0):
+    """The manifest's CalibrationRecord: the settings verbatim, their flat fields for readers, the results
+    (and with --tp, the layout of the model's `kv_heads` over the ranks)."""
+    from kvtc.artifacts import CalibrationRecord
 
-    settings = CaptureSettings(groups=spec, tp=tp)
-    return settings.group_layers(int(fingerprint["num_layers"]), int(fingerprint["num_kv_heads"]))
+    cap, plan = cfg.capture, cfg.plan
+    return CalibrationRecord(
+        sinks=cap.sinks, window=cap.window, seq_len=plan.seq_len, seed=cap.seed, ratios=cfg.reduce.ratios,
+        groups=tuple(groups), allocator=cfg.allocator.to_dict(), group_spec=cap.groups, sample=cap.sample,
+        tokens_requested=plan.tokens, eval_tokens=plan.eval_tokens, seqs_per_shard=plan.seqs_per_shard,
+        holdout_fraction=plan.holdout_fraction, heldout_rows_cap=cfg.reduce.heldout_rows, text_column=plan.text_column,
+        dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
+        heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
+        settings=cfg.computational(),
+        tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
+    )
 
 
-def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],
+def publish_calibration(cfg: JobSettings, fingerprint: dict, calibration: dict, corpus: dict, results: list[GroupResult],
                         by_tokens: list[dict], registry: str, alias_latest: bool, notes: list[str],
                         ecsq_metrics: list[dict]) -> dict:
     """Assemble the artifact from the per-group results, store report and charts, publish."""
@@ -311,7 +319,7 @@ def publish_calibration(cfg, fingerprint: dict, calibration: dict, corpus: dict,
     extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}")
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus, bases=bases,
-        allocations=allocations, metrics=metrics, curves=curves, extra_files=extra, parent=cfg.parent,
+        allocations=allocations, metrics=metrics, curves=curves, extra_files=extra, parent=cfg.runtime.parent,
         ecsq={key: table for r in results for key, table in r.ecsq.items()},
     )
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+from kvtc.artifacts.errors import InputError
 from kvtc.pipeline.job.shards import Shard
 from kvtc.pipeline.job.store import ShardStore, capture_key
 from kvtc.workers.capture import CaptureSettings, capture_kv
@@ -45,12 +46,12 @@ class ShardWorker:
         torch.set_num_threads(threads)
         self.lm = load_model(model, dtype=dtype, cache_dir=cache_dir, gpu_budgets=gpu_budgets)
         if fingerprint is not None and fingerprint_id(fingerprint) != fingerprint_id(self.lm.fingerprint):
-            raise RuntimeError(f"the worker loaded {model!r} with another fingerprint than the driver's "
+            raise InputError(f"the worker loaded {model!r} with another fingerprint than the driver's "
                                f"({fingerprint_id(self.lm.fingerprint)} vs {fingerprint_id(fingerprint)}); "
                                "check that every node has the same model files")
         loaded_dtype = str(self.lm.dtype).removeprefix("torch.")
         if model_dtype is not None and loaded_dtype != model_dtype:
-            raise RuntimeError(f"the worker runs {model!r} in {loaded_dtype}, the driver planned {model_dtype}; pass --dtype")
+            raise InputError(f"the worker runs {model!r} in {loaded_dtype}, the driver planned {model_dtype}; pass --dtype")
         self.settings = CaptureSettings(**capture)
         self.all_positions = CaptureSettings(**{**capture, "sinks": 0, "window": 0, "sample": 1.0})
         self.store = ShardStore(store_root, fingerprint_id(self.lm.fingerprint),
@@ -117,7 +118,7 @@ class ShardWorker:
             return 0, None, {}
         last = total.shard_ids[-1] if total is not None and total.shard_ids else None
         if last != after:
-            raise RuntimeError(f"accumulator {self.store.acc_uri(name)} ends at shard {last} but shard {shard.id} "
+            raise InputError(f"accumulator {self.store.acc_uri(name)} ends at shard {last} but shard {shard.id} "
                                f"must follow {after}; rerun the calibration (it resumes from the stored totals)")
         if total is None:
             total = self.totals[name] = CalibrationStats.new(self.lm.fingerprint, self.settings)

@@ -26,6 +26,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from kvtc.artifacts.local_files import atomic_write, cache_root
 from kvtc.workers.stats import CalibrationStats
 from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
 
@@ -34,8 +35,7 @@ ACC_DIR = "acc"
 
 
 def default_store_uri() -> str:
-    base = os.environ.get("KVTC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvtc")
-    return os.path.join(base, "shards")
+    return os.path.join(cache_root(), "shards")
 
 
 def settings_key(settings: dict) -> str:
@@ -92,12 +92,7 @@ class ShardStore:
         path = self._path(shard_id, kind)
         fs.makedirs(base, exist_ok=True)
         if isinstance(fs, LocalFileSystem):
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            atomic_write(path, data)
         else:
             with fs.open(path, "wb") as f:
                 f.write(data)
@@ -136,17 +131,7 @@ class ShardStore:
         path = self._acc_path(name)
         fs.makedirs(f"{base}/{ACC_DIR}", exist_ok=True)
         if isinstance(fs, LocalFileSystem):
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            try:
-                with open(tmp, "wb") as f:
-                    n = stats.write_to(f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-            return n
+            return atomic_write(path, stats.write_to)
         with fs.open(path, "wb") as f:
             return stats.write_to(f)
 

@@ -21,9 +21,8 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from kvtc.pipeline.job.calibrate import add_arguments
 from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError
-from kvtc.pipeline.operations.recalibrate_plan import PARENT_DESTS, build_configs, planned_shards, same_run
+from kvtc.pipeline.operations.recalibrate_plan import build_configs, planned_shards, same_run
 
 EXIT_OK, EXIT_KEPT = 0, 5
 
@@ -79,6 +78,7 @@ def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[s
 def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_tokens: int | None = None,
                 aliases: tuple[str, ...] = (), tolerance: float = 0.0, force: bool = False) -> Result:
     from kvtc import artifacts
+    from kvtc.artifacts.errors import InputError
     from kvtc.artifacts.schema import check_name
     from kvtc.pipeline.job.calibrate import run
     from kvtc.pipeline.operations.drift import check_drift, check_model
@@ -92,7 +92,7 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
     latest = registry.aliases(parent.name).get("latest")
     label = f"{parent.name}@{parent.version}"
     cfg = build_configs(parent.manifest, given, parent.version)[0]
-    lm = load_model(cfg.model, dtype=cfg.dtype, cache_dir=cfg.cache_dir)
+    lm = load_model(cfg.model.model, dtype=cfg.model.dtype, cache_dir=cfg.runtime.cache_dir)
     check_model(lm.fingerprint, parent.manifest["model"], label)
     result = Result("up_to_date", label)
     same = None if force else same_run(registry, parent, cfg, planned_shards(cfg, lm.tokenizer, lm.max_positions))
@@ -102,7 +102,8 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
         result.reasons.append(f"{label} {what} with the same model, settings and shards; nothing to publish")
         return result
     if if_drift is not None:
-        report = check_drift(label, cfg.corpus, registry.uri, drift_tokens, if_drift, lm=lm, text_column=cfg.text_column)
+        report = check_drift(label, cfg.plan.corpus, registry.uri, drift_tokens, if_drift, lm=lm,
+                             text_column=cfg.plan.text_column)
         result.drift = report.to_dict()
         if not report.drifted:
             result.status = "no_drift"
@@ -111,7 +112,7 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
                                   f"{worst.ratio:g} {worst.stream}); nothing to publish")
             return result
     del lm
-    store = heldout_store(parent.manifest, cfg.store)
+    store = heldout_store(parent.manifest, cfg.runtime.store)
     missing = [i for i in parent.manifest["corpus"]["heldout_shards"] if not store.has(i, "rows")]
     if missing:
         raise FileNotFoundError(f"the held-out rows of {label} ({len(missing)} shards, e.g. {missing[0]}) are not in "
@@ -125,9 +126,9 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
         if trained:
             result.notes.append(f"{len(trained)} of the parent's held-out shards trained the new version (the corpus "
                                 "grew past them); its validation errors are optimistic")
-    except Exception as exc:
-        raise RuntimeError(f"{parent.name}@{result.version} was published but validating it failed ({exc}); "
-                           "no alias was moved") from exc
+    except (ValueError, LookupError, OSError) as exc:  # bad input stays bad input; a bug propagates as one
+        raise InputError(f"{parent.name}@{result.version} was published but validating it failed ({exc}); "
+                         "no alias was moved") from exc
     if result.reasons:
         result.status = "kept_unaliased"
         return result
@@ -159,7 +160,9 @@ def print_result(result: Result, as_json: bool) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    given = {k: v for k, v in vars(args).items() if k in _calibrate_dests()}
+    from kvtc.pipeline.cli import settings_options
+
+    given = settings_options(args)
     try:
         result = recalibrate(args.target, given, args.if_drift, args.drift_tokens, tuple(args.alias), args.tolerance, args.force)
     except ModelMismatchError as exc:
@@ -169,23 +172,14 @@ def _handler(args: argparse.Namespace) -> int:
     return EXIT_KEPT if result.status == "kept_unaliased" else EXIT_OK
 
 
-def _calibrate_dests() -> set[str]:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    return {a.dest for a in p._actions if a.dest not in ("help", "json")}
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("recalibrate", help="recalibrate an artifact on new data; promote it only if no worse",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="NAME[@REF]", help="the parent artifact (default ref latest)")
-    add_arguments(p)
-    dests = _calibrate_dests()
-    for action in p._actions:
-        if action.dest in dests:
-            action.default = argparse.SUPPRESS  # unset options fall back to the parent's settings
-            if action.dest in PARENT_DESTS:
-                action.help = (action.help or "") + " [default: the parent's]"
+    from kvtc.pipeline.cli import add_settings_arguments
+
+    add_settings_arguments(p, parent_defaults=True)  # unset options fall back to the parent's settings
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--if-drift", type=float, default=None, metavar="THRESHOLD",
                    help="recalibrate only when `kvtc drift` finds a relative error increase above THRESHOLD (e.g. 0.10)")
     p.add_argument("--drift-tokens", type=int, default=None, help="tokens to sample for the drift check")

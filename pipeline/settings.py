@@ -1,0 +1,364 @@
+"""The calibration job's settings, grouped by concern, each a frozen dataclass validated on construction.
+
+`JobSettings` holds one of each group: `model` (which model, in which dtype), `plan` (the shard
+plan: corpus, tokens, sequences), `capture` (kvtc.workers.capture.CaptureSettings: positions, groups,
+keys), `allocator` (kvtc.pipeline.fit.allocator.AllocatorSettings), `reduce` (ratios, held-out rows,
+accumulators, the error-by-tokens chart) and `runtime` (where and how fast: registry, store, Ray).
+All but `runtime` decide what the job computes: the manifest records them verbatim
+(`JobSettings.computational`) and `JobSettings.from_computational` rebuilds them, so recalibration
+repeats a parent exactly.
+
+A command-line option is a field: on the groups defined here a field's `metadata["option"]` (an
+`Option`) makes it a `kvtc calibrate` flag named after the field (`seq_len` -> `--seq-len`); for the
+two groups defined elsewhere, CAPTURE_OPTIONS and ALLOCATOR_OPTIONS name theirs. `JobSettings.of`
+takes the flat field names (the options' dests) of every group.
+
+This module imports nothing heavy at import time: the CLI builds its parser from it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    from kvtc.pipeline.fit.allocator import AllocatorSettings
+    from kvtc.workers.capture import CaptureSettings
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CORPUS = "pydoc+pkgdocs"  # prose mixture; stdlib code stays the evaluation domain
+DEFAULT_EVAL_CORPUS = "stdlib"
+# Sized for about 10 minutes end to end on a 2-core CPU with the embedded model: 40K tokens took
+# 347 s wall (2.3 min of model work at 338 tok/s, the rest start-up and reduce), so 80K take ~8 min.
+DEFAULT_CPU_TOKENS = 80 * 1024
+DEFAULT_GPU_TOKENS = 2_000_000
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a settings field appears on the command line. `kind`: the argparse type of the word;
+    `parse`: word -> field value when that is not `kind` (lists, 'none'); `show`: field value -> word."""
+
+    help: str = ""
+    kind: type = str
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[Any], Any] | None = None
+    show: Callable[[Any], str] | None = None
+
+    def value(self, word: Any) -> Any:
+        return self.parse(word) if self.parse is not None else word
+
+
+def _numbers(kind: type, flag: str) -> Callable[[Any], tuple]:
+    def parse(word: Any) -> tuple:
+        if isinstance(word, (tuple, list)):
+            return tuple(kind(x) for x in word)
+        try:
+            return tuple(kind(x) for x in str(word).split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"{flag} must be comma-separated numbers, got {word!r}") from None
+    return parse
+
+
+def _words(word: Any) -> tuple[str, ...]:
+    if isinstance(word, (tuple, list)):
+        return tuple(word)
+    return tuple(t.strip() for t in str(word).split(",") if t.strip())
+
+
+def _none_word(word: Any) -> str | None:
+    return None if word is None or str(word).strip().lower() in ("", "none") else word
+
+
+def _joined(value: Any) -> str:
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+
+
+def option(default: Any, help: str = "", **kw) -> Any:
+    """A dataclass field that is also a `kvtc calibrate` option."""
+    return field(default=default, metadata={"option": Option(help, **kw)})
+
+
+def _count(value: int | None, flag: str, minimum: int = 1) -> None:
+    if value is not None and (not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """model: the model spec (see kvtc.workers.models.load_spec); dtype: the workers' dtype (None:
+    float32 on CPU workers, bfloat16 on GPU ones)."""
+
+    model: str = option(DEFAULT_MODEL, "the embedded SmolLM2, a hub id, a model dir, a .gguf path, or tiny:ARCH")
+    dtype: str | None = option(None, "float32 (CPU default), bfloat16 or float16")
+
+    def __post_init__(self) -> None:
+        if not str(self.model).strip():
+            raise ValueError("--model is empty; pass a model spec, e.g. smollm2-135m")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The shard plan: `tokens` of `corpus` cut into shards of `seqs_per_shard` sequences of `seq_len`
+    tokens, `holdout_fraction` of them held out; `eval_tokens` of `eval_corpus` for the second domain.
+    tokens None: the job picks DEFAULT_CPU_TOKENS or DEFAULT_GPU_TOKENS (and records what it picked)."""
+
+    corpus: str = option(DEFAULT_CORPUS, "a mixture (+ interleaves, so the default mixes two), pydoc, pkgdocs, stdlib, "
+                                         "hf:ORG/NAME, or local .txt/.jsonl/.parquet files, dirs, globs")
+    eval_corpus: str | None = option(DEFAULT_EVAL_CORPUS, "second domain for cross-domain errors ('none' to skip)",
+                                     parse=_none_word, show=lambda v: v or "none")
+    tokens: int | None = option(None, "tokens to run through the model (default: sized for ~10 min on a 2-core CPU)",
+                                kind=int)
+    eval_tokens: int | None = option(None, "tokens of --eval-corpus to run (default: 4 sequences)", kind=int)
+    seq_len: int = option(1024, "sequence length", kind=int)
+    seqs_per_shard: int = option(8, "sequences per shard", kind=int)
+    holdout_fraction: float = option(0.2, "share of shards held out for measurement", kind=float)
+    text_column: str | None = option(None, "text column of .jsonl/.parquet/hf corpora")
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--tokens", self.tokens), ("--eval-tokens", self.eval_tokens), ("--seq-len", self.seq_len),
+                            ("--seqs-per-shard", self.seqs_per_shard)):
+            _count(value, flag)
+        if self.tokens is not None and self.tokens < self.seq_len:
+            raise ValueError(f"--tokens {self.tokens} is below one sequence of --seq-len {self.seq_len}")
+        if not 0 < self.holdout_fraction < 1:
+            raise ValueError(f"--holdout-fraction must be in (0, 1), got {self.holdout_fraction}")
+        if not str(self.corpus).strip():
+            raise ValueError("--corpus is empty; pass a corpus spec, e.g. pydoc")
+
+
+def _ratios(word: Any) -> tuple[float, ...]:
+    from kvtc.pipeline.cli_checks import parse_ratios
+
+    return tuple(float(r) for r in word) if isinstance(word, (tuple, list)) else parse_ratios(str(word))
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """ratios: compression ratios allocated; heldout_rows: cap on held-out rows per stream;
+    accumulators: statistics totals kept in the store (results are bit-identical for any number of
+    workers, not across values); tokens_curve_points: prefixes measured for the error-by-tokens chart
+    (0: none, which skips a refold of every accumulator)."""
+
+    ratios: tuple[float, ...] = option((8.0, 16.0, 32.0), "compression ratios, comma separated", parse=_ratios,
+                                       show=_joined)
+    heldout_rows: int = option(8192, "cap on held-out rows per stream", kind=int)
+    tokens_curve_points: int = option(3, "prefixes of the shard stream measured for the error-vs-calibration-tokens "
+                                         "chart (0: off)", kind=int)
+    accumulators: int = option(4, "running statistics totals kept in the store: the store holds this many Grams per "
+                                  "stream and group whatever --tokens is; results are bit-identical for any --workers, "
+                                  "not across values", kind=int)
+
+    def __post_init__(self) -> None:
+        ratios = tuple(float(r) for r in self.ratios)
+        bad = [r for r in ratios if not (math.isfinite(r) and r > 1)]
+        if not ratios or bad:
+            raise ValueError(f"compression ratios must be > 1 and finite (got {list(ratios)}); pass e.g. --ratios 8,16,32")
+        if len(set(ratios)) != len(ratios):
+            raise ValueError(f"compression ratios must be distinct, got {list(ratios)}")
+        object.__setattr__(self, "ratios", ratios)
+        _count(self.heldout_rows, "--heldout-rows")
+        _count(self.accumulators, "--accumulators")
+        _count(self.tokens_curve_points, "--tokens-curve-points", minimum=0)
+
+    @property
+    def curve_ratio(self) -> float:
+        """The middle ratio: the one the error-by-tokens chart follows."""
+        return sorted(self.ratios)[len(self.ratios) // 2]
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """Where and how fast the job runs; nothing here changes what it computes. registry: where it
+    publishes; name: the artifact's name (None: from the model spec); store: the shard statistics
+    cache; address: a Ray cluster; workers, threads_per_worker: the actor pool; cache_dir: model
+    cache; parent: the version a recalibration derives from."""
+
+    registry: str | None = option(None, "registry root: a path or fsspec URI (default $KVTC_REGISTRY or ./registry)")
+    name: str | None = option(None, "artifact name (default: derived from the model spec)")
+    address: str | None = option(None, "Ray cluster address to join (default: a local Ray started for the job)")
+    workers: int | None = option(None, "worker actors (default: one per GPU, else one per CPU)", kind=int)
+    threads_per_worker: int = option(1, "torch threads per worker actor", kind=int)
+    gpus_per_worker: int | None = option(None, "GPUs each worker spreads the model over (default: the fewest that hold "
+                                               "its weights, statistics and activations, from its config, dtype and "
+                                               "the GPU memory; refused when too few)", kind=int)
+    store: str | None = option(None, "shard statistics cache: a path or fsspec URI (default $KVTC_CACHE/shards)")
+    cache_dir: str | None = option(None, "model cache dir (default $KVTC_CACHE)")
+    parent: str | None = None
+
+    def __post_init__(self) -> None:
+        _count(self.workers, "--workers")
+        _count(self.threads_per_worker, "--threads-per-worker")
+        _count(self.gpus_per_worker, "--gpus-per-worker")
+        if self.name is not None:
+            from kvtc.artifacts.schema import check_name
+
+            check_name("artifact name (--name)", self.name)  # before the run, not at publish time
+        for flag, value in (("--registry", self.registry), ("--store", self.store), ("--cache-dir", self.cache_dir)):
+            if value is not None and not str(value).strip():
+                raise ValueError(f"{flag} is empty; pass a path or URI, or omit it for the default")
+
+
+def _capture_options() -> dict[str, Option]:
+    return {
+        "sinks": Option("leading positions kept raw (default 4)", int),
+        "window": Option("trailing positions kept raw (default 128)", int),
+        "groups": Option("model (default), layer, or layers:K"),
+        "sample": Option("fraction of positions sampled (default 1.0)", float),
+        "seed": Option("corpus shuffle and position sampling seed (default 0)", int),
+        "keys": Option("rope-removed (default): keys calibrated and coded without RoPE; rope-kept: as servers store them, for "
+                       "consumers that cannot remove RoPE (Dynamo, chunk stores without positions)",
+                       choices=("rope-removed", "rope-kept")),
+        "tp": Option("tensor-parallel ranks the model is served at (default 1): one basis per rank's KV heads (and per "
+                     "layer group), as vLLM and SGLang shard them; ranks holding the same heads share one", int),
+    }
+
+
+def _allocator_options() -> dict[str, Option]:
+    return {
+        "block_sizes": Option("DP block lengths, comma separated (default 1,16,64,256,1024)", parse=_numbers(int, "--block-sizes"), show=_joined),
+        "types": Option("DP block types, comma separated (default none,int2,int4,fp8)", parse=_words, show=_joined),
+        "error_model": Option("measured (default: reference quantizer on held-out rows) or analytic",
+                              choices=("measured", "analytic")),
+    }
+
+
+# options of the groups defined outside this module (a field missing here is not a flag)
+CAPTURE_OPTIONS = _capture_options()
+ALLOCATOR_OPTIONS = _allocator_options()
+GROUPS = ("model", "plan", "capture", "allocator", "reduce", "runtime")
+COMPUTATIONAL = ("model", "plan", "capture", "allocator", "reduce")
+
+
+def _group_class(group: str) -> type:
+    if group == "capture":
+        from kvtc.workers.capture import CaptureSettings
+
+        return CaptureSettings
+    if group == "allocator":
+        from kvtc.pipeline.fit.allocator import AllocatorSettings
+
+        return AllocatorSettings
+    return {"model": ModelSettings, "plan": PlanSettings, "reduce": ReduceSettings, "runtime": RuntimeSettings}[group]
+
+
+def group_options(group: str) -> dict[str, Option]:
+    """field name -> Option of one group's command-line options (without importing the group's class)."""
+    if group == "capture":
+        return CAPTURE_OPTIONS
+    if group == "allocator":
+        return ALLOCATOR_OPTIONS
+    cls = {"model": ModelSettings, "plan": PlanSettings, "reduce": ReduceSettings, "runtime": RuntimeSettings}[group]
+    return {f.name: f.metadata["option"] for f in fields(cls) if "option" in f.metadata}
+
+
+def options() -> Iterator[tuple[str, str, Option, Any]]:
+    """(group, field name, Option, default or MISSING) of every `kvtc calibrate` option, group by group;
+    the defaults of the groups defined elsewhere are MISSING here (their classes import torch)."""
+    for group in GROUPS:
+        if group in ("capture", "allocator"):
+            for name, opt in group_options(group).items():
+                yield group, name, opt, MISSING
+            continue
+        for f in fields(_group_class(group)):
+            if "option" in f.metadata:
+                yield group, f.name, f.metadata["option"], f.default
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """All settings of one calibration job (see the module docstring)."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    plan: PlanSettings = field(default_factory=PlanSettings)
+    capture: CaptureSettings = None  # type: ignore[assignment]  # default: CaptureSettings()
+    allocator: AllocatorSettings = None  # type: ignore[assignment]  # default: AllocatorSettings()
+    reduce: ReduceSettings = field(default_factory=ReduceSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+
+    def __post_init__(self) -> None:
+        for group in ("capture", "allocator"):
+            if getattr(self, group) is None:
+                object.__setattr__(self, group, _group_class(group)())
+        for group in GROUPS:
+            if not isinstance(getattr(self, group), _group_class(group)):
+                raise TypeError(f"JobSettings.{group} must be a {_group_class(group).__name__}")
+
+    @classmethod
+    def of(cls, **flat: Any) -> "JobSettings":
+        """Settings from flat field names of any group (option dests: `seq_len=128, ratios=(4, 8)`);
+        option words are accepted too (`ratios="4,8"`, `eval_corpus="none"`). Unknown names are refused."""
+        parts: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+        owner = {f.name: g for g in GROUPS for f in fields(_group_class(g))}
+        for name, value in flat.items():
+            if name not in owner:
+                raise TypeError(f"unknown calibration setting {name!r}")
+            opt = group_options(owner[name]).get(name)
+            parts[owner[name]][name] = opt.value(value) if opt is not None and value is not None else value
+        return cls(**{g: _group_class(g)(**parts[g]) for g in GROUPS})
+
+    def flat(self) -> dict[str, Any]:
+        """Every field of every group by its flat name (the inverse of `of`)."""
+        return {f.name: getattr(getattr(self, g), f.name) for g in GROUPS for f in fields(_group_class(g))}
+
+    def replace(self, **flat: Any) -> "JobSettings":
+        """These settings with some flat fields changed (validated again)."""
+        return JobSettings.of(**{**self.flat(), **flat})
+
+    def computational(self) -> dict[str, dict[str, Any]]:
+        """What the job computes from, group by group, as plain JSON values (the manifest's record)."""
+        return {g: {k: _plain(v) for k, v in asdict(getattr(self, g)).items()} for g in COMPUTATIONAL}
+
+    @classmethod
+    def from_computational(cls, recorded: dict[str, dict[str, Any]], runtime: RuntimeSettings | None = None
+                           ) -> "JobSettings":
+        """The settings `computational()` recorded (fields a newer version added keep their defaults)."""
+        parts = {}
+        for g in COMPUTATIONAL:
+            known = {f.name for f in fields(_group_class(g))}
+            values = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+                      for k, v in (recorded.get(g) or {}).items() if k in known}
+            parts[g] = _group_class(g)(**values)
+        return cls(**parts, runtime=runtime or RuntimeSettings())
+
+    @property
+    def artifact_name(self) -> str:
+        if self.runtime.name:
+            return self.runtime.name
+        base = self.model.model.rstrip("/").split("/")[-1].replace(":", "-").removesuffix(".gguf")
+        return base.lower()
+
+    def with_runtime(self, **changes: Any) -> "JobSettings":
+        return replace(self, runtime=replace(self.runtime, **changes))
+
+
+def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | None = None) -> JobSettings:
+    """The settings that repeat the calibration of `manifest` (a published version): its recorded
+    settings verbatim, or for versions published before they were recorded, what its calibration
+    record and corpus section say (settings they did not record keep today's defaults)."""
+    from kvtc.artifacts.calibration import CalibrationRecord
+
+    rec = CalibrationRecord.from_manifest(manifest)
+    if rec.settings:
+        return JobSettings.from_computational(rec.settings, runtime)
+    corpus = manifest.get("corpus") or {}
+    recorded = dict(
+        model=manifest["model"]["spec"], corpus=corpus.get("spec"), eval_corpus=corpus.get("eval_spec") or None,
+        ratios=rec.ratios, tokens=rec.tokens_requested, eval_tokens=rec.eval_tokens, seq_len=rec.seq_len,
+        seqs_per_shard=rec.seqs_per_shard, sinks=rec.sinks, window=rec.window, groups=rec.group_spec,
+        sample=rec.sample, seed=rec.seed, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
+        text_column=rec.text_column, dtype=rec.dtype, keys=rec.keys, block_sizes=tuple(rec.allocator["block_sizes"]),
+        types=tuple(rec.allocator["types"]), error_model=rec.allocator["error_model"],
+    )
+    unrecorded = {"holdout_fraction", "heldout_rows", "seqs_per_shard", "corpus"}  # None: keep the default
+    recorded = {k: v for k, v in recorded.items() if v is not None or k not in unrecorded}
+    settings = JobSettings.of(**recorded)
+    return settings if runtime is None else replace(settings, runtime=runtime)
