@@ -23,4 +23,5 @@ calibrate: $(STAMP)
 	$(VENV)/bin/kvtc calibrate $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(ARGS)

@@ -3,12 +3,17 @@ under kernels/, and one hash names the bundle so a decoder can check it runs the
 
 Bundle hash = sha256 over the lines "<relative path> <sha256 of file>\\n", sorted by path.
 The `kernels` package is located without importing it (importing would load torch/triton).
+Test and bench fixtures that live beside the kernels (FIXTURES) are not runtime code: they are
+neither shipped nor hashed, so editing one does not change the bundle.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 from pathlib import Path
+
+
+FIXTURES = frozenset({"synthetic.py"})  # synthetic specs and caches for tests and benches
 
 
 def kernels_dir(package: str = "kvtc.kernels") -> Path | None:
@@ -23,12 +28,13 @@ def kernels_dir(package: str = "kvtc.kernels") -> Path | None:
 
 
 def kernel_sources(directory: Path | None = None) -> dict[str, bytes]:
-    """{relative posix path: source bytes} of every *.py file under the kernels package."""
+    """{relative posix path: source bytes} of every runtime *.py file under the kernels package."""
     directory = directory if directory is not None else kernels_dir()
     if directory is None:
         return {}
     return {path.relative_to(directory).as_posix(): path.read_bytes()
-            for path in sorted(directory.rglob("*.py")) if "__pycache__" not in path.parts}
+            for path in sorted(directory.rglob("*.py"))
+            if "__pycache__" not in path.parts and path.relative_to(directory).as_posix() not in FIXTURES}
 
 
 def bundle_hash(sources: dict[str, bytes]) -> str | None:

@@ -178,16 +178,30 @@ def cmd_alias(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kvtc.artifacts.export import DynamoExportOptions, export_dynamo
     from kvtc.artifacts.pull import pull
 
-    options = DynamoExportOptions(fp8=args.fp8, layout=args.layout, allow_rope_removed=args.allow_rope_removed)
     artifact = pull(args.ref, registry=_registry(args), cache_dir=args.cache_dir)
+    if args.format == "sglang":
+        from kvtc.artifacts.export_sglang import export_sglang
+
+        path = export_sglang(artifact, args.ratio, args.to)
+        doc = json.loads(path.with_suffix(".json").read_text())
+        return _print(args, {"name": artifact.name, "version": artifact.version, "ratio": args.ratio,
+                             "path": str(path), "sglang_ratio": doc["sglang_ratio"]},
+                      f"{path}\nratio {args.ratio:g} as allocated; {doc['sglang_ratio']}x with SGLang's "
+                      "fp16 scale and offset per quantized group per token")
+    from kvtc.artifacts.export import DynamoExportOptions, export_dynamo
+
+    options = DynamoExportOptions(fp8=args.fp8, layout=args.layout, allow_rope_removed=args.allow_rope_removed,
+                                  ranges=args.ranges, batch=args.batch)
     path = export_dynamo(artifact, args.ratio, args.to, options)
-    real = json.loads(path.read_text())["dynamo_ratio"]
+    doc = json.loads(path.read_text())
+    real = doc["dynamo_ratio"]
     return _print(args, {"name": artifact.name, "version": artifact.version, "ratio": args.ratio, "path": str(path),
-                         "dynamo_ratio": real},
-                  f"{path}\nratio {args.ratio:g} as allocated; {real}x with Dynamo's 64-bit min/max per range per row")
+                         "dynamo_ratio": real, "dynamo_bytes_per_token": doc["dynamo_bytes_per_token"]},
+                  f"{path}\nratio {args.ratio:g} as allocated; {real}x ({doc['dynamo_bytes_per_token']} bytes per "
+                  f"token) with Dynamo's 64-bit min/max per range per row, per-row byte padding and 40-byte range "
+                  f"headers per {args.batch}-row call")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -221,10 +235,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("ref", help=ref_help)
     p.add_argument("alias", help="alias name")
     p.set_defaults(func=_with_one_line_warnings("alias", cmd_alias))
-    p = subparsers.add_parser("export", parents=[common], help="export one ratio for a runtime (dynamo)")
+    p = subparsers.add_parser("export", parents=[common], help="export one ratio for a runtime (dynamo, sglang)")
     p.add_argument("ref", help=ref_help)
     p.add_argument("--ratio", type=float, required=True, help="compression ratio to export")
-    p.add_argument("--format", choices=["dynamo"], default="dynamo", help="target runtime format")
+    p.add_argument("--format", choices=["dynamo", "sglang"], default="dynamo",
+                   help="dynamo (KVBM KvtcConfig arrays + JSON) or sglang (its KVTC loader's per-rank file)")
     p.add_argument("--to", required=True, help="output directory")
     p.add_argument("--fp8", choices=["int8", "refuse"], default="int8",
                    help="scaled fp8 blocks: export as 8-bit IntX (default) or refuse (Dynamo's Fp8 has no scale)")
@@ -232,6 +247,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="paged (default): only per-layer groups; token-major: all layers of a token contiguous")
     p.add_argument("--allow-rope-removed", action="store_true",
                    help="export a RoPE-removed key basis (the consumer removes and re-applies RoPE itself)")
+    p.add_argument("--ranges", choices=["pad", "refuse"], default="pad",
+                   help="dynamo: a range whose width x bits is not whole bytes per row: pad it with zero columns "
+                   "(default) or refuse (Dynamo's buffer sizing would be overrun)")
+    p.add_argument("--batch", type=int, default=256, help="dynamo: rows per compress call, for the real ratio")
     p.add_argument("--cache-dir", help="cache directory (default $KVTC_CACHE or ~/.cache/kvtc)")
     p.set_defaults(func=_with_one_line_warnings("export", cmd_export))
     p = subparsers.add_parser("sign", parents=[common], help="sign a published version's manifest (Ed25519)")

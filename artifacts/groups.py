@@ -61,7 +61,7 @@ class FeatureGroup:
         """The group's features inside a token's flattened (slot, kv_head, head_dim) vector, in group
         order; `slots` maps a layer to its slot (default: the layer index). A slice when contiguous."""
         h0, h1 = self.head_range(kv_heads)
-        rows = [slots[l] if slots is not None else l for l in self.layers]
+        rows = [slots[layer] if slots is not None else layer for layer in self.layers]
         if h0 == 0 and h1 == kv_heads and rows == list(range(rows[0], rows[0] + len(rows))):
             width = kv_heads * head_dim
             return slice(rows[0] * width, (rows[-1] + 1) * width)
@@ -140,7 +140,7 @@ def check_cover(groups: Sequence[FeatureGroup], layers: Sequence[int], kv_heads:
 
 def layer_slots(groups: Sequence[FeatureGroup]) -> dict[int, int]:
     """Each coded layer's slot in a token's flattened features: coded layers (the groups' union) ascending."""
-    return {layer: i for i, layer in enumerate(sorted({l for g in groups for l in g.layers}))}
+    return {layer: i for i, layer in enumerate(sorted({layer for g in groups for layer in g.layers}))}
 
 
 def group_columns(groups: Sequence[FeatureGroup], kv_heads: int, head_dim: int) -> list[slice | np.ndarray]:

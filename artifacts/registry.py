@@ -19,7 +19,6 @@ import json
 import os
 import posixpath
 import re
-import tempfile
 import uuid
 import warnings
 from pathlib import Path

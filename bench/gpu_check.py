@@ -9,7 +9,10 @@
    GPU against LAPACK on the CPU at p = 2048 (eigenvalues and subspace), then its time at the
    Llama-3.1-8B half-geometry p = 16384 from a packed Gram.
 4. Worker overhead on the GPU: `bench/worker_overhead.py --device cuda` figures.
-5. Multi-GPU workers (two or more GPUs, else skipped with a message): a model spread over every
+5. The codec's device path (bench/gpu_rans.py): rANS bit identity against the numpy reference,
+   rANS decode/encode GB/s and the restore of a 32K-token cache of an 8B geometry against the
+   fixed-rate mode.
+6. Multi-GPU workers (two or more GPUs, else skipped with a message): a model spread over every
    visible GPU (`load_model(..., gpu_budgets=)`) captures the same KV rows as on one GPU; the
    memory plan's GPUs per worker for Llama-3.1-8B and 70B at this GPU's memory.
 
@@ -160,7 +163,11 @@ def main() -> int:
         print("no CUDA device torch can see; nothing to check")
         return 2
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
-    ok = check_kernels() & check_capture() & check_reducer() & check_multi_gpu()
+    ok = check_kernels() & check_capture() & check_reducer()
+    import gpu_rans
+
+    ok &= gpu_rans.check_identity() & gpu_rans.check_geometry(32768, 4096)
+    ok &= check_multi_gpu()
     if not args.skip_overhead:
         subprocess.run([sys.executable, str(ROOT / "bench" / "worker_overhead.py"), "--device", "cuda",
                         "--sequences", "32", "--batch", "8"], check=False, env=os.environ.copy())

@@ -115,7 +115,7 @@ def main() -> int:
         cache = make()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache,
                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                                  pad_token_id=lm.tokenizer.eos_token_id)
         seconds = time.perf_counter() - t0
@@ -125,8 +125,8 @@ def main() -> int:
             assert nbytes == cache.resident_bytes(), (nbytes, cache.resident_bytes())
         cache = make()
         with torch.no_grad():
-            model(prompt, past_key_values=cache, use_cache=True)
-            logits = model(cont, past_key_values=cache, use_cache=True).logits[0, :-1].float()
+            model(prompt, cache=cache, use_cache=True)
+            logits = model(cont, cache=cache, use_cache=True).logits[0, :-1].float()
         logp = torch.log_softmax(logits, -1)
         nll = -logp.gather(1, cont[0, 1:, None]).mean().item()
         if name == "DynamicCache":

@@ -36,8 +36,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from kvtc import artifacts
-    from kvtc.pipeline.evaluation.error_by_tokens import error_by_tokens
-    from kvtc.pipeline.evaluation import quality
+    from kvtc.pipeline.job.error_by_tokens import error_by_tokens
+    from kvtc.pipeline.operations import quality
     from kvtc.pipeline.evaluation import report
 
     ratios = tuple(float(r) for r in args.ratios.split(","))

@@ -71,7 +71,7 @@ def main() -> int:
                                  capture_output=True, text=True, check=True)
             results.setdefault(mode, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = sum(r["startup_s"] for r in results["actor-env"]) / args.repeats
-    print(f"| mode | pool start-up (s) | vs actor-env | worker processes | idle shutdowns |\n|---|---|---|---|---|")
+    print("| mode | pool start-up (s) | vs actor-env | worker processes | idle shutdowns |\n|---|---|---|---|---|")
     for mode, rows in results.items():
         mean = sum(r["startup_s"] for r in rows) / len(rows)
         print(f"| {mode} | {mean:.2f} | {mean / base:.2f}x | {sum(r['workers_started'] for r in rows) / len(rows):.1f} "

@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--out", default="rate_distortion_bench.png")
     args = ap.parse_args()
 
-    from kvtc.pipeline.evaluation.quality import heldout_sequences
+    from kvtc.pipeline.operations.quality import heldout_sequences
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 
@@ -117,7 +117,7 @@ def main() -> None:
     for ratio in ratios:
         for mode in ("fixed", "ecsq"):
             codec = KVTCCodec(art, ratio, mode=mode)
-            blobs, enc, dec = [], 0.0, 0.0
+            enc, dec = 0.0, 0.0
             err = {s: 0.0 for s in STREAMS}
             norm = {s: 0.0 for s in STREAMS}
             nbytes = {s: 0 for s in STREAMS}

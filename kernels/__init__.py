@@ -5,7 +5,7 @@
     blob = codec.encode(keys, values)        # (layers, kv_heads, tokens, head_dim), keys with RoPE
     keys, values = codec.decode(blob)
 
-    cache = KVTCCache(codec, config=model.config)   # model.generate(..., past_key_values=cache)
+    cache = KVTCCache(codec, config=model.config)   # model.generate(..., cache=cache)
 
 Imports neither transformers nor ray; `KVTCCache`, `compress_cache` and `restore_cache` import
 transformers on first use.

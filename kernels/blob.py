@@ -1,14 +1,21 @@
 """The self-describing blob: fixed prefix, CRC-checked metadata with a section table, payloads.
 
 Layout (little endian):
-  prefix   "<4sHHII": magic b"KVTC", format version, flags (bit 0: ECSQ mode; 0: fixed-rate mode),
-           meta length, CRC32 of meta
+  prefix   "<4sHHII": magic b"KVTC", format version, flags (bit 0: ECSQ mode; 0: fixed-rate mode;
+           bit 1: per-layer container, see below; bit 2, with bit 0: ECSQ symbols in the interleaved
+           rANS format, else constriction's), meta length, CRC32 of meta
   meta     name, version, model id (each u16 length + UTF-8), then "<dBIIIIQIIIII": ratio, dtype code,
            layers, kv_heads, tokens, head_dim, start position, sinks, window, raw head tokens,
            raw tail tokens, section count; then per section "<BBHHBQQI": tag, stream, group, block,
            coding, stored length, raw length, CRC32 of the stored bytes
   payloads the sections' stored bytes, in table order, nothing after them
 Parsing uses struct with explicit bounds checks; every failure is a BlobError.
+
+Per-layer container (flag bit 1): a cache whose layers hold different token counts (sliding-window or
+chunked layers, layers without a KV cache). Its header gives the model's layer count and the longest
+layer's tokens and first position; a TAG_LAYOUT section holds each layer's token count (u32 little
+endian; NO_CACHE for a layer without a KV cache), then one TAG_SEGMENT section per run of layers with
+the same count (group = segment index), each a complete blob of those layers' groups alone.
 """
 from __future__ import annotations
 
@@ -22,8 +29,13 @@ FORMAT_VERSION = 1
 DTYPES = ("float16", "bfloat16", "float32")
 TAG_RAW_HEAD, TAG_RAW_TAIL, TAG_PARAMS, TAG_CODES = 1, 2, 3, 4
 TAG_ECSQ, TAG_ESCAPES = 5, 6  # ECSQ mode: per (stream, group) the ANS words, then the escaped symbols
+TAG_LAYOUT, TAG_SEGMENT = 7, 8  # per-layer container: layer token counts, then one inner blob per segment
+NO_CACHE = 0xFFFFFFFF
 MODES = ("fixed", "ecsq")
+ECSQ_FORMATS = ("constriction", "rans")  # ECSQ symbol formats, by flag bit 2
 FLAG_ECSQ = 1
+FLAG_LAYERED = 2
+FLAG_RANS = 4
 _PREFIX = struct.Struct("<4sHHII")
 _FIELDS = struct.Struct("<dBIIIIQIIIII")
 _SECTION = struct.Struct("<BBHHBQQI")
@@ -70,10 +82,14 @@ class BlobHeader:
     head_raw: int
     tail_raw: int
     mode: str = "fixed"
+    layered: bool = False
+    ecsq_format: str = "constriction"  # the ECSQ mode's symbol format; ignored by the fixed mode
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"blob mode must be one of {MODES}, got {self.mode!r}")
+        if self.ecsq_format not in ECSQ_FORMATS:
+            raise ValueError(f"blob ECSQ format must be one of {ECSQ_FORMATS}, got {self.ecsq_format!r}")
 
 
 @dataclass(frozen=True)
@@ -100,7 +116,9 @@ def write_blob(header: BlobHeader, sections: list[Section]) -> bytes:
     for s in sections:
         meta.append(_SECTION.pack(*s.key, s.coding, len(s.stored), s.raw_len, zlib.crc32(s.stored)))
     meta_b = b"".join(meta)
-    flags = FLAG_ECSQ if header.mode == "ecsq" else 0
+    flags = (FLAG_ECSQ if header.mode == "ecsq" else 0) | (FLAG_LAYERED if header.layered else 0)
+    if header.mode == "ecsq" and header.ecsq_format == "rans":
+        flags |= FLAG_RANS
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(meta_b), zlib.crc32(meta_b))
     return b"".join([prefix, meta_b, *(bytes(s.stored) for s in sections)])
 
@@ -139,7 +157,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     if fmt != FORMAT_VERSION:
         raise BlobError(f"blob format version {fmt} is not supported by this reader (version {FORMAT_VERSION}); "
                         "decode it with the kernels release that wrote it")
-    if flags & ~FLAG_ECSQ:
+    if flags & ~(FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS) or (flags & FLAG_RANS and not flags & FLAG_ECSQ):
         raise BlobError(f"blob has unknown flags {flags:#x}")
     r.what = "metadata"
     meta = r.take(meta_len)
@@ -150,7 +168,8 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     f = m.unpack(_FIELDS)
     if f[1] >= len(DTYPES):
         raise BlobError(f"blob has unknown dtype code {f[1]}")
-    header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11], mode=MODES[flags & FLAG_ECSQ])
+    header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11], mode=MODES[flags & FLAG_ECSQ],
+                        layered=bool(flags & FLAG_LAYERED), ecsq_format=ECSQ_FORMATS[(flags & FLAG_RANS) >> 2])
     count = f[11]
     if count > _MAX_SECTIONS or count * _SECTION.size > len(meta) - m.pos:
         raise BlobError(f"blob section table declares {count} sections, metadata holds fewer")

@@ -1,7 +1,11 @@
 """KVTCCodec: one sequence's KV cache <-> a self-describing compressed blob.
 
 Cache tensors are (layers, kv_heads, tokens, head_dim) exactly as the model cached them (keys
-with RoPE). Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
+with RoPE), layers = the layers that keep a KV cache. A cache whose layers hold different token counts
+(sliding-window or chunked layers, layers without a KV cache) is passed per layer, as a sequence of
+(kv_heads, tokens, head_dim) tensors (None for a layer without a cache), and decodes to the same form
+(kernels/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers).
+Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
 is RoPE-removed (keys), centred, projected on each group's kept components, quantized per block,
 packed and entropy-coded. Decode reverses it and re-applies RoPE at the original positions.
 """
@@ -9,27 +13,31 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels import ecsq
-from kvtc.kernels.blob import (TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError,
-                               BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
+from kvtc.kernels.blob import (NO_CACHE, TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL,
+                               BlobError, BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.bitpack import packed_nbytes
 from kvtc.kernels.entropy import CODERS, PLAIN, decode_sections, encode_section
 from kvtc.kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
 from kvtc.kernels.backend import BACKENDS, resolve_ops
 from kvtc.kernels.quantize import quantize_pack_blocks
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.layered import decode_layered, encode_layered, layer_counts, restrict
 from kvtc.kernels.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_TOKENS = 1 << 31
 _MAX_START = 1 << 62
 DEFAULT_MAX_TOKENS = 1 << 17  # 131072: decode refuses longer blobs unless the caller raises the limit
+
+
+class KernelBundleWarning(UserWarning):
+    """The artifact was made for other runtime kernels than the ones running."""
 
 
 class KVTCCodec:
@@ -41,7 +49,12 @@ class KVTCCodec:
     "fixed" (per-block fixed-rate codes with per-token scales, DEFLATE). Decode follows the blob's mode.
     rate_control (ECSQ): coarsen the step of a (stream, group) whose coded bytes would exceed the
     ratio's budget (text unlike the calibration's); False keeps the calibrated step everywhere.
+    ecsq_format: the ECSQ symbols' format in new blobs: "rans" (default; interleaved rANS, decoded and
+    encoded on the device by Triton kernels where the cache lives on CUDA, by the numpy reference
+    elsewhere) or "constriction" (the first format, host only). Decode follows the blob's format.
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
+    basis_dtype: dtype of the components held on the device (only the columns the mode's code uses);
+    None: the cache's dtype on CUDA, float32 on CPU.
     rank: a tensor-parallel rank of an artifact calibrated with --tp: the codec then takes and returns
     that rank's local cache, (layers, its KV heads, tokens, head_dim) (`spec.heads` says which heads);
     None codes the whole cache (every head, each range with its rank's bases).
@@ -50,7 +63,8 @@ class KVTCCodec:
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
-                 rate_control: bool = True, rank: int | None = None) -> None:
+                 rate_control: bool = True, ecsq_format: str = "rans",
+                 basis_dtype: torch.dtype | None = None, rank: int | None = None) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -65,23 +79,45 @@ class KVTCCodec:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         self.backend, self.level, self.coder, self.max_tokens = backend, level, coder, max_tokens
         self.mode = _resolve_mode(self.spec, mode)
+        if ecsq_format not in ecsq.ECSQ_FORMATS:
+            raise ValueError(f"ecsq_format must be one of {ecsq.ECSQ_FORMATS}, got {ecsq_format!r}")
+        self.ecsq_format = ecsq_format
+        self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
+        if basis_dtype not in (None, *_DTYPES):
+            raise ValueError(f"basis_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {basis_dtype!r}")
+        self.basis_dtype = basis_dtype
         self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
-        self.rope = None
-        if self.spec.rope:
-            self.rope = RopeSpec.from_dict(self.spec.rope)
+        shared, self.rope = self.spec.shared_rope  # one RoPE for every coded layer: fused into the kernels
+        self._per_layer_rope = not shared
+        self._subs: dict[tuple[int, ...], KVTCCodec] = {}
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
 
     @classmethod
     def from_registry(cls, ref: str, ratio: float, registry: Any = None, *, public_key: Any = None,
                       require_signature: bool | None = None, **kwargs: Any) -> "KVTCCodec":
         """ref "name@version|alias|sha256:HEX" pulled and verified through artifacts.pull (imported lazily);
-        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull);
-        rank=r (a keyword, see the class) gives tensor-parallel rank r's codec."""
-        from kvtc.artifacts import pull
+        public_key / require_signature check the version's Ed25519 signature (see artifacts.pull).
+        The artifact names the kernel bundle it was made for: running other kernels warns, or with
+        require_kernels=True (or $KVTC_REQUIRE_KERNELS=1) is refused. rank=r (a keyword, see the class)
+        gives tensor-parallel rank r's codec."""
+        import os
+        import warnings
 
-        return cls(pull(ref, registry=registry, public_key=public_key, require_signature=require_signature),
-                   ratio, **kwargs)
+        from kvtc.artifacts import kernel_bundle_hash, pull
+
+        require_kernels = kwargs.pop("require_kernels", None)
+        if require_kernels is None:
+            require_kernels = os.environ.get("KVTC_REQUIRE_KERNELS", "") not in ("", "0")
+        artifact = pull(ref, registry=registry, public_key=public_key, require_signature=require_signature)
+        if not artifact.kernels_match():
+            made_for, running = artifact.manifest.get("kernel_bundle_hash"), kernel_bundle_hash()
+            message = (f"{artifact.name}@{artifact.version} was made for kernel bundle {str(made_for)[:16]}, this "
+                       f"process runs {str(running)[:16]}: its kernels/ folder holds the code it was made with")
+            if require_kernels:
+                raise ValueError(message + "; install that kvtc version or recalibrate")
+            warnings.warn(message, KernelBundleWarning, stacklevel=2)
+        return cls(artifact, ratio, **kwargs)
 
     @contextmanager
     def _stage(self, name: str, device: torch.device) -> Iterator[None]:
@@ -96,15 +132,27 @@ class KVTCCodec:
             torch.cuda.synchronize(device)
         self.profile[name] = self.profile.get(name, 0.0) + time.perf_counter() - t0
 
-    def _params(self, stream: str, device: torch.device) -> tuple[torch.Tensor, list]:
-        key = (stream, str(device))
+    def basis_dtype_on(self, device: torch.device, cache_dtype: torch.dtype) -> torch.dtype:
+        """dtype of the components held on `device`: `basis_dtype`, or by default the cache's dtype on CUDA
+        (fp16/bf16 GEMMs) and float32 on CPU (where half-precision GEMMs are slow)."""
+        if self.basis_dtype is not None:
+            return self.basis_dtype
+        return cache_dtype if device.type == "cuda" else torch.float32
+
+    def _params(self, stream: str, device: torch.device, mode: str = "fixed", dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, list]:
+        """(mean (p,) float32, per group (feature slice, components (p_g, kept) in `dtype`, group)) for one
+        mode on one device: only the columns that mode's code uses, and only that mode's basis."""
+        key = (stream, str(device), mode, str(dtype))
         if key not in self._on_device:
             groups = self.spec.streams[stream]
             cols = self._columns(device)
             mean = torch.empty(self.spec.features, dtype=torch.float32, device=device)
             for c, g in zip(cols, groups):
                 mean[c] = g.mean.to(device)
-            parts = [(c, g.components[:, : g.kept].to(device), g) for c, g in zip(cols, groups)]
+            codes = self.spec.ecsq[stream] if mode == "ecsq" else groups
+            parts = [(c, g.components[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g)
+                     for c, g in zip(cols, codes)]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
 
@@ -113,6 +161,16 @@ class KVTCCodec:
         s = self.spec
         return [c if isinstance(c, slice) else torch.as_tensor(c, device=device)
                 for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.head_dim)]
+
+    def basis_bytes(self) -> int:
+        """Bytes of means and components this codec holds on its devices (the runtime's basis memory)."""
+        seen, total = set(), 0
+        for mean, parts in self._on_device.values():
+            for t in [mean] + [c for _, c, _ in parts]:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total
 
     def split(self, tokens: int, start: int) -> tuple[int, int, int]:
         """(raw head, coded middle, raw tail) token counts for a cache of `tokens` starting at `start`."""
@@ -133,9 +191,10 @@ class KVTCCodec:
 
     def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         s = self.spec
-        want = (s.num_layers, s.kv_heads, "tokens", s.head_dim)
+        layers = len(s.coded_layers)
+        want = (layers, s.kv_heads, "tokens", s.head_dim)
         for name, x in (("keys", keys), ("values", values)):
-            if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != s.num_layers \
+            if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != layers \
                     or x.shape[1] != s.kv_heads or x.shape[3] != s.head_dim:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"{name} must be shaped (layers, kv_heads, tokens, head_dim) = {want}, got {got}")
@@ -146,8 +205,38 @@ class KVTCCodec:
         if not 0 <= start < _MAX_START or keys.shape[2] >= _MAX_TOKENS:
             raise ValueError(f"start must be >= 0 and tokens < 2^31; got start={start}, tokens={keys.shape[2]}")
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> bytes:
-        """keys, values (L, H, T, D) fp16/bf16/fp32, token 0 at absolute position `start` -> blob bytes."""
+    def _sub(self, layers: tuple[int, ...]) -> "KVTCCodec":
+        """The codec of the spec restricted to `layers` (one segment of a per-layer cache)."""
+        if layers not in self._subs:
+            self._subs[layers] = KVTCCodec(restrict(self.spec, layers), backend=self.backend, level=self.level,
+                                           coder=self.coder, max_tokens=self.max_tokens, mode=self.mode,
+                                           rate_control=self.rate_control, ecsq_format=self.ecsq_format,
+                                           basis_dtype=self.basis_dtype)
+            self._subs[layers].device_entropy = self.device_entropy
+        return self._subs[layers]
+
+    def _remove_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(L, H, n, D) keys of the coded layers -> float32, each layer's own RoPE removed."""
+        ropes = [self.spec.layer_ropes[i] for i in self.spec.coded_layers]
+        return torch.stack([x[j].float() if r is None else r.remove(x[j].float(), positions) for j, r in enumerate(ropes)])
+
+    def _apply_rope(self, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        """(L, H, n, D) float32 RoPE-removed keys -> `out` with each layer's own RoPE applied."""
+        for j, i in enumerate(self.spec.coded_layers):
+            r = self.spec.layer_ropes[i]
+            out[j] = x[j] if r is None else r.apply(x[j], positions)
+
+    def encode(self, keys: torch.Tensor | Sequence[torch.Tensor | None], values: torch.Tensor | Sequence[torch.Tensor | None],
+               start: int = 0) -> bytes:
+        """keys, values (L, H, T, D) fp16/bf16/fp32 (L: the layers that keep a KV cache), token 0 at absolute
+        position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob."""
+        if isinstance(keys, (list, tuple)) or isinstance(values, (list, tuple)):
+            counts = layer_counts(self.spec, keys, values)
+            first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
+            longest = max(n for n in counts if n != NO_CACHE)
+            if first.dtype not in _DTYPES or not 0 <= start < _MAX_START or longest >= _MAX_TOKENS:
+                raise ValueError("per-layer cache: dtype must be float16, bfloat16 or float32, start >= 0, tokens < 2^31")
+            return encode_layered(self.spec, self._sub, keys, values, start, _DTYPES[first.dtype], self.mode)
         self._check_cache(keys, values, start)
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
@@ -160,16 +249,20 @@ class KVTCCodec:
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
-                mean, parts = self._params(stream, dev)
+                bd = self.basis_dtype_on(dev, keys.dtype)
+                mean, parts = self._params(stream, dev, self.mode, bd)
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
-                    feat = ops.rope_center(x[:, :, head:head + mid], cos, sin, mean, layout)
+                    xm = x[:, :, head:head + mid]
+                    if stream == "keys" and self._per_layer_rope:
+                        xm = self._remove_rope(xm, positions)
+                    feat = ops.rope_center(xm, cos, sin, mean, layout)
                 if self.mode == "ecsq":
-                    sections += self._encode_ecsq(feat, si, stream, dev)
+                    sections += self._encode_ecsq(feat, si, stream, dev, ops.name, parts)
                     continue
                 for gi, (cols, comps, code) in enumerate(parts):
                     with self._stage("project", dev):
-                        z = (feat[:, cols] @ comps).contiguous()
+                        z = (feat[:, cols].to(comps.dtype) @ comps).float().contiguous()
                     with self._stage("quantize_pack", dev):
                         coded = quantize_pack_blocks(z, code.blocks, reference=ops.name == "torch")
                         coded = [(params_bytes(c[1]), codes_bytes(c[0])) if c else None for c in coded]
@@ -179,39 +272,47 @@ class KVTCCodec:
                             sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPES[keys.dtype], L, H, T, D, start,
-                            s.sinks, s.window, head, tail, mode=self.mode)
+                            s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format)
         return write_blob(header, sections)
 
-    def _ecsq_params(self, stream: str, device: torch.device) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-        key = (f"ecsq:{stream}", str(device))
-        if key not in self._on_device:
-            self._on_device[key] = [(c, g.components.to(device), g.offsets.to(device))
-                                    for c, g in zip(self._columns(device), self.spec.ecsq[stream])]
-        return self._on_device[key]
+    def on_device(self, dev: torch.device, ops_name: str) -> bool:
+        """Whether the rANS symbols are coded by the Triton kernels where the tensors are."""
+        if self.device_entropy is not None:
+            return self.device_entropy and ops_name == "triton"
+        return dev.type == "cuda" and ops_name == "triton"
 
-    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device) -> list[Section]:
-        """Centred features (mid, p) of one stream -> per group: ANS words section, escapes section."""
-        out = []
-        for gi, ((cols, comps, _off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
+    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops_name: str,
+                     parts: list) -> list[Section]:
+        """Centred features (mid, p) of one stream -> per group: coded symbols section, escapes section."""
+        out, on_dev = [], self.on_device(dev, ops_name)
+        for gi, (cols, comps, g) in enumerate(parts):
             with self._stage("project", dev):
-                z = feat[:, cols] @ comps
+                z = (feat[:, cols].to(comps.dtype) @ comps).float()
             budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) if self.rate_control else None
             with self._stage("entropy", dev):
-                words, escapes = ecsq.encode_group(z, g, budget)
+                words, escapes = ecsq.encode_group(z, g, budget, self.ecsq_format, on_dev)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
             out.append(self._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
         return out
 
-    def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device) -> None:
+    def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
+        key = (f"offsets:{stream}:{gi}", str(device))
+        if key not in self._on_device:
+            self._on_device[key] = (self.spec.ecsq[stream][gi].offsets.to(device), [])
+        return self._on_device[key][0]
+
+    def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
+                     fmt: str, on_dev: bool, parts: list) -> None:
         """Fill feat (mid, p) with one stream's reconstructed centred features."""
-        for gi, ((cols, comps, off), g) in enumerate(zip(self._ecsq_params(stream, dev), self.spec.ecsq[stream])):
+        for gi, (cols, comps, g) in enumerate(parts):
+            off = self._offsets(stream, gi, dev)
             with self._stage("entropy_decode", dev):
-                q, step = ecsq.decode_group(data[SectionKey(TAG_ECSQ, si, gi, 0)],
-                                            data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g)
+                q, step = ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
+                                               data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, fmt, dev, on_dev)
             with self._stage("dequantize", dev):
-                zhat = ecsq.dequantize(torch.from_numpy(q).to(dev), step, off)
+                zhat = ecsq.dequantize(q, step, off)
             with self._stage("project", dev):
-                feat[:, cols] = zhat @ comps.T
+                feat[:, cols] = zhat.to(comps.dtype) @ comps.T
 
     def section_bounds(self, header: BlobHeader, sections: list[Section] | None = None) -> list[SectionBound]:
         """Every section a blob with this header must hold, in order, each with the most raw bytes it may
@@ -225,14 +326,14 @@ class KVTCCodec:
         out = [SectionBound(SectionKey(tag, si, 0, 0), L * H * n * D * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
         if mid:
-            out += _MODE_BOUNDS[header.mode](self, mid, {s.key: s for s in sections or ()})
+            out += _MODE_BOUNDS[header.mode](self, mid, {s.key: s for s in sections or ()}, header)
         return out
 
     def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
         """(key, raw length; None where only a bound is known) of every section, in order (see section_bounds)."""
         return [(b.key, b.max_raw if b.exact else None) for b in self.section_bounds(header)]
 
-    def _fixed_bounds(self, mid: int, _table: dict) -> list[SectionBound]:
+    def _fixed_bounds(self, mid: int, _table: dict, _header: BlobHeader) -> list[SectionBound]:
         out = []
         for si, stream in enumerate(STREAMS):
             for gi, g in enumerate(self.spec.streams[stream]):
@@ -242,7 +343,7 @@ class KVTCCodec:
                         out.append(SectionBound(SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
         return out
 
-    def _ecsq_bounds(self, mid: int, table: dict) -> list[SectionBound]:
+    def _ecsq_bounds(self, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
         if self.spec.ecsq is None:
             raise BlobError(f"blob was written in the ECSQ mode; artifact {self.spec.name}@{self.spec.version} has "
                             f"no ECSQ tables for ratio {self.spec.ratio:g}")
@@ -251,7 +352,7 @@ class KVTCCodec:
             for gi, g in enumerate(self.spec.ecsq[stream]):
                 key = SectionKey(TAG_ECSQ, si, gi, 0)
                 words = table[key].raw_len if key in table and table[key].coding == PLAIN else None
-                words_max, escapes_max = ecsq.section_bounds(g, mid, words)
+                words_max, escapes_max = ecsq.section_bounds(g, mid, words, header.ecsq_format)
                 out.append(SectionBound(key, words_max, exact=False, plain=True))
                 out.append(SectionBound(SectionKey(TAG_ESCAPES, si, gi, 0), escapes_max, exact=False))
         return out
@@ -264,7 +365,7 @@ class KVTCCodec:
         if h.model_id != s.model_id:
             raise BlobError(f"blob is for model {h.model_id}, this codec's artifact is for model {s.model_id}")
         if (h.layers, h.kv_heads, h.head_dim, h.sinks, h.window) != \
-                (s.num_layers, s.kv_heads, s.head_dim, s.sinks, s.window):
+                (len(s.coded_layers), s.kv_heads, s.head_dim, s.sinks, s.window):
             raise BlobError("blob shape or sink/window settings do not match the codec's artifact")
         head, _mid, tail = self.split(h.tokens, h.start)
         if h.tokens >= _MAX_TOKENS or h.start >= _MAX_START or (h.head_raw, h.tail_raw) != (head, tail):
@@ -278,10 +379,7 @@ class KVTCCodec:
         more than `max_tokens` tokens (default: the codec's `max_tokens`), refused before allocating; any
         other exception is not the blob's doing (a device, memory or a bug) and propagates as it is.
         """
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
+        dev = _usable_device(device)
         limit = self.max_tokens if max_tokens is None else max_tokens
         return self._decode(blob, dev, limit)
 
@@ -291,6 +389,13 @@ class KVTCCodec:
         if header.tokens > max_tokens:
             raise BlobError(f"blob declares {header.tokens} tokens, over this decoder's limit of {max_tokens}; "
                             "pass max_tokens= to KVTCCodec or decode() if such long caches are expected")
+        if header.layered:
+            if (header.name, header.version, header.ratio, header.model_id) != \
+                    (self.spec.name, self.spec.version, self.spec.ratio, self.spec.model_id):
+                raise BlobError(f"blob was written with artifact {header.name}@{header.version} at ratio "
+                                f"{header.ratio:g} for model {header.model_id}; this codec is {self.spec.name}@"
+                                f"{self.spec.version} at ratio {self.spec.ratio:g}: decode it with the matching codec")
+            return decode_layered(self.spec, self._sub, header, sections, dev, max_tokens)
         self._check_header(header)
         bounds = self.section_bounds(header, sections)
         with self._stage("entropy_decode", dev):
@@ -306,10 +411,11 @@ class KVTCCodec:
             ops = resolve_ops(self.backend, dev)
             positions = torch.arange(header.start + head, header.start + head + mid, device=dev)
             for si, stream in enumerate(STREAMS):
-                mean, parts = self._params(stream, dev)
+                mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype))
                 feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
                 if header.mode == "ecsq":
-                    self._decode_ecsq(data, si, stream, mid, feat, dev)
+                    self._decode_ecsq(data, si, stream, mid, feat, dev, header.ecsq_format,
+                                      self.on_device(dev, ops.name), parts)
                 for gi, (cols, comps, code) in enumerate(parts if header.mode == "fixed" else ()):
                     zhat = torch.zeros(mid, code.kept, dtype=torch.float32, device=dev)
                     with self._stage("dequantize", dev):
@@ -319,13 +425,31 @@ class KVTCCodec:
                                 params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
                                 ops.unpack_dequantize(packed, params, b.qtype, zhat, b.start, b.size)
                     with self._stage("project", dev):
-                        feat[:, cols] = zhat @ comps.T
+                        feat[:, cols] = zhat.to(comps.dtype) @ comps.T
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
-                    ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
+                    if stream == "keys" and self._per_layer_rope:
+                        plain = torch.empty(L, H, mid, D, dtype=torch.float32, device=dev)
+                        ops.rope_restore(feat, None, None, mean, plain, layout)
+                        self._apply_rope(plain, positions, out[si][:, :, head:head + mid])
+                    else:
+                        ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
                     finite = torch.finfo(dtype).max  # values rounded past the dtype's range stay finite
                     out[si][:, :, head:head + mid].clamp_(-finite, finite)
         return out[0], out[1]
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """torch.device(device), or ValueError (bad input, not a bad blob) when it is no device decode can write to."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
+    if dev.type == "meta" or (dev.type == "cuda" and not (torch.cuda.is_available()
+                                                         and (dev.index or 0) < torch.cuda.device_count())):
+        raise ValueError(f"device={device!r} is not available here (CUDA devices: "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); pass 'cpu' or an existing GPU")
+    return dev
 
 
 _MODE_BOUNDS = {"fixed": KVTCCodec._fixed_bounds, "ecsq": KVTCCodec._ecsq_bounds}

@@ -80,7 +80,8 @@ class CoefficientCoder:
     were calibrated with RoPE kept).
     """
 
-    def __init__(self, spec: CodecSpec, backend: str = "auto", mode: str = "fixed", rate_control: bool = True) -> None:
+    def __init__(self, spec: CodecSpec, backend: str = "auto", mode: str = "fixed", rate_control: bool = True,
+                 ecsq_format: str = "rans", basis_dtype: torch.dtype | None = None) -> None:
         if mode not in ("fixed", "ecsq"):
             raise ValueError(f"mode must be 'fixed' or 'ecsq', got {mode!r}")
         if mode == "ecsq" and spec.ecsq is None:
@@ -88,31 +89,35 @@ class CoefficientCoder:
                              f"for ratio {spec.ratio:g}")
         self.spec = spec
         self.backend = backend
-        self.mode, self.rate_control = mode, rate_control
-        self.rope = RopeSpec.from_dict(spec.rope) if spec.rope else None
+        self.mode, self.rate_control, self.ecsq_format = mode, rate_control, ecsq_format
+        self.basis_dtype = basis_dtype  # None: the cache's dtype on CUDA, float32 elsewhere (as KVTCCodec)
+        self.layer_ropes: list[RopeSpec | None] = spec.layer_ropes  # each layer's own RoPE (None: NoPE / kept)
         self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # layer -> [(group index, row offset of the layer inside the group's features, (h0, h1))], a
         # layer in several groups when groups split its KV heads; layer_group: its first (group, row)
         self.layer_parts: dict[int, list[tuple[int, int, tuple[int, int]]]] = {}
         for gi, g in enumerate(spec.streams["keys"]):
             heads = g.group.head_range(spec.kv_heads)
-            for l in g.group.layers:
-                row = g.group.layer_offset(l, spec.kv_heads, spec.head_dim)
-                self.layer_parts.setdefault(l, []).append((gi, row, heads))
-        self.layer_group = {l: parts[0][:2] for l, parts in self.layer_parts.items()}
+            for layer in g.group.layers:
+                row = g.group.layer_offset(layer, spec.kv_heads, spec.head_dim)
+                self.layer_parts.setdefault(layer, []).append((gi, row, heads))
+        self.layer_group = {layer: parts[0][:2] for layer, parts in self.layer_parts.items()}
         for stream in STREAMS if mode == "fixed" else ():
             for g in spec.streams[stream]:
                 if any(b.qtype not in _BLOCK_TYPES for b in g.blocks):
                     raise ValueError(f"{stream} group {g.group.label}: block types {sorted({b.qtype for b in g.blocks})} "
                                      f"are not all per-block min/max or fp8 types {_BLOCK_TYPES}")
 
-    def _group(self, stream: str, gi: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (stream, str(device), gi)
+    def _group(self, stream: str, gi: int, device: torch.device, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean float32, the mode's kept components in the basis dtype for a cache of `dtype`) on `device`."""
+        dt = self.basis_dtype or (dtype if device.type == "cuda" else torch.float32)
+        key = (stream, str(device), gi, str(dt))
         if key not in self._on_device:
             g = self.spec.streams[stream][gi]
             # the codec centres with the fixed-rate groups' mean in both modes
             comps = self.spec.ecsq[stream][gi].components if self.mode == "ecsq" else g.components[:, :g.kept]
-            self._on_device[key] = (g.mean.to(device), comps.to(device).contiguous())
+            self._on_device[key] = (g.mean.to(device), comps.to(device=device, dtype=dt).contiguous())
         return self._on_device[key]
 
     def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
@@ -124,13 +129,26 @@ class CoefficientCoder:
     def _ops(self, device: torch.device) -> Ops:
         return resolve_ops(self.backend, device)
 
-    def _cos_sin(self, stream: str, start: int, tokens: int, batch: int, device: torch.device
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
-        if stream != "keys" or self.rope is None:
+    def _cos_sin(self, stream: str, start: int, tokens: int, batch: int, device: torch.device,
+                 rope: RopeSpec | None) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+        if stream != "keys" or rope is None:
             return None, None, "half"
         positions = torch.arange(start, start + tokens, device=device).repeat(batch)
-        cos, sin = self.rope.cos_sin(positions)
-        return cos.contiguous(), sin.contiguous(), self.rope.layout
+        cos, sin = rope.cos_sin(positions)
+        return cos.contiguous(), sin.contiguous(), rope.layout
+
+    def _features(self, stream: str, cache: torch.Tensor, group: FeatureGroup, mean: torch.Tensor, ops: Ops,
+                  start: int, n: int, batch: int) -> torch.Tensor:
+        """A group's centred, RoPE-removed features (B*n, p_g): fused when its layers share one RoPE."""
+        x = _group_cache(cache, group, self.spec.kv_heads)
+        ropes = {self.layer_ropes[l] for l in group.layers} if stream == "keys" else {None}
+        if len(ropes) == 1:
+            cos, sin, layout = self._cos_sin(stream, start, n, batch, cache.device, ropes.pop())
+            return ops.rope_center(x, cos, sin, mean, layout)
+        positions = torch.arange(start, start + n, device=cache.device).repeat(batch)
+        plain = torch.stack([x[j].float() if self.layer_ropes[l] is None else self.layer_ropes[l].remove(x[j].float(), positions)
+                             for j, l in enumerate(group.layers)])
+        return ops.rope_center(plain, None, None, mean, "half")
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedTokens:
         """keys, values (L, B, H, n, D) as the model cached them, first token at position `start`."""
@@ -146,12 +164,11 @@ class CoefficientCoder:
         blocks: dict[str, tuple] = {}
         for stream, x in zip(STREAMS, (keys, values)):
             cache = x.permute(0, 2, 1, 3, 4).reshape(L, H, B * n, D)  # tokens in (batch, token) order
-            cos, sin, layout = self._cos_sin(stream, start, n, B, dev)
             groups = []
             for gi, g in enumerate(s.streams[stream]):
-                mean, comps = self._group(stream, gi, dev)
-                feat = ops.rope_center(_group_cache(cache, g.group, H), cos, sin, mean, layout)
-                z = (feat @ comps).contiguous()
+                mean, comps = self._group(stream, gi, dev, x.dtype)
+                feat = self._features(stream, cache, g.group, mean, ops, start, n, B)
+                z = (feat.to(comps.dtype) @ comps).float().contiguous()
                 if self.mode == "ecsq":
                     groups.append(self._encode_ecsq(z, stream, gi, B, n))
                     continue
@@ -165,16 +182,17 @@ class CoefficientCoder:
         """z (B*n, kept) -> per sequence (words, escapes), budgeted like the codec's sections for n tokens."""
         g = self.spec.ecsq[stream][gi]
         budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, n) if self.rate_control else None
-        return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget) for b in range(batch))
+        on_dev = z.device.type == "cuda" and self._ops(z.device).name == "triton"
+        return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget, self.ecsq_format, on_dev) for b in range(batch))
 
     def coefficients(self, coded: CodedTokens, stream: str, gi: int) -> torch.Tensor:
         """Dequantized coefficients z (B * n, kept) float32 of one group."""
         if coded.mode == "ecsq":
             g, dev = self.spec.ecsq[stream][gi], torch.device(coded.device)
-            parts = []
+            parts, on_dev = [], dev.type == "cuda" and self._ops(dev).name == "triton"
             for words, escapes in coded.blocks[stream][gi]:
-                q, step = ecsq.decode_group(words, escapes, coded.tokens, g)
-                parts.append(ecsq.dequantize(torch.from_numpy(q).to(dev), step, self._offsets(stream, gi, dev)))
+                q, step = ecsq.decode_group_to(words, escapes, coded.tokens, g, self.ecsq_format, dev, on_dev)
+                parts.append(ecsq.dequantize(q, step, self._offsets(stream, gi, dev)))
             return torch.cat(parts)
         g = self.spec.streams[stream][gi]
         parts = coded.blocks[stream][gi]
@@ -195,11 +213,11 @@ class CoefficientCoder:
         zs = z if isinstance(z, dict) else {parts[0][0]: z}
         dev = next(iter(zs.values())).device
         out = torch.empty(1, self.spec.kv_heads, B * n, D, dtype=dtype, device=dev)
-        cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev)
+        cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev, self.layer_ropes[layer])
         for gi, row, (h0, h1) in parts:
-            mean, comps = self._group(stream, gi, dev)
+            mean, comps = self._group(stream, gi, dev, dtype)
             rows = slice(row, row + (h1 - h0) * D)
-            feat = zs[gi] @ comps[rows].T  # (B*n, heads*D): only this layer's rows of the components
+            feat = (zs[gi].to(comps.dtype) @ comps[rows].T).float()  # (B*n, heads*D): this layer's rows only
             self._ops(dev).rope_restore(feat, cos, sin, mean[rows].contiguous(), out[:, h0:h1], layout)
         return out[0].reshape(-1, B, n, D).transpose(0, 1)
 

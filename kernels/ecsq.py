@@ -6,8 +6,11 @@ sign(q) (|q| - offsets[j, min(|q|, C) - 1]) step (0 for q = 0). Each component i
 of the group's symbol models (a quantized Gaussian of the component's scale, stored as integer
 counts so encoder and decoder build identical tables); a model covers symbols [-R, R] plus an
 escape symbol, and escaped values follow in a separate int32 list, so any finite input
-round-trips within one step. Symbols are coded with constriction's ANS coder, model by model
-(all tokens of the components that share a model in one call, from lookup tables).
+round-trips within one step. Symbols are coded in one of two formats (`ECSQ_FORMATS`):
+"rans" (the default: interleaved rANS with static tables, kernels/rans.py, decoded and encoded by
+Triton kernels on the device, kernels/rans_triton.py, or by the numpy reference on CPU hosts) or
+"constriction" (the first format: constriction's ANS coder, model by model, all tokens of the
+components that share a model in one call, on the host).
 
 Rate control (`encode_group`): the calibrated step meets the ratio's budget on average over
 held-out text; text that codes larger (another domain) gets a coarser step, step 2^(j / 32) for
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
+from kvtc.kernels import rans
 from kvtc.kernels.blob import BlobError
 
 MAX_SYMBOL = 1 << 30
@@ -33,6 +37,7 @@ PROBABILITY_TOTAL = 1 << 20
 STEP_GRID = 32  # rate control: step multipliers 2^(j / STEP_GRID)
 MAX_STEP_EXPONENT = 255
 _EXPONENT = struct.Struct("<i")
+ECSQ_FORMATS = ("rans", "constriction")
 STREAM_FORMAT = 1  # high 16 bits of the exponent field: 1 = coder started from the end-of-stream state
 _INITIAL = (0, 1)  # the coder's initial state 2^32 as constriction writes it (low word, high word)
 _STATE_BITS = 32   # constriction's num_valid_bits() of that state; a well-formed stream never drops below it
@@ -183,35 +188,55 @@ def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) 
     return q
 
 
-def section_bounds(group: EcsqGroup, tokens: int, words_len: int | None = None) -> tuple[int, int]:
+def _check_format(fmt: str) -> None:
+    if fmt not in ECSQ_FORMATS:
+        raise ValueError(f"ECSQ format must be one of {ECSQ_FORMATS}, got {fmt!r}")
+
+
+def section_bounds(group: EcsqGroup, tokens: int, words_len: int | None = None, fmt: str = "constriction"
+                   ) -> tuple[int, int]:
     """(most bytes of the words section, exponent included; most bytes of the escapes section) for
     `tokens` rows; with the words section's real length, escapes are also bounded by what it can name."""
     symbols = tokens * group.kept
-    words_max = _EXPONENT.size + 4 * (len(_INITIAL) + 1 + (symbols * _MAX_SYMBOL_BITS + 31) // 32)
+    if fmt == "rans":
+        words_max = _EXPONENT.size + rans.max_section_bytes(symbols)
+    else:
+        words_max = _EXPONENT.size + 4 * (len(_INITIAL) + 1 + (symbols * _MAX_SYMBOL_BITS + 31) // 32)
     escapes = symbols
-    if words_len is not None and group.escape_bits > 0:
+    if words_len is not None and group.escape_bits > 0 and fmt != "rans":
         bits = 8 * max(0, words_len - _EXPONENT.size) + 64
         escapes = min(escapes, int(bits / group.escape_bits) + 1)
     return words_max, 4 * escapes
 
 
-def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None) -> tuple[bytes, bytes]:
-    """z (N, kept) projections -> (words section: step exponent j then ANS words, escapes section).
-    max_bytes: the two sections' budget; j is the smallest exponent (step 2^(j / STEP_GRID)) that fits."""
+def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None, fmt: str = "constriction",
+                 on_device: bool = False) -> tuple[bytes, bytes]:
+    """z (N, kept) projections -> (words section: step exponent j then the coded symbols, escapes section).
+    max_bytes: the two sections' budget; j is the smallest exponent (step 2^(j / STEP_GRID)) that fits.
+    fmt: "rans" or "constriction"; on_device (rans): code with the Triton kernel where z lies, so only
+    the coded bytes reach the host."""
+    _check_format(fmt)
 
-    def attempt(j: int) -> tuple[tuple[bytes, bytes], int, np.ndarray]:
-        q = quantize(z, group.step * 2.0 ** (j / STEP_GRID)).cpu().numpy()
-        words, escapes = encode_symbols(q, group)
+    def attempt(j: int) -> tuple[tuple[bytes, bytes], int, torch.Tensor]:
+        q = quantize(z, group.step * 2.0 ** (j / STEP_GRID))
+        if fmt == "constriction":
+            words, escapes = encode_symbols(q.cpu().numpy(), group)
+        elif on_device:
+            from kvtc.kernels.rans_triton import encode_device
+
+            words, escapes = encode_device(q, rans.group_tables(group))
+        else:
+            words, escapes = rans.encode(q.cpu().numpy(), rans.group_tables(group))
         return (_EXPONENT.pack(j | STREAM_FORMAT << 16) + words, escapes), _EXPONENT.size + len(words) + len(escapes), q
 
     best, size, q = attempt(0)
-    if max_bytes is None or size <= max_bytes or not q.size:
+    if max_bytes is None or size <= max_bytes or not q.numel():
         return best
     lo, hi, j = 0, None, 0
     for _ in range(16):
         if hi is None:
             # a doubled step saves about one bit per token on each component coded at a useful rate
-            live = max(1, int((np.abs(q).mean(0) >= 0.5).sum()))
+            live = max(1, int((q.abs().float().mean(0) >= 0.5).sum()))
             j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil((size - max_bytes) * 8 / q.shape[0] / live * STEP_GRID)))
         else:
             j = (lo + hi) // 2
@@ -227,8 +252,7 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
     return best
 
 
-def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) -> tuple[np.ndarray, float]:
-    """Inverse of encode_group -> (symbols (tokens, kept) int32, the step they were quantized with)."""
+def _exponent(words: bytes | memoryview) -> int:
     if len(words) < _EXPONENT.size:
         raise BlobError("ECSQ section is shorter than its step exponent: the stream is truncated")
     (field,) = _EXPONENT.unpack(words[:_EXPONENT.size])
@@ -238,4 +262,31 @@ def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) ->
                         "one cannot be told apart): re-encode the cache with this release")
     if stream_format != STREAM_FORMAT or not 0 <= j <= MAX_STEP_EXPONENT:
         raise BlobError(f"ECSQ step exponent {j} is outside 0..{MAX_STEP_EXPONENT}: the blob is corrupt")
-    return decode_symbols(words[_EXPONENT.size:], escapes, tokens, group), group.step * 2.0 ** (j / STEP_GRID)
+    return j
+
+
+def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup, fmt: str = "constriction"
+                 ) -> tuple[np.ndarray, float]:
+    """Inverse of encode_group on the host -> (symbols (tokens, kept) int32, the step they were quantized with)."""
+    _check_format(fmt)
+    j = _exponent(words)
+    if fmt == "rans":
+        q = rans.decode(memoryview(words)[_EXPONENT.size:], escapes, tokens, rans.group_tables(group))
+    else:
+        q = decode_symbols(words[_EXPONENT.size:], escapes, tokens, group)
+    return q, group.step * 2.0 ** (j / STEP_GRID)
+
+
+def decode_group_to(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup, fmt: str,
+                    device: torch.device, on_device: bool) -> tuple[torch.Tensor, float]:
+    """decode_group -> symbols as an int32 tensor on `device`; with on_device (rans) the Triton kernel
+    decodes where the symbols are used and only the coded bytes travel."""
+    _check_format(fmt)
+    if fmt == "rans" and on_device:
+        from kvtc.kernels.rans_triton import decode_device
+
+        j = _exponent(words)
+        q = decode_device(memoryview(words)[_EXPONENT.size:], escapes, tokens, rans.group_tables(group), device)
+        return q, group.step * 2.0 ** (j / STEP_GRID)
+    q, step = decode_group(words, escapes, tokens, group, fmt)
+    return torch.from_numpy(q).to(device), step

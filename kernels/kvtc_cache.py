@@ -1,7 +1,7 @@
 """KVTCCache: a transformers cache that holds older tokens as KVTC coefficients.
 
     cache = KVTCCache(codec, config=model.config)
-    model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    model.generate(ids, cache=cache, max_new_tokens=256)    # transformers 5 (4.x: past_key_values=cache)
 
 Per layer, the first `sinks` positions and the recent tokens stay in the model's dtype. The codec's
 basis spans every layer of a token, so tokens are coded only once all layers hold them: after the
@@ -12,8 +12,15 @@ and dropped from every layer. Each update decodes the layer's slice of the
 coded tokens from their coefficients (its own rows of the group's components only); a group's
 dequantized coefficients live only while its layers decode in that forward.
 
-Also here: `compress_cache` / `restore_cache`, a DynamicCache <-> blob for one sequence. This module
-imports transformers; `kvtc.kernels` imports it only when `KVTCCache` is first used.
+Models whose layers differ: only full-attention layers are coded. A sliding-window or chunked layer
+keeps at most its window (transformers' own DynamicSlidingWindowLayer, bounded, raw), and a layer
+without a KV cache (linear attention, SSM) keeps transformers' own state layer; every layer therefore
+returns exactly the shapes transformers' DynamicCache(config) would. The artifact's full-attention
+layers must form their own groups (`--groups auto`).
+
+Also here: `compress_cache` / `restore_cache`, a DynamicCache <-> blob for one sequence (per-layer blobs
+for caches whose layers hold different token counts). This module imports transformers;
+`kvtc.kernels` imports it only when `KVTCCache` is first used.
 """
 from __future__ import annotations
 
@@ -23,8 +30,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
+from kvtc.kernels.blob import read_blob
 from kvtc.kernels.codec import KVTCCodec
 from kvtc.kernels.coefficients import CodedTokens, CoefficientCoder
+from kvtc.kernels.layered import restrict
 from kvtc.kernels.spec import CodecSpec
 
 DEFAULT_CHUNK = 64
@@ -164,8 +173,15 @@ def _config_dims(config: Any) -> tuple[int, int, int]:
     return text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim
 
 
+_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+
+
+def _kinds(spec: CodecSpec) -> list[str]:
+    return ["full"] * spec.num_layers if spec.layers is None else [l.kind for l in spec.layers]
+
+
 def check_config(spec: CodecSpec, config: Any) -> None:
-    """Raise ValueError unless the model config has the artifact's shape and only full-attention layers."""
+    """Raise ValueError unless the model config has the artifact's shape and layer kinds."""
     layers, kv_heads, head_dim = _config_dims(config)
     if (layers, kv_heads, head_dim) != (spec.num_layers, spec.kv_heads, spec.head_dim):
         raise ValueError(f"the codec's artifact {spec.name}@{spec.version} is for a model with {spec.num_layers} "
@@ -173,11 +189,14 @@ def check_config(spec: CodecSpec, config: Any) -> None:
                          f"{kv_heads} x {head_dim}: use an artifact calibrated for this model")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     types, _ = get_layer_types_and_kwargs(text)
-    other = sorted(set(types) - {"full_attention"})
-    if other:
-        raise ValueError(f"KVTCCache needs full-attention layers only; this model also has {other}")
-    theta = (getattr(text, "rope_parameters", None) or {}).get("rope_theta", getattr(text, "rope_theta", None))
-    if spec.rope and theta is not None and abs(float(theta) - float(spec.rope["theta"])) > 1e-6 * float(theta):
+    kinds = [_KINDS.get(t, "none") for t in types]
+    if kinds != _kinds(spec):
+        raise ValueError(f"the artifact {spec.name}@{spec.version} was calibrated for layers {_kinds(spec)}; this model "
+                         f"has {kinds}: use an artifact calibrated for this model")
+    params = getattr(text, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(text, "rope_theta", None))
+    if spec.layers is None and spec.rope and theta is not None \
+            and abs(float(theta) - float(spec.rope["theta"])) > 1e-6 * float(theta):
         raise ValueError(f"the artifact was calibrated with RoPE theta {spec.rope['theta']}, this model uses {theta}: "
                          "use an artifact calibrated for this model")
 
@@ -189,7 +208,10 @@ class KVTCCache(Cache):
     config: the model's config (shapes are checked against the artifact here, not at first use).
     window / sinks: override the artifact's; chunk: tokens coded together (>= 1).
     The coded chunks follow the codec's mode (`codec.mode`, and `codec.rate_control` for ECSQ).
-    Batches code every row with positions = cache index (no left padding).
+    Batches code every row with positions = cache index. With a RoPE-removed artifact, a forward whose
+    position_ids differ from the cache index (a left-padded batch: per-row positions) is refused with
+    a ValueError before anything is cached; an artifact calibrated with `--keys rope-kept` codes
+    without positions and takes left-padded batches.
     """
 
     def __init__(self, codec: KVTCCodec, config: Any, *, window: int | None = None, sinks: int | None = None,
@@ -205,20 +227,45 @@ class KVTCCache(Cache):
             raise ValueError(f"window and sinks must be >= 0 and chunk >= 1; got window={self.window}, "
                              f"sinks={self.sinks}, chunk={self.chunk}")
         self.codec = codec
-        self.store = _CodedStore(CoefficientCoder(spec, backend or codec.backend, codec.mode,
-                                                    codec.rate_control))
-        super().__init__(layers=[KVTCCacheLayer(i, self.sinks, self.store) for i in range(spec.num_layers)])
+        full = [i for i, kind in enumerate(_kinds(spec)) if kind == "full"]
+        coded = spec if full == list(range(spec.num_layers)) else restrict(spec, full)
+        self.store = _CodedStore(CoefficientCoder(coded, backend or codec.backend, codec.mode, codec.rate_control,
+                                                    codec.ecsq_format, codec.basis_dtype))
+        own = DynamicCache(config=config).layers if full != list(range(spec.num_layers)) else []
+        local = {layer: j for j, layer in enumerate(full)}
+        layers = [KVTCCacheLayer(local[i], self.sinks, self.store) if i in local else own[i]
+                  for i in range(spec.num_layers)]
+        self._coded = [layers[i] for i in full]
+        self._last_coded = full[-1] if full else -1
+        self._first_coded = full[0] if full else -1
+        super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == self._first_coded and self.codec.spec.rope is not None:
+            self._check_positions(_position_ids(args, kwargs), key_states.shape[-2])
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if layer_idx == len(self.layers) - 1:
+        if layer_idx == self._last_coded:
             self._code_due_tokens()
         return out
 
+    def _check_positions(self, position_ids: torch.Tensor | None, new: int) -> None:
+        """Refuse positions that are not the cache index (RoPE is removed and re-applied at the cache index)."""
+        if position_ids is None:
+            return
+        seen = self.layers[self._first_coded].cumulative_length
+        want = torch.arange(seen, seen + new, device=position_ids.device)
+        rows = position_ids.reshape(-1, position_ids.shape[-1])
+        if rows.shape[-1] != new or not bool((rows == want).all()):
+            bad = next(i for i in range(rows.shape[0]) if rows.shape[-1] != new or not bool((rows[i] == want).all()))
+            raise ValueError(f"KVTCCache: row {bad} runs at positions {rows[bad, :4].tolist()}..., the cache index at "
+                             f"{want[:4].tolist()}...: left-padded batches (per-row positions) are not supported with "
+                             "a RoPE-removed artifact, whose keys are coded at the cache index. Pad on the right, run "
+                             "rows separately, or use an artifact calibrated with --keys rope-kept")
+
     def _code_due_tokens(self) -> None:
-        recent = {layer.keys.shape[-2] for layer in self.layers if layer.is_initialized}
-        if len(recent) != 1 or not all(layer.is_initialized for layer in self.layers):
+        recent = {layer.keys.shape[-2] for layer in self._coded if layer.is_initialized}
+        if len(recent) != 1 or not all(layer.is_initialized for layer in self._coded):
             raise RuntimeError("KVTCCache: the layers hold different token counts; every layer must be updated "
                                "with the same tokens in each forward")
         (n,) = recent
@@ -226,7 +273,7 @@ class KVTCCache(Cache):
             return
         n -= self.window
         start = self.sinks + self.store.tokens
-        pairs = [layer.take_oldest(n) for layer in self.layers]
+        pairs = [layer.take_oldest(n) for layer in self._coded]
         keys = torch.stack([k for k, _ in pairs])
         values = torch.stack([v for _, v in pairs])
         self.store.add(self.store.coder.encode(keys, values, start))
@@ -238,11 +285,22 @@ class KVTCCache(Cache):
 
     def resident_bytes(self) -> int:
         """Bytes of every tensor the cache holds: raw sinks and recent tokens, packed codes and params."""
-        return sum(layer.nbytes() for layer in self.layers) + sum(c.nbytes for c in self.store.chunks)
+        raw = sum(t.numel() * t.element_size() for layer in self.layers if not isinstance(layer, KVTCCacheLayer)
+                  for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+        return sum(layer.nbytes() for layer in self._coded) + sum(c.nbytes for c in self.store.chunks) + raw
 
     def reset(self) -> None:
         super().reset()
         self.store.clear()
+
+
+def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The forward's position_ids, as transformers hands them to Cache.update (in its kwargs dict)."""
+    for source in (kwargs, kwargs.get("kwargs") or {}, *(a for a in args if isinstance(a, dict))):
+        ids = source.get("position_ids") if isinstance(source, dict) else None
+        if isinstance(ids, torch.Tensor):
+            return ids
+    return None
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -252,29 +310,57 @@ def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in layers]
 
 
-def cache_tensors(cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """DynamicCache with batch 1 -> keys, values (layers, kv_heads, tokens, head_dim)."""
-    pairs = _layers(cache)
-    if not pairs or any(k is None or k.ndim != 4 for k, _ in pairs):
+def cache_layers(cache: Any) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """DynamicCache with batch 1 -> per layer keys, values (kv_heads, tokens, head_dim), None for a layer
+    without a KV cache (linear attention / SSM state layers)."""
+    keys, values = [], []
+    for layer in getattr(cache, "layers", None) or ():
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        ok = isinstance(k, torch.Tensor) and k.ndim == 4
+        keys.append(k[0] if ok else None)
+        values.append(v[0] if ok else None)
+    if not any(k is not None for k in keys):
         raise ValueError("the cache is empty or not initialised; run the model with use_cache=True first")
-    if len({k.shape[2] for k, _ in pairs}) != 1:
-        raise ValueError("cache layers hold different token counts (sliding-window layers?); the codec needs "
-                         "full-attention caches")
-    if pairs[0][0].shape[0] != 1:
-        raise ValueError(f"compress_cache handles one sequence; the cache has batch size {pairs[0][0].shape[0]}")
-    return torch.stack([k[0] for k, _ in pairs]), torch.stack([v[0] for _, v in pairs])
+    batch = next(k for k in (getattr(layer, "keys", None) for layer in cache.layers) if isinstance(k, torch.Tensor)).shape[0]
+    if batch != 1:
+        raise ValueError(f"compress_cache handles one sequence; the cache has batch size {batch}")
+    return keys, values
+
+
+def cache_tensors(cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """DynamicCache with batch 1 whose layers all hold the same tokens -> keys, values (layers, kv_heads,
+    tokens, head_dim)."""
+    keys, values = cache_layers(cache)
+    if any(k is None for k in keys) or len({k.shape[1] for k in keys}) != 1:
+        raise ValueError("cache layers hold different token counts (sliding-window layers, or layers without a KV "
+                         "cache); use cache_layers and pass the per-layer lists to the codec")
+    return torch.stack(keys), torch.stack(values)
 
 
 def compress_cache(codec: KVTCCodec, cache: Any, start: int = 0) -> bytes:
-    """DynamicCache (batch 1, tokens from absolute position `start`) -> blob bytes."""
-    keys, values = cache_tensors(cache)
-    return codec.encode(keys, values, start=start)
+    """DynamicCache (batch 1, its first position at absolute position `start`) -> blob bytes; a cache whose
+    layers hold different token counts (sliding-window layers keep their window) -> a per-layer blob."""
+    keys, values = cache_layers(cache)
+    counts = [None if k is None else k.shape[1] for k in keys]
+    if len(set(counts)) == 1 and len(keys) == len(codec.spec.coded_layers):
+        return codec.encode(torch.stack(keys), torch.stack(values), start=start)
+    seen = max(int(layer.get_seq_length()) for layer, k in zip(cache.layers, keys) if k is not None)
+    return codec.encode(keys, values, start=start + seen - max(c for c in counts if c is not None))
 
 
 def restore_cache(codec: KVTCCodec, blob: bytes, config: Any = None, device: str | torch.device = "cpu") -> Any:
-    """blob -> DynamicCache the model can continue from (pass the model config for sliding-window models)."""
+    """blob -> DynamicCache the model can continue from (pass the model config for sliding-window models).
+    Layers without a KV cache come back empty: their recurrent state is not part of a KV blob."""
     keys, values = codec.decode(blob, device=device)
+    if isinstance(keys, torch.Tensor):
+        keys, values = list(keys), list(values)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    for layer in range(keys.shape[0]):
-        cache.update(keys[layer][None].contiguous(), values[layer][None].contiguous(), layer)
+    header = read_blob(blob)[0]
+    seen = header.start + header.tokens  # positions the sequence has reached
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        if k is None:
+            continue
+        cache.update(k[None].contiguous(), v[None].contiguous(), layer)
+        if hasattr(cache.layers[layer], "cumulative_length"):  # sliding layers hold their window of `seen` tokens
+            cache.layers[layer].cumulative_length = seen
     return cache

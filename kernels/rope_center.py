@@ -20,12 +20,12 @@ def _rope_center_kernel(x_ptr, cos_ptr, sin_ptr, mean_ptr, out_ptr, T, H, p,
                         HAS_ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, RESTORE: tl.constexpr):
     pid_t = tl.program_id(0)
     lh = tl.program_id(1)
-    l = lh // H
+    layer = lh // H
     h = lh % H
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     d = tl.arange(0, D_P2)[None, :]
     mask = (t < T) & (d < D)
-    x_base = x_ptr + l * sxl + h * sxh + t * sxt
+    x_base = x_ptr + layer * sxl + h * sxh + t * sxt
     col = lh * D + d
     x = tl.load(x_base + d * sxd, mask=mask, other=0.0).to(tl.float32)
     mu = tl.load(mean_ptr + col, mask=d < D, other=0.0)
@@ -49,7 +49,7 @@ def _rope_center_kernel(x_ptr, cos_ptr, sin_ptr, mean_ptr, out_ptr, T, H, p,
             x = tl.math.div_rn(x * c + tl.where(first, 1.0, -1.0) * xp * s, c * c + s * s)
     if not RESTORE:
         x = x - mu
-    tl.store(out_ptr + l * sol + h * soh + t * sot + d * sod, x.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + layer * sol + h * soh + t * sot + d * sod, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,

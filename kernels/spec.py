@@ -6,6 +6,7 @@ of layers x a KV head range [h0, h1) whose features (layer, kv head, head_dim or
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,6 +17,8 @@ import torch
 from kvtc.artifacts.blocks import Block, qtype_bits
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.artifacts.groups import FeatureGroup, check_cover, parse_groups
+from kvtc.kernels.layers import LayerSpec, cached_layers, layers_from_json
+from kvtc.kernels.rope import RopeSpec
 from kvtc.artifacts.schema import STREAMS
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
@@ -60,6 +63,9 @@ class CodecSpec:
     """Runtime codec parameters for one artifact at one compression ratio.
 
     rope: the model's RoPE, removed from keys before coding; None for keys calibrated with RoPE kept.
+    layers: the per-layer schema (kvtc.kernels.layers) of a model whose layers differ (kinds, RoPE); None:
+    every layer full attention with `rope`. Groups cover the layers that keep a KV cache; each layer's
+    keys lose that layer's RoPE (none for NoPE layers, none at all when keys were calibrated RoPE-kept).
     tensor_parallel: the artifact's TP layout (None: single-rank). A rank's spec (`for_rank`) codes only
     that rank's KV heads: kv_heads is its head count, its groups' heads count from 0, `heads` says
     which of the model's KV heads they are, and its model_id names them (blobs of other heads are refused).
@@ -77,11 +83,14 @@ class CodecSpec:
     rope: dict[str, Any] | None
     streams: dict[str, tuple[GroupCode, ...]] = field(default_factory=dict)
     ecsq: dict[str, tuple[EcsqGroup, ...]] | None = None  # the ECSQ mode's groups, when calibrated
+    layers: tuple[LayerSpec, ...] | None = None
     tensor_parallel: TensorParallelLayout | None = None
     rank: int | None = None
     heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.layers is not None and len(self.layers) != self.num_layers:
+            raise ValueError(f"the layer schema lists {len(self.layers)} layers, the spec {self.num_layers}")
         if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or self.sinks < 0 or self.window < 0:
             raise ValueError("num_layers, kv_heads, head_dim must be >= 1 and sinks, window >= 0")
         if not (self.ratio > 0 and math.isfinite(self.ratio)):
@@ -89,7 +98,7 @@ class CodecSpec:
         if set(self.streams) != set(STREAMS):
             raise ValueError(f"streams must be exactly {STREAMS}, got {sorted(self.streams)}")
         for stream, groups in self.streams.items():
-            check_cover([g.group for g in groups], range(self.num_layers), self.kv_heads, f"{stream} groups")
+            check_cover([g.group for g in groups], self.coded_layers, self.kv_heads, f"{stream} groups")
             for g in groups:
                 if g.mean.shape[0] != g.group.dim(self.kv_heads, self.head_dim):
                     raise ValueError(f"{stream} group {g.group.label}: p_g {g.mean.shape[0]} is not layers x heads "
@@ -104,7 +113,26 @@ class CodecSpec:
     @property
     def features(self) -> int:
         """p = layers * kv_heads * head_dim."""
-        return self.num_layers * self.kv_heads * self.head_dim
+        return len(self.coded_layers) * self.kv_heads * self.head_dim
+
+    @property
+    def coded_layers(self) -> list[int]:
+        """Layers that keep a KV cache (all of them without a schema), ascending."""
+        return list(range(self.num_layers)) if self.layers is None else cached_layers(self.layers)
+
+    @property
+    def layer_ropes(self) -> list[RopeSpec | None]:
+        """Per layer, the RoPE removed from its keys before coding (None: none)."""
+        if self.layers is None:
+            rope = None if self.rope is None else RopeSpec.from_dict(self.rope)
+            return [rope] * self.num_layers
+        return [l.rope for l in self.layers]
+
+    @property
+    def shared_rope(self) -> tuple[bool, RopeSpec | None]:
+        """(True, rope) when every coded layer removes the same RoPE (or none), else (False, None)."""
+        ropes = {self.layer_ropes[i] for i in self.coded_layers}
+        return (True, ropes.pop()) if len(ropes) == 1 else (False, None)
 
     def for_rank(self, rank: int) -> "CodecSpec":
         """The spec of tensor-parallel rank `rank`: its groups only, over its KV heads renumbered from 0.
@@ -156,8 +184,16 @@ class CodecSpec:
                    num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
                    sinks=int(cal["sinks"]), window=int(cal["window"]), streams=streams,
                    rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"),
-                   ecsq=_ecsq_groups(artifact, ratio, groups),
+                   ecsq=_ecsq_groups(artifact, ratio, groups), layers=_schema(fp, cal.get("keys") == "rope-kept"),
                    tensor_parallel=TensorParallelLayout.from_dict(cal.get("tensor_parallel"), groups))
+
+
+def _schema(fingerprint: dict, rope_kept: bool) -> tuple[LayerSpec, ...] | None:
+    """The manifest's layer schema (None for uniform models); keys calibrated RoPE-kept remove no RoPE."""
+    if not fingerprint.get("layers"):
+        return None
+    layers = layers_from_json(fingerprint["layers"])
+    return tuple(dataclasses.replace(l, rope=None) for l in layers) if rope_kept else layers
 
 
 def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[EcsqGroup, ...]] | None:

@@ -102,3 +102,31 @@ def synthetic_cache(spec: CodecSpec, tokens: int, dtype: torch.dtype = torch.flo
             x = RopeSpec.from_dict(spec.rope).apply(x, torch.arange(start, start + tokens))
         out.append(x.to(dtype).contiguous())
     return out[0], out[1]
+
+
+def synthetic_ecsq(spec: CodecSpec, step: float = 0.05, noise: float = 0.02) -> CodecSpec:
+    """The spec with ECSQ groups matched to synthetic_cache's spectrum: one step, Gaussian symbol models
+    of std 2^c steps (c = 0..6), each component on the nearest; centroid offsets 0.02 steps."""
+    import dataclasses
+
+    import numpy as np
+
+    from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
+
+    def model(std: float) -> SymbolModel:
+        radius = max(1, int(6 * std))
+        s = np.arange(-radius, radius + 1)
+        p = np.exp(-0.5 * (s / std) ** 2)
+        return SymbolModel(radius, np.append(np.maximum(np.round(p / p.sum() * (1 << 20)), 1).astype(np.int64), 3))
+
+    models = tuple(model(2.0 ** c) for c in range(7))
+    groups = {}
+    for stream in STREAMS:
+        out = []
+        for g in spec.streams[stream]:
+            k = g.components.shape[1]
+            std = np.hypot((np.arange(k) + 1.0) ** -0.7 * 4, noise) / step
+            index = np.clip(np.round(np.log2(std)), 0, 6).astype(np.int64)
+            out.append(EcsqGroup(g.group, g.mean, g.components, step, index, torch.full((k, 2), 0.02), models))
+        groups[stream] = tuple(out)
+    return dataclasses.replace(spec, ecsq=groups)

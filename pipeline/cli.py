@@ -27,7 +27,7 @@ COMMAND_MODULES = (
     "kvtc.pipeline.operations.drift",
     "kvtc.pipeline.operations.schedule",
     "kvtc.pipeline.evaluation.report",
-    "kvtc.pipeline.evaluation.quality",
+    "kvtc.pipeline.operations.quality",
     "kvtc.artifacts.cli",
 )
 
@@ -35,7 +35,8 @@ EXIT_OK, EXIT_INTERNAL, EXIT_ERROR, EXIT_INTEGRITY, EXIT_INTERRUPTED = 0, 1, 2, 
 EXIT_CODES = {
     0: "success",
     1: "internal error (a bug: rerun with --debug and report the traceback)",
-    2: "bad input: an invalid option, unknown name, unreachable or unwritable registry/cluster, missing file",
+    2: "bad input: an invalid option, unknown name, unreachable or unwritable registry/cluster, missing file, "
+       "a cluster that failed",
     3: "drift: the artifact drifted past --threshold",
     4: "drift/recalibrate: the model is not the artifact's",
     5: "recalibrate: the new version was not promoted",
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    sub.add_parser("lmcache-server", add_help=False,  # handled in main(): every argument goes to LMCache
+                   help="LMCache's own server (`lmcache server ARGS`) with the kvtc serde registered")
     return parser
 
 
@@ -75,8 +78,12 @@ def add_settings_arguments(parser: argparse.ArgumentParser, parent_defaults: boo
         shown = "" if default is MISSING or default is None else \
             f" (default {opt.show(default) if opt.show else default})"
         suffix = " [default: the parent's]" if parent_defaults and group in COMPUTATIONAL else shown
-        section.add_argument("--" + name.replace("_", "-"), dest=name, type=opt.kind, choices=opt.choices,
-                             default=argparse.SUPPRESS, help=f"{opt.help}{suffix}")
+        flag = "--" + name.replace("_", "-")
+        if opt.kind is bool:
+            section.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=opt.help)
+            continue
+        section.add_argument(flag, dest=name, type=opt.kind, choices=opt.choices, default=argparse.SUPPRESS,
+                             help=f"{opt.help}{suffix}")
 
 
 def settings_options(args: argparse.Namespace) -> dict:
@@ -163,6 +170,9 @@ def exit_code(exc: BaseException) -> int | None:
         return EXIT_INTEGRITY
     if isinstance(exc, (ValueError, LookupError, OSError, TimeoutError)):
         return EXIT_ERROR  # bad input (InputError is a ValueError); OSError: missing files, permissions, hosts
+    ray = sys.modules.get("ray.exceptions")
+    if ray is not None and isinstance(exc, ray.RayError) and not isinstance(exc, ray.RayTaskError):
+        return EXIT_ERROR  # the cluster failed (a node or its raylet died, out of memory): not the job's bug
     return None  # RuntimeError, TypeError, AssertionError, ...: a bug
 
 
@@ -172,7 +182,12 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lmcache-server"]:
+        from kvtc.kernels.lmcache_server import main as lmcache_server
+
+        return lmcache_server(argv[1:])
+    argv, debug = _split_debug(argv)
     debug = debug or os.environ.get("KVTC_DEBUG", "") not in ("", "0")
     parser = build_parser()
     args = parser.parse_args(argv)

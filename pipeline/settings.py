@@ -186,6 +186,9 @@ class RuntimeSettings:
                                                "the GPU memory; refused when too few)", kind=int)
     store: str | None = option(None, "shard statistics cache: a path or fsspec URI (default $KVTC_CACHE/shards)")
     cache_dir: str | None = option(None, "model cache dir (default $KVTC_CACHE)")
+    verbose: bool = option(False, "show the workers' model conversion and loading output and per-group solver "
+                                  "lines (default: one progress bar per stage; worker output goes to Ray's log)",
+                           kind=bool)
     parent: str | None = None
 
     def __post_init__(self) -> None:
@@ -205,7 +208,8 @@ def _capture_options() -> dict[str, Option]:
     return {
         "sinks": Option("leading positions kept raw (default 4)", int),
         "window": Option("trailing positions kept raw (default 128)", int),
-        "groups": Option("model (default), layer, or layers:K"),
+        "groups": Option("auto (default: one basis per layer kind, full-attention and sliding-window layers apart; "
+                          "model for models of one kind), model, layer, or layers:K (K consecutive layers of one kind)"),
         "sample": Option("fraction of positions sampled (default 1.0)", float),
         "seed": Option("corpus shuffle and position sampling seed (default 0)", int),
         "keys": Option("rope-removed (default): keys calibrated and coded without RoPE; rope-kept: as servers store them, for "
@@ -216,12 +220,42 @@ def _capture_options() -> dict[str, Option]:
     }
 
 
+def _share(word: Any) -> float:
+    """"3%", "0.03" or a number -> 0.03; "none" -> 0.0 (no basis budget)."""
+    if isinstance(word, (int, float)):
+        return float(word)
+    text = str(word).strip()
+    if text.lower() in ("", "none"):
+        return 0.0
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ValueError(f"--basis-budget {text!r} is not a share: give e.g. 3% or 0.03") from None
+
+
+def _components(word: Any) -> int:
+    if isinstance(word, int):
+        return word
+    text = str(word).strip().lower()
+    if text in ("", "none"):
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--max-components must be an integer, got {word!r}") from None
+
+
 def _allocator_options() -> dict[str, Option]:
     return {
         "block_sizes": Option("DP block lengths, comma separated (default 1,16,64,256,1024)", parse=_numbers(int, "--block-sizes"), show=_joined),
         "types": Option("DP block types, comma separated (default none,int2,int4,fp8)", parse=_words, show=_joined),
         "error_model": Option("measured (default: reference quantizer on held-out rows) or analytic",
                               choices=("measured", "analytic")),
+        "basis_budget": Option("basis memory a server may hold, as a share of the model's parameters (e.g. 3%%): "
+                               "caps the components per group both allocators may use (default: none)",
+                               parse=_share, show=lambda v: f"{100 * v:g}%" if v else "none"),
+        "max_components": Option("components per group the allocators may use (default: none)",
+                                 parse=_components, show=lambda v: str(v) if v else "none"),
     }
 
 

@@ -1,6 +1,7 @@
 """Test-wide environment. TRITON_INTERPRET must be set before any kernel module is imported."""
 import os
 import socket
+import time
 
 import pytest
 
@@ -9,6 +10,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _wait_listening(port: int, timeout: float = 30.0) -> None:
+    """The moto server's thread binds after start() returns; a loaded machine takes a while."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -25,5 +39,6 @@ def s3_endpoint():
             port = sock.getsockname()[1]
         server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         server.start()
+        _wait_listening(port)
         yield f"http://127.0.0.1:{port}"
         server.stop()

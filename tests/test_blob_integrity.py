@@ -8,6 +8,7 @@ import zlib
 import pytest
 import torch
 
+from kvtc.kernels import rans
 from kvtc.kernels import BlobError, KVTCCodec, read_blob
 from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
 from kvtc.kernels.ecsq import decode_group, encode_symbols
@@ -16,10 +17,10 @@ from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
 from kvtc.pipeline.fit.ecsq_synthetic import synthetic_ecsq_spec
 
 
-@pytest.fixture(scope="module")
-def ecsq():
+@pytest.fixture(scope="module", params=["constriction", "rans"])
+def ecsq(request):
     spec = synthetic_ecsq_spec(2, 1, 8, 4.0)
-    codec = KVTCCodec(spec, backend="torch")
+    codec = KVTCCodec(spec, backend="torch", ecsq_format=request.param)
     keys, values = synthetic_cache(spec, 12, torch.float16, start=1, seed=9)
     assert codec.mode == "ecsq"
     return codec, codec.encode(keys, values, start=1), keys
@@ -77,7 +78,7 @@ def test_a_tiny_blob_declaring_many_tokens_runs_dry(ecsq):
     tail = [s for s in sections if s.key.tag == 2]
     forged = [Section(s.key, s.coding, s.raw_len, s.stored) for s in sections]
     assert tail  # raw sections keep their sizes: the tail is 3 tokens whatever the count
-    with pytest.raises(BlobError, match="ran dry|does not end"):
+    with pytest.raises(BlobError, match="ran dry|does not end|lanes for"):
         codec.decode(write_blob(long, forged), max_tokens=131072)
 
 
@@ -98,8 +99,13 @@ def _self_consistent(codec: KVTCCodec, data: bytes) -> bool:
     for si, stream in enumerate(("keys", "values")):
         for gi, g in enumerate(codec.spec.ecsq[stream]):
             words, escapes = table[(TAG_ECSQ, si, gi, 0)], table[(TAG_ESCAPES, si, gi, 0)]
-            q, _ = decode_group(words, escapes, mid, g)
-            if encode_symbols(q, g) != (words[4:], escapes):
+            q, _ = decode_group(words, escapes, mid, g, header.ecsq_format)
+            if header.ecsq_format == "rans":
+                tables = rans.group_tables(g)
+                again = rans.encode(q, tables, rans.Layout(words[4:], mid, g.kept).lanes)
+            else:
+                again = encode_symbols(q, g)
+            if again != (words[4:], escapes):
                 return False
     return True
 
@@ -155,3 +161,7 @@ def test_a_bad_device_is_bad_input(ecsq):
     with pytest.raises(ValueError, match="device='gpu0' is not a torch device") as info:
         codec.decode(blob, device="gpu0")
     assert not isinstance(info.value, (RuntimeError, BlobError))
+    for unusable in ("meta", f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"):
+        with pytest.raises(ValueError, match="is not available here") as info:
+            codec.decode(blob, device=unusable)
+        assert not isinstance(info.value, BlobError)

@@ -59,6 +59,14 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     rows = {(r["ratio"]): r for r in summary["ratios"]}
     assert rows[4.0]["keys"]["rel_error"] < rows[8.0]["keys"]["rel_error"] < 1.0
     assert "eval_rel_error" in rows[4.0]["values"]
+    # the codec's default mode first (ECSQ: its tables exist), fixed-rate beside it, ECSQ no worse
+    for row in rows.values():
+        assert row["mode"] == "ecsq"
+        for stream in ("keys", "values"):
+            entry = row[stream]
+            assert entry["rel_error"] == entry["ecsq"]["rel_error"] <= entry["fixed"]["rel_error"]
+            assert entry["kept"] == entry["ecsq"]["kept"] and entry["fixed"]["kept"] > 0
+            assert entry["bound_rel_error"] < entry["fixed"]["rel_error"]
     run_info = summary["run"]
     assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["checkpoint_bytes_per_shard"] > 0 and run_info["stats_bytes"] > 0
     # ECSQ mode: tables beside the allocations, within budget, better than fixed-rate, and its chart
@@ -68,9 +76,23 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
             table = art.ecsq(r, stream)
             assert 0 < table["bits_per_token"] <= table["budget_bits"] == int(16 * p // r)
             assert table["kept"] <= arrays[stream][2].shape[1]
-        assert rows[8.0][stream]["ecsq_rel_error"] < rows[8.0][stream]["rel_error"]
-        assert rows[8.0][stream]["heldout_bound_rel_error"] <= rows[8.0][stream]["ecsq_rel_error"]
+        assert rows[8.0][stream]["ecsq"]["rel_error"] < rows[8.0][stream]["fixed"]["rel_error"]
+        assert rows[8.0][stream]["bound_rel_error"] <= rows[8.0][stream]["ecsq"]["rel_error"]
     assert {r["mode"] for r in art.curve("rate_distortion")} == {"fixed", "ecsq", "bound_heldout", "bound_calibration"}
+    assert {r["cap"] for r in art.curve("basis_size")} == {6, 12, 24, 48, 0}
+    assert (folder / "charts/basis_size.png").stat().st_size > 0
+
+
+def test_basis_budget_caps_both_allocators(baseline, tmp_path):
+    cfg, _ = baseline
+    summary = run(cfg.replace(registry=str(tmp_path / "reg"), max_components=8))  # cached shards: only the reduce
+    art = artifacts.pull(summary["name"], summary["version"], registry=summary["registry"])
+    assert art.manifest["calibration"]["allocator"]["max_components"] == 8
+    for stream in ("keys", "values"):
+        assert art.basis(stream)[2].shape[1] <= 8
+        for r in (4.0, 8.0):
+            assert art.ecsq(r, stream)["kept"] <= 8
+            assert max(b[0] + b[1] for b in art.allocation(r, stream) if b[3]) <= 8
 
 
 def test_bit_identical_with_two_workers_and_a_killed_worker(baseline, tmp_path):
@@ -155,6 +177,8 @@ def test_corpus_running_out_warns_and_records(tmp_path):
     (["--ratios", "0.5,8"], "must be > 1"),
     (["--ratios", "5000"], "cheapest quantized block"),
     (["--corpus", "nosuchcorpus:xyz"], "accepted"),
+    (["--basis-budget", "200%"], "--basis-budget"),
+    (["--max-components", "-3"], "--max-components"),
 ])
 def test_bad_input_fails_before_model_work(argv, message, tmp_path, capsys):
     code = cli_main(["calibrate", "--model", "tiny:llama", "--seq-len", "128", "--window", "16",

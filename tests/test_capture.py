@@ -5,7 +5,7 @@ import torch
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len, raw_cache
 from kvtc.workers.models import load_model
-from kvtc.workers.tiny import TINY_ARCHS
+from kvtc.workers.tiny import UNIFORM_ARCHS
 
 SETTINGS = CaptureSettings(sinks=4, window=8)
 
@@ -52,7 +52,7 @@ def _check_exact(lm, b: int, t: int) -> None:
     assert (rotated - ref[:k]).abs().max() / ref.abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", UNIFORM_ARCHS)
 def test_rope_removal_exact_tiny(arch):
     _check_exact(load_model(f"tiny:{arch}", device="cpu"), b=2, t=48)
 

@@ -237,3 +237,10 @@ def test_report_of_a_manifest_naming_another_place_writes_nothing(reg, tmp_path,
     rc, _, err = _run(capsys, "report", f"toy@{version}", "--registry", reg)
     assert rc == 6 and "invalid name" in err
     assert {p for p in tmp_path.rglob("*")} - before == set()
+
+
+def test_a_failed_cluster_is_not_reported_as_a_bug():
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    assert cli.exit_code(ActorDiedError()) == 2
+    assert cli.exit_code(RayTaskError("f", "tb", ZeroDivisionError("x"))) is None  # a task's bug stays a bug

@@ -178,6 +178,37 @@ def test_codec_from_registry_with_a_published_toy_artifact(tmp_path):
         other.decode(blob)
 
 
+def test_from_registry_checks_the_kernel_bundle_and_fixtures_are_not_in_it(tmp_path, monkeypatch):
+    import shutil
+    import warnings
+
+    from kvtc.artifacts import kernel_bundle_hash, publish
+    from kvtc.artifacts.bundle import kernels_dir
+    from kvtc.artifacts.testing import toy_content
+    from kvtc.kernels.codec import KernelBundleWarning
+
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernels_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "synthetic.py").write_text((copy / "synthetic.py").read_text() + "\n# a test helper edited\n")
+    assert kernel_bundle_hash(copy) == kernel_bundle_hash()  # fixtures are not runtime code
+    (copy / "reference.py").write_text((copy / "reference.py").read_text() + "\n# runtime code edited\n")
+    assert kernel_bundle_hash(copy) != kernel_bundle_hash()
+
+    content = toy_content(num_layers=2, num_kv_heads=2, head_dim=8)
+    content.model["rope"] = {"rope_type": "default", "theta": 10000.0, "head_dim": 8, "rotary_dim": 8,
+                             "inv_freq": [10000.0 ** (-2 * i / 8) for i in range(4)], "attention_scaling": 1.0,
+                             "layout": "half"}
+    publish(content, registry=str(tmp_path / "reg"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelBundleWarning)
+        KVTCCodec.from_registry("toy@latest", 4.0, registry=str(tmp_path / "reg"))  # made for these kernels
+    monkeypatch.setattr("kvtc.artifacts.Artifact.kernels_match", lambda self, directory=None: False)
+    with pytest.warns(KernelBundleWarning, match="was made for kernel bundle"):
+        KVTCCodec.from_registry("toy@latest", 4.0, registry=str(tmp_path / "reg"))
+    with pytest.raises(ValueError, match="recalibrate"):
+        KVTCCodec.from_registry("toy@latest", 4.0, registry=str(tmp_path / "reg"), require_kernels=True)
+
+
 def test_roundtrip_with_layer_sets_and_head_ranges_equals_reference():
     """Groups as (ordered layer set x KV head range): non-contiguous layers, heads split across groups."""
     from kvtc.artifacts.groups import FeatureGroup

@@ -8,7 +8,6 @@ import torch
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
 from kvtc.kernels.kvtc_cache import cache_tensors, compress_cache, restore_cache
-from kvtc.kernels.rope import RopeSpec
 from kvtc.workers.rope import rope_from_config
 
 transformers = pytest.importorskip("transformers")
@@ -138,9 +137,9 @@ def test_smollm2_kvtc_cache_generates_like_dynamic_cache():
     ids = lm.tokenizer(prompt * 3, return_tensors="pt").input_ids
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
               pad_token_id=lm.tokenizer.eos_token_id)
-    want = lm.model.generate(ids, past_key_values=DynamicCache(config=lm.config), **kw)[0, ids.shape[1]:].tolist()
+    want = lm.model.generate(ids, cache=DynamicCache(config=lm.config), **kw)[0, ids.shape[1]:].tolist()
     cache = KVTCCache(codec, config=lm.config, chunk=8)
-    got = lm.model.generate(ids, past_key_values=cache, **kw)[0, ids.shape[1]:].tolist()
+    got = lm.model.generate(ids, cache=cache, **kw)[0, ids.shape[1]:].tolist()
     differing = sum(a != b for a, b in zip(want, got))
     print(f"SmolLM2 KVTCCache CR8: {differing}/8 tokens differ, {cache.coded_tokens} coded, "
           f"{cache.resident_bytes()} resident bytes")

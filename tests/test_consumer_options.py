@@ -53,7 +53,7 @@ def test_rope_kept_artifact_runs_in_kvtc_cache(rope_kept):
     lm = load_model("tiny:llama", device="cpu")
     ids = torch.randint(3, 2000, (1, 12), generator=torch.Generator().manual_seed(0))
     cache = KVTCCache(KVTCCodec(art, 4), config=lm.model.config, chunk=4)
-    out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+    out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=6,
                             do_sample=False, pad_token_id=0)
     assert out.shape == (1, 18) and cache.coded_tokens >= 12 and cache.layers[0].keys.shape[-2] < 4
 

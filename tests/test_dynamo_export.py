@@ -59,10 +59,12 @@ def test_round_trip_with_dynamos_math(tmp_path):
         x_hat = c_hat @ P.T + mean
         rel = np.linalg.norm(x_hat - x) / np.linalg.norm(x - mean)
         assert 0 < rel < 0.35
-        # exported components are the allocation's kept ones, in order
+        # exported components are the allocation's kept ones, in order, plus zero columns padding ranges
         blocks = [b for b in content.allocations[(4.0, config["stream"], config["group"])]["blocks"] if b[2] != "none"]
         columns = [i for b in blocks for i in range(b[0], b[0] + b[1])]
-        np.testing.assert_array_equal(P, comps[:, columns])
+        padding = np.concatenate([np.arange(r["end_idx"] - r["zero_columns"], r["end_idx"]) for r in ranges]).astype(int)
+        np.testing.assert_array_equal(P[:, padding], 0)
+        np.testing.assert_array_equal(np.delete(P, padding, axis=1), comps[:, columns])
 
 
 def test_fp8_blocks_become_int8_and_the_real_ratio_counts_64_bits_per_range(tmp_path):
@@ -72,9 +74,12 @@ def test_fp8_blocks_become_int8_and_the_real_ratio_counts_64_bits_per_range(tmp_
         ranges = config["ranges"]
         assert all(r["quant_type"] == "IntX" and r["int_bits"] in (1, 2, 4, 8) for r in ranges)
         assert [r["int_bits"] for r in ranges if r["from"] == "fp8"] == [8] * sum(r["from"] == "fp8" for r in ranges)
+        assert all((r["end_idx"] - r["start_idx"]) * r["int_bits"] % 8 == 0 for r in ranges)  # whole bytes per row
         bits = sum((r["end_idx"] - r["start_idx"]) * r["int_bits"] + 64 for r in ranges)
         assert config["dynamo_bits_per_row"] == bits > 0
-        assert config["dynamo_ratio"] == round(16 * config["features"] / bits, 3) < 4
+        per_call = bits // 8 * doc["batch"] + 40 * len(ranges)
+        assert config["dynamo_bytes_per_call"] == per_call
+        assert config["dynamo_ratio"] == round(2 * config["features"] * doc["batch"] / per_call, 3) < 4
     assert doc["dynamo_ratio"] < 4
 
 
@@ -112,3 +117,41 @@ def test_cli_prints_the_real_ratio_and_exits_2_on_refusal(tmp_path, capsys):
     assert cli(["export", "toy", "--ratio", "4", "--to", str(tmp_path / "o"), "--registry", reg,
                 "--allow-rope-removed"]) == 0
     assert "Dynamo's 64-bit min/max" in capsys.readouterr().out
+
+
+def _dynamo_buffer(ranges: list[dict], batch: int) -> int:
+    """Dynamo's kvtc_compressed_size: header + min/max + packed bytes rounded over the whole batch."""
+    return sum(40 + 8 * batch + -(-batch * (r["end_idx"] - r["start_idx"]) // (8 // r["int_bits"])) for r in ranges)
+
+
+def _dynamo_writes(ranges: list[dict], batch: int) -> int:
+    """What its quantize kernel writes: every row's codes padded to whole bytes."""
+    return sum(40 + 8 * batch + batch * -(-(r["end_idx"] - r["start_idx"]) // (8 // r["int_bits"])) for r in ranges)
+
+
+def test_a_range_of_partial_bytes_is_padded_with_zero_columns_or_refused(tmp_path):
+    content = toy_content(**PAGED_KEPT)
+    content.calibration["keys"] = "rope-kept"
+    blocks = content.allocations[(4.0, "keys", 0)]["blocks"]
+    blocks[:] = [(0, 3, "int2", 2, 32), (3, 5, "int4", 4, 32)] + [(b[0], b[1], "none", 0, 0) for b in blocks[-1:]
+                                                                    if b[0] >= 8]
+    art = pull("toy", registry=publish(content, tmp_path / "reg").registry)
+    raw = [{"start_idx": 0, "end_idx": 3, "int_bits": 2}, {"start_idx": 3, "end_idx": 8, "int_bits": 4}]
+    assert _dynamo_writes(raw, 16) > _dynamo_buffer(raw, 16)  # as allocated, Dynamo's kernel would overrun
+    with pytest.raises(ExportError, match="--ranges pad"):
+        export_dynamo(art, 4, tmp_path / "refused", DynamoExportOptions(ranges="refuse"))
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "out"
+    doc = json.loads(export_dynamo(art, 4, out, DynamoExportOptions(batch=16)).read_text())
+    config = next(c for c in doc["configs"] if c["stream"] == "keys" and c["group"] == 0)
+    ranges = config["ranges"]
+    assert [(r["start_idx"], r["end_idx"], r["zero_columns"]) for r in ranges] == [(0, 4, 1), (4, 10, 1)]
+    assert _dynamo_writes(ranges, 16) == _dynamo_buffer(ranges, 16) == config["dynamo_bytes_per_call"]
+    mean, P = _load(out, config)
+    _, _, comps = content.bases[("keys", 0)]
+    np.testing.assert_array_equal(P[:, [3, 9]], 0)
+    np.testing.assert_array_equal(P[:, [0, 1, 2, 4, 5, 6, 7, 8]], comps[:, :8])
+    x = mean + np.random.default_rng(1).standard_normal((16, P.shape[0])).astype(np.float32)
+    c = (x - mean) @ P
+    np.testing.assert_array_equal(c[:, [3, 9]], 0)  # zero columns code 0 and add nothing back
+    assert config["dynamo_bits_per_row"] == 8 * (1 + 8 + 3 + 8)

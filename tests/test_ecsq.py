@@ -180,7 +180,7 @@ def test_tables_round_trip_through_parquet_and_the_registry(tmp_path):
 
 
 def test_eval_settings_take_a_mode():
-    from kvtc.pipeline.evaluation.quality import EvalSettings
+    from kvtc.pipeline.operations.quality import EvalSettings
 
     assert EvalSettings(mode="fixed").mode == "fixed" and EvalSettings().mode is None
     with pytest.raises(ValueError, match="mode"):

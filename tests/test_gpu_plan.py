@@ -106,15 +106,19 @@ def test_tied_head_follows_the_embedding_and_a_short_budget_is_refused():
 
 
 def test_job_plans_the_model_from_its_config_and_refuses_too_few_gpus():
-    from kvtc.pipeline.job.calibrate import CalibrateConfig, _gpu_plan
+    from kvtc.pipeline.job.calibrate import CalibrateConfig, Planned, _gpu_plan
     from kvtc.workers.models import load_spec
 
     info = load_spec("tiny:llama")  # bf16 on GPUs: 6.5 MB of weights
-    cfg = CalibrateConfig(model="tiny:llama", seq_len=256)
-    assert _gpu_plan(cfg, info, 4, 1 << 30, 4).gpus == 1
-    assert _gpu_plan(cfg, info, 4, 8 << 20, 4).gpus == 2  # 8 MiB GPUs: two per worker
+
+    def planned(**flat):
+        cfg = CalibrateConfig(model="tiny:llama", seq_len=256, **flat)
+        return Planned(cfg, "", "", None, info.fingerprint, 0.0, info.config)
+
+    assert _gpu_plan(planned(), 4, 1 << 30, 4).gpus == 1
+    assert _gpu_plan(planned(), 4, 8 << 20, 4).gpus == 2  # 8 MiB GPUs: two per worker
     with pytest.raises(ValueError, match="--gpus-per-worker 1 is too few: the model needs 2 GPUs per worker"):
-        _gpu_plan(CalibrateConfig(model="tiny:llama", seq_len=256, gpus_per_worker=1), info, 4, 8 << 20, 4)
+        _gpu_plan(planned(gpus_per_worker=1), 4, 8 << 20, 4)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -35,12 +35,12 @@ def near_lossless_spec(model, sinks: int = 3, window: int = 5, groups=None, rope
 
 def greedy_loop(model, cache, ids: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
     """Plain forward loop: prompt, then one token at a time -> (tokens, logits of every step)."""
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, cache=cache, use_cache=True)
     logits, tokens = [out.logits[:, -1]], []
     for _ in range(steps):
         nxt = logits[-1].argmax(-1, keepdim=True)
         tokens.append(int(nxt))
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, cache=cache, use_cache=True)
         logits.append(out.logits[:, -1])
     return tokens, torch.stack(logits)
 
@@ -70,7 +70,7 @@ def test_generate_with_kvtc_cache_batch_and_per_layer_groups():
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     want = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     cache = KVTCCache(KVTCCodec(spec), config=model.config, chunk=2)
-    got = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, **kw)
     assert cache.coded_tokens > 0
     assert torch.equal(got, want)
 
@@ -135,7 +135,7 @@ def test_reset_empties_raw_and_coded_tokens():
     model = build_tiny("llama")
     cache = KVTCCache(KVTCCodec(near_lossless_spec(model)), config=model.config, chunk=2)
     with torch.no_grad():
-        model(torch.randint(3, 2000, (1, 20)), past_key_values=cache, use_cache=True)
+        model(torch.randint(3, 2000, (1, 20)), cache=cache, use_cache=True)
     assert cache.coded_tokens > 0 and cache.resident_bytes() > 0
     cache.reset()
     assert cache.coded_tokens == 0 and cache.get_seq_length() == 0 and cache.resident_bytes() == 0
@@ -156,7 +156,7 @@ def calibrated_spec(model, ratio: float, sinks: int = 3, window: int = 5, groups
     ids = torch.randint(3, 2000, (1, tokens), generator=torch.Generator().manual_seed(11))
     dyn = DynamicCache(config=cfg)
     with torch.no_grad():
-        model(ids, past_key_values=dyn, use_cache=True)
+        model(ids, cache=dyn, use_cache=True)
     rope = rope_from_config(cfg)
     streams, ecsq = {}, {}
     for stream, x in zip(("keys", "values"), cache_tensors(dyn)):
@@ -197,7 +197,7 @@ def test_ecsq_forward_loop_and_generate():
     assert err < 0.2
     batch = torch.randint(3, 2000, (2, 17), generator=torch.Generator().manual_seed(2))
     gen = KVTCCache(codec, config=model.config, chunk=2)
-    out = model.generate(batch, attention_mask=torch.ones_like(batch), past_key_values=gen, max_new_tokens=6,
+    out = model.generate(batch, attention_mask=torch.ones_like(batch), cache=gen, max_new_tokens=6,
                          do_sample=False, pad_token_id=0)
     assert out.shape == (2, 23) and gen.coded_tokens > 0
 
@@ -235,13 +235,13 @@ def test_ecsq_bytes_within_budget_and_fewer_than_fixed_for_lower_error():
     ids = torch.randint(3, 2000, (1, 64), generator=torch.Generator().manual_seed(6))
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=dyn, use_cache=True)
+        model(ids, cache=dyn, use_cache=True)
     held = {}
     for mode, ratio in (("fixed", 4.0), ("ecsq", 4.0), ("ecsq", 8.0)):
         spec = calibrated_spec(model, ratio)
         cache = KVTCCache(KVTCCodec(spec, mode=mode), config=model.config, chunk=16)
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
         assert cache.coded_tokens == 56
         coded = sum(c.nbytes for c in cache.store.chunks)
         if mode == "ecsq":  # rate control: each (stream, group) section within floor(16 p / ratio) bits per token
@@ -269,12 +269,29 @@ def test_compress_and_restore_cache_with_an_ecsq_codec():
     ids = torch.randint(3, 2000, (1, 30), generator=torch.Generator().manual_seed(8))
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=dyn, use_cache=True)
+        model(ids, cache=dyn, use_cache=True)
         blob = compress_cache(codec, dyn)
         assert read_blob(blob)[0].mode == "ecsq"
         restored = restore_cache(codec, blob, config=model.config)
         assert restored.get_seq_length() == 30
         nxt = torch.tensor([[5]])
-        want = model(nxt, past_key_values=dyn, use_cache=True).logits
-        got = model(nxt, past_key_values=restored, use_cache=True).logits
+        want = model(nxt, cache=dyn, use_cache=True).logits
+        got = model(nxt, cache=restored, use_cache=True).logits
     assert float((got - want).norm() / want.norm()) < 0.2
+
+
+def test_left_padded_batches_are_refused_with_rope_removed_and_run_with_rope_kept():
+    model = build_tiny("llama")
+    ids = torch.randint(3, 2000, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # row 1 is left-padded: its positions start 4 later than the cache index
+    ids[1, :4] = 0
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = KVTCCache(KVTCCodec(near_lossless_spec(model, sinks=0, window=2)), config=model.config, chunk=2)
+    with pytest.raises(ValueError, match="left-padded batches"):
+        model.generate(ids, attention_mask=mask, cache=cache, **kw)
+    assert cache.get_seq_length() == 0  # refused before anything was cached
+    kept = KVTCCache(KVTCCodec(near_lossless_spec(model, sinks=0, window=2, rope=False)), config=model.config, chunk=2)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    got = model.generate(ids, attention_mask=mask, cache=kept, **kw)
+    assert kept.coded_tokens > 0 and torch.equal(got, want)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtc.workers.models import ACCEPTED_FORMS, default_cache_dir, embedded_gguf_path, fingerprint_id, load_model, sha256_file
-from kvtc.workers.tiny import TINY_ARCHS
+from kvtc.workers.tiny import UNIFORM_ARCHS
 
 FP_KEYS = {"spec", "source", "weights_sha256", "revision", "architecture", "model_type", "num_layers",
            "num_kv_heads", "head_dim", "max_positions", "rope", "key_norm"}
@@ -17,7 +17,7 @@ def smollm2():
     return load_model("smollm2-135m", device="cpu")
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", UNIFORM_ARCHS)
 def test_tiny_loads_with_fingerprint_and_tokenizer(arch):
     lm = load_model(f"tiny:{arch}")
     on_gpu = torch.cuda.is_available()

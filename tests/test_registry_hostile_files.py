@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvtc.artifacts import IntegrityError, Registry, publish, pull
-from kvtc.artifacts.testing import forge_version, toy_content
+from kvtc.artifacts.testing import toy_content
 from kvtc.pipeline import cli
 
 
@@ -139,7 +139,8 @@ def test_a_file_swapped_after_verification_is_never_used(local, tmp_path, monkey
 
 # ---- 7. special files, oversized objects ----
 
-@pytest.mark.parametrize("where", ["alias", "manifest.json", "manifest.sig", "manifest.sha256"])
+@pytest.mark.parametrize("where", ["alias", "manifest.json", "manifest.sig", "manifest.sha256",
+                                   "bases/keys-g0.mean.parquet"])
 def test_fifos_in_a_registry_are_refused_not_waited_on(local, tmp_path, capsys, where):
     _, public = _keys(tmp_path)
     ref = publish(toy_content(), local)
@@ -152,7 +153,8 @@ def test_fifos_in_a_registry_are_refused_not_waited_on(local, tmp_path, capsys, 
     assert rc == 0 and "toy" in out
     rc, _, err = _cli(capsys, "verify", "toy@" + (ref.version if where != "alias" else "fifo"), "--key", str(public),
                       "--registry", local.uri)
-    assert rc == 6 and "FIFO, not a regular file" in err and len(err.strip().splitlines()) == 1
+    lines = err.strip().splitlines()  # the error, after the unsigned version's warning where it got that far
+    assert rc == 6 and "FIFO, not a regular file" in lines[-1] and all(l.startswith("kvtc verify: ") for l in lines)
 
 
 @pytest.mark.parametrize("where", ["alias", "manifest.json", "manifest.sha256"])
@@ -180,13 +182,25 @@ def test_a_directory_signature_is_tampering(local, tmp_path, capsys):
     assert rc == 6 and "manifest.sig" in err and "directory" in err
 
 
-def test_oversized_objects_are_cut_off_at_their_listed_size(registry, tmp_path):
+def test_oversized_objects_are_cut_off_at_their_listed_size(registry, tmp_path, monkeypatch):
     ref = publish(toy_content(), registry)
     prefix = registry.version_path("toy", ref.version)
     registry.fs.pipe_file(f"{prefix}/report.md", b"#" * (8 << 20))  # listed as 13 bytes
+    read = []
+    real_open = registry.fs.open
+
+    def counting_open(path, mode="rb", **kwargs):  # object stores: what the download loop takes
+        handle = real_open(path, mode, **kwargs)
+        if path.endswith("report.md"):
+            real_read = handle.read
+            handle.read = lambda n=-1: read.append(len(data := real_read(n))) or data
+        return handle
+
+    monkeypatch.setattr(registry.fs, "open", counting_open)
     with pytest.warns(UserWarning, match="report.md"):
         art = pull("toy", registry=registry, cache_dir=tmp_path / "c")
     assert "report.md" in art.damaged and not (art.path / "report.md").exists()
+    assert sum(read) <= 14  # streamed: the listed size + 1, never the whole object
     registry.fs.pipe_file(f"{prefix}/metrics.parquet", b"\0" * (4 << 20))
     with pytest.raises(IntegrityError, match="more than the .* bytes allowed"):
         pull("toy", registry=registry, cache_dir=tmp_path / "c2")

@@ -9,7 +9,7 @@ from kvtc import artifacts
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.fit.allocator import AllocatorSettings
-from kvtc.pipeline.evaluation.error_by_tokens import error_by_tokens
+from kvtc.pipeline.job.error_by_tokens import error_by_tokens
 from kvtc.pipeline.settings import JobSettings
 from kvtc.pipeline.job.calibrate import calibrate_local
 from kvtc.pipeline.job.reduce import load_rows
@@ -44,7 +44,7 @@ def test_error_by_tokens_grows_prefixes_and_ends_at_the_calibration(calibrated):
     final = {row["ratio"]: row for row in summary["ratios"]}[8.0]
     for stream in ("keys", "values"):
         last = next(r for r in rows if r["tokens"] == tokens[-1] and r["stream"] == stream and r["split"] == "heldout")
-        assert last["rel_error"] == pytest.approx(final[stream]["rel_error"], rel=1e-3)
+        assert last["rel_error"] == pytest.approx(final[stream]["fixed"]["rel_error"], rel=1e-3)
         first = next(r for r in rows if r["tokens"] == tokens[0] and r["stream"] == stream and r["split"] == "heldout")
         assert first["rel_error"] > last["rel_error"]
 
@@ -64,7 +64,7 @@ def test_build_makes_three_charts_and_the_tables(calibrated):
     md = files["report.md"].decode()
     for rel in charts:
         assert f"]({rel})" in md
-    assert "| CR | stream | held-out |" in md and "| 8 | values |" in md and "gap (dB)" in md
+    assert "| CR | stream | default mode | held-out |" in md and "| 8 | values |" in md and "gap (dB)" in md
     assert "| kvtc-8x | 50 | 7.70 | 30.00% | 40.00% | 1.0100 | 0.0020 |" in md
     # every calibration stores the error_by_tokens curve, so the artifact's own report has all three charts
     stored = report.build_from_artifact(art)

@@ -3,7 +3,6 @@ charts; the accumulator planner; the memory estimate. (Store-size, bit-identity,
 corruption checks of the whole job are in test_calibrate.py.)"""
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

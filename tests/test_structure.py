@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"artifacts": 0, "kernels": 1, "workers": 2, "pipeline": 3}
@@ -112,3 +111,23 @@ def test_no_import_cycle():
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+# within pipeline, sub-packages depend one way: operations -> job -> evaluation -> fit (a stage's
+# measurement never imports the job that runs it); the top-level modules (cli, cli_checks, settings)
+# are shared by all
+PIPELINE_ORDER = {"fit": 0, "evaluation": 1, "job": 2, "operations": 3}
+
+
+def test_pipeline_sub_packages_depend_one_way():
+    bad = []
+    for path in sorted((REPO / "pipeline").rglob("*.py")):
+        rel = path.relative_to(REPO / "pipeline").parts
+        if len(rel) < 2 or rel[0] not in PIPELINE_ORDER:
+            continue
+        for mod in _imports(path):
+            parts = mod.split(".")
+            if len(parts) > 2 and parts[1] == "pipeline" and parts[2] in PIPELINE_ORDER \
+                    and PIPELINE_ORDER[parts[2]] > PIPELINE_ORDER[rel[0]]:
+                bad.append(f"pipeline/{'/'.join(rel)} imports {mod}")
+    assert not bad, "pipeline sub-packages import upward (operations -> job -> evaluation -> fit):\n" + "\n".join(bad)

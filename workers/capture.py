@@ -1,21 +1,43 @@
-"""KV capture: forward a batch, take every layer's keys and values, remove RoPE from the keys
-(or keep it, `keys="rope-kept"`, for consumers that store and code keys as the model cached them).
+"""KV capture: forward a batch, take the keys and values of every layer that keeps a KV cache, remove
+RoPE from the keys with each layer's own RoPE (none for NoPE layers), or keep it (`keys="rope-kept"`,
+for consumers that store and code keys as the model cached them).
 
-Feature order of a captured row: layer, then KV head, then head_dim (p = layers*kv_heads*head_dim).
+Feature order of a captured row: coded layer (ascending), then KV head, then head_dim
+(p = coded layers * kv_heads * head_dim). Layers without a KV cache (linear attention, SSM) add nothing.
+
+Sliding-window and chunked layers are captured at every selected position, like full ones: the
+forward keeps their whole cache (plain DynamicLayers; the model still masks with its window). A
+sliding layer's key at position t depends only on the window ending at t, so it is the same vector
+whether or not a server still holds it, and every position is held by a server while it is within the
+window: statistics over all positions are statistics over the positions a server holds, each once.
+
+Groups (one basis each): "model" (every coded layer; refused when coded layers differ in kind, whose
+caches hold different positions), "auto" (one group per layer kind: full-attention layers share one
+basis, sliding layers another, chunked layers a third; "model" for models of one kind), "layer", or
+"layers:K" (K consecutive coded layers of one kind).
 """
 from __future__ import annotations
 
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
+from kvtc.kernels.layers import LayerSpec, cached_layers
 from kvtc.workers.models import LoadedModel
 
 KEY_FORMS = ("rope-removed", "rope-kept")
+GROUP_FORMS = ("auto", "model", "layer")
+
+
+def resolve_groups(groups: str, layers: Sequence[LayerSpec]) -> str:
+    """"auto" on a model whose coded layers are all of one kind is "model" (what earlier releases recorded)."""
+    if groups == "auto" and len({layers[i].kind for i in cached_layers(layers)}) == 1:
+        return "model"
+    return groups
 
 
 @dataclass(frozen=True)
@@ -26,7 +48,7 @@ class CaptureSettings:
 
     sinks: int = 4
     window: int = 128
-    groups: str = "model"
+    groups: str = "auto"
     sample: float = 1.0
     seed: int = 0
     keys: str = "rope-removed"
@@ -41,25 +63,36 @@ class CaptureSettings:
             raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks}, window={self.window}")
         if not 0.0 < self.sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {self.sample}")
-        if self.groups not in ("model", "layer"):
+        if self.groups not in GROUP_FORMS:
             head, _, k = self.groups.partition(":")
             if head != "layers" or not k.isdigit() or int(k) < 1:
-                raise ValueError(f"groups must be 'model', 'layer' or 'layers:K' with K >= 1, got {self.groups!r}")
+                raise ValueError(f"groups must be 'auto', 'model', 'layer' or 'layers:K' with K >= 1, got {self.groups!r}")
 
-    def group_layers(self, num_layers: int, kv_heads: int | None = None) -> list[FeatureGroup]:
-        """The groups (one basis each), in order: layer ranges [a, b) over all KV heads; with tp > 1
-        (kv_heads needed), each range once per rank's head range, head range major (a rank's groups
-        are consecutive)."""
-        if self.groups == "model":
-            spans = [FeatureGroup.span(0, num_layers)]
+    def group_layers(self, layers: int | Sequence[LayerSpec], kv_heads: int | None = None) -> list[FeatureGroup]:
+        """The groups (one basis each), in order; `layers`: the layer schema, or a layer count for a model
+        of full-attention layers only. Over all KV heads, or with tp > 1 (kv_heads needed) each group
+        once per rank's head range, head range major (a rank's groups are consecutive)."""
+        if isinstance(layers, int):
+            kinds = {i: "full" for i in range(layers)}
+        else:
+            kinds = {i: layers[i].kind for i in cached_layers(layers)}
+        by_kind: dict[str, list[int]] = {}
+        for i, kind in kinds.items():
+            by_kind.setdefault(kind, []).append(i)
+        if self.groups == "model" and len(by_kind) > 1:
+            raise ValueError(f"--groups model would give layers of kinds {sorted(by_kind)} one basis, but their caches "
+                             "hold different positions; use --groups auto (one basis per kind), layer or layers:K")
+        if self.groups in ("model", "auto"):
+            out = [FeatureGroup(tuple(ix)) for ix in by_kind.values()]
         else:
             k = 1 if self.groups == "layer" else int(self.groups.split(":")[1])
-            spans = [FeatureGroup.span(a, min(a + k, num_layers)) for a in range(0, num_layers, k)]
+            out = sorted([FeatureGroup(tuple(ix[a:a + k])) for ix in by_kind.values() for a in range(0, len(ix), k)],
+                         key=lambda g: g.layers[0])
         if self.tp == 1:
-            return spans
+            return out
         if kv_heads is None:
             raise ValueError("tensor-parallel groups need the model's KV head count")
-        return [FeatureGroup(g.layers, heads) for heads in TensorParallelLayout(self.tp, kv_heads).shards for g in spans]
+        return [FeatureGroup(g.layers, heads) for heads in TensorParallelLayout(self.tp, kv_heads).shards for g in out]
 
     def eligible(self, seq_len: int) -> int:
         return seq_len - self.sinks - self.window
@@ -119,19 +152,32 @@ def _select_positions(input_ids: torch.Tensor, settings: CaptureSettings) -> tor
     return torch.stack(rows)
 
 
+def full_cache(lm: LoadedModel) -> Any:
+    """The model's own cache, except that sliding-window and chunked layers keep every position."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=lm.model.config)
+    for i, layer in enumerate(lm.layers):
+        if layer.kind in ("sliding", "chunked") and i < len(cache.layers):
+            cache.layers[i] = DynamicLayer()
+    return cache
+
+
 def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """-> keys, values of each coded layer (ascending), each (B, H, T, D) with every position."""
     with torch.inference_mode():
-        out = lm.base(input_ids=input_ids.to(lm.device), use_cache=True)
+        out = lm.base(input_ids=input_ids.to(lm.device), past_key_values=full_cache(lm), use_cache=True)
     cache = out.cache if "cache" in out else out.past_key_values  # renamed in transformers 5.x
-    layers = cache.layers
-    keys = [layer.keys for layer in layers]
-    values = [layer.values for layer in layers]
+    coded = cached_layers(lm.layers)
+    if len(cache.layers) != lm.num_layers:
+        raise RuntimeError(f"the model's cache has {len(cache.layers)} layers, its config {lm.num_layers}")
+    keys = [cache.layers[i].keys for i in coded]
+    values = [cache.layers[i].values for i in coded]
     t = input_ids.shape[1]
-    if len(keys) != lm.num_layers or any(k.shape[-2] != t for k in keys):
-        raise RuntimeError(
-            "the model's cache does not hold every position of every layer (sliding-window attention?); "
-            "capture needs full-attention caches"
-        )
+    if any(k is None or k.shape[-2] != t for k in keys):
+        raise RuntimeError("the model's cache does not hold every position of every coded layer; "
+                           "capture needs each attention layer's whole cache")
     return keys, values
 
 
@@ -155,7 +201,10 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
         krows = gather(keys)
         flat_pos = pos.reshape(-1)
         if settings.keys == "rope-removed":
-            krows = lm.rope.remove(krows.permute(1, 2, 0, 3), flat_pos).permute(2, 0, 1, 3)
+            for slot, i in enumerate(cached_layers(lm.layers)):
+                rope = lm.layers[i].rope
+                if rope is not None:
+                    krows[:, slot] = rope.remove(krows[:, slot].transpose(0, 1), flat_pos).transpose(0, 1)
         vrows = gather(values)
     n = b * k
     return CapturedKV(
@@ -168,7 +217,8 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
 
 
 def raw_cache(lm: LoadedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids (1, T) -> (keys, values) each (layers, kv_heads, T, head_dim), keys WITH RoPE, model dtype."""
+    """input_ids (1, T) -> (keys, values) each (coded layers, kv_heads, T, head_dim), keys WITH RoPE, model
+    dtype, every position of every coded layer (layers without a KV cache left out)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"raw_cache takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
     if input_ids.shape[1] > lm.max_positions:

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from kvtc.artifacts.fingerprint import model_id as fingerprint_id  # noqa: F401  (the shard store scope's name)
+from kvtc.kernels.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
 from kvtc.kernels.rope import RopeSpec
-from kvtc.workers.rope import rope_from_config
+from kvtc.workers.layers import layer_schema, layer_types
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
 
 DEFAULT_SPEC = "smollm2-135m"
@@ -45,13 +46,14 @@ class LoadedModel:
     tokenizer: Any
     config: Any
     fingerprint: dict[str, Any]
-    rope: RopeSpec
+    rope: RopeSpec | None
     device: torch.device
     dtype: torch.dtype
     num_layers: int
     num_kv_heads: int
     head_dim: int
     max_positions: int
+    layers: tuple[LayerSpec, ...] = ()
 
     @property
     def base(self) -> torch.nn.Module:
@@ -105,7 +107,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.n
     digest = sha256_file(path)
     cached = cache_dir / f"gguf-{digest[:24]}"
     if not (cached / "config.json").exists():
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        from transformers import AutoConfig
+
+        config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                     dtype=torch.float32)
         # The weights are already dequantized; drop the GGUF quantizer so save_pretrained accepts them.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -162,7 +168,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """CUDA when torch sees a GPU (never from Ray's GPU ids), otherwise CPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cpu' or 'cuda:0'") from None
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -186,23 +195,25 @@ def _max_positions(config: Any) -> int:
 @dataclass
 class ModelSpec:
     """What the driver needs of a model, without its weights: config, tokenizer, fingerprint, geometry.
-    `source` says how to load the weights: ("gguf", path) | ("tiny", arch) | ("dir", path)."""
+    `source` says how to load the weights: ("gguf", path) | ("tiny", arch) | ("dir", path).
+    layers: the per-layer attention schema; rope: the RoPE of the first coded layer that has one."""
 
     spec: str
     config: Any
     tokenizer: Any
     fingerprint: dict[str, Any]
-    rope: RopeSpec
+    rope: RopeSpec | None
     num_layers: int
     num_kv_heads: int
     head_dim: int
     max_positions: int
     source: tuple[str, str]
+    layers: tuple[LayerSpec, ...] = ()
 
     @property
     def features(self) -> int:
-        """p per stream: layers x kv_heads x head_dim."""
-        return self.num_layers * self.num_kv_heads * self.head_dim
+        """p per stream: coded layers x kv_heads x head_dim."""
+        return len(cached_layers(self.layers)) * self.num_kv_heads * self.head_dim
 
 
 def _weightless(config: Any) -> torch.nn.Module:
@@ -226,7 +237,43 @@ def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
     cached = cache_dir / f"gguf-{digest[:24]}"
     if (cached / "config.json").exists():
         return AutoConfig.from_pretrained(cached)
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+
+
+def gguf_fields(path: Path) -> dict[str, Any]:
+    """The GGUF file's scalar metadata, {key: value} (strings decoded), read without its tensors."""
+    from gguf import GGUFReader
+
+    out: dict[str, Any] = {}
+    for key, field in GGUFReader(str(path), "r").fields.items():
+        if len(field.data) != 1:
+            continue
+        value = field.parts[field.data[0]]
+        out[key] = bytes(value).decode("utf-8", "replace") if value.dtype.kind == "u" and value.dtype.itemsize == 1 \
+            and len(value) != 1 else value.tolist()[0] if hasattr(value, "tolist") and len(value) == 1 else value
+    return out
+
+
+def with_gguf_rope_scaling(config: Any, fields: dict[str, Any]) -> Any:
+    """Carry a GGUF's `<arch>.rope.scaling.*` (linear or YaRN), which transformers' GGUF reader leaves out for
+    some architectures (Gemma 3: linear x8 on its global layers), into the config's RoPE parameters for
+    full-attention layers, where they have none; the model then rotates as the original did."""
+    arch = fields.get("general.architecture")
+    kind = fields.get(f"{arch}.rope.scaling.type")
+    factor = fields.get(f"{arch}.rope.scaling.factor")
+    if kind not in ("linear", "yarn") or not factor or float(factor) == 1.0:
+        return config
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    nested = params and "rope_theta" not in params
+    target = dict(params.get("full_attention") or {}) if nested else params
+    if not target or target.get("rope_type", "default") != "default":
+        return config
+    target.update(rope_type=kind, factor=float(factor))
+    original = fields.get(f"{arch}.rope.scaling.original_context_length")
+    if kind == "yarn":
+        target["original_max_position_embeddings"] = int(original or config.max_position_embeddings)
+    config.rope_parameters = {**params, "full_attention": target} if nested else target
+    return config
 
 
 def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = None) -> ModelSpec:
@@ -265,14 +312,19 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
         digest, source, revision, how = _safetensors_sha256(directory), f"hf:{spec}", directory.name, ("dir", str(directory))
     else:
         raise ValueError(f"unknown model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
-    rope = rope_from_config(config)
+    layers = layer_schema(config)  # a layer kind that cannot be coded fails here, before any weights
+    coded = [layers[i] for i in cached_layers(layers)]
+    if len({(l.kv_heads, l.head_dim) for l in coded}) != 1:
+        raise ValueError(f"layers of {config.model_type!r} differ in KV heads or head_dim "
+                         f"({sorted({(l.kv_heads, l.head_dim) for l in coded})}); the service needs one geometry")
+    rope = next((l.rope for l in coded if l.rope is not None), None)
     shell = _weightless(config)
-    key_norm = any(getattr(layer.self_attn, "k_norm", None) is not None for layer in shell.model.layers)
+    key_norm = any(getattr(getattr(layer, "self_attn", None), "k_norm", None) is not None for layer in shell.model.layers)
     key_norm = key_norm or bool(getattr(config, "qk_layernorm", False))
     architecture = type(shell).__name__
     del shell
-    num_layers = int(config.num_hidden_layers)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    num_layers = len(layers)
+    num_kv_heads, head_dim = coded[0].kv_heads, coded[0].head_dim
     max_positions = _max_positions(config)
     fingerprint = {
         "spec": spec,
@@ -283,12 +335,15 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
         "model_type": config.model_type,
         "num_layers": num_layers,
         "num_kv_heads": num_kv_heads,
-        "head_dim": rope.head_dim,
+        "head_dim": head_dim,
         "max_positions": max_positions,
-        "rope": rope.to_dict(),
+        "rope": None if rope is None else rope.to_dict(),
         "key_norm": key_norm,
     }
-    return ModelSpec(spec, config, tok, fingerprint, rope, num_layers, num_kv_heads, rope.head_dim, max_positions, how)
+    if not is_uniform(layers):  # uniform models keep the fingerprint (and model id) of earlier releases
+        fingerprint["layers"] = layers_to_json(layers)
+    return ModelSpec(spec, config, tok, fingerprint, rope, num_layers, num_kv_heads, head_dim, max_positions, how,
+                     layers)
 
 
 def load_model(
@@ -322,11 +377,24 @@ def load_model(
     if gpu_budgets and not hasattr(model, "hf_device_map"):
         model = placement.spread(model, gpu_budgets)
     model = (model if gpu_budgets else model.to(dev)).eval()
-    rotary = getattr(model.model, "rotary_emb", None)
-    if rotary is not None and getattr(rotary, "inv_freq", None) is not None:
-        if not torch.allclose(rotary.inv_freq.float().cpu(), torch.tensor(info.rope.inv_freq), rtol=1e-6, atol=0):
-            raise RuntimeError(f"RoPE frequencies of {spec!r} do not match the model's rotary embedding")
+    check_rotary(model, info.layers, spec)
     if type(model).__name__ != info.fingerprint["architecture"]:
         raise RuntimeError(f"{spec!r} loaded as {type(model).__name__}, but its config names {info.fingerprint['architecture']}")
     return LoadedModel(model, info.tokenizer, model.config, info.fingerprint, info.rope, dev, dt, info.num_layers,
-                       info.num_kv_heads, info.head_dim, info.max_positions)
+                       info.num_kv_heads, info.head_dim, info.max_positions, info.layers)
+
+
+def check_rotary(model: torch.nn.Module, layers: tuple[LayerSpec, ...], spec: str) -> None:
+    """RuntimeError unless each layer type's RoPE frequencies equal the model's rotary embedding buffers."""
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is None:
+        return
+    types = layer_types(model.config)
+    for layer, kind in zip(layers, types):
+        if layer.rope is None:
+            continue
+        buffer = getattr(rotary, f"{kind}_inv_freq", None)
+        buffer = getattr(rotary, "inv_freq", None) if buffer is None else buffer
+        if buffer is not None and (buffer.numel() != len(layer.rope.inv_freq) or not torch.allclose(
+                buffer.float().cpu(), torch.tensor(layer.rope.inv_freq), rtol=1e-6, atol=0)):
+            raise RuntimeError(f"RoPE frequencies of {spec!r} ({kind} layers) do not match the model's rotary embedding")

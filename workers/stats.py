@@ -20,6 +20,7 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups
 from kvtc.artifacts.schema import STREAMS
+from kvtc.kernels.layers import layers_of
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
 from kvtc.workers.triangle import add_upper_rows, packed_len, symmetric
@@ -65,7 +66,7 @@ class CalibrationStats:
     @classmethod
     def new(cls, fingerprint: dict[str, Any], settings: CaptureSettings, shard_ids: tuple[str, ...] = ()) -> "CalibrationStats":
         """Empty statistics; group g has layers x its KV heads x head_dim features."""
-        groups = settings.group_layers(int(fingerprint["num_layers"]), int(fingerprint["num_kv_heads"]))
+        groups = settings.group_layers(layers_of(fingerprint), int(fingerprint["num_kv_heads"]))
         dims = [g.dim(int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])) for g in groups]
         return cls(dict(fingerprint), settings.to_dict(), groups, dims, tuple(shard_ids))
 
@@ -158,13 +159,14 @@ class CalibrationStats:
             "counts": {f"{s}/{g}": m.n for (s, g), m in sorted(self.moments.items())},
         }
 
-    def write_to(self, f: BinaryIO) -> int:
-        """Stream to an open binary file: per stream/group `sum` and packed `gram_triu`; returns bytes."""
+    def write_to(self, f: BinaryIO, hmac_key: bytes | None = None) -> int:
+        """Stream to an open binary file: per stream/group `sum` and packed `gram_triu`; returns bytes.
+        hmac_key: the shard store's key, authenticating the object (see stats_file)."""
         tensors: dict[str, np.ndarray] = {}
         for (s, g), m in sorted(self.moments.items()):
             tensors[f"{s}/{g}/sum"] = m.sum.cpu().numpy()
             tensors[f"{s}/{g}/gram_triu"] = m.gram.cpu().numpy()
-        return write_stats(f, tensors, self.metadata())
+        return write_stats(f, tensors, self.metadata(), hmac_key)
 
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
@@ -184,17 +186,31 @@ class CalibrationStats:
             return self.write_to(f)
 
     @staticmethod
-    def read_metadata(f: BinaryIO, name: str) -> dict[str, Any]:
+    def read_metadata(f: BinaryIO, name: str, hmac_key: bytes | None = None) -> dict[str, Any]:
         """The metadata of a stored object (shard ids, counts, ...) without reading its arrays."""
-        meta = read_footer(f, name)["metadata"]
+        meta = read_footer(f, name, hmac_key)["metadata"]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptStats(name, f"not a KVTC statistics object (expected format {FORMAT!r})")
+        if not isinstance(meta.get("shard_ids"), list) or not all(isinstance(x, str) for x in meta["shard_ids"]):
+            raise CorruptStats(name, "its shard list is not a list of shard ids")
         return meta
 
     @classmethod
-    def read_from(cls, f: BinaryIO, name: str, keys: list[tuple[str, int]] | None = None) -> "CalibrationStats":
-        """Read an object (only the (stream, group) `keys` when given), verifying every checksum."""
-        footer = read_footer(f, name)
+    def read_from(cls, f: BinaryIO, name: str, keys: list[tuple[str, int]] | None = None,
+                  hmac_key: bytes | None = None) -> "CalibrationStats":
+        """Read an object (only the (stream, group) `keys` when given), verifying every checksum; any
+        malformed content is a CorruptStats naming it."""
+        footer = read_footer(f, name, hmac_key)
+        try:
+            return cls._from_footer(f, name, footer, keys)
+        except CorruptStats:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CorruptStats(name, f"malformed metadata ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _from_footer(cls, f: BinaryIO, name: str, footer: dict, keys: list[tuple[str, int]] | None
+                     ) -> "CalibrationStats":
         meta = footer["metadata"]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptStats(name, f"not a KVTC statistics object (expected format {FORMAT!r})")
@@ -206,8 +222,10 @@ class CalibrationStats:
                 continue
             total = torch.from_numpy(read_tensor(f, footer, f"{s}/{g}/sum", name))
             gram = torch.from_numpy(read_tensor(f, footer, f"{s}/{g}/gram_triu", name))
-            if gram.shape != (packed_len(out.dims[int(g)]),):
-                raise CorruptStats(name, f"{key} Gram has {tuple(gram.shape)} entries for p={out.dims[int(g)]}")
+            if gram.shape != (packed_len(out.dims[int(g)]),) or total.shape != (out.dims[int(g)],) \
+                    or gram.dtype != torch.float64 or total.dtype != torch.float64:
+                raise CorruptStats(name, f"{key} sum {tuple(total.shape)} / Gram {tuple(gram.shape)} are not float64 "
+                                   f"arrays for p={out.dims[int(g)]}")
             out.moments[(s, int(g))] = _Moments(int(n), total, gram)
         return out
 

@@ -137,10 +137,53 @@ def _config(arch: str) -> Any:
             **_COMMON,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         )
+    return _mixed_config(arch)
+
+
+def _mixed_config(arch: str) -> Any:
+    """Models whose layers differ: sliding windows, chunked attention, NoPE layers, layers without a KV cache.
+    Windows are short (8-16 positions) so that tests of a few dozen tokens exercise them."""
+    import transformers as tf
+
+    four = {**_COMMON, "num_hidden_layers": 4}
+    if arch == "gemma3":  # sliding + global, two RoPE bases, linear scaling on the global layers
+        return tf.Gemma3TextConfig(
+            **four, head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    if arch == "gpt_oss":  # alternating sliding / full, YaRN, attention sinks, MoE
+        return tf.GptOssConfig(
+            **{**four, "intermediate_size": 32}, head_dim=16, sliding_window=10, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+    if arch == "smollm3":  # NoPE every fourth layer
+        return tf.SmolLM3Config(**four, no_rope_layers=[1, 1, 1, 0], pad_token_id=0,
+                                rope_parameters={"rope_type": "default", "rope_theta": 2e6})
+    if arch == "qwen3_next":  # linear-attention layers (no KV cache), gated full attention, partial rotary
+        return tf.Qwen3NextConfig(
+            **{**four, "intermediate_size": 64}, head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, decoder_sparse_step=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    if arch == "cohere2":  # sliding layers with interleaved RoPE, NoPE global layers
+        return tf.Cohere2Config(
+            **four, sliding_window=12,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if arch == "llama4":  # chunked attention with interleaved RoPE, NoPE full-attention layers
+        return tf.Llama4TextConfig(
+            **{**four, "intermediate_size": 64}, intermediate_size_mlp=64, head_dim=16, attention_chunk_size=8,
+            no_rope_layers=[1, 1, 1, 0], num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     raise ValueError(f"unknown tiny architecture {arch!r}; use one of {TINY_ARCHS}")
 
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi")
+UNIFORM_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi")
+MIXED_ARCHS = ("gemma3", "gpt_oss", "smollm3", "qwen3_next", "cohere2", "llama4")
+TINY_ARCHS = UNIFORM_ARCHS + MIXED_ARCHS
 
 
 def build_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, geometry: Geometry | None = None) -> torch.nn.Module:

@@ -1,1 +1,1 @@
-"""Evaluation and reports: metrics, diagnostic curves, baselines, `kvtc eval` and `kvtc report`."""
+"""Evaluation and reports: metrics, diagnostic curves, baselines and `kvtc report` (never the job itself)."""

@@ -220,5 +220,5 @@ def pca_uniform_codec(artifact, ratio: float):
                                    blocks))
         groups[stream] = tuple(codes)
     uniform = CodecSpec(spec.name, spec.version, float(ratio), spec.model_id, spec.num_layers, spec.kv_heads,
-                        spec.head_dim, spec.sinks, spec.window, spec.rope, groups)
+                        spec.head_dim, spec.sinks, spec.window, spec.rope, groups, layers=spec.layers)
     return KVTCCodec(uniform)

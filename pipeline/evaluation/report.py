@@ -61,7 +61,8 @@ def limit_rows(metrics: list[dict], split: str = "heldout") -> list[dict]:
 
 
 def error_table(metrics: list[dict]) -> str:
-    """Stream-level calibration errors per ratio: held-out, PCA-only (group 0), eval corpus, bound."""
+    """Stream-level calibration errors per ratio: the codec's default mode first (ECSQ where the ratio
+    has its metrics), its eval-corpus error, then fixed-rate beside it, PCA-only (group 0) and the bound."""
     by: dict[tuple, float] = {}
     for m in metrics:
         by[(float(m["ratio"]), m["stream"], m.get("group"), m["split"], m["metric"])] = float(m["value"])
@@ -69,12 +70,16 @@ def error_table(metrics: list[dict]) -> str:
     rows = []
     for r in ratios:
         for s in STREAMS:
-            rows.append([f"{r:g}", s, _pct(by.get((r, s, None, "heldout", "rel_error"))),
+            ecsq = by.get((r, s, None, "heldout", "ecsq_rel_error")) is not None
+            first = "ecsq_rel_error" if ecsq else "rel_error"
+            rows.append([f"{r:g}", s, "ECSQ" if ecsq else "fixed", _pct(by.get((r, s, None, "heldout", first))),
+                         _pct(by.get((r, s, None, "eval", first))),
+                         _pct(by.get((r, s, None, "heldout", "rel_error"))),
                          _pct(by.get((r, s, 0, "heldout", "pca_rel_error"))),
-                         _pct(by.get((r, s, None, "eval", "rel_error"))),
                          _pct(by.get((r, s, None, "heldout", "bound_rel_error"))),
                          f"{by.get((r, s, None, 'heldout', 'bits_per_token'), float('nan')):.0f}"])
-    return _md(["CR", "stream", "held-out", "PCA only (group 0)", "eval corpus", "Gaussian bound", "bits/token"], rows)
+    return _md(["CR", "stream", "default mode", "held-out", "eval corpus", "fixed-rate held-out", "PCA only (group 0)",
+                "Gaussian bound", "fixed-rate bits/token"], rows)
 
 
 def _figure(ncols: int):
@@ -205,7 +210,7 @@ def chart_allocation(allocations: dict, features: int | None = None) -> bytes | 
 def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
           model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
     """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
-    from kvtc.pipeline.evaluation import rate_distortion
+    from kvtc.pipeline.evaluation import basis_size, rate_distortion
 
     files: dict[str, bytes] = {}
     cal = calibration or {}
@@ -223,6 +228,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
                                                                 seq_len=cal.get("seq_len")),
         "charts/allocation.png": chart_allocation(allocations, features),
         "charts/rate_distortion.png": rate_distortion.chart(curves.get("rate_distortion", [])),
+        "charts/basis_size.png": basis_size.chart(curves.get("basis_size", [])),
     }
     md = [f"# {title}", ""]
     if model:

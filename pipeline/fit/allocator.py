@@ -35,7 +35,10 @@ class AllocatorSettings:
     """block_sizes: allowed block lengths; types: allowed block types ("none" or any reference
     qtype; the dropped tail is always "none"); error_model: "measured" (reference quantizer on
     held-out projections) or "analytic"; min_rows / recommended_rows: held-out rows below which
-    allocation fails / warns; max_dp_states: cap on DP table cells; cost_unit: 0 = automatic."""
+    allocation fails / warns; max_dp_states: cap on DP table cells; cost_unit: 0 = automatic;
+    max_components: the basis budget, components per group the code may use (0 = no cap);
+    basis_budget: the share of the model's parameters that sets max_components (0 = none; the job
+    resolves it: pipeline/fit/basis_budget.py, and records the resulting max_components)."""
 
     block_sizes: tuple[int, ...] = (1, 16, 64, 256, 1024)
     types: tuple[str, ...] = ("none", "int2", "int4", "fp8")
@@ -44,6 +47,8 @@ class AllocatorSettings:
     recommended_rows: int = 1024
     max_dp_states: int = 150_000_000
     cost_unit: int = 0
+    max_components: int = 0
+    basis_budget: float = 0.0
 
     def __post_init__(self) -> None:
         sizes, types = tuple(self.block_sizes), tuple(self.types)
@@ -59,6 +64,11 @@ class AllocatorSettings:
             raise ValueError("min_rows must be >= 1 and <= recommended_rows")
         if self.max_dp_states < 1000 or self.cost_unit < 0:
             raise ValueError("max_dp_states must be >= 1000 and cost_unit >= 0 (0 = automatic)")
+        if not isinstance(self.max_components, int) or self.max_components < 0:
+            raise ValueError(f"--max-components must be an integer >= 1 (0 or none: no cap), got {self.max_components!r}")
+        if not (0 <= self.basis_budget <= 1 and math.isfinite(self.basis_budget)):
+            raise ValueError(f"--basis-budget {self.basis_budget!r} must be a share of the model's parameters in (0, 1], "
+                             "e.g. 3% or 0.03")
         object.__setattr__(self, "block_sizes", tuple(sorted(sizes)))
         object.__setattr__(self, "types", types)
 
@@ -66,16 +76,17 @@ class AllocatorSettings:
     def quantized_types(self) -> tuple[str, ...]:
         return tuple(t for t in self.types if t != "none")
 
-    def max_components(self, p: int, ratios) -> int:
+    def kept_bound(self, p: int, ratios) -> int:
         """Most components any allocation at `ratios` can keep: the largest budget over the cheapest
-        bits per component, capped at p."""
+        bits per component, capped at p and at the basis budget (max_components)."""
         per_component = cheapest_bits_per_component(self.types, self.block_sizes, p)
-        return max(1, min(p, math.floor(budget_bits(p, min(ratios)) / per_component)))
+        return max(1, min(p, self.max_components or p, math.floor(budget_bits(p, min(ratios)) / per_component)))
 
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "types": list(self.types), "error_model": self.error_model,
                 "min_rows": self.min_rows, "recommended_rows": self.recommended_rows,
-                "max_dp_states": self.max_dp_states, "cost_unit": self.cost_unit, "aligned_starts": True}
+                "max_dp_states": self.max_dp_states, "cost_unit": self.cost_unit,
+                "max_components": self.max_components, "basis_budget": self.basis_budget, "aligned_starts": True}
 
     @classmethod
     def from_dict(cls, d: dict) -> "AllocatorSettings":
@@ -253,10 +264,10 @@ def allocate(ratios, basis: Basis, heldout: np.ndarray | torch.Tensor | None = N
     """One Allocation per ratio (input order). Error tables are computed once for all ratios,
     over as many components as the least aggressive ratio could pay for (budget / cheapest
     bits per component; a quantized block past that would need a "none" gap before it, which
-    sorted variances never favour)."""
+    sorted variances never favour), and at most settings.max_components (the basis budget)."""
     ratios = validate_ratios(ratios, basis.dim, settings)
     notes: tuple[str, ...] = ()
     if tables is None:
-        k = min(basis.k, settings.max_components(basis.dim, ratios))
+        k = min(basis.k, settings.kept_bound(basis.dim, ratios))
         tables, notes = error_tables(basis, heldout, settings, k, projections)
     return [allocate_from_tables(r, tables, settings, notes) for r in ratios]

@@ -29,7 +29,8 @@ class EcsqSettings:
     """classes_per_octave: symbol models per doubling of a component's std (model mismatch
     < 0.01 bit at 4); offsets: centroid table width C; drop_below: std in steps under which a
     component is dropped; radius_sigmas: model range in stds before the escape; fit_rows:
-    held-out rows the bisection uses; prior_rows: weight of the Gaussian centroid."""
+    held-out rows the bisection uses; prior_rows: weight of the Gaussian centroid; max_components:
+    the basis budget, components the code may keep (0 = no cap)."""
 
     classes_per_octave: int = 4
     offsets: int = 4
@@ -38,10 +39,11 @@ class EcsqSettings:
     fit_rows: int = 1024
     prior_rows: float = 16.0
     iterations: int = 28
+    max_components: int = 0
 
     def __post_init__(self) -> None:
-        if self.classes_per_octave < 1 or self.offsets < 1 or self.iterations < 8:
-            raise ValueError("classes_per_octave and offsets must be >= 1 and iterations >= 8")
+        if self.classes_per_octave < 1 or self.offsets < 1 or self.iterations < 8 or self.max_components < 0:
+            raise ValueError("classes_per_octave and offsets must be >= 1, iterations >= 8, max_components >= 0")
         if not (0 < self.drop_below < 1 and self.radius_sigmas >= 3 and self.fit_rows >= 16 and self.prior_rows >= 0):
             raise ValueError("need 0 < drop_below < 1, radius_sigmas >= 3, fit_rows >= 16, prior_rows >= 0")
 
@@ -121,6 +123,8 @@ class _RateModel:
         """-> kept, per-component model index, the class of each model (ascending)."""
         s = self.sigma / step
         kept = int((s > self.settings.drop_below).sum())
+        if self.settings.max_components:
+            kept = min(kept, self.settings.max_components)
         cpo = self.settings.classes_per_octave
         cls = np.round(cpo * np.log2(np.maximum(s[:kept], 1e-30))).astype(np.int64)
         classes = sorted(set(cls.tolist()))

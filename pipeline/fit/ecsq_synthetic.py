@@ -26,6 +26,6 @@ def synthetic_ecsq_spec(num_layers: int, kv_heads: int, head_dim: int, ratio: fl
         g = base.streams[stream][0]
         z = (cache.float().permute(2, 0, 1, 3).reshape(tokens, p) - g.mean) @ g.components
         fit = fit_ecsq(ratio, z, p)
-        tables[stream] = (EcsqGroup(g.layers, g.mean, g.components[:, :fit.kept].contiguous(), fit.step,
+        tables[stream] = (EcsqGroup(g.group, g.mean, g.components[:, :fit.kept].contiguous(), fit.step,
                                     fit.model.astype(np.int64), torch.from_numpy(fit.offsets), fit.models),)
     return dataclasses.replace(base, ecsq=tables)

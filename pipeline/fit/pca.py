@@ -3,16 +3,23 @@
 mu = sum / n, C = Gram / n - mu mu^T, C = U diag(lambda) U^T. Eigenvalues are clipped at 0 and
 sorted descending; each component's sign is fixed so that its largest-magnitude entry is
 positive (the first such entry on ties), which makes bases reproducible across runs and
-LAPACK builds. The eigendecomposition is float64 LAPACK `syevr` through scipy (MRRR): at
-p = 5760 on 2 cores it took 26 s against 118 s for numpy's `eigh` and 146 s for torch's.
+LAPACK builds. The eigendecomposition is float64 LAPACK through scipy: at p = 5760 on 2 cores
+`syevr` (MRRR, all pairs) took 26 s against 118 s for numpy's `eigh` and 146 s for torch's.
 
-`pca_from_packed` is the reducer's form: from the packed upper triangle, only the leading k
-components (syevr with an index range: it skips the eigenvectors of the tail), at most the
-packed Gram plus one p x p float64 matrix in memory; on CUDA, torch's `eigh` (syevd) in float64.
+`pca_from_packed` is the reducer's form, from the packed upper triangle. Its exact CPU solve picks
+the LAPACK driver from k / p: `syevr` with an index range only for few components (k <= p /
+SUBSET_SHARE: for an index range it runs bisection and inverse iteration, whose
+reorthogonalisation grows with k^2 p: 219 s for 5,671 of 5,760 components), else one `syevd`
+(divide and conquer, every pair: 17 s at p = 5760) cut to k. On CUDA, torch's `eigh` (syevd).
+`every_core()` gives the solve every core of the process (BLAS, OpenMP and torch threads), whatever
+a Ray worker's OMP_NUM_THREADS=1 or a worker's torch.set_num_threads left behind.
 """
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import scipy.linalg
@@ -119,7 +126,40 @@ def pca_from_moments(n: int, sum_: np.ndarray | torch.Tensor, gram: np.ndarray |
                  components=np.ascontiguousarray(fix_signs(evecs)), total_variance=total, n=int(n))
 
 
-EXACT_MAX_P = 4096  # above this on a CPU, the leading components come from subspace iteration
+EXACT_MAX_P = 4096  # up to this p a CPU always solves exactly; above it only when most components are needed
+SUBSET_SHARE = 16  # syevr with an index range only for k <= p / SUBSET_SHARE; syevd otherwise
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@contextmanager
+def every_core() -> Iterator[None]:
+    """BLAS, OpenMP and torch threads on every core of the process while the block runs."""
+    from threadpoolctl import threadpool_limits
+
+    n, before = cores(), torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with threadpool_limits(limits=n):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def exact_eigh(cov: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Leading k eigenpairs of a symmetric (p, p) float64 matrix (upper triangle read; overwritten)
+    -> (eigenvalues (k,) descending, eigenvectors (p, k)); LAPACK driver by k / p (module docstring)."""
+    p = cov.shape[0]
+    if k * SUBSET_SHARE <= p:
+        evals, evecs = scipy.linalg.eigh(cov, lower=False, driver="evr", subset_by_index=[p - k, p - 1],
+                                         overwrite_a=True, check_finite=False)
+    else:
+        evals, evecs = scipy.linalg.eigh(cov, lower=False, driver="evd", overwrite_a=True, check_finite=False)
+        evals, evecs = evals[p - k:], evecs[:, p - k:]
+    return evals[::-1], evecs[:, ::-1]
 
 
 def covariance_f32(n: int, mu: np.ndarray, packed: np.ndarray) -> torch.Tensor:
@@ -183,9 +223,9 @@ def subspace_eigh(cov: torch.Tensor, k: int, tol: float = 1e-5, max_iters: int =
 def pca_from_packed(n: int, sum_: np.ndarray, packed: np.ndarray, k: int | None = None,
                     device: str | torch.device = "cpu", method: str = "auto") -> Basis:
     """Merged statistics with the Gram as its packed upper triangle (p(p+1)/2,) f64 -> Basis of the
-    leading k components (default all). method: "exact" (LAPACK syevr with an index range on CPU,
-    torch eigh on CUDA; the packed Gram plus one (p, p) float64 matrix), "subspace" (`subspace_eigh`
-    on one (p, p) float32 matrix) or "auto" (exact on CUDA or when p <= EXACT_MAX_P)."""
+    leading k components (default all). method: "exact" (`exact_eigh` on CPU, torch eigh on CUDA; the
+    packed Gram plus one (p, p) float64 matrix and, for syevd, twice that in workspace), "subspace"
+    (`subspace_eigh` on one (p, p) float32 matrix) or "auto" (exact on CUDA or when p <= EXACT_MAX_P)."""
     s = np.asarray(sum_, dtype=np.float64)
     p = s.shape[0]
     if int(n) < 2:
@@ -221,9 +261,7 @@ def pca_from_packed(n: int, sum_: np.ndarray, packed: np.ndarray, k: int | None 
         evecs = evecs_t.flip(1)[:, :k].cpu().numpy()
         del evals_t, evecs_t
     else:
-        evals, evecs = scipy.linalg.eigh(cov, lower=False, driver="evr", subset_by_index=[p - k, p - 1],
-                                         overwrite_a=True, check_finite=False)
+        evals, evecs = exact_eigh(cov, k)
         del cov
-        evals, evecs = evals[::-1], evecs[:, ::-1]
     return Basis(mean=mu, eigenvalues=np.clip(evals, 0.0, None).copy(),
                  components=np.ascontiguousarray(fix_signs(evecs)), total_variance=total, n=int(n))

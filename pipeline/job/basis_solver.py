@@ -7,7 +7,13 @@ components the least aggressive ratio could keep are computed (`max_components`)
 
 Where: on a cluster with GPUs, a Ray task with one GPU runs it (torch `eigh` in float64 on the
 device) and hands the basis back through the shard store (checksummed arrays, no pickle);
-otherwise it runs in this process on the CPU (LAPACK syevr with an index range).
+otherwise it runs in this process on the CPU, on every core (`every_core`).
+
+How (`choose_solver`, from k / p): exact (one LAPACK solve, pca.exact_eigh) whenever the
+allocation may need most components and the exact solve fits in memory, or p is small; subspace
+iteration only when the allocation can keep few components (k <= p / FEW_SHARE), or the exact
+solve does not fit. A subspace that the allocation fills (keeps > 80% of it) is followed by one
+exact solve if it fits, else a subspace twice as wide.
 """
 from __future__ import annotations
 
@@ -18,13 +24,38 @@ import time
 import numpy as np
 
 from kvtc.pipeline.fit.allocator import AllocatorSettings
-from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, pca_from_packed
+from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, every_core, pca_from_packed
 from kvtc.pipeline.job.store import ShardStore
 
 
 def max_components(p: int, ratios, settings: AllocatorSettings) -> int:
-    """Most components any allocation at `ratios` can keep (AllocatorSettings.max_components)."""
-    return settings.max_components(p, ratios)
+    """Most components any allocation at `ratios` can keep, within the basis budget (AllocatorSettings.kept_bound)."""
+    return settings.kept_bound(p, ratios)
+
+
+FEW_SHARE = 8  # subspace iteration pays when the allocation can keep at most p / FEW_SHARE components
+SUBSPACE_START = 512  # first subspace width: max(SUBSPACE_START, p / 16)
+
+
+def exact_bytes(p: int) -> int:
+    """Peak bytes of an exact CPU solve: the packed Gram, the p x p float64 matrix, syevd's workspace."""
+    return 8 * (p * (p + 1) // 2) + 8 * p * p * 3
+
+
+def choose_solver(p: int, bound: int, on_gpu: bool, free_bytes: int) -> tuple[str, int]:
+    """(method, k) of the first solve of a group of p features whose allocations keep at most `bound`."""
+    if on_gpu or p <= EXACT_MAX_P:
+        return "exact", bound
+    if bound * FEW_SHARE <= p:
+        return "subspace", bound
+    if exact_bytes(p) <= free_bytes:
+        return "exact", bound
+    return "subspace", min(bound, max(SUBSPACE_START, p // 16))
+
+
+def next_solve(p: int, k: int, bound: int, free_bytes: int) -> tuple[str, int]:
+    """(method, k) after a subspace of k components that the allocation filled."""
+    return ("exact", bound) if exact_bytes(p) <= free_bytes else ("subspace", min(bound, 2 * k))
 
 
 def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -45,15 +76,18 @@ def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: in
     return n, total, packed
 
 
-def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, device: str = "cpu") -> tuple[Basis, dict]:
+def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, device: str = "cpu",
+          method: str = "auto") -> tuple[Basis, dict]:
     """Basis of (stream, group) from the stored accumulators -> (basis, timings {sum_s, eig_s})."""
     t0 = time.perf_counter()
     n, total, packed = sum_accumulators(store, names, stream, group)
     t1 = time.perf_counter()
     p = total.shape[0]
     k = min(k, p)
-    method = "exact" if device.startswith("cuda") or p <= EXACT_MAX_P or k == p else "subspace"
-    basis = pca_from_packed(n, total, packed, k=k, device=device, method=method)
+    if method == "auto" or device.startswith("cuda") or k == p:
+        method = "exact" if device.startswith("cuda") or p <= EXACT_MAX_P or k == p else "subspace"
+    with every_core():
+        basis = pca_from_packed(n, total, packed, k=k, device=device, method=method)
     return basis, {"sum_s": t1 - t0, "eig_s": time.perf_counter() - t1, "method": method}
 
 
@@ -75,10 +109,11 @@ def solve_on_gpu_task(root: str, model_id: str, capture_key: str, names: list[st
     return {"name": name, "device": device, **timing}
 
 
-def solve_group(store: ShardStore, names: list[str], stream: str, group: int, k: int, on_cluster_gpu: bool) -> tuple[Basis, dict]:
+def solve_group(store: ShardStore, names: list[str], stream: str, group: int, k: int, on_cluster_gpu: bool,
+                method: str = "auto") -> tuple[Basis, dict]:
     """Basis of one stream and group: a one-GPU Ray task when `on_cluster_gpu`, else in-process on CPU."""
     if not on_cluster_gpu:
-        basis, timing = solve(store, names, stream, group, k, "cpu")
+        basis, timing = solve(store, names, stream, group, k, "cpu", method)
         return basis, {**timing, "device": "cpu (driver)"}
     import ray
 

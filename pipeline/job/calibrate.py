@@ -13,7 +13,8 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.shards import ShardPlan, plan_shards
@@ -46,71 +47,125 @@ def calibrate_local(cfg: JobSettings) -> tuple[dict, dict]:
     return _execute(cfg, True, in_process=True)
 
 
-def _memory_estimate(cfg: JobSettings, info, groups: str, workers: int):
+def _memory_estimate(cfg: JobSettings, num_layers, kv_heads: int, head_dim: int, groups: str, workers: int):
+    """num_layers: a layer count or the model's layer schema (kvtc.kernels.layers)."""
     from kvtc.pipeline.job.basis_solver import max_components
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
 
     settings = CaptureSettings(groups=groups, tp=cfg.capture.tp)
-    dims = [g.dim(info.num_kv_heads, info.head_dim) for g in settings.group_layers(info.num_layers, info.num_kv_heads)]
+    dims = [g.dim(kv_heads, head_dim) for g in settings.group_layers(num_layers, kv_heads)]
     return estimate(dims, accumulators=cfg.reduce.accumulators, workers=workers, rows_per_batch=cfg.plan.seq_len,
                     heldout_rows=cfg.reduce.heldout_rows,
                     kept_max=max(max_components(p, cfg.reduce.ratios, cfg.allocator) for p in dims))
 
 
-def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
+@dataclass(frozen=True)
+class Planned:
+    """The plan stage's hand-off: the settings as they will run (tokens resolved), where the version
+    goes, the shard store root, the model's tokenizer and fingerprint (config only, no weights)."""
+
+    settings: JobSettings
+    registry: str
+    store_root: str
+    tokenizer: Any
+    fingerprint: dict
+    seconds: float
+    model_config: Any = None  # the model's transformers config (the GPU plan sizes its weights)
+
+
+@dataclass
+class Folded:
+    """The fold stage's hand-off: the shard store scope, every planned shard ({id, index, role,
+    tokens, cached}), the accumulators (name, shard ids) in order, the workers' results, and timings."""
+
+    store: Any
+    shards: list[dict]
+    accumulators: list[tuple[str, list[str]]]
+    results: list[dict]
+    workers: int
+    model_dtype: str
+    on_cluster_gpu: bool
+    duplicates: list[str]
+    startup_s: float
+    fold_s: float
+
+
+def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
+    """Plan: check every input before any model work (registry writable, corpus specs, model spec,
+    sequence length, ratios, memory) and resolve the token count."""
     import psutil
     import torch
 
     from kvtc import artifacts
     from kvtc.artifacts.tensor_parallel import TensorParallelLayout
     from kvtc.pipeline.fit.allocator import validate_ratios
-    from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
     from kvtc.pipeline.job.memory_plan import check_fits
-    from kvtc.pipeline.job.reduce import reduce_and_publish
-    from kvtc.pipeline.job.shard_worker import ShardWorker
-    from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
-    from kvtc.workers.capture import CaptureSettings, check_seq_len
-    from kvtc.workers.models import fingerprint_id, load_spec, resolve_dtype
+    from kvtc.pipeline.job.store import default_store_uri
+    from kvtc.workers.capture import check_seq_len, resolve_groups
+    from kvtc.workers.models import load_spec
 
-    t_start = time.perf_counter()
+    t0 = time.perf_counter()
     alloc, capture, rt = cfg.allocator, cfg.capture, cfg.runtime
-    plan = AccumulatorPlan(cfg.reduce.accumulators)
     registry = artifacts.Registry(rt.registry).uri
     artifacts.check_writable(registry)
     for spec in filter(None, (cfg.plan.corpus, cfg.plan.eval_corpus)):
         iter_documents(spec, cfg.plan.text_column)  # a bad spec fails here, before any model work
-
     info = load_spec(cfg.model.model, cache_dir=rt.cache_dir)  # config and tokenizer only: the driver never loads weights
+    capture = replace(capture, groups=resolve_groups(capture.groups, info.layers))  # "auto" on one layer kind: "model"
+    cfg = replace(cfg, capture=capture)
     check_seq_len(info, cfg.plan.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
     text_config = getattr(info.config, "text_config", None) or info.config
     TensorParallelLayout(capture.tp, info.num_kv_heads, int(getattr(text_config, "num_attention_heads", 0) or 0))
-    for group in capture.group_layers(info.num_layers, info.num_kv_heads):
-        validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), alloc)
+    if alloc.basis_budget:  # a share of the model's parameters: resolved to components per group, recorded as such
+        from kvtc.pipeline.fit.basis_budget import BasisBudget, model_parameters
+
+        features = sum(g.dim(info.num_kv_heads, info.head_dim)
+                       for g in capture.group_layers(info.layers, info.num_kv_heads))
+        cap = BasisBudget(alloc.basis_budget, alloc.max_components or None).cap(model_parameters(info.config), features)
+        alloc = replace(alloc, max_components=cap)
+        cfg = replace(cfg, allocator=alloc)
+    for group in capture.group_layers(info.layers, info.num_kv_heads):
+        validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), cfg.allocator)
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         if rt.gpus_per_worker and not in_process and not torch.cuda.is_available():
             raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: this machine has no GPU torch can see and no "
                              "cluster was given; omit it to run on CPUs, or join a cluster with GPUs (--address)")
         local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
-        est = _memory_estimate(cfg, info, capture.groups, local_workers)
+        kv, hd = info.num_kv_heads, info.head_dim
+        est = _memory_estimate(cfg, info.layers, kv, hd, capture.groups, local_workers)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, capture.groups,
-                   lambda k: _memory_estimate(cfg, info, f"layers:{k}", local_workers))
-    tokenizer, fingerprint = info.tokenizer, info.fingerprint
-
-    on_gpu = torch.cuda.is_available()
-    tokens = cfg.plan.tokens or (DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS)
+                   lambda k: _memory_estimate(cfg, info.layers, kv, hd, f"layers:{k}", local_workers))
     if cfg.plan.tokens is None:
-        print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)", file=sys.stderr)
+        on_gpu = torch.cuda.is_available()
+        tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS
+        print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)",
+              file=sys.stderr)
         cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
-    store_root = rt.store or default_store_uri()
+    return Planned(cfg, registry, rt.store or default_store_uri(), info.tokenizer, info.fingerprint,
+                   time.perf_counter() - t0, info.config)
 
+
+def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False, gpu_plan=None) -> Folded:
+    """Fold: run the planned shards through the model (a Ray actor pool, Ray already started, by this
+    job when `ray_started`; or this process) into the stored accumulators and held-out rows; cached
+    shards are not run again."""
+    import torch
+
+    from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
+    from kvtc.pipeline.job.shard_worker import ShardWorker
+    from kvtc.pipeline.job.store import ShardStore, capture_key
+    from kvtc.workers.models import fingerprint_id, resolve_dtype
+
+    cfg, fingerprint = planned.settings, planned.fingerprint
+    capture, rt = cfg.capture, cfg.runtime
     shards_seen: list[dict] = []
     duplicates: list[str] = []
-    rows_per_heldout_shard = max(1, cfg.reduce.heldout_rows // 2)
 
     def payloads(store: ShardStore, planner: FoldPlanner):
-        for role, shard in plan_shards(shard_plan(cfg, tokens), tokenizer, fingerprint["max_positions"], duplicates):
+        for role, shard in plan_shards(shard_plan(cfg, cfg.plan.tokens), planned.tokenizer, fingerprint["max_positions"],
+                                       duplicates):
             entry = {"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size), "cached": False}
             shards_seen.append(entry)
             if role == "train":
@@ -125,13 +180,43 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
                 yield {"shard": shard.to_payload(), "role": role}
         yield from planner.finish()
 
+    # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
+    worker_gpu = torch.cuda.is_available() if in_process else gpus >= 1
+    model_dtype = str(resolve_dtype(cfg.model.dtype, torch.device("cuda" if worker_gpu else "cpu"))).removeprefix("torch.")
+    store = ShardStore(planned.store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
+    planner = FoldPlanner(AccumulatorPlan(cfg.reduce.accumulators), store)
+    actor_kwargs = dict(
+        model=cfg.model.model, capture=capture.to_dict(), store_root=planned.store_root, dtype=cfg.model.dtype,
+        cache_dir=rt.cache_dir, threads=rt.threads_per_worker, rows_per_heldout_shard=max(1, cfg.reduce.heldout_rows // 2),
+        fingerprint=fingerprint, model_dtype=model_dtype,
+    )
+    timing: dict = {}
+    if in_process:
+        workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
+    else:
+        workers, results = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs,
+                                       payloads(store, planner), timing)
+    return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
+                  timing["startup_s"], timing["run_s"])
+
+
+def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
+    """plan -> fold -> (solve -> fit -> measure per stream and group) -> publish."""
+    from kvtc.pipeline.job.reduce import reduce_and_publish
+
+    t_start = time.perf_counter()
+    planned = plan_job(cfg, in_process)
+    cfg, rt = planned.settings, planned.settings.runtime
     started, gpus = False, 0.0
     if not in_process:
         import ray
 
         from kvtc.pipeline.job import ray_pool
 
-        started = ray_pool.start_ray(rt.address, num_cpus=None)
+        started = ray_pool.start_ray(rt.address, num_cpus=None, verbose=rt.verbose)
+        if not rt.verbose and ray_pool.worker_log_dir():
+            print(f"kvtc calibrate: worker output goes to {ray_pool.worker_log_dir()} (--verbose shows it here)",
+                  file=sys.stderr)
     try:
         gpu_plan = None
         if not in_process:
@@ -140,63 +225,59 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
                 raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: Ray reports no GPU in the cluster; "
                                  "omit it to run on CPUs, or join a cluster with GPUs (--address)")
             if gpus >= 1:  # before any model work: refuse a model the workers' GPUs cannot hold
-                gpu_plan = _gpu_plan(cfg, info, gpus, *ray_pool.gpu_inventory())
-        # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
-        worker_gpu = on_gpu if in_process else gpus >= 1
-        model_dtype = str(resolve_dtype(cfg.model.dtype, torch.device("cuda" if worker_gpu else "cpu"))).removeprefix("torch.")
-        store = ShardStore(store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
-        planner = FoldPlanner(plan, store)
-        actor_kwargs = dict(
-            model=cfg.model.model, capture=capture.to_dict(), store_root=store_root, dtype=cfg.model.dtype,
-            cache_dir=rt.cache_dir, threads=rt.threads_per_worker, rows_per_heldout_shard=rows_per_heldout_shard, fingerprint=fingerprint,
-            model_dtype=model_dtype,
-        )
-        timing: dict = {}
-        if in_process:
-            workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
-        else:
-            workers, results = _run_on_ray(cfg, gpu_plan, started, ShardWorker, actor_kwargs, payloads(store, planner),
-                                           timing)
-        pool_seconds = timing["run_s"]
+                gpu_plan = _gpu_plan(planned, gpus, *ray_pool.gpu_inventory())
+        folded = fold_shards(planned, in_process, gpus, started, gpu_plan)
         if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
             ray.shutdown()
             started = False
         reduce_timing: dict = {}
         summary = reduce_and_publish(
-            cfg=cfg, fingerprint=fingerprint, store=store, shards=shards_seen,
-            accumulators=planner.accumulators(), registry=registry, alias_latest=alias_latest,
-            model_dtype=model_dtype, on_cluster_gpu=gpus >= 1, timing=reduce_timing,
+            cfg=cfg, fingerprint=planned.fingerprint, store=folded.store, shards=folded.shards,
+            accumulators=folded.accumulators, registry=planned.registry, alias_latest=alias_latest,
+            model_dtype=folded.model_dtype, on_cluster_gpu=folded.on_cluster_gpu, timing=reduce_timing,
         )
     finally:
         if started:
             ray.shutdown()
+    if folded.duplicates:
+        summary["warnings"].append(f"{len(folded.duplicates)} shards repeated an earlier shard's tokens and were folded once")
+    summary["run"] = run_figures(planned, folded, reduce_timing, time.perf_counter() - t_start)
+    return summary, {"store": folded.store, "shards": folded.shards, "fingerprint": planned.fingerprint}
 
+
+def run_figures(planned: Planned, folded: Folded, reduce_timing: dict, wall_s: float) -> dict:
+    """The summary's "run" section: pool figures, store bytes, and the seconds of every stage."""
+    results, rt = folded.results, planned.settings.runtime
     run_tokens = sum(r["tokens_run"] for r in results)
-    if duplicates:
-        summary["warnings"].append(f"{len(duplicates)} shards repeated an earlier shard's tokens and were folded once")
-    folded = [r for r in results if r["role"] == "train" and not r.get("skipped")]
-    summary["run"] = {
-        "workers": workers,
+    trained = [r for r in results if r["role"] == "train" and not r.get("skipped")]
+    pool_s = folded.fold_s
+    out = {
+        "workers": folded.workers,
         "threads_per_worker": rt.threads_per_worker,
-        "accumulators": cfg.reduce.accumulators,
+        "accumulators": planned.settings.reduce.accumulators,
         "shards_run": sum(not r.get("skipped") for r in results),
-        "shards_cached": sum(s["cached"] for s in shards_seen),
+        "shards_cached": sum(s["cached"] for s in folded.shards),
         "tokens_run": run_tokens,
-        "startup_seconds": round(timing["startup_s"], 2),
-        "pool_seconds": round(pool_seconds, 2),
-        "pool_tokens_per_s": round(run_tokens / pool_seconds, 1) if pool_seconds > 0 and run_tokens else None,
-        "checkpoint_bytes_per_shard": int(sum(r["bytes"] for r in folded) / max(1, len(folded))),
-        "capture_seconds": round(sum(r.get("capture_s", 0.0) for r in folded), 2),  # summed over workers
-        "fold_seconds": round(sum(r.get("fold_s", 0.0) for r in folded), 2),
-        "checkpoint_seconds": round(sum(r.get("checkpoint_s", 0.0) for r in folded), 2),
-        "stats_bytes": store.stats_bytes(),
+        "startup_seconds": round(folded.startup_s, 2),
+        "pool_seconds": round(pool_s, 2),
+        "pool_tokens_per_s": round(run_tokens / pool_s, 1) if pool_s > 0 and run_tokens else None,
+        "checkpoint_bytes_per_shard": int(sum(r["bytes"] for r in trained) / max(1, len(trained))),
+        "capture_seconds": round(sum(r.get("capture_s", 0.0) for r in trained), 2),  # summed over workers
+        "fold_seconds": round(sum(r.get("fold_s", 0.0) for r in trained), 2),
+        "checkpoint_seconds": round(sum(r.get("checkpoint_s", 0.0) for r in trained), 2),
+        "stats_bytes": folded.store.stats_bytes(),
         "reduce_seconds": round(reduce_timing.get("reduce_s", 0.0), 2),
         "solve_seconds": round(reduce_timing.get("solve_s", 0.0), 2),
         "eig_seconds": round(reduce_timing.get("eig_s", 0.0), 2),
         "curve_seconds": round(reduce_timing.get("curve_s", 0.0), 2),
-        "wall_seconds": round(time.perf_counter() - t_start, 2),
+        "wall_seconds": round(wall_s, 2),
+        # plan -> fold (model work, after the actors loaded the model) -> solve -> fit -> measure -> publish
+        "stages": {"plan": round(planned.seconds, 2), "startup": round(folded.startup_s, 2), "fold": round(pool_s, 2),
+                   "tokens_curve": round(reduce_timing.get("curve_s", 0.0), 2),
+                   **{k: round(reduce_timing.get(f"{k}_s", 0.0), 2) for k in ("solve", "fit", "measure", "publish")}},
     }
-    return summary, {"store": store, "shards": shards_seen, "fingerprint": fingerprint}
+    out["wall_over_model_work"] = round(wall_s / pool_s, 2) if pool_s else None
+    return out
 
 
 def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dict) -> list[dict]:
@@ -218,19 +299,21 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dic
     return results
 
 
-def _gpu_plan(cfg: JobSettings, info, cluster_gpus: float, gpu_bytes: int, gpus_per_node: int):
+def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_node: int):
     """GPUs per worker (memory_plan.plan_gpus) for the model's weights in the workers' dtype."""
     import torch
 
+    from kvtc.kernels.layers import layers_of
     from kvtc.pipeline.job.memory_plan import plan_gpus
     from kvtc.workers.model_size import model_size
     from kvtc.workers.models import resolve_dtype
 
-    rt = cfg.runtime
-    size = model_size(info.config, resolve_dtype(cfg.model.dtype, torch.device("cuda")), cfg.plan.seq_len)
+    cfg, fp = planned.settings, planned.fingerprint
+    rt, kv, hd = cfg.runtime, int(fp["num_kv_heads"]), int(fp["head_dim"])
+    size = model_size(planned.model_config, resolve_dtype(cfg.model.dtype, torch.device("cuda")), cfg.plan.seq_len)
     return plan_gpus(size, gpu_bytes, int(cluster_gpus), gpus_per_node,
-                     lambda workers: _memory_estimate(cfg, info, cfg.capture.groups, rt.workers or workers).worker,
-                     rt.gpus_per_worker)
+                     lambda workers: _memory_estimate(cfg, layers_of(fp), kv, hd, cfg.capture.groups,
+                                                      rt.workers or workers).worker, rt.gpus_per_worker)
 
 
 def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
@@ -265,14 +348,18 @@ def print_summary(summary: dict, as_json: bool) -> None:
         print(json.dumps(summary, indent=2, sort_keys=True))
         return
     print(f"published {summary['name']}@{summary['version']} to {summary['registry']}")
+    print("  held-out relative error, in the codec's default mode (kept components) | the other mode")
     for row in summary["ratios"]:
-        print(
-            f"  CR {row['ratio']:>5g}: keys {100 * row['keys']['rel_error']:.2f}%  values {100 * row['values']['rel_error']:.2f}%"
-            f"  (held-out relative error; kept {row['keys']['kept']}/{row['values']['kept']} components)"
-        )
+        other = "fixed" if row["mode"] == "ecsq" else "ecsq"
+        k, v = row["keys"], row["values"]
+        beside = (f"  | {other}: keys {100 * k[other]['rel_error']:.2f}%  values {100 * v[other]['rel_error']:.2f}%"
+                  if "rel_error" in k.get(other, {}) and "rel_error" in v.get(other, {}) else "")
+        print(f"  CR {row['ratio']:>5g} {row['mode']}: keys {100 * k['rel_error']:.2f}%  values {100 * v['rel_error']:.2f}%"
+              f"  ({k.get('kept')}/{v.get('kept')}){beside}")
     run = summary.get("run", {})
     if run:
-        print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall {run['wall_seconds']} s")
+        print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall "
+              f"{run['wall_seconds']} s; stages (s): " + ", ".join(f"{k} {v:g}" for k, v in run.get("stages", {}).items()))
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

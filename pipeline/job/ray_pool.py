@@ -68,7 +68,7 @@ def actor_env_options(kvtc_env: dict[str, str], job_env_vars: dict[str, str], en
     return {"runtime_env": {"env_vars": dict(kvtc_env)}}
 
 
-def start_ray(address: str | None, num_cpus: int | None) -> bool:
+def start_ray(address: str | None, num_cpus: int | None, verbose: bool = True) -> bool:
     """Join `address` (or $RAY_ADDRESS, as inside `ray job submit`), else start a local Ray.
     Returns True when this call started Ray and the caller should shut it down.
 
@@ -76,15 +76,26 @@ def start_ray(address: str | None, num_cpus: int | None) -> bool:
     gets them as its processes' inherited environment and no runtime environment at all: the
     worker processes it starts with the first driver then serve the actors (pass
     PoolSettings(env_inherited=True)); with a runtime environment they could not, and Ray would
-    shut them down as idle, which at times crashes in Ray's teardown and prints a stack dump."""
+    shut them down as idle, which at times crashes in Ray's teardown and prints a stack dump.
+    verbose=False keeps the workers' output (model conversion and loading bars) in Ray's log files
+    instead of this process's terminal; `worker_log_dir()` says where."""
     if ray.is_initialized():
         return False
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or None, log_to_driver=True, runtime_env={"env_vars": job_env()})
+        ray.init(address=address or None, log_to_driver=verbose, runtime_env={"env_vars": job_env()})
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose,
+             logging_level=logging.WARNING)
     return True
+
+
+def worker_log_dir() -> str | None:
+    """Where this Ray session writes its workers' output (None when unknown)."""
+    try:
+        return ray._private.worker.global_worker.node.get_logs_dir_path()
+    except Exception:  # a private API: the path is a convenience, not needed for the job
+        return None
 
 
 def run_pool(

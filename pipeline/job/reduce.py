@@ -1,14 +1,14 @@
 """Reduce: from the stored accumulators, compute PCA bases and one DP bit allocation per ratio for
 every stream and group, measure them on held-out rows (and the second domain), and publish.
 
-Three steps: `reduce_group` (pure: one stream and group's basis and held-out rows in, its
-allocations, metrics and curve rows out; no store), `aggregate` (stream-level figures over
-groups) and `publish_calibration` (manifest fields, report, registry). `reduce_and_publish` runs
-them: one stream and group at a time, its basis from `kvtc.pipeline.job.basis_solver` (a GPU Ray
-task when the cluster has GPUs, this process otherwise). Exact solves (GPU, or p <= 4096) compute
-every component the least aggressive ratio could keep; above that a CPU solves the leading k by
-subspace iteration, starting at max(512, p / 16) and doubling k while an allocation keeps more
-than 80% of it (more components could then change the allocation).
+Stages, one stream and group at a time (its basis is the largest object): solve
+(`kvtc.pipeline.job.basis_solver`: a GPU Ray task when the cluster has GPUs, this process on every
+core otherwise; the solver chosen from k / p, see `choose_solver`) -> fit (`fit_group`: DP
+allocations and ECSQ tables, a `GroupFit`) -> measure (`measure_group`: both modes' metrics and the
+curves, a `GroupResult`); then `aggregate` (stream-level figures over groups) and publish
+(`publish_calibration`: manifest fields, report, registry). A subspace solve whose components the
+allocation fills is followed by an exact solve (or a wider subspace where that does not fit).
+Each stage's seconds go to `timing` (solve_s, fit_s, measure_s, publish_s).
 
 Accumulators are summed in accumulator order, each folded in shard order, so the artifact is
 bit-identical for any number of workers. Held-out rows come from whole held-out shards (never in
@@ -25,16 +25,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
+from kvtc.kernels.layers import layers_of
 from kvtc.pipeline.evaluation import diagnostics
-from kvtc.pipeline.evaluation import rate_distortion, report
+from kvtc.pipeline.evaluation import basis_size, rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.evaluation.metrics import evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
-from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis
-from kvtc.pipeline.job.basis_solver import max_components, solve_group
+from kvtc.pipeline.fit.pca import Basis, every_core
+from kvtc.pipeline.job.basis_solver import choose_solver, max_components, next_solve, solve_group
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
 from kvtc.workers.stats import STREAMS, CalibrationStats
@@ -111,26 +113,52 @@ class GroupResult:
     ecsq: dict = field(default_factory=dict)  # ECSQ mode: (ratio, stream, group) -> table
 
 
-def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, held: HeldOut,
-                 evals: HeldOut | None, cols: slice | np.ndarray, sinks: int, window: int,
-                 ecsq_totals: dict | None = None) -> GroupResult:
-    """One stream and group: DP allocations at `ratios` on the held-out middle rows' projections,
-    ECSQ tables, metrics on held-out (middle and all positions) and eval rows, spectrum, PCA-error
-    and rate-distortion curves. `ecsq_totals` gathers the ECSQ stream-level sums over groups."""
-    ecsq_totals = {} if ecsq_totals is None else ecsq_totals
-    mid = held.middle(sinks, window)
+@dataclass
+class GroupFit:
+    """The fit stage's hand-off for one stream and group: its basis, its held-out rows (all positions
+    `rows_all` (N, p); the middle ones `x_mid` and their projections `z_mid` (M, k)), the DP
+    allocations and the ECSQ fits at every ratio, and the seconds the fit took."""
+
+    stream: str
+    group: int
+    basis: Basis
+    rows_all: np.ndarray
+    x_mid: np.ndarray
+    z_mid: torch.Tensor
+    allocs: list
+    fits: list
+    seconds: float = 0.0
+
+    @property
+    def kept(self) -> int:
+        return max([a.kept for a in self.allocs] + [f.kept for f in self.fits])
+
+
+def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, held: HeldOut,
+              cols: slice | np.ndarray, sinks: int, window: int) -> GroupFit:
+    """Fit: DP allocations and ECSQ tables at `ratios` on the held-out middle rows' projections."""
+    t0 = time.perf_counter()
     rows_all = getattr(held, stream)[:, cols]
-    x_mid = rows_all[mid]
-    z_mid = basis.project(x_mid)  # one GEMM serves the error tables and the held-out metrics
+    x_mid = rows_all[held.middle(sinks, window)]
+    z_mid = basis.project(x_mid)  # one GEMM serves the error tables, the ECSQ fit and the held-out metrics
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
-    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim)  # ECSQ mode
-    kept = max([a.kept for a in allocs] + [f.kept for f in fits])
+    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
+                               ecsq_fit.EcsqSettings(max_components=alloc.max_components))
+    return GroupFit(stream, group, basis, rows_all, x_mid, z_mid, allocs, fits, time.perf_counter() - t0)
+
+
+def measure_group(fit: GroupFit, held: HeldOut, evals: HeldOut | None, cols: slice | np.ndarray, sinks: int,
+                  window: int, ecsq_totals: dict) -> GroupResult:
+    """Measure: metrics of both modes on held-out (middle and all positions) and eval rows, spectrum,
+    PCA-error and rate-distortion curves; `ecsq_totals` gathers the ECSQ stream-level sums over groups."""
+    stream, group, basis, allocs, fits = fit.stream, fit.group, fit.basis, fit.allocs, fit.fits
+    rows_all, x_mid, z_mid, kept = fit.rows_all, fit.x_mid, fit.z_mid, fit.kept
     out = GroupResult(stream, group, (basis.mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32),
                                       basis.components[:, :kept].astype(np.float32)))
     out.notes = list(dict.fromkeys(w for a in allocs for w in a.warnings))
     out.ecsq = {(f.ratio, stream, group): f.to_table() for f in fits}
     curves = out.curves = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [], "pca_error": [],
-                           "rate_distortion": []}
+                           "rate_distortion": [], "basis_size": []}
     curves["spectrum"] = [{"stream": stream, "group": group, "index": i, "eigenvalue": float(v)}
                           for i, v in enumerate(basis.eigenvalues)]
     ks = sorted({k for k in _PCA_KS if k <= basis.k} | {basis.k})
@@ -167,6 +195,12 @@ def reduce_group(stream: str, group: int, basis: Basis, ratios, alloc: Allocator
             "expected_error": a.expected_error, "heldout_rows": a.heldout_rows,
         }
     return out
+
+
+def _free_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def aggregate(results: list[GroupResult]) -> list[dict]:
@@ -219,7 +253,7 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     evals = load_rows(store, eval_ids, red.heldout_rows) if eval_ids else None
 
     kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
-    groups = cap.group_layers(int(fingerprint["num_layers"]), kv_heads)
+    groups = cap.group_layers(layers_of(fingerprint), kv_heads)
     columns = group_columns(groups, kv_heads, head_dim)
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
     curve_ratio = red.curve_ratio
@@ -233,35 +267,56 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     t_curve = time.perf_counter()
 
     results: list[GroupResult] = []
+    stage_s = {"fit": 0.0, "measure": 0.0}
     ecsq_totals: dict = {}
     solve_timings: list[dict] = []
     train_rows = 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(STREAMS) * len(groups), unit="group", desc="reduce", dynamic_ncols=True, disable=None,
+               file=sys.stderr)
     for stream in STREAMS:
         for g, group in enumerate(groups):
             p = group.dim(kv_heads, head_dim)
             bound = max_components(p, red.ratios, alloc)
-            k = bound if on_cluster_gpu or p <= EXACT_MAX_P else min(bound, max(512, p // 16))
-            while True:  # subspace iteration: widen until the least aggressive allocation stops short of k
-                basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu)
+            method, k = choose_solver(p, bound, on_cluster_gpu, _free_bytes())
+            while True:  # a subspace the allocation fills is followed by an exact solve (or a wider one)
+                basis, solved = solve_group(store, names, stream, g, k, on_cluster_gpu, method)
                 solve_timings.append({"stream": stream, "group": g, "p": p, "k": basis.k, **solved})
                 totals = {key: list(v) if isinstance(v, list) else v for key, v in ecsq_totals.items()}
-                result = reduce_group(stream, g, basis, red.ratios, alloc, held, evals, columns[g],
-                                      cap.sinks, cap.window, totals)
+                with every_core():
+                    fitted = fit_group(stream, g, basis, red.ratios, alloc, held, columns[g], cap.sinks, cap.window)
+                    t_measure = time.perf_counter()
+                    result = measure_group(fitted, held, evals, columns[g], cap.sinks, cap.window, totals)
+                stage_s["fit"] += fitted.seconds
+                stage_s["measure"] += time.perf_counter() - t_measure
+                del fitted
                 train_rows = basis.n
-                del basis
-                if k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
+                if solved["method"] == "exact" or k >= bound or result.basis[2].shape[1] < KEEP_MARGIN * k:
                     ecsq_totals = totals
+                    x_mid = getattr(held, stream)[held.middle(cap.sinks, cap.window)][:, columns[g]]
+                    with every_core():
+                        result.curves["basis_size"] = basis_size.curve_rows(basis, x_mid, basis.project(x_mid), stream,
+                                                                            g, red.ratios)
+                    del basis, x_mid
                     break
-                k = min(bound, 2 * k)
+                del basis
+                method, k = next_solve(p, k, bound, _free_bytes())
             results.append(result)
-            print(f"kvtc reduce: {stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on "
-                  f"{solved['device']} ({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}", file=sys.stderr)
+            line = (f"{stream} group {g}: p={p}, solved {solve_timings[-1]['k']} components on {solved['device']} "
+                    f"({solved['method']}) in {solved['eig_s']:.1f} s, kept {results[-1].basis[2].shape[1]}")
+            if cfg.runtime.verbose:
+                bar.write(f"kvtc reduce: {line}", file=sys.stderr)
+            bar.update(1)
+            bar.set_postfix_str(f"{stream} g{g}: {solved['method']} {solved['eig_s']:.0f} s", refresh=False)
+    bar.close()
     for r in results:
         notes.extend(w for w in r.notes if w not in notes)
     timing.update(curve_s=t_curve - t0, solve_s=sum(t["sum_s"] + t["eig_s"] for t in solve_timings),
-                  eig_s=sum(t["eig_s"] for t in solve_timings), groups=solve_timings)
+                  eig_s=sum(t["eig_s"] for t in solve_timings), groups=solve_timings, fit_s=stage_s["fit"],
+                  measure_s=stage_s["measure"])
+    t_publish = time.perf_counter()
 
-    from kvtc import artifacts
 
     calibration = calibration_record(cfg, groups, model_dtype, tokens_in, int(train_rows), int(mid.sum()),
                                      0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum()), notes,
@@ -279,6 +334,7 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     summary = publish_calibration(cfg, fingerprint, calibration, corpus, results, by_tokens, registry, alias_latest,
                                   notes, rate_distortion.stream_metrics(ecsq_totals))
     timing["reduce_s"] = time.perf_counter() - t0
+    timing["publish_s"] = time.perf_counter() - t_publish
     return summary
 
 
@@ -310,7 +366,8 @@ def publish_calibration(cfg: JobSettings, fingerprint: dict, calibration: dict, 
 
     metrics = [m for r in results for m in r.metrics] + ecsq_metrics + aggregate(results)
     curves: dict[str, list[dict]] = {"error_by_position": [], "error_by_position_pca": [], "spectrum": [],
-                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": []}
+                                     "pca_error": [], "error_by_tokens": by_tokens, "rate_distortion": [],
+                                     "basis_size": []}
     for r in results:
         for name, rows in r.curves.items():
             curves[name] += rows
@@ -327,13 +384,31 @@ def publish_calibration(cfg: JobSettings, fingerprint: dict, calibration: dict, 
 
 
 def summarize(ref, metrics: list[dict], notes: list[str]) -> dict:
-    """The `--json` summary: per ratio and stream, the stream-level held-out (and eval) errors."""
-    table: dict = {}
+    """The `--json` summary: per ratio, the codec's default mode ("ecsq" where the artifact has its
+    tables, else "fixed") and per stream that mode's held-out and second-domain errors and kept
+    components first, then each mode's figures under "ecsq" and "fixed" and the Gaussian bound."""
+    modes: dict = {}
     for m in metrics:
-        entry = table.setdefault(m["ratio"], {}).setdefault(m["stream"], {})
-        if m["group"] is None:
-            entry[m["metric"] if m["split"] == "heldout" else f"{m['split']}_{m['metric']}"] = m["value"]
-        elif m["metric"] == "kept" and m["split"] == "heldout":  # summed over groups
-            entry["kept"] = entry.get("kept", 0) + int(m["value"])
-    rows = [{"ratio": r, **v} for r, v in sorted(table.items())]
+        if m["split"] not in ("heldout", "eval") or (m["group"] is not None and m["metric"] not in ("kept", "ecsq_kept")):
+            continue
+        mode, metric = ("ecsq", m["metric"][5:]) if m["metric"].startswith("ecsq_") else ("fixed", m["metric"])
+        if metric == "heldout_bound_rel_error":
+            mode, metric = "bound", "rel_error"
+        entry = modes.setdefault(m["ratio"], {}).setdefault(m["stream"], {}).setdefault(mode, {})
+        name = metric if m["split"] == "heldout" else f"eval_{metric}"
+        if metric == "kept":
+            if m["split"] == "heldout" and m["group"] is not None:  # summed over groups
+                entry["kept"] = entry.get("kept", 0) + int(m["value"])
+        elif m["group"] is None:
+            entry[name] = m["value"]
+    rows = []
+    for ratio, streams in sorted(modes.items()):
+        default = "ecsq" if all("rel_error" in s.get("ecsq", {}) for s in streams.values()) else "fixed"
+        row: dict = {"ratio": ratio, "mode": default}
+        for stream, by_mode in streams.items():
+            first = by_mode.get(default, {})
+            row[stream] = {**{k: first[k] for k in ("rel_error", "eval_rel_error", "kept") if k in first},
+                           "ecsq": by_mode.get("ecsq", {}), "fixed": by_mode.get("fixed", {}),
+                           "bound_rel_error": by_mode.get("bound", {}).get("rel_error")}
+        rows.append(row)
     return {"name": ref.name, "version": ref.version, "registry": ref.registry, "ratios": rows, "warnings": notes}

@@ -9,14 +9,22 @@ Layout: ``<root>/<model fingerprint id>/<capture key>/<shard id>.rows.safetensor
 shards: a capped sample of captured rows with their positions) and
 ``<root>/<model fingerprint id>/<capture key>/acc/<accumulator>.stats`` (training statistics: one
 running total per accumulator with the ids of the shards folded into it, in fold order; see
-`kvtc.pipeline.job.accumulators`). Statistics objects carry a sha256 per tensor, verified on read;
-one that fails is moved aside as ``<name>.stats.corrupt`` so the next run recomputes it.
+`kvtc.pipeline.job.accumulators`). Statistics objects carry a sha256 per tensor, and their footer
+is authenticated with an HMAC-SHA256 under the store's key ``<root>/.store-key`` (32 random bytes,
+created once, mode 0600 on a local disk): an object forged or edited without the key fails. Held-out
+rows carry an HMAC of their tensors and metadata in their own metadata. Any object that cannot be
+read (forged, corrupt, bad JSON, a dtype or shape that does not fit its bytes) is moved aside as
+``<name>.corrupt`` with its name in the error, so the next run recomputes it.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
+import sys
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -32,6 +40,9 @@ from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, writ
 
 KINDS = ("rows",)
 ACC_DIR = "acc"
+KEY_FILE = ".store-key"
+_KEY_BYTES = 32
+_KEYS: dict[str, bytes] = {}  # per store root, loaded once per process
 
 
 def default_store_uri() -> str:
@@ -64,6 +75,13 @@ class ShardStore:
             raise ValueError("shard store root is empty; pass a directory or an fsspec URI (e.g. s3://bucket/kvtc-cache)")
 
     @property
+    def hmac_key(self) -> bytes:
+        """The store's HMAC key, created (32 random bytes, 0600 locally) by the first writer."""
+        if self.root not in _KEYS:
+            _KEYS[self.root] = _load_or_create_key(self.root)
+        return _KEYS[self.root]
+
+    @property
     def _fs_and_base(self) -> tuple[fsspec.AbstractFileSystem, str]:
         fs, base = fsspec.core.url_to_fs(self.root)
         return fs, f"{base.rstrip('/')}/{self.model_id}/{self.capture_key}"
@@ -82,9 +100,19 @@ class ShardStore:
         return fs.exists(self._path(shard_id, kind))
 
     def put(self, shard_id: str, kind: str, tensors: dict[str, np.ndarray], metadata: dict) -> int:
-        """Write one entry whole from arrays plus JSON metadata; returns its size in bytes."""
-        data = st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata={"kvtc": json.dumps(metadata, sort_keys=True)})
+        """Write one entry whole from arrays plus JSON metadata (authenticated); returns its size in bytes."""
+        arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+        text = json.dumps(metadata, sort_keys=True)
+        data = st_save(arrays, metadata={"kvtc": text, "kvtc_hmac": self._entry_mac(arrays, text)})
         return self.put_bytes(shard_id, kind, data)
+
+    def _entry_mac(self, arrays: dict[str, np.ndarray], metadata: str) -> str:
+        mac = hmac.new(self.hmac_key, metadata.encode(), hashlib.sha256)
+        for name in sorted(arrays):
+            a = arrays[name]
+            mac.update(json.dumps([name, a.dtype.str, list(a.shape)]).encode())
+            mac.update(memoryview(np.ascontiguousarray(a)).cast("B") if a.nbytes else b"")
+        return mac.hexdigest()
 
     def put_bytes(self, shard_id: str, kind: str, data: bytes) -> int:
         """Write one entry whole. Re-writing an entry (a retried task) replaces it with identical content."""
@@ -107,14 +135,24 @@ class ShardStore:
             raise FileNotFoundError(f"shard entry {self.uri(shard_id, kind)} is missing; rerun the calibration to recompute it") from None
 
     def get(self, shard_id: str, kind: str) -> tuple[dict[str, np.ndarray], dict]:
-        """Arrays and JSON metadata of an entry written by `put`."""
+        """Arrays and JSON metadata of an entry written by `put`, authenticated. An unreadable or forged
+        entry is moved aside (`.corrupt`) and raised as CorruptStats naming it: a rerun recomputes it."""
         data = self.get_bytes(shard_id, kind)
         try:
             header_len = int.from_bytes(data[:8], "little")
-            metadata = json.loads(json.loads(data[8 : 8 + header_len]).get("__metadata__", {}).get("kvtc", "{}"))
-            return st_load(data), metadata
-        except Exception as exc:
-            raise ValueError(f"shard entry {self.uri(shard_id, kind)} is unreadable ({exc}); delete it and rerun") from exc
+            if header_len > min(len(data) - 8, 1 << 26):
+                raise ValueError(f"header length {header_len} exceeds the entry")
+            meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
+            text, mac = meta.get("kvtc", "{}"), meta.get("kvtc_hmac")
+            arrays = st_load(data)
+            if not isinstance(mac, str) or not hmac.compare_digest(mac, self._entry_mac(arrays, text)):
+                raise ValueError("not authenticated with the store's key (forged, or written by an older release)")
+            return arrays, json.loads(text)
+        except Exception as exc:  # safetensors, JSON and the check all fail as "unreadable"
+            path = self._path(shard_id, kind)
+            self._move_aside(path)
+            raise CorruptStats(self.uri(shard_id, kind), f"{type(exc).__name__}: {exc}; moved aside as "
+                               f"{os.path.basename(path)}.corrupt") from None
 
     # ---- accumulators: running statistics totals, rewritten whole after every folded shard ----
 
@@ -131,9 +169,9 @@ class ShardStore:
         path = self._acc_path(name)
         fs.makedirs(f"{base}/{ACC_DIR}", exist_ok=True)
         if isinstance(fs, LocalFileSystem):
-            return atomic_write(path, stats.write_to)
+            return atomic_write(path, lambda f: stats.write_to(f, self.hmac_key))
         with fs.open(path, "wb") as f:
-            return stats.write_to(f)
+            return stats.write_to(f, self.hmac_key)
 
     def acc_shards(self, name: str) -> list[str] | None:
         """Shard ids folded into a stored accumulator (its footer only), None when it is absent.
@@ -144,9 +182,10 @@ class ShardStore:
             return None
         try:
             with fs.open(path, "rb") as f:
-                return list(CalibrationStats.read_metadata(f, self.acc_uri(name))["shard_ids"])
-        except CorruptStats:
+                return list(CalibrationStats.read_metadata(f, self.acc_uri(name), self.hmac_key)["shard_ids"])
+        except CorruptStats as exc:
             self.quarantine(name)
+            print(f"kvtc: {exc} (moved aside as {name}.stats.corrupt)", file=sys.stderr)
             return None
 
     def get_acc(self, name: str, keys: list[tuple[str, int]] | None = None) -> CalibrationStats:
@@ -156,7 +195,7 @@ class ShardStore:
         fs, _ = self._fs_and_base
         try:
             with fs.open(self._acc_path(name), "rb") as f:
-                return CalibrationStats.read_from(f, self.acc_uri(name), keys)
+                return CalibrationStats.read_from(f, self.acc_uri(name), keys, self.hmac_key)
         except FileNotFoundError:
             raise FileNotFoundError(f"statistics object {self.acc_uri(name)} is missing; rerun the calibration to recompute it") from None
         except CorruptStats:
@@ -169,8 +208,10 @@ class ShardStore:
 
     def set_aside(self, name: str, why: str) -> None:
         """Rename accumulator `name` to `<name>.stats.<why>` (replacing an older one set aside)."""
+        self._move_aside(self._acc_path(name), why)
+
+    def _move_aside(self, path: str, why: str = "corrupt") -> None:
         fs, _ = self._fs_and_base
-        path = self._acc_path(name)
         if fs.exists(path):
             fs.mv(path, f"{path}.{why}")
 
@@ -194,7 +235,7 @@ class ShardStore:
         fs.makedirs(f"{base}/bases", exist_ok=True)
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         with fs.open(tmp, "wb") as f:
-            n = write_stats(f, tensors, metadata)
+            n = write_stats(f, tensors, metadata, self.hmac_key)
         fs.mv(tmp, path)
         return n
 
@@ -202,11 +243,62 @@ class ShardStore:
         """Arrays and metadata of a basis object, checksums verified (CorruptStats names it)."""
         fs, _ = self._fs_and_base
         uri = f"{self.root.rstrip('/')}/{self.model_id}/{self.capture_key}/bases/{name}.basis"
-        with fs.open(self._basis_path(name), "rb") as f:
-            footer = read_footer(f, uri)
-            return {key: read_tensor(f, footer, key, uri) for key in footer["tensors"]}, footer["metadata"]
+        try:
+            with fs.open(self._basis_path(name), "rb") as f:
+                footer = read_footer(f, uri, self.hmac_key)
+                return {key: read_tensor(f, footer, key, uri) for key in footer["tensors"]}, footer["metadata"]
+        except CorruptStats:
+            self._move_aside(self._basis_path(name))
+            raise
 
     def drop_basis(self, name: str) -> None:
         fs, _ = self._fs_and_base
         if fs.exists(self._basis_path(name)):
             fs.rm(self._basis_path(name))
+
+
+def _load_or_create_key(root: str) -> bytes:
+    """<root>/.store-key: read it, or create it exclusively (0600 on a local disk) if absent."""
+    fs, base = fsspec.core.url_to_fs(root)
+    path = f"{base.rstrip('/')}/{KEY_FILE}"
+    local = isinstance(fs, LocalFileSystem)
+    for _ in range(40):
+        try:
+            if local:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+                with os.fdopen(fd, "rb") as f:
+                    key = f.read(_KEY_BYTES + 1)
+            else:
+                key = fs.cat_file(path)
+        except FileNotFoundError:
+            key = None
+        except OSError as exc:
+            raise ValueError(f"shard store key {root}/{KEY_FILE} cannot be read ({exc}); it must be a regular file "
+                             "readable by the calibration (delete it to start a fresh store)") from None
+        if key is not None and not key:
+            time.sleep(0.05)  # created by another process a moment ago, not yet written
+            continue
+        if key is not None:
+            if len(key) != _KEY_BYTES:
+                raise ValueError(f"shard store key {root}/{KEY_FILE} is not {_KEY_BYTES} bytes; delete it (every "
+                                 "statistics object is then recomputed)")
+            return key
+        fresh = secrets.token_bytes(_KEY_BYTES)
+        try:
+            if local:
+                os.makedirs(base, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(fresh)
+                    f.flush()
+                    os.fsync(f.fileno())
+            else:
+                fs.makedirs(base, exist_ok=True)
+                with fs.open(path, "xb") as f:
+                    f.write(fresh)
+        except FileExistsError:
+            continue  # another process created it first: read theirs
+        except (NotImplementedError, ValueError, TypeError):
+            fs.pipe_file(path, fresh)
+        return fresh
+    raise ValueError(f"shard store key {root}/{KEY_FILE} could not be created or read")

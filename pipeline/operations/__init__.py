@@ -1,1 +1,1 @@
-"""Operations: drift measurement, recalibration and scheduled runs."""
+"""Operations on published artifacts: `kvtc eval` (quality), drift measurement, recalibration, scheduled runs."""

@@ -80,16 +80,29 @@ def _forward(model, ids, cache, attention_mask=None):
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
-def continuation_logprobs(model, keys, values, feed, keep=None):
+def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=None, coded=None):
     """keys, values (L, H, P, D) prefix cache; feed (1, n) tokens at positions P.. -> (n, V) float64
-    log-probabilities. keep (P,) bool masks evicted prefix positions out of attention."""
+    log-probabilities. keep (P,) bool masks evicted prefix positions out of attention.
+
+    Models whose layers differ pass `prefix_cache` (the model's own cache after the prefix) and `coded`
+    (the model layer of each of the L rows): a copy of it gets each coded layer's keys and values (a
+    sliding layer the last positions it holds), so states of layers without a KV cache stay the model's."""
+    import copy
+
     import torch
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
     dtype = next(model.parameters()).dtype
-    for layer in range(keys.shape[0]):
-        cache.update(keys[layer][None].to(dtype).contiguous(), values[layer][None].to(dtype).contiguous(), layer)
+    if prefix_cache is not None:
+        cache = copy.deepcopy(prefix_cache)
+        for j, layer in enumerate(coded):
+            held = cache.layers[layer].keys.shape[-2]
+            cache.layers[layer].keys = keys[j][None, :, keys.shape[2] - held:].to(dtype).contiguous()
+            cache.layers[layer].values = values[j][None, :, values.shape[2] - held:].to(dtype).contiguous()
+    else:
+        cache = DynamicCache(config=model.config)
+        for layer in range(keys.shape[0]):
+            cache.update(keys[layer][None].to(dtype).contiguous(), values[layer][None].to(dtype).contiguous(), layer)
     mask = None
     if keep is not None:
         mask = torch.cat([keep.long().to(feed.device), torch.ones(feed.shape[1], dtype=torch.long, device=feed.device)])[None]
@@ -132,6 +145,7 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
 
     from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.evaluation import baselines as bl
+    from kvtc.kernels.layers import cached_layers, is_uniform
     from kvtc.workers.capture import raw_cache
 
     record = CalibrationRecord.from_manifest(artifact.manifest)
@@ -146,12 +160,18 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
         prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
         keys, values = raw_cache(lm, prefix)
         keys, values = keys.float(), values.float()
-        ref = continuation_logprobs(lm.model, keys, values, feed)
+        state = {}
+        if lm.layers and not is_uniform(lm.layers):  # sliding / no-KV layers: continue from the model's own cache
+            from transformers import DynamicCache
+
+            _, own = _forward(lm.model, prefix, DynamicCache(config=lm.model.config))
+            state = {"prefix_cache": own, "coded": cached_layers(lm.layers)}
+        ref = continuation_logprobs(lm.model, keys, values, feed, **state)
         ref_nll = -ref.gather(1, target[:, None]).sum().item()
         head, mid, _ = bl.split(keys.shape[2], sinks, window)
         for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window):
             keep = None if rec.keep is None else rec.keep.to(lm.device)
-            lp = continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep)
+            lp = continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep, **state)
             t = tallies.setdefault(name, _Tally(ratio=ratio))
             t.nll += -lp.gather(1, target[:, None]).sum().item() - ref_nll
             t.kl += float((ref.exp() * (ref - lp)).sum())

@@ -1,0 +1,88 @@
+"""The per-layer attention schema of a model, read from its transformers config.
+
+Each decoder layer is full attention, sliding window (its window), chunked attention (its chunk), or
+keeps no KV cache (linear attention, SSM, conv, MLP-only or KV-sharing layers). Layer types come from
+`config.layer_types` or, without it, from transformers' own inference (sliding_window /
+attention_chunk_size). RoPE per layer: the layer type's RoPE parameters, none for NoPE layers
+(`no_rope_layers` zeros: SmolLM3, Llama 4; the global layers of Cohere 2 and EXAONE 4, which rotate
+only their sliding layers). A layer kind the service cannot code is refused here, before any model
+work, naming the kind and the layer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvtc.kernels.layers import LayerSpec
+from kvtc.workers.rope import nested_rope_parameters, rope_for_layer_type
+
+KIND_OF_TYPE = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+                "linear_attention": "none", "conv": "none", "mamba": "none", "dummy": "none", "moe": "none",
+                "mlp": "none", "dense": "none", "sparse": "none"}
+# models that rotate keys only in their sliding layers when they have any (their global layers are NoPE)
+SLIDING_ONLY_ROPE = frozenset({"cohere2", "exaone4"})
+
+
+def text_config(config: Any) -> Any:
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def layer_types(config: Any) -> list[str]:
+    """transformers' layer types of the decoder (KV-sharing and MLP-only layers as "dummy")."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = text_config(config)
+    try:
+        types, _ = get_layer_types_and_kwargs(text)
+    except (AttributeError, TypeError, ValueError):
+        types = list(getattr(text, "layer_types", None) or ["full_attention"] * int(text.num_hidden_layers))
+    return list(types)
+
+
+def layer_schema(config: Any) -> tuple[LayerSpec, ...]:
+    """One LayerSpec per decoder layer; ValueError naming the kind and index of a layer that cannot be coded."""
+    text = text_config(config)
+    model_type = getattr(text, "model_type", "?")
+    if getattr(text, "kv_lora_rank", None):
+        raise ValueError(f"layer 0 of {model_type!r} is multi-head latent attention (kv_lora_rank "
+                         f"{text.kv_lora_rank}): its cache holds a compressed latent, not per-head keys and values; "
+                         "the service cannot code it yet")
+    types = layer_types(text)
+    if len(types) != int(text.num_hidden_layers):
+        raise ValueError(f"config of {model_type!r} lists {len(types)} layer types for {text.num_hidden_layers} layers")
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if isinstance(kv_heads, (list, tuple)):
+        raise ValueError(f"config of {model_type!r} has a KV head count per layer ({list(kv_heads)}); the service "
+                         "needs one KV head count for every coded layer")
+    nope = list(getattr(text, "no_rope_layers", None) or [])
+    sliding_only = model_type in SLIDING_ONLY_ROPE and "sliding_attention" in types
+    nested = nested_rope_parameters(text)
+    ropes: dict[str | None, Any] = {}
+    out = []
+    for i, t in enumerate(types):
+        kind = KIND_OF_TYPE.get(t)
+        if kind is None:
+            raise ValueError(f"layer {i} of {model_type!r} is {t!r}: the service cannot code that layer kind "
+                             f"(supported: full_attention, sliding_attention, chunked_attention, and layers "
+                             f"without a KV cache)")
+        if kind == "none":
+            out.append(LayerSpec("none", 0, 0))
+            continue
+        span = None
+        if kind == "sliding":
+            span = int(getattr(text, "sliding_window", None) or 0) or None
+        elif kind == "chunked":
+            span = int(getattr(text, "attention_chunk_size", None) or 0) or None
+        if kind != "full" and span is None:
+            raise ValueError(f"layer {i} of {model_type!r} is {t!r} but the config gives no window/chunk size")
+        rope = None
+        if not (nope and i < len(nope) and not nope[i]) and not (sliding_only and kind == "full"):
+            key = t if nested else None
+            if key not in ropes:
+                ropes[key] = rope_for_layer_type(text, key)
+            rope = ropes[key]
+        out.append(LayerSpec(kind, int(kv_heads), head_dim, rope, span))
+    if not any(l.cached for l in out):
+        raise ValueError(f"no layer of {model_type!r} keeps a KV cache: there is nothing to code")
+    return tuple(out)
