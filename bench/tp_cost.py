@@ -49,7 +49,7 @@ def calibrate(tp: int, args: argparse.Namespace, root: str) -> dict:
 
 
 def quality(tp: int, args: argparse.Namespace, root: str) -> dict:
-    from kvtc.pipeline.evaluation import quality as q
+    from kvtc.pipeline.operations import quality as q
 
     settings = q.EvalSettings(ratios=args.ratios, continuation=args.continuation, sequences=args.sequences,
                               baselines=())
@@ -65,7 +65,7 @@ def rank_round_trip(tp: int, args: argparse.Namespace, root: str) -> float:
 
     from kvtc import artifacts
     from kvtc.kernels import KVTCCodec
-    from kvtc.pipeline.evaluation.quality import heldout_sequences
+    from kvtc.pipeline.operations.quality import heldout_sequences
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 
