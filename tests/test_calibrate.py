@@ -43,6 +43,8 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     cfg, summary = baseline
     art, arrays = _arrays(summary)
     assert art.manifest["model"]["num_layers"] == 3
+    layers = art.manifest["calibration"]["layers"]  # the per-layer schema, uniform models included
+    assert len(layers) == 3 and all(l["kind"] == "full" and l["kv_heads"] > 0 and l["head_dim"] > 0 for l in layers)
     folder = Path(art.path)
     for rel in ("report.md", "charts/error_by_tokens.png", "charts/error_by_position.png", "charts/allocation.png"):
         assert (folder / rel).stat().st_size > 0, rel

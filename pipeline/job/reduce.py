@@ -29,7 +29,7 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-from kvtc.kernels.layers import layers_of
+from kvtc.kernels.layers import layers_of, layers_to_json
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import basis_size, rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
@@ -323,6 +323,9 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
                                      {"ratio": curve_ratio, "components": curve_k,
                                       "method": "top-k randomized PCA, analytic DP",
                                       "prefixes": "whole accumulators, in order"}, kv_heads).to_manifest()
+    # the per-layer attention schema, on every artifact (the fingerprint carries it only for mixed models,
+    # so uniform models keep their model ids): kind, window/chunk, RoPE or none, KV heads, head dim
+    calibration["layers"] = layers_to_json(layers_of(fingerprint))
     corpus = {
         "spec": cfg.plan.corpus, "eval_spec": cfg.plan.eval_corpus, "seq_len": cfg.plan.seq_len, "seed": cap.seed,
         "train_shards": [s["id"] for s in by_index if s["role"] == "train"], "heldout_shards": heldout_ids,
