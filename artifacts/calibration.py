@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvtc.artifacts.groups import FeatureGroup, groups_json, parse_groups
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 
 RELATIVE_ERROR = "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed"
 KEY_FORMS = ("rope-removed", "rope-kept")
@@ -25,6 +26,8 @@ class CalibrationRecord:
     seqs_per_shard, holdout_fraction: the shard plan; heldout_rows_cap: held-out rows kept per
     stream; dtype: the dtype asked for, model_dtype: the one the model ran in; keys: "rope-removed"
     or "rope-kept" (keys calibrated as the model caches them, for consumers without positions).
+    tensor_parallel: the TP layout the bases were cut for (kvtc.artifacts.tensor_parallel: TP size, each
+    rank's KV heads and groups); None for a single-rank artifact.
     settings: the job's computational settings verbatim, group by group (kvtc.pipeline.settings;
     None in versions published before they were recorded): what recalibration repeats.
     Results: tokens (train + held-out), train/heldout/eval rows, notes (warnings of the run),
@@ -48,6 +51,7 @@ class CalibrationRecord:
     dtype: str | None = None
     model_dtype: str = "float32"
     keys: str = "rope-removed"
+    tensor_parallel: dict[str, Any] | None = None
     tokens: int = 0
     train_rows: int = 0
     heldout_rows: int = 0
@@ -79,19 +83,32 @@ class CalibrationRecord:
             raise ValueError(f"calibration record: seqs_per_shard must be >= 1, got {self.seqs_per_shard}")
         object.__setattr__(self, "ratios", tuple(float(r) for r in self.ratios))
         object.__setattr__(self, "groups", groups)
+        try:
+            TensorParallelLayout.from_dict(self.tensor_parallel, groups)
+        except ValueError as exc:
+            raise ValueError(f"calibration record: {exc}") from None
         object.__setattr__(self, "notes", tuple(self.notes))
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks the bases were cut for (1: one basis over all KV heads per layer group)."""
+        return int(self.tensor_parallel["tp"]) if self.tensor_parallel else 1
 
     def capture(self) -> dict[str, Any]:
         """The capture settings (keyword arguments of kvtc.workers.capture.CaptureSettings); `keys`
         only when not the default, as CaptureSettings.to_dict leaves it out."""
         out = {"sinks": self.sinks, "window": self.window, "groups": self.group_spec, "sample": self.sample,
                "seed": self.seed}
+        if self.tp > 1:
+            out["tp"] = self.tp
         return out if self.keys == "rope-removed" else {**out, "keys": self.keys}
 
     def to_manifest(self) -> dict[str, Any]:
         """The manifest's "calibration" section (plain JSON values)."""
         out = asdict(self)
         out["ratios"], out["groups"], out["notes"] = list(self.ratios), groups_json(self.groups), list(self.notes)
+        if self.tensor_parallel is None:
+            del out["tensor_parallel"]  # single-rank artifacts read as before
         out["relative_error"] = RELATIVE_ERROR if self.keys == "rope-removed" else \
             RELATIVE_ERROR.replace("RoPE-removed", "with RoPE (as cached)")
         return out

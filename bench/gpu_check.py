@@ -12,6 +12,9 @@
 5. The codec's device path (bench/gpu_rans.py): rANS bit identity against the numpy reference,
    rANS decode/encode GB/s and the restore of a 32K-token cache of an 8B geometry against the
    fixed-rate mode.
+6. Multi-GPU workers (two or more GPUs, else skipped with a message): a model spread over every
+   visible GPU (`load_model(..., gpu_budgets=)`) captures the same KV rows as on one GPU; the
+   memory plan's GPUs per worker for Llama-3.1-8B and 70B at this GPU's memory.
 
     python bench/gpu_check.py [--skip-overhead]
 """
@@ -120,6 +123,38 @@ def check_reducer() -> bool:
     return ev < 1e-8 and overlap > 0.999
 
 
+def check_multi_gpu() -> bool:
+    n = torch.cuda.device_count()
+    if n < 2:
+        print(f"multi-GPU: skipped, {n} GPU visible (a worker spread over GPUs needs 2 or more)")
+        return True
+    from transformers import LlamaConfig
+
+    from kvtc.pipeline.job.memory_plan import plan_gpus
+    from kvtc.workers.capture import CaptureSettings, capture_kv
+    from kvtc.workers.model_size import model_size
+    from kvtc.workers.models import load_model
+
+    spec, settings = "tiny:llama@8x4x64", CaptureSettings(sinks=4, window=16)
+    ids = torch.randint(0, 49152, (2, 160), generator=torch.Generator().manual_seed(0))
+    one = load_model(spec, device="cuda:0", dtype="float32")
+    units = model_size(one.config, torch.float32, 160).units
+    share = sum(u.bytes for u in units) // n + max(u.bytes for u in units)
+    spread = load_model(spec, dtype="float32", gpu_budgets={i: share for i in range(n)})
+    used = sorted({str(p.device) for p in spread.model.parameters()})
+    a, b = capture_kv(one, ids.cuda(), settings), capture_kv(spread, ids.cuda(), settings)
+    diff = max(float((x - y).abs().max()) for x, y in ((a.keys, b.keys), (a.values, b.values)))
+    print(f"multi-GPU: {spec} spread over {used}: capture max abs difference {diff:.1e} against one GPU")
+    memory = torch.cuda.get_device_properties(0).total_memory
+    for name, layers, hidden, inter, heads in (("8B", 32, 4096, 14336, 32), ("70B", 80, 8192, 28672, 64)):
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=8, vocab_size=128256,
+                             tie_word_embeddings=False)
+        plan = plan_gpus(model_size(config, torch.bfloat16, 1024), memory, n, n, lambda workers: 2 << 30)
+        print(f"multi-GPU: Llama-3.1-{name} bf16 plan on {memory / 2**30:.0f} GiB GPUs: {plan.gpus} per worker")
+    return len(used) == n and diff < 1e-4
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-overhead", action="store_true")
@@ -132,6 +167,7 @@ def main() -> int:
     import gpu_rans
 
     ok &= gpu_rans.check_identity() & gpu_rans.check_geometry(32768, 4096)
+    ok &= check_multi_gpu()
     if not args.skip_overhead:
         subprocess.run([sys.executable, str(ROOT / "bench" / "worker_overhead.py"), "--device", "cuda",
                         "--sequences", "32", "--batch", "8"], check=False, env=os.environ.copy())

@@ -55,21 +55,24 @@ class KVTCCodec:
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
     basis_dtype: dtype of the components held on the device (only the columns the mode's code uses);
     None: the cache's dtype on CUDA, float32 on CPU.
+    rank: a tensor-parallel rank of an artifact calibrated with --tp: the codec then takes and returns
+    that rank's local cache, (layers, its KV heads, tokens, head_dim) (`spec.heads` says which heads);
+    None codes the whole cache (every head, each range with its rank's bases).
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
                  rate_control: bool = True, ecsq_format: str = "rans",
-                 basis_dtype: torch.dtype | None = None) -> None:
+                 basis_dtype: torch.dtype | None = None, rank: int | None = None) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
-            self.spec = artifact
+            self.spec = artifact if rank is None else artifact.for_rank(rank)
         else:
             if ratio is None:
                 raise ValueError("KVTCCodec(artifact, ratio): ratio is required, e.g. 8, 16 or 32")
-            self.spec = CodecSpec.from_artifact(artifact, ratio)
+            self.spec = CodecSpec.from_artifact(artifact, ratio, rank=rank)
         if backend not in BACKENDS or coder not in CODERS or not 0 <= level <= 9:
             raise ValueError(f"backend must be one of {BACKENDS}, coder one of {CODERS}, level in 0..9")
         if not isinstance(max_tokens, int) or max_tokens < 0:
@@ -96,7 +99,8 @@ class KVTCCodec:
         """ref "name@version|alias|sha256:HEX" pulled and verified through artifacts.pull (imported lazily);
         public_key / require_signature check the version's Ed25519 signature (see artifacts.pull).
         The artifact names the kernel bundle it was made for: running other kernels warns, or with
-        require_kernels=True (or $KVTC_REQUIRE_KERNELS=1) is refused."""
+        require_kernels=True (or $KVTC_REQUIRE_KERNELS=1) is refused. rank=r (a keyword, see the class)
+        gives tensor-parallel rank r's codec."""
         import os
         import warnings
 

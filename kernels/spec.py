@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from kvtc.artifacts.groups import FeatureGroup, check_cover, parse_groups
 from kvtc.kernels.layers import LayerSpec, cached_layers, layers_from_json
 from kvtc.kernels.rope import RopeSpec
 from kvtc.artifacts.schema import STREAMS
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
 
 
@@ -65,6 +66,9 @@ class CodecSpec:
     layers: the per-layer schema (kvtc.kernels.layers) of a model whose layers differ (kinds, RoPE); None:
     every layer full attention with `rope`. Groups cover the layers that keep a KV cache; each layer's
     keys lose that layer's RoPE (none for NoPE layers, none at all when keys were calibrated RoPE-kept).
+    tensor_parallel: the artifact's TP layout (None: single-rank). A rank's spec (`for_rank`) codes only
+    that rank's KV heads: kv_heads is its head count, its groups' heads count from 0, `heads` says
+    which of the model's KV heads they are, and its model_id names them (blobs of other heads are refused).
     """
 
     name: str
@@ -80,6 +84,9 @@ class CodecSpec:
     streams: dict[str, tuple[GroupCode, ...]] = field(default_factory=dict)
     ecsq: dict[str, tuple[EcsqGroup, ...]] | None = None  # the ECSQ mode's groups, when calibrated
     layers: tuple[LayerSpec, ...] | None = None
+    tensor_parallel: TensorParallelLayout | None = None
+    rank: int | None = None
+    heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None and len(self.layers) != self.num_layers:
@@ -127,9 +134,36 @@ class CodecSpec:
         ropes = {self.layer_ropes[i] for i in self.coded_layers}
         return (True, ropes.pop()) if len(ropes) == 1 else (False, None)
 
+    def for_rank(self, rank: int) -> "CodecSpec":
+        """The spec of tensor-parallel rank `rank`: its groups only, over its KV heads renumbered from 0.
+        A single-rank artifact has one rank, 0: the whole cache."""
+        if self.rank is not None:
+            raise ValueError(f"this spec is already rank {self.rank}'s; build the rank's spec from the artifact's")
+        if self.tensor_parallel is None:
+            if rank != 0:
+                raise ValueError(f"artifact {self.name}@{self.version} was calibrated for one rank (no --tp): its only "
+                                 f"rank is 0, got rank={rank!r}; recalibrate with --tp N for per-rank bases")
+            return self
+        tp = self.tensor_parallel
+        h0, h1 = heads = tp.heads(rank)
+        picked = tp.rank_groups(rank, [g.group for g in self.streams["keys"]])
+
+        def local(codes: tuple) -> tuple:
+            return tuple(replace(codes[i], group=FeatureGroup(codes[i].group.layers, (0, h1 - h0))) for i in picked)
+
+        return replace(self, kv_heads=h1 - h0, model_id=f"{self.model_id}/kv{h0}-{h1}", rank=rank, heads=heads,
+                       streams={st: local(self.streams[st]) for st in STREAMS},
+                       ecsq=None if self.ecsq is None else {st: local(self.ecsq[st]) for st in STREAMS})
+
     @classmethod
-    def from_artifact(cls, artifact: Any, ratio: float) -> "CodecSpec":
-        """Read basis and allocation through the Artifact interface (.manifest, .basis, .allocation)."""
+    def from_artifact(cls, artifact: Any, ratio: float, rank: int | None = None) -> "CodecSpec":
+        """Read basis and allocation through the Artifact interface (.manifest, .basis, .allocation);
+        `rank`: that tensor-parallel rank's spec (see for_rank), None: every KV head."""
+        spec = cls._from_artifact(artifact, ratio)
+        return spec if rank is None else spec.for_rank(rank)
+
+    @classmethod
+    def _from_artifact(cls, artifact: Any, ratio: float) -> "CodecSpec":
         m = artifact.manifest
         fp, cal = m["model"], m["calibration"]
         num_layers = int(fp["num_layers"])
@@ -150,7 +184,8 @@ class CodecSpec:
                    num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
                    sinks=int(cal["sinks"]), window=int(cal["window"]), streams=streams,
                    rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"),
-                   ecsq=_ecsq_groups(artifact, ratio, groups), layers=_schema(fp, cal.get("keys") == "rope-kept"))
+                   ecsq=_ecsq_groups(artifact, ratio, groups), layers=_schema(fp, cal.get("keys") == "rope-kept"),
+                   tensor_parallel=TensorParallelLayout.from_dict(cal.get("tensor_parallel"), groups))
 
 
 def _schema(fingerprint: dict, rope_kept: bool) -> tuple[LayerSpec, ...] | None:

@@ -13,8 +13,8 @@ import os
 import socket
 from urllib.parse import urlsplit
 
-COUNTS = ("workers", "threads_per_worker", "tokens", "eval_tokens", "seq_len", "seqs_per_shard", "drift_tokens",
-          "max_runs", "heldout_rows", "accumulators", "continuation", "sequences")
+COUNTS = ("workers", "threads_per_worker", "gpus_per_worker", "tp", "tokens", "eval_tokens", "seq_len", "seqs_per_shard",
+          "drift_tokens", "max_runs", "heldout_rows", "accumulators", "continuation", "sequences")
 NON_NEGATIVE_INTS = ("sinks", "window", "seed", "tokens_curve_points")
 NON_NEGATIVE_FLOATS = ("threshold", "if_drift", "tolerance")
 POSITIVE_FLOATS = ("every", "timeout")

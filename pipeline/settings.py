@@ -181,6 +181,9 @@ class RuntimeSettings:
     address: str | None = option(None, "Ray cluster address to join (default: a local Ray started for the job)")
     workers: int | None = option(None, "worker actors (default: one per GPU, else one per CPU)", kind=int)
     threads_per_worker: int = option(1, "torch threads per worker actor", kind=int)
+    gpus_per_worker: int | None = option(None, "GPUs each worker spreads the model over (default: the fewest that hold "
+                                               "its weights, statistics and activations, from its config, dtype and "
+                                               "the GPU memory; refused when too few)", kind=int)
     store: str | None = option(None, "shard statistics cache: a path or fsspec URI (default $KVTC_CACHE/shards)")
     cache_dir: str | None = option(None, "model cache dir (default $KVTC_CACHE)")
     verbose: bool = option(False, "show the workers' model conversion and loading output and per-group solver "
@@ -191,6 +194,7 @@ class RuntimeSettings:
     def __post_init__(self) -> None:
         _count(self.workers, "--workers")
         _count(self.threads_per_worker, "--threads-per-worker")
+        _count(self.gpus_per_worker, "--gpus-per-worker")
         if self.name is not None:
             from kvtc.artifacts.schema import check_name
 
@@ -211,6 +215,8 @@ def _capture_options() -> dict[str, Option]:
         "keys": Option("rope-removed (default): keys calibrated and coded without RoPE; rope-kept: as servers store them, for "
                        "consumers that cannot remove RoPE (Dynamo, chunk stores without positions)",
                        choices=("rope-removed", "rope-kept")),
+        "tp": Option("tensor-parallel ranks the model is served at (default 1): one basis per rank's KV heads (and per "
+                     "layer group), as vLLM and SGLang shard them; ranks holding the same heads share one", int),
     }
 
 

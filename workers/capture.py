@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.layers import LayerSpec, cached_layers
 from kvtc.workers.models import LoadedModel
 
@@ -41,7 +42,9 @@ def resolve_groups(groups: str, layers: Sequence[LayerSpec]) -> str:
 
 @dataclass(frozen=True)
 class CaptureSettings:
-    """Which positions and how features are grouped. Positions [0, sinks) and the last `window` are excluded."""
+    """Which positions and how features are grouped. Positions [0, sinks) and the last `window` are excluded.
+    tp: tensor-parallel ranks; above 1 every layer group is split by the KV head ranges the ranks hold
+    (kvtc.artifacts.tensor_parallel), one basis per (layer group, head range)."""
 
     sinks: int = 4
     window: int = 128
@@ -49,8 +52,11 @@ class CaptureSettings:
     sample: float = 1.0
     seed: int = 0
     keys: str = "rope-removed"
+    tp: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
         if self.keys not in KEY_FORMS:
             raise ValueError(f"keys must be one of {KEY_FORMS}, got {self.keys!r}")
         if self.sinks < 0 or self.window < 0:
@@ -62,9 +68,10 @@ class CaptureSettings:
             if head != "layers" or not k.isdigit() or int(k) < 1:
                 raise ValueError(f"groups must be 'auto', 'model', 'layer' or 'layers:K' with K >= 1, got {self.groups!r}")
 
-    def group_layers(self, layers: int | Sequence[LayerSpec]) -> list[FeatureGroup]:
-        """The groups (one basis each), in order, over all KV heads; `layers`: the layer schema, or a
-        layer count for a model of full-attention layers only."""
+    def group_layers(self, layers: int | Sequence[LayerSpec], kv_heads: int | None = None) -> list[FeatureGroup]:
+        """The groups (one basis each), in order; `layers`: the layer schema, or a layer count for a model
+        of full-attention layers only. Over all KV heads, or with tp > 1 (kv_heads needed) each group
+        once per rank's head range, head range major (a rank's groups are consecutive)."""
         if isinstance(layers, int):
             kinds = {i: "full" for i in range(layers)}
         else:
@@ -76,10 +83,16 @@ class CaptureSettings:
             raise ValueError(f"--groups model would give layers of kinds {sorted(by_kind)} one basis, but their caches "
                              "hold different positions; use --groups auto (one basis per kind), layer or layers:K")
         if self.groups in ("model", "auto"):
-            return [FeatureGroup(tuple(ix)) for ix in by_kind.values()]
-        k = 1 if self.groups == "layer" else int(self.groups.split(":")[1])
-        out = [FeatureGroup(tuple(ix[a:a + k])) for ix in by_kind.values() for a in range(0, len(ix), k)]
-        return sorted(out, key=lambda g: g.layers[0])
+            out = [FeatureGroup(tuple(ix)) for ix in by_kind.values()]
+        else:
+            k = 1 if self.groups == "layer" else int(self.groups.split(":")[1])
+            out = sorted([FeatureGroup(tuple(ix[a:a + k])) for ix in by_kind.values() for a in range(0, len(ix), k)],
+                         key=lambda g: g.layers[0])
+        if self.tp == 1:
+            return out
+        if kv_heads is None:
+            raise ValueError("tensor-parallel groups need the model's KV head count")
+        return [FeatureGroup(g.layers, heads) for heads in TensorParallelLayout(self.tp, kv_heads).shards for g in out]
 
     def eligible(self, seq_len: int) -> int:
         return seq_len - self.sinks - self.window
@@ -88,6 +101,8 @@ class CaptureSettings:
         d = asdict(self)
         if self.keys == "rope-removed":
             del d["keys"]  # the default stays out, so shard-store keys written before the option still match
+        if self.tp == 1:
+            del d["tp"]  # likewise
         return d
 
     @classmethod
@@ -179,7 +194,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
     with torch.inference_mode():
         # per-layer (B, H, T, D) -> rows (N, L, H, D), N = B*k in (sequence, position) order
         def gather(per_layer: list[torch.Tensor]) -> torch.Tensor:
-            stacked = torch.stack(per_layer).permute(1, 3, 0, 2, 4)  # (B, T, L, H, D)
+            stacked = torch.stack([x.to(lm.device) for x in per_layer]).permute(1, 3, 0, 2, 4)  # (B, T, L, H, D)
             rows = stacked[bi, pos].reshape(b * k, *stacked.shape[2:])  # (N, L, H, D)
             return rows.to(torch.float32)
 
@@ -209,4 +224,4 @@ def raw_cache(lm: LoadedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, t
     if input_ids.shape[1] > lm.max_positions:
         raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's limit of {lm.max_positions}")
     keys, values = _forward_cache(lm, input_ids)
-    return torch.stack([x[0] for x in keys]), torch.stack([x[0] for x in values])
+    return torch.stack([x[0].to(lm.device) for x in keys]), torch.stack([x[0].to(lm.device) for x in values])

@@ -351,11 +351,16 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     cache_dir: str | os.PathLike | None = None,
+    gpu_budgets: dict[int, int] | None = None,
 ) -> LoadedModel:
-    """Load a model by spec (see ACCEPTED_FORMS) in eval mode on `device` (default: CUDA if torch sees one)."""
+    """Load a model by spec (see ACCEPTED_FORMS) in eval mode on `device` (default: CUDA if torch sees one).
+    gpu_budgets {GPU index: weight bytes}: spread the model over those GPUs (kvtc.workers.placement);
+    its device is then the first GPU, where the capture gathers every layer's cache."""
     from transformers import AutoModelForCausalLM
 
-    dev = resolve_device(device)
+    from kvtc.workers import placement
+
+    dev = torch.device("cuda", min(gpu_budgets)) if gpu_budgets else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     info = load_spec(spec, cache_dir)
     kind, where = info.source
@@ -364,9 +369,14 @@ def load_model(
     elif kind == "tiny":
         arch, geometry = parse_tiny(where)
         model = build_tiny(arch, seed=0, dtype=dt, geometry=geometry)
+    elif gpu_budgets:  # straight from the files onto the GPUs: the host never holds the whole model
+        placed = placement.config_device_map(info.config, dt, gpu_budgets)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dt, device_map=placed)
     else:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)
-    model = model.to(dev).eval()
+    if gpu_budgets and not hasattr(model, "hf_device_map"):
+        model = placement.spread(model, gpu_budgets)
+    model = (model if gpu_budgets else model.to(dev)).eval()
     check_rotary(model, info.layers, spec)
     if type(model).__name__ != info.fingerprint["architecture"]:
         raise RuntimeError(f"{spec!r} loaded as {type(model).__name__}, but its config names {info.fingerprint['architecture']}")

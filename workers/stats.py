@@ -66,7 +66,7 @@ class CalibrationStats:
     @classmethod
     def new(cls, fingerprint: dict[str, Any], settings: CaptureSettings, shard_ids: tuple[str, ...] = ()) -> "CalibrationStats":
         """Empty statistics; group g has layers x its KV heads x head_dim features."""
-        groups = settings.group_layers(layers_of(fingerprint))
+        groups = settings.group_layers(layers_of(fingerprint), int(fingerprint["num_kv_heads"]))
         dims = [g.dim(int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])) for g in groups]
         return cls(dict(fingerprint), settings.to_dict(), groups, dims, tuple(shard_ids))
 

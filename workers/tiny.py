@@ -31,23 +31,29 @@ _COMMON: dict[str, Any] = dict(
 
 @dataclass(frozen=True)
 class Geometry:
-    """KV geometry of a tiny model: layers x KV heads x head_dim (attention heads = KV heads)."""
+    """KV geometry of a tiny model: layers x KV heads x head_dim; attention heads (0: as many as KV
+    heads) must be a multiple of the KV heads (grouped-query attention)."""
 
     layers: int
     kv_heads: int
     head_dim: int
+    attention_heads: int = 0
 
     def __post_init__(self) -> None:
         if min(self.layers, self.kv_heads, self.head_dim) < 1 or self.head_dim % 2:
             raise ValueError(f"geometry {self.layers}x{self.kv_heads}x{self.head_dim}: layers and KV heads must be "
                              ">= 1 and head_dim a positive even number")
+        if self.attention_heads and self.attention_heads % self.kv_heads:
+            raise ValueError(f"geometry: {self.attention_heads} attention heads are not a multiple of "
+                             f"{self.kv_heads} KV heads")
 
     @classmethod
     def parse(cls, text: str) -> "Geometry":
-        """'LAYERSxKV_HEADSxHEAD_DIM', e.g. '32x8x128'."""
+        """'LAYERSxKV_HEADSxHEAD_DIM[xATTENTION_HEADS]', e.g. '32x8x128' or '32x8x128x32'."""
         parts = text.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"geometry {text!r} must be LAYERSxKV_HEADSxHEAD_DIM, e.g. tiny:llama@32x8x128")
+        if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts):
+            raise ValueError(f"geometry {text!r} must be LAYERSxKV_HEADSxHEAD_DIM[xATTENTION_HEADS], e.g. "
+                             "tiny:llama@32x8x128")
         return cls(*(int(p) for p in parts))
 
     @property
@@ -81,7 +87,7 @@ def tiny_config(arch: str, geometry: Geometry | None = None) -> Any:
             raise ValueError(f"tiny:{arch} takes no geometry; use one of {GEOMETRY_ARCHS}")
         config.num_hidden_layers = geometry.layers
         config.num_key_value_heads = geometry.kv_heads
-        config.num_attention_heads = geometry.kv_heads
+        config.num_attention_heads = geometry.attention_heads or geometry.kv_heads
         config.head_dim = geometry.head_dim
         if hasattr(config, "layer_types") and config.layer_types is not None:
             config.layer_types = [config.layer_types[0]] * geometry.layers

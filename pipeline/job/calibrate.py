@@ -47,13 +47,14 @@ def calibrate_local(cfg: JobSettings) -> tuple[dict, dict]:
     return _execute(cfg, True, in_process=True)
 
 
-def _memory_estimate(cfg: JobSettings, num_layers, width: int, groups: str, workers: int):
+def _memory_estimate(cfg: JobSettings, num_layers, kv_heads: int, head_dim: int, groups: str, workers: int):
     """num_layers: a layer count or the model's layer schema (kvtc.kernels.layers)."""
     from kvtc.pipeline.job.basis_solver import max_components
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
 
-    dims = [len(g.layers) * width for g in CaptureSettings(groups=groups).group_layers(num_layers)]
+    settings = CaptureSettings(groups=groups, tp=cfg.capture.tp)
+    dims = [g.dim(kv_heads, head_dim) for g in settings.group_layers(num_layers, kv_heads)]
     return estimate(dims, accumulators=cfg.reduce.accumulators, workers=workers, rows_per_batch=cfg.plan.seq_len,
                     heldout_rows=cfg.reduce.heldout_rows,
                     kept_max=max(max_components(p, cfg.reduce.ratios, cfg.allocator) for p in dims))
@@ -70,6 +71,7 @@ class Planned:
     tokenizer: Any
     fingerprint: dict
     seconds: float
+    model_config: Any = None  # the model's transformers config (the GPU plan sizes its weights)
 
 
 @dataclass
@@ -96,6 +98,7 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     import torch
 
     from kvtc import artifacts
+    from kvtc.artifacts.tensor_parallel import TensorParallelLayout
     from kvtc.pipeline.fit.allocator import validate_ratios
     from kvtc.pipeline.job.memory_plan import check_fits
     from kvtc.pipeline.job.store import default_store_uri
@@ -113,20 +116,27 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     cfg = replace(cfg, capture=capture)
     check_seq_len(info, cfg.plan.seq_len, capture)
     width = info.num_kv_heads * info.head_dim
+    text_config = getattr(info.config, "text_config", None) or info.config
+    TensorParallelLayout(capture.tp, info.num_kv_heads, int(getattr(text_config, "num_attention_heads", 0) or 0))
     if alloc.basis_budget:  # a share of the model's parameters: resolved to components per group, recorded as such
         from kvtc.pipeline.fit.basis_budget import BasisBudget, model_parameters
 
-        features = sum(g.dim(info.num_kv_heads, info.head_dim) for g in capture.group_layers(info.layers))
+        features = sum(g.dim(info.num_kv_heads, info.head_dim)
+                       for g in capture.group_layers(info.layers, info.num_kv_heads))
         cap = BasisBudget(alloc.basis_budget, alloc.max_components or None).cap(model_parameters(info.config), features)
         alloc = replace(alloc, max_components=cap)
         cfg = replace(cfg, allocator=alloc)
-    for group in capture.group_layers(info.layers):
+    for group in capture.group_layers(info.layers, info.num_kv_heads):
         validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), cfg.allocator)
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
+        if rt.gpus_per_worker and not in_process and not torch.cuda.is_available():
+            raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: this machine has no GPU torch can see and no "
+                             "cluster was given; omit it to run on CPUs, or join a cluster with GPUs (--address)")
         local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
-        est = _memory_estimate(cfg, info.layers, width, capture.groups, local_workers)
+        kv, hd = info.num_kv_heads, info.head_dim
+        est = _memory_estimate(cfg, info.layers, kv, hd, capture.groups, local_workers)
         check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, capture.groups,
-                   lambda k: _memory_estimate(cfg, info.layers, width, f"layers:{k}", local_workers))
+                   lambda k: _memory_estimate(cfg, info.layers, kv, hd, f"layers:{k}", local_workers))
     if cfg.plan.tokens is None:
         on_gpu = torch.cuda.is_available()
         tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS
@@ -134,10 +144,10 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
               file=sys.stderr)
         cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
     return Planned(cfg, registry, rt.store or default_store_uri(), info.tokenizer, info.fingerprint,
-                   time.perf_counter() - t0)
+                   time.perf_counter() - t0, info.config)
 
 
-def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False) -> Folded:
+def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False, gpu_plan=None) -> Folded:
     """Fold: run the planned shards through the model (a Ray actor pool, Ray already started, by this
     job when `ray_started`; or this process) into the stored accumulators and held-out rows; cached
     shards are not run again."""
@@ -184,8 +194,8 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     if in_process:
         workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
     else:
-        workers, results = _run_on_ray(cfg, gpus, ray_started, ShardWorker, actor_kwargs, payloads(store, planner),
-                                       timing)
+        workers, results = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs,
+                                       payloads(store, planner), timing)
     return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
                   timing["startup_s"], timing["run_s"])
 
@@ -208,9 +218,15 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
             print(f"kvtc calibrate: worker output goes to {ray_pool.worker_log_dir()} (--verbose shows it here)",
                   file=sys.stderr)
     try:
+        gpu_plan = None
         if not in_process:
             gpus = ray_pool.cluster_gpus()
-        folded = fold_shards(planned, in_process, gpus, started)
+            if rt.gpus_per_worker and gpus < 1:
+                raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: Ray reports no GPU in the cluster; "
+                                 "omit it to run on CPUs, or join a cluster with GPUs (--address)")
+            if gpus >= 1:  # before any model work: refuse a model the workers' GPUs cannot hold
+                gpu_plan = _gpu_plan(planned, gpus, *ray_pool.gpu_inventory())
+        folded = fold_shards(planned, in_process, gpus, started, gpu_plan)
         if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
             ray.shutdown()
             started = False
@@ -283,19 +299,39 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dic
     return results
 
 
-def _run_on_ray(cfg: JobSettings, gpus: float, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
+def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_node: int):
+    """GPUs per worker (memory_plan.plan_gpus) for the model's weights in the workers' dtype."""
+    import torch
+
+    from kvtc.kernels.layers import layers_of
+    from kvtc.pipeline.job.memory_plan import plan_gpus
+    from kvtc.workers.model_size import model_size
+    from kvtc.workers.models import resolve_dtype
+
+    cfg, fp = planned.settings, planned.fingerprint
+    rt, kv, hd = cfg.runtime, int(fp["num_kv_heads"]), int(fp["head_dim"])
+    size = model_size(planned.model_config, resolve_dtype(cfg.model.dtype, torch.device("cuda")), cfg.plan.seq_len)
+    return plan_gpus(size, gpu_bytes, int(cluster_gpus), gpus_per_node,
+                     lambda workers: _memory_estimate(cfg, layers_of(fp), kv, hd, cfg.capture.groups,
+                                                      rt.workers or workers).worker, rt.gpus_per_worker)
+
+
+def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
                 timing: dict) -> tuple[int, list[dict]]:
     """(workers, results) of the shards on a Ray actor pool (Ray already started, by this job when
-    `started`); fold tasks are pinned to the actor that owns their accumulator."""
+    `started`); fold tasks are pinned to the actor that owns their accumulator. With GPUs, each worker
+    takes `gpu_plan.gpus` of them and spreads the model over them when more than one."""
     import ray
 
     from kvtc.pipeline.job import ray_pool
 
     cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     rt = cfg.runtime
-    workers = rt.workers or (int(gpus) if gpus >= 1 else max(1, cpus // rt.threads_per_worker))
+    workers = rt.workers or (gpu_plan.workers if gpu_plan else max(1, cpus // rt.threads_per_worker))
+    if gpu_plan is not None and gpu_plan.gpus > 1:
+        worker_kwargs = {**worker_kwargs, "gpu_budgets": gpu_plan.max_memory()}
     pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=rt.threads_per_worker,
-                                 gpus_per_worker=1.0 if gpus >= 1 else 0.0, env_inherited=started)
+                                 gpus_per_worker=float(gpu_plan.gpus) if gpu_plan else 0.0, env_inherited=started)
     return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing,
                                       route=lambda payload: payload.get("acc_index"))
 

@@ -3,13 +3,21 @@
 Two phases peak apart: the shard pool (each worker holds the running totals of the accumulators
 routed to it: count, sum and packed Gram per stream and group, plus a shard's captured rows) and
 the reduce (one stream and group at a time: about 3 packed Grams of the largest group plus its
-leading eigenvectors, and the held-out rows). Model weights are not counted (they live on the
-GPU on a cluster, and are small for the tiny geometry presets).
+leading eigenvectors, and the held-out rows). Host memory does not count model weights (they
+live on the GPUs on a cluster, and are small for the tiny geometry presets).
+
+On GPU workers `plan_gpus` sizes the worker: the weights spread layer by layer over its GPUs, a
+forward's working set on each, and on the first GPU the statistics totals and captured rows (the
+worker estimate above), each GPU counted at GPU_USABLE of its memory.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
+
+from kvtc.workers.model_size import ModelSize
+from kvtc.workers.placement import pack
 
 GIB = 1 << 30
 
@@ -69,3 +77,65 @@ def check_fits(est: MemoryEstimate, available: int, num_layers: int, width: int,
         f"groups {groups!r}: {est.workers} worker(s) x {est.worker / GIB:.1f} GiB, reduce {est.reduce / GIB:.1f} GiB), "
         f"more than the {available / GIB:.1f} GiB available{hint or ''}; fewer --accumulators or --workers, or a "
         f"smaller --heldout-rows also lower it" + ("" if hint else f" (p per layer is {width})"))
+
+
+GPU_USABLE = 0.90  # of a GPU's memory; the rest: CUDA context, cuBLAS workspaces, allocator fragmentation
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """One worker's GPUs: `gpus` of `gpu_bytes` each hold the weights (`weights` bytes, placement units
+    packed in forward order), a forward's working set on every GPU (`activations`), and on the first
+    GPU the worker's statistics totals and captured rows (`first_gpu`); `workers` such workers fit
+    the cluster."""
+
+    gpus: int
+    gpu_bytes: int
+    weights: int
+    activations: int
+    first_gpu: int
+    workers: int
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.workers < 1 or min(self.gpu_bytes, self.weights, self.activations, self.first_gpu) < 0:
+            raise ValueError("GPU plan: gpus and workers must be >= 1, byte counts >= 0")
+
+    @property
+    def usable(self) -> int:
+        """Bytes per GPU left for weights (and, on the first GPU, statistics)."""
+        return int(GPU_USABLE * self.gpu_bytes) - self.activations
+
+    def max_memory(self) -> dict[int, int]:
+        """Weight budget per local GPU index (the worker's device map packs within it)."""
+        return {i: max(0, self.usable - (self.first_gpu if i == 0 else 0)) for i in range(self.gpus)}
+
+
+def plan_gpus(size: ModelSize, gpu_bytes: int, cluster_gpus: int, gpus_per_node: int,
+              first_gpu: Callable[[int], int], requested: int | None = None) -> GpuPlan:
+    """GPUs per worker for a model: the fewest n whose GPUs hold its placement units packed in order,
+    each GPU counted at GPU_USABLE of its memory minus one forward's working set, the first also
+    holding `first_gpu(workers)` (statistics and rows; workers = cluster_gpus // n). `requested`
+    (--gpus-per-worker) is checked against that number and the largest node (`gpus_per_node`).
+    Raises ValueError naming the number that fits."""
+    def plan(n: int) -> GpuPlan:
+        return GpuPlan(n, gpu_bytes, size.weight_bytes, size.activation_bytes, first_gpu(max(1, cluster_gpus // n)),
+                       max(1, cluster_gpus // n))
+
+    def fits(p: GpuPlan) -> bool:
+        return p.first_gpu <= p.usable and pack(size.units, p.max_memory()) is not None
+
+    need = next((n for n in range(1, 1025) if fits(plan(n))), None)
+    sizes = (f"{size.weight_bytes / GIB:.1f} GiB of weights, {size.activation_bytes / GIB:.1f} GiB of activations per "
+             f"GPU and {plan(need or 1).first_gpu / GIB:.1f} GiB of statistics on the first, on GPUs of "
+             f"{gpu_bytes / GIB:.0f} GiB ({GPU_USABLE:.0%} usable)")
+    if need is None:
+        raise ValueError(f"the model cannot fit any number of GPUs per worker: {sizes}; the statistics must fit one "
+                         "GPU: split the features with --groups layers:K, or lower --accumulators")
+    if requested is not None and requested < need:
+        raise ValueError(f"--gpus-per-worker {requested} is too few: the model needs {need} GPUs per worker ({sizes}); "
+                         f"pass --gpus-per-worker {need} or omit it")
+    n = requested or need
+    if n > gpus_per_node:
+        raise ValueError(f"the model needs {n} GPUs per worker on one node ({sizes}), and the largest node has "
+                         f"{gpus_per_node}; add a node type with {n} or more GPUs (see ray_cluster.yaml)")
+    return plan(n)

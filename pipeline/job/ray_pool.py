@@ -40,6 +40,20 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0.0))
 
 
+def _gpu_total_memory() -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def gpu_inventory() -> tuple[int, int]:
+    """(bytes of one GPU, GPUs of the largest node) of the joined cluster: the memory as a one-GPU
+    Ray task's torch sees it (Ray itself reports GPU counts, not their memory)."""
+    per_node = max((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0)
+    memory = ray.get(ray.remote(num_gpus=1, num_cpus=0)(_gpu_total_memory).remote())
+    return int(memory), per_node
+
+
 def job_env() -> dict[str, str]:
     """Environment a joined cluster's workers get: usage stats off, and this process's KVTC_* settings."""
     return {"RAY_USAGE_STATS_ENABLED": "0", **{k: v for k, v in os.environ.items() if k.startswith("KVTC_")}}

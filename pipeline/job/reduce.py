@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.layers import layers_of, layers_to_json
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import basis_size, rate_distortion, report
@@ -252,7 +253,7 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     evals = load_rows(store, eval_ids, red.heldout_rows) if eval_ids else None
 
     kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
-    groups = cap.group_layers(layers_of(fingerprint))
+    groups = cap.group_layers(layers_of(fingerprint), kv_heads)
     columns = group_columns(groups, kv_heads, head_dim)
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
     curve_ratio = red.curve_ratio
@@ -321,7 +322,7 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
                                      0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum()), notes,
                                      {"ratio": curve_ratio, "components": curve_k,
                                       "method": "top-k randomized PCA, analytic DP",
-                                      "prefixes": "whole accumulators, in order"}).to_manifest()
+                                      "prefixes": "whole accumulators, in order"}, kv_heads).to_manifest()
     # the per-layer attention schema, on every artifact (the fingerprint carries it only for mixed models,
     # so uniform models keep their model ids): kind, window/chunk, RoPE or none, KV heads, head dim
     calibration["layers"] = layers_to_json(layers_of(fingerprint))
@@ -341,8 +342,10 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
 
 
 def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype: str, tokens: int,
-                       train_rows: int, heldout_rows: int, eval_rows: int, notes: list[str], tokens_curve: dict):
-    """The manifest's CalibrationRecord: the settings verbatim, their flat fields for readers, the results."""
+                       train_rows: int, heldout_rows: int, eval_rows: int, notes: list[str], tokens_curve: dict,
+                       kv_heads: int = 0):
+    """The manifest's CalibrationRecord: the settings verbatim, their flat fields for readers, the results
+    (and with --tp, the layout of the model's `kv_heads` over the ranks)."""
     from kvtc.artifacts import CalibrationRecord
 
     cap, plan = cfg.capture, cfg.plan
@@ -354,6 +357,7 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
         dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
         heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
         settings=cfg.computational(),
+        tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
     )
 
 

@@ -41,9 +41,10 @@ class ShardWorker:
         rows_per_heldout_shard: int = 4096,
         fingerprint: dict | None = None,
         model_dtype: str | None = None,
+        gpu_budgets: dict[int, int] | None = None,
     ) -> None:
         torch.set_num_threads(threads)
-        self.lm = load_model(model, dtype=dtype, cache_dir=cache_dir)
+        self.lm = load_model(model, dtype=dtype, cache_dir=cache_dir, gpu_budgets=gpu_budgets)
         if fingerprint is not None and fingerprint_id(fingerprint) != fingerprint_id(self.lm.fingerprint):
             raise InputError(f"the worker loaded {model!r} with another fingerprint than the driver's "
                                f"({fingerprint_id(self.lm.fingerprint)} vs {fingerprint_id(fingerprint)}); "
