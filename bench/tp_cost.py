@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r:g} | {100 * k1:.2f}% | {100 * kn:.2f}% | {100 * v1:.2f}% | {100 * vn:.2f}% "
               f"| {e1['ppl_ratio']:.4f} | {en['ppl_ratio']:.4f} | {e1['kl']:.4f} | {en['kl']:.4f} "
               f"| {e1['bytes_per_token']:.0f} | {en['bytes_per_token']:.0f} |")
-    print(f"\nfixed-rate mode (DP allocation), held-out relative error keys / values: " + "; ".join(
+    print("\nfixed-rate mode (DP allocation), held-out relative error keys / values: " + "; ".join(
         f"CR {r:g}: TP 1 {100 * errors[1][(r, 'fixed')][0]:.2f}% / {100 * errors[1][(r, 'fixed')][1]:.2f}%, "
         f"TP {n} {100 * errors[n][(r, 'fixed')][0]:.2f}% / {100 * errors[n][(r, 'fixed')][1]:.2f}%" for r in args.ratios))
     print(f"\nrank codecs (TP {n}) against the whole-cache codec on their heads: max abs difference {diff:.1e}")

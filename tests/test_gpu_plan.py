@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kvtc.pipeline.job.memory_plan import GIB, estimate, plan_gpus
+from kvtc.pipeline.job.memory_plan import estimate, plan_gpus
 from kvtc.workers.capture import CaptureSettings
 from kvtc.workers.model_size import model_size, placement_units
 from kvtc.workers.placement import device_map, pack

@@ -53,7 +53,6 @@ def test_a_rank_outside_the_layout_and_a_forged_rank_table_are_refused():
 
 # --- calibrated per-rank bases on an 8-KV-head geometry (16 attention heads, so TP 16 is servable) ---
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvtc import artifacts  # noqa: E402
