@@ -58,7 +58,6 @@ def chart(rows: list[dict]) -> bytes | None:
     """PNG: held-out relative error (dB) against components held (group 0), one line per ratio, per stream."""
     if not rows:
         return None
-    import io
 
     import matplotlib
 
@@ -78,8 +77,6 @@ def chart(rows: list[dict]) -> bytes | None:
                title=f"{stream}: error against basis size (ECSQ)")
         if ax.lines:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    from kvtc.pipeline.evaluation.report import png
+
+    return png(plt, fig)

@@ -96,7 +96,6 @@ def chart(rows: list[dict]) -> bytes | None:
     """Rate-distortion PNG: relative error (dB) against bits per token, group 0, one panel per stream."""
     if not rows:
         return None
-    import io
 
     import matplotlib
     import matplotlib.ticker
@@ -121,8 +120,6 @@ def chart(rows: list[dict]) -> bytes | None:
                title=f"{stream}: rate-distortion on held-out rows")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    from kvtc.pipeline.evaluation.report import png
+
+    return png(plt, fig)

@@ -92,7 +92,8 @@ def _figure(ncols: int):
     return plt, fig, axes[0]
 
 
-def _png(plt, fig) -> bytes:
+def png(plt, fig) -> bytes:
+    """A finished figure -> PNG bytes (closes it); every chart of the report goes through here."""
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=110)
@@ -124,7 +125,7 @@ def chart_error_by_tokens(rows: list[dict], ratio: float | None = None, run_toke
            title=f"Error vs calibration tokens{at}")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    return _png(plt, fig)
+    return png(plt, fig)
 
 
 def _stream_rows(rows: list[dict], stream: str) -> list[dict]:
@@ -161,7 +162,7 @@ def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None
         ax.set(xlabel="context position (bucket centre)", ylabel="relative error (%)", title=f"{stream}: error vs position")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
-    return _png(plt, fig)
+    return png(plt, fig)
 
 
 def bits_per_component(blocks) -> list[float]:
@@ -204,7 +205,7 @@ def chart_allocation(allocations: dict, features: int | None = None) -> bytes | 
         ax.set_ylim(bottom=0)
         ax.set(xlabel="component index", ylabel="bits per component (scale amortised)", title=f"{stream}: DP bit allocation")
         ax.legend(fontsize=8)
-    return _png(plt, fig)
+    return png(plt, fig)
 
 
 def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
