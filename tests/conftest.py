@@ -2,6 +2,7 @@
 import os
 import socket
 import time
+import uuid
 
 import pytest
 
@@ -42,3 +43,21 @@ def s3_endpoint():
         _wait_listening(port)
         yield f"http://127.0.0.1:{port}"
         server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def registry(request, tmp_path, monkeypatch):
+    """An empty registry on local disk, then on a moto S3 bucket (a module may define its own)."""
+    from kvtc.artifacts import Registry
+
+    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
+    if request.param == "local":
+        return Registry(str(tmp_path / "root" / "registry"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", request.getfixturevalue("s3_endpoint"))
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # an instance cached by another module points at its own server
+    bucket = f"kvtc-{uuid.uuid4().hex[:12]}"
+    reg = Registry(f"s3://{bucket}/reg")
+    reg.fs.mkdir(bucket)
+    return reg

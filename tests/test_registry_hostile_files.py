@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import uuid
 
 import numpy as np
 import pytest
@@ -16,21 +15,6 @@ import pytest
 from kvtc.artifacts import IntegrityError, Registry, publish, pull
 from kvtc.artifacts.testing import toy_content
 from kvtc.pipeline import cli
-
-
-@pytest.fixture(params=["local", "s3"])
-def registry(request, tmp_path, monkeypatch) -> Registry:
-    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
-    if request.param == "local":
-        return Registry(str(tmp_path / "root" / "registry"))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", request.getfixturevalue("s3_endpoint"))
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    bucket = f"kvtc-{uuid.uuid4().hex[:12]}"
-    reg = Registry(f"s3://{bucket}/reg")
-    reg.fs.mkdir(bucket)
-    return reg
 
 
 @pytest.fixture

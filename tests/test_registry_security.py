@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import uuid
 
 import pytest
 
@@ -14,21 +13,6 @@ from kvtc.artifacts import ArtifactNotFoundError, IntegrityError, Registry, publ
 from kvtc.artifacts.manifest import encode_manifest, manifest_digest
 from kvtc.artifacts.registry import split_ref
 from kvtc.artifacts.testing import forge_version, toy_content
-
-
-@pytest.fixture(params=["local", "s3"])
-def registry(request, tmp_path, monkeypatch) -> Registry:
-    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
-    if request.param == "local":
-        return Registry(str(tmp_path / "root" / "registry"))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", request.getfixturevalue("s3_endpoint"))
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()  # an instance cached by another module points at its own server
-    bucket = f"kvtc-{uuid.uuid4().hex[:12]}"
-    reg = Registry(f"s3://{bucket}/reg")
-    reg.fs.mkdir(bucket)
-    return reg
 
 
 def _files_under(path) -> set[str]:
