@@ -92,6 +92,7 @@ def one_run(spec: str, args: argparse.Namespace) -> dict:
         "gram_bytes": 8 * max(dims) * (max(dims) + 1) // 2, "peak_rss": rss.peak, "wall_s": wall,
         "capture_s": r["capture_seconds"], "fold_s": r["fold_seconds"], "checkpoint_s": r["checkpoint_seconds"],
         "pool_s": r["pool_seconds"], "reduce_s": r["reduce_seconds"], "eig_s": r["eig_seconds"],
+        "stages": r.get("stages", {}),
         "errors": {row["ratio"]: (row["keys"]["rel_error"], row["values"]["rel_error"]) for row in summary["ratios"]},
     }
     if not args.keep:
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(bound {r['bound_bytes'] / 1e9:.3f} GB, one packed Gram {r['gram_bytes'] / 1e9:.3f} GB) "
               f"peak RSS {r['peak_rss'] / GIB:.2f} GiB wall {r['wall_s']:.0f} s: capture {r['capture_s']:.0f} s, "
               f"fold {r['fold_s']:.0f} s, checkpoints {r['checkpoint_s']:.0f} s (worker sums; pool wall {r['pool_s']:.0f} s), "
-              f"reduce {r['reduce_s']:.0f} s of which eigensolver {r['eig_s']:.0f} s; errors {r['errors']}", flush=True)
+              f"reduce {r['reduce_s']:.0f} s of which eigensolver {r['eig_s']:.0f} s; stages (s) {r['stages']}; "
+              f"errors {r['errors']}", flush=True)
     print("\n| run | p | groups | store GB | bound GB | peak RSS GiB | wall s | capture s | fold s | checkpoint s | reduce s | eig s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
