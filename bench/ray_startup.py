@@ -40,16 +40,15 @@ def one_run(mode: str, workers: int) -> dict:
     started = ray_pool.start_ray(None, num_cpus=workers)
     try:
         session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
-        timing: dict = {}
         # env_inherited=False: run_pool gives the actors a runtime environment carrying KVTC_BENCH_SETTING
         settings = ray_pool.PoolSettings(workers=workers, env_inherited=started and mode == "inherited")
         t0 = time.perf_counter()
-        ray_pool.run_pool(Idle, {}, [{"n": i} for i in range(2 * workers)], settings, timing=timing)
+        pool = ray_pool.run_pool(Idle, {}, [{"n": i} for i in range(2 * workers)], settings)
         total = time.perf_counter() - t0
         time.sleep(3)  # let the raylet shut idle workers down
         logs = list((session / "logs").glob("python-core-worker-*.log"))
         idle = sum("idle for a long time" in p.read_text(errors="replace") for p in logs)
-        return {"startup_s": timing["startup_s"], "total_s": total, "workers_started": len(logs), "idle_shutdowns": idle}
+        return {"startup_s": pool.startup_s, "total_s": total, "workers_started": len(logs), "idle_shutdowns": idle}
     finally:
         if started:
             ray.shutdown()

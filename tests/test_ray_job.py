@@ -1,4 +1,5 @@
-"""`ray job submit` against a Ray head started on loopback, as the README shows for clusters."""
+"""`ray job submit` against a Ray head started on loopback, as the README shows for clusters: token
+authentication on (Ray's default since 2.52), the submitting client given the head's token."""
 import os
 import socket
 import subprocess
@@ -22,9 +23,13 @@ def _free_port() -> int:
 
 @pytest.fixture()
 def ray_head(tmp_path):
+    head_home, client_home = tmp_path / "head-home", tmp_path / "client-home"
+    head_home.mkdir()
+    client_home.mkdir()
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "disabled"}  # loopback-only test cluster
-    env.pop("RAY_ADDRESS", None)
+           "RAY_AUTH_MODE": "token", "HOME": str(head_home)}  # the head writes its token to ~/.ray/auth_token
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
     dash = _free_port()
     subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
@@ -33,13 +38,20 @@ def ray_head(tmp_path):
         check=True, env=env, cwd=tmp_path, capture_output=True, timeout=180,
     )
     try:
-        yield f"http://127.0.0.1:{dash}", env
+        token = (head_home / ".ray" / "auth_token").read_text().strip()
+        # the submitting client: another home (no token file), the head's token in its environment
+        client = {**env, "HOME": str(client_home), "RAY_AUTH_TOKEN": token}
+        yield f"http://127.0.0.1:{dash}", client
     finally:
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
 def test_ray_job_submit_publishes_artifact(ray_head, tmp_path):
     address, env = ray_head
+    without = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}
+    refused = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=without, cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0, "a client without the head's token must be refused"
     registry, store = tmp_path / "reg", tmp_path / "store"
     cmd = [
         str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO), "--",

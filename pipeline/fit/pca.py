@@ -11,13 +11,12 @@ the LAPACK driver from k / p: `syevr` with an index range only for few component
 SUBSET_SHARE: for an index range it runs bisection and inverse iteration, whose
 reorthogonalisation grows with k^2 p: 219 s for 5,671 of 5,760 components), else one `syevd`
 (divide and conquer, every pair: 17 s at p = 5760) cut to k. On CUDA, torch's `eigh` (syevd).
-`every_core()` gives the solve every core of the process (BLAS, OpenMP and torch threads), whatever
-a Ray worker's OMP_NUM_THREADS=1 or a worker's torch.set_num_threads left behind.
+`cpu_threads(n)` sets the solve's BLAS, OpenMP and torch threads (`every_core()`: every core of the process).
 """
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -136,17 +135,23 @@ def cores() -> int:
 
 
 @contextmanager
-def every_core() -> Iterator[None]:
-    """BLAS, OpenMP and torch threads on every core of the process while the block runs."""
+def cpu_threads(n: int) -> Iterator[None]:
+    """BLAS, OpenMP and torch threads set to `n` while the block runs (whatever a Ray worker's
+    OMP_NUM_THREADS=1 or a worker's torch.set_num_threads left behind)."""
     from threadpoolctl import threadpool_limits
 
-    n, before = cores(), torch.get_num_threads()
+    before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
         with threadpool_limits(limits=n):
             yield
     finally:
         torch.set_num_threads(before)
+
+
+def every_core() -> AbstractContextManager[None]:
+    """`cpu_threads` on every core of the process."""
+    return cpu_threads(cores())
 
 
 def exact_eigh(cov: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

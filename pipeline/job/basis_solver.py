@@ -5,9 +5,8 @@ accumulator being added (two packed Grams), then one p x p float64 matrix for th
 the sum is unpacked (the packed sum is released): about 3 packed Grams at the peak. Only the
 components the least aggressive ratio could keep are computed (`max_components`).
 
-Where: on a cluster with GPUs, a Ray task with one GPU runs it (torch `eigh` in float64 on the
-device) and hands the basis back through the shard store (checksummed arrays, no pickle);
-otherwise it runs in this process on the CPU, on every core (`every_core`).
+Where: the group's reduce task (`group_task.run_group`) calls it, on its device (torch `eigh` in
+float64 on a GPU; LAPACK on the CPU threads the task holds).
 
 How (`choose_solver`, from k / p): exact (one LAPACK solve, pca.exact_eigh) whenever the
 allocation may need most components and the exact solve fits in memory, or p is small; subspace
@@ -17,14 +16,12 @@ exact solve if it fits, else a subspace twice as wide.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 
 import numpy as np
 
 from kvtc.pipeline.fit.allocator import AllocatorSettings
-from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, every_core, pca_from_packed
+from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, pca_from_packed
 from kvtc.pipeline.job.store import ShardStore
 
 
@@ -86,40 +83,5 @@ def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, 
     k = min(k, p)
     if method == "auto" or device.startswith("cuda") or k == p:
         method = "exact" if device.startswith("cuda") or p <= EXACT_MAX_P or k == p else "subspace"
-    with every_core():
-        basis = pca_from_packed(n, total, packed, k=k, device=device, method=method)
+    basis = pca_from_packed(n, total, packed, k=k, device=device, method=method)
     return basis, {"sum_s": t1 - t0, "eig_s": time.perf_counter() - t1, "method": method}
-
-
-def _task_name(names: list[str], stream: str, group: int, k: int) -> str:
-    key = json.dumps([names, stream, group, k]).encode()
-    return f"{stream}-g{group}-{hashlib.sha256(key).hexdigest()[:16]}"
-
-
-def solve_on_gpu_task(root: str, model_id: str, capture_key: str, names: list[str], stream: str, group: int, k: int) -> dict:
-    """Body of the Ray task: solve on the GPU torch sees (CPU if none), write the basis to the store."""
-    import torch
-
-    store = ShardStore(root, model_id, capture_key)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    basis, timing = solve(store, names, stream, group, k, device)
-    name = _task_name(names, stream, group, k)
-    store.put_basis(name, {"mean": basis.mean, "eigenvalues": basis.eigenvalues, "components": basis.components},
-                    {"total_variance": basis.total_variance, "n": basis.n})
-    return {"name": name, "device": device, **timing}
-
-
-def solve_group(store: ShardStore, names: list[str], stream: str, group: int, k: int, on_cluster_gpu: bool,
-                method: str = "auto") -> tuple[Basis, dict]:
-    """Basis of one stream and group: a one-GPU Ray task when `on_cluster_gpu`, else in-process on CPU."""
-    if not on_cluster_gpu:
-        basis, timing = solve(store, names, stream, group, k, "cpu", method)
-        return basis, {**timing, "device": "cpu (driver)"}
-    import ray
-
-    task = ray.remote(num_gpus=1, num_cpus=1, max_retries=2)(solve_on_gpu_task)
-    out = ray.get(task.remote(store.root, store.model_id, store.capture_key, names, stream, group, k))
-    arrays, meta = store.get_basis(out["name"])
-    store.drop_basis(out["name"])
-    basis = Basis(arrays["mean"], arrays["eigenvalues"], arrays["components"], float(meta["total_variance"]), int(meta["n"]))
-    return basis, {"sum_s": out["sum_s"], "eig_s": out["eig_s"], "method": out["method"], "device": f"{out['device']} (Ray task)"}

@@ -17,7 +17,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtc.pipeline.job.corpus import iter_documents
+from kvtc.pipeline.job.pool_run import PoolRun
+from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, reduce
+from kvtc.pipeline.job.reduce_tasks import Placement
 from kvtc.pipeline.job.shards import ShardPlan, plan_shards
+from kvtc.pipeline.job.store import ShardStore
 
 # the settings and their defaults live in kvtc.pipeline.settings; these names stay importable from here
 from kvtc.pipeline.settings import (DEFAULT_CORPUS, DEFAULT_CPU_TOKENS, DEFAULT_EVAL_CORPUS,  # noqa: E402,F401
@@ -79,7 +83,7 @@ class Folded:
     """The fold stage's hand-off: the shard store scope, every planned shard ({id, index, role,
     tokens, cached}), the accumulators (name, shard ids) in order, the workers' results, and timings."""
 
-    store: Any
+    store: ShardStore
     shards: list[dict]
     accumulators: list[tuple[str, list[str]]]
     results: list[dict]
@@ -190,20 +194,16 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
         cache_dir=rt.cache_dir, threads=rt.threads_per_worker, rows_per_heldout_shard=max(1, cfg.reduce.heldout_rows // 2),
         fingerprint=fingerprint, model_dtype=model_dtype,
     )
-    timing: dict = {}
     if in_process:
-        workers, results = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), timing)
+        workers, pool = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner))
     else:
-        workers, results = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs,
-                                       payloads(store, planner), timing)
-    return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
-                  timing["startup_s"], timing["run_s"])
+        workers, pool = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs, payloads(store, planner))
+    return Folded(store, shards_seen, planner.accumulators(), pool.results, workers, model_dtype, gpus >= 1, duplicates,
+                  pool.startup_s, pool.run_s)
 
 
 def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
-    """plan -> fold -> (solve -> fit -> measure per stream and group) -> publish."""
-    from kvtc.pipeline.job.reduce import reduce_and_publish
-
+    """plan -> fold -> reduce (solve -> fit -> measure per stream and group) -> publish."""
     t_start = time.perf_counter()
     planned = plan_job(cfg, in_process)
     cfg, rt = planned.settings, planned.settings.runtime
@@ -227,26 +227,24 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
             if gpus >= 1:  # before any model work: refuse a model the workers' GPUs cannot hold
                 gpu_plan = _gpu_plan(planned, gpus, *ray_pool.gpu_inventory())
         folded = fold_shards(planned, in_process, gpus, started, gpu_plan)
-        if gpus < 1 and started:  # the reduce runs here: free Ray's processes (and their CPU) first
-            ray.shutdown()
-            started = False
-        reduce_timing: dict = {}
-        summary = reduce_and_publish(
-            cfg=cfg, fingerprint=planned.fingerprint, store=folded.store, shards=folded.shards,
-            accumulators=folded.accumulators, registry=planned.registry, alias_latest=alias_latest,
-            model_dtype=folded.model_dtype, on_cluster_gpu=folded.on_cluster_gpu, timing=reduce_timing,
-        )
+        inp = ReduceInput(cfg, planned.fingerprint, folded.store, folded.shards, folded.accumulators, folded.model_dtype)
+        # the reduce runs on the fold's workers (their actors are gone: the model's memory is free), one group per worker
+        placement = Placement(0 if in_process else folded.workers, rt.threads_per_worker, folded.on_cluster_gpu)
+        reduced = reduce(inp, placement)
+        published = publish(inp, reduced, planned.registry, alias_latest)
     finally:
         if started:
             ray.shutdown()
+    summary = published.summary
     if folded.duplicates:
         summary["warnings"].append(f"{len(folded.duplicates)} shards repeated an earlier shard's tokens and were folded once")
-    summary["run"] = run_figures(planned, folded, reduce_timing, time.perf_counter() - t_start)
+    summary["run"] = run_figures(planned, folded, reduced, published, time.perf_counter() - t_start)
     return summary, {"store": folded.store, "shards": folded.shards, "fingerprint": planned.fingerprint}
 
 
-def run_figures(planned: Planned, folded: Folded, reduce_timing: dict, wall_s: float) -> dict:
-    """The summary's "run" section: pool figures, store bytes, and the seconds of every stage."""
+def run_figures(planned: Planned, folded: Folded, reduced: Reduced, published: Published, wall_s: float) -> dict:
+    """The summary's "run" section: pool figures, store bytes, and the seconds of every stage
+    (solve, fit and measure summed over groups, on whichever worker ran them; reduce: that stage's wall)."""
     results, rt = folded.results, planned.settings.runtime
     run_tokens = sum(r["tokens_run"] for r in results)
     trained = [r for r in results if r["role"] == "train" and not r.get("skipped")]
@@ -266,21 +264,26 @@ def run_figures(planned: Planned, folded: Folded, reduce_timing: dict, wall_s: f
         "fold_seconds": round(sum(r.get("fold_s", 0.0) for r in trained), 2),
         "checkpoint_seconds": round(sum(r.get("checkpoint_s", 0.0) for r in trained), 2),
         "stats_bytes": folded.store.stats_bytes(),
-        "reduce_seconds": round(reduce_timing.get("reduce_s", 0.0), 2),
-        "solve_seconds": round(reduce_timing.get("solve_s", 0.0), 2),
-        "eig_seconds": round(reduce_timing.get("eig_s", 0.0), 2),
-        "curve_seconds": round(reduce_timing.get("curve_s", 0.0), 2),
+        "reduce_seconds": round(reduced.seconds + published.seconds, 2),
+        "solve_seconds": round(reduced.solve_s, 2),
+        "eig_seconds": round(reduced.eig_s, 2),
+        "groups": [{"stream": r.stream, "group": r.group, "p": int(r.basis[0].shape[0]), "kept": int(r.basis[2].shape[1]),
+                    "solves": [dict(method=s.method, k=s.k, device=s.device, sum_s=round(s.sum_s, 2),
+                                    eig_s=round(s.eig_s, 2)) for s in r.solves],
+                    "fit_s": round(r.fit_s, 2), "measure_s": round(r.measure.seconds, 2)} for r in reduced.results],
         "wall_seconds": round(wall_s, 2),
-        # plan -> fold (model work, after the actors loaded the model) -> solve -> fit -> measure -> publish
+        # plan -> fold (model work, after the actors loaded the model) -> reduce (its wall; solve, fit, measure
+        # summed over groups) -> publish
         "stages": {"plan": round(planned.seconds, 2), "startup": round(folded.startup_s, 2), "fold": round(pool_s, 2),
-                   "tokens_curve": round(reduce_timing.get("curve_s", 0.0), 2),
-                   **{k: round(reduce_timing.get(f"{k}_s", 0.0), 2) for k in ("solve", "fit", "measure", "publish")}},
+                   "reduce": round(reduced.seconds, 2), "solve": round(reduced.solve_s, 2),
+                   "fit": round(reduced.fit_s, 2), "measure": round(reduced.measure_s, 2),
+                   "publish": round(published.seconds, 2)},
     }
     out["wall_over_model_work"] = round(wall_s / pool_s, 2) if pool_s else None
     return out
 
 
-def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dict) -> list[dict]:
+def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads) -> PoolRun:
     """The shards one after another in this process; the model loads only when a shard must run."""
     from tqdm import tqdm
 
@@ -288,15 +291,13 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, timing: dic
     it = iter(payloads)
     first = next(it, None)
     if first is None:
-        timing.update(startup_s=0.0, run_s=0.0)
-        return []
+        return PoolRun([], 0.0, 0.0)
     worker = worker_cls(**worker_kwargs)
-    timing["startup_s"] = time.perf_counter() - t0
+    startup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     results = [worker.process(p) for p in tqdm([first, *it], unit="shard", desc="calibrate", dynamic_ncols=True,
                                                 disable=None)]
-    timing["run_s"] = time.perf_counter() - t0
-    return results
+    return PoolRun(results, startup_s, time.perf_counter() - t0)
 
 
 def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_node: int):
@@ -316,8 +317,8 @@ def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_no
                                                       rt.workers or workers).worker, rt.gpus_per_worker)
 
 
-def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict, payloads,
-                timing: dict) -> tuple[int, list[dict]]:
+def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict,
+                payloads) -> tuple[int, PoolRun]:
     """(workers, results) of the shards on a Ray actor pool (Ray already started, by this job when
     `started`); fold tasks are pinned to the actor that owns their accumulator. With GPUs, each worker
     takes `gpu_plan.gpus` of them and spreads the model over them when more than one."""
@@ -332,7 +333,7 @@ def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, wor
         worker_kwargs = {**worker_kwargs, "gpu_budgets": gpu_plan.max_memory()}
     pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=rt.threads_per_worker,
                                  gpus_per_worker=float(gpu_plan.gpus) if gpu_plan else 0.0, env_inherited=started)
-    return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool, timing=timing,
+    return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool,
                                       route=lambda payload: payload.get("acc_index"))
 
 

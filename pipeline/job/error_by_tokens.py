@@ -1,12 +1,38 @@
-"""The error-by-calibration-tokens curve of a finished calibration, from its shard store (the
-calibration job computes the same rows while it folds; this recomputes them, e.g. with another
-allocator setting or for an artifact stored without the curve)."""
+"""The error-by-calibration-tokens curve (chart 1): calibrate on growing prefixes of the stored
+accumulators, in order, and measure each on the held-out rows. The calibration job computes it in
+its reduce (`curve_from_store`); `error_by_tokens` recomputes it for a finished calibration, e.g.
+with another allocator setting or for an artifact stored without the curve."""
 from __future__ import annotations
+
+from typing import Callable
 
 from kvtc.pipeline.evaluation.diagnostics import prefix_errors, prefix_points
 from kvtc.pipeline.fit.allocator import AllocatorSettings
-from kvtc.pipeline.job.reduce import HeldOut, fold_stats
+from kvtc.pipeline.fit.heldout import HeldOut
+from kvtc.pipeline.job.heldout_rows import load_rows
 from kvtc.pipeline.job.store import ShardStore
+from kvtc.workers.stats import CalibrationStats
+
+
+def fold_stats(store: ShardStore, accumulators: list[str], checkpoints: list[int] = (),
+               on_checkpoint: Callable[[CalibrationStats], None] | None = None) -> CalibrationStats:
+    """Sum whole stored accumulators (every stream and group), in the given order; after the first c
+    accumulators for each c in `checkpoints`, call `on_checkpoint` with the running total.
+    For diagnostics at small p: the reducer itself sums one stream and group at a time."""
+    if len(set(accumulators)) != len(accumulators):
+        raise ValueError("an accumulator appears twice in the fold list; each must be folded once")
+    total: CalibrationStats | None = None
+    for i, name in enumerate(accumulators):
+        part = store.get_acc(name)
+        if total is None:
+            total = part
+        else:
+            total.fold(part)
+        if on_checkpoint is not None and i + 1 in checkpoints:
+            on_checkpoint(total)
+    if total is None:
+        raise ValueError("no training shard: the corpus is too small for --tokens/--seqs-per-shard/--holdout-fraction")
+    return total
 
 
 def error_by_tokens(store: ShardStore, accumulators: list[str], heldout: HeldOut, evals: HeldOut | None, ratio: float,
@@ -21,3 +47,13 @@ def error_by_tokens(store: ShardStore, accumulators: list[str], heldout: HeldOut
     fold_stats(store, accumulators, checkpoints=prefix_points(len(accumulators), points),
                on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k, settings)))
     return rows
+
+
+def curve_from_store(store: ShardStore, accumulators: list[str], heldout_shards: list[str], eval_shards: list[str],
+                     rows_cap: int, ratio: float, sinks: int, window: int, points: int, k: int) -> list[dict]:
+    """`error_by_tokens` with the held-out rows read from the store (what a reduce task is given)."""
+    held = load_rows(store, heldout_shards, rows_cap)
+    if held is None:
+        raise ValueError("no held-out shard; raise --holdout-fraction or --tokens")
+    evals = load_rows(store, eval_shards, rows_cap) if eval_shards else None
+    return error_by_tokens(store, accumulators, held, evals, ratio, sinks, window, points, k)

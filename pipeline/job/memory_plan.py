@@ -139,3 +139,10 @@ def plan_gpus(size: ModelSize, gpu_bytes: int, cluster_gpus: int, gpus_per_node:
         raise ValueError(f"the model needs {n} GPUs per worker on one node ({sizes}), and the largest node has "
                          f"{gpus_per_node}; add a node type with {n} or more GPUs (see ray_cluster.yaml)")
     return plan(n)
+
+
+def group_task_bytes(p: int, kept_max: int, rows: int) -> int:
+    """Bytes one stream and group's reduce task holds at its peak: about 3 packed Grams (the sum being
+    added, the running sum, then the p x p matrix), the kept eigenvectors, and its held-out rows
+    (`rows`: held-out plus second-domain rows, float32, with their projections and a working copy)."""
+    return 3 * packed_bytes(p) + 8 * p * min(p, kept_max) + 3 * 4 * rows * p

@@ -18,6 +18,8 @@ from typing import Callable, Iterable, Iterator
 import ray
 from tqdm import tqdm
 
+from kvtc.pipeline.job.pool_run import PoolRun
+
 
 @dataclass(frozen=True)
 class PoolSettings:
@@ -103,20 +105,16 @@ def run_pool(
     actor_kwargs: dict,
     payloads: Iterable[dict],
     settings: PoolSettings,
-    timing: dict | None = None,
     route: Callable[[dict], int | None] | None = None,
-) -> list[dict]:
-    """Run `actor.process(payload)` for every payload; returns the result dicts in completion order.
-    `timing` receives startup_s (actors loading the model) and run_s (shards, after start-up).
+) -> PoolRun:
+    """Run `actor.process(payload)` for every payload.
     `route(payload)` pins a payload to actor `route(payload) % workers` (None: the least loaded);
     payloads pinned to one actor run there in the order given (Ray runs one caller's actor tasks
     in submission order, retries included)."""
-    timing = {} if timing is None else timing
     it: Iterator[dict] = iter(payloads)
     first = next(it, None)
     if first is None:  # everything cached: no actor, no model load
-        timing.update(startup_s=0.0, run_s=0.0)
-        return []
+        return PoolRun([], 0.0, 0.0)
     it = itertools.chain([first], it)
     kvtc_env = {k: v for k, v in job_env().items() if k.startswith("KVTC_")}
     job_env_vars = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
@@ -135,10 +133,11 @@ def run_pool(
     held: dict | None = None  # the next payload, waiting for its pinned actor to have room
     tokens = 0
     start = time.perf_counter()
+    startup_s = 0.0
     bar = tqdm(unit="shard", desc="calibrate", dynamic_ncols=True)
     try:
         ray.get([a.ready.remote() for a in actors])  # models loaded: the throughput clock starts here
-        timing["startup_s"] = time.perf_counter() - start
+        startup_s = time.perf_counter() - start
         start = time.perf_counter()
         while True:
             while not exhausted or held is not None:
@@ -169,9 +168,7 @@ def run_pool(
             bar.update(1)
             bar.set_postfix(tokens=tokens, tok_s=f"{tokens / elapsed:.0f}", refresh=False)
     finally:
-        timing["run_s"] = time.perf_counter() - start
-        timing.setdefault("startup_s", 0.0)
         bar.close()
         for actor in actors:
             ray.kill(actor, no_restart=True)
-    return results
+    return PoolRun(results, startup_s, time.perf_counter() - start)

@@ -1,0 +1,47 @@
+"""The fit stage of one stream and group: DP allocations and ECSQ tables at every ratio, fitted on the
+held-out middle rows' projections onto its basis."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtc.pipeline.fit import ecsq as ecsq_fit
+from kvtc.pipeline.fit.allocator import Allocation, AllocatorSettings, allocate
+from kvtc.pipeline.fit.heldout import GroupRows
+from kvtc.pipeline.fit.pca import Basis
+
+
+@dataclass
+class GroupFit:
+    """The fit stage's result for one stream and group: its basis, its held-out rows (`rows`, every
+    position; the middle ones `x_mid` (M, p) and their projections `z_mid` (M, k)), the DP allocations
+    and the ECSQ fits at every ratio, and the seconds the fit took."""
+
+    stream: str
+    group: int
+    basis: Basis
+    rows: GroupRows
+    x_mid: np.ndarray
+    z_mid: torch.Tensor
+    allocs: list[Allocation]
+    fits: list[ecsq_fit.EcsqFit]
+    seconds: float = 0.0
+
+    @property
+    def kept(self) -> int:
+        return max([a.kept for a in self.allocs] + [f.kept for f in self.fits])
+
+
+def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, rows: GroupRows,
+              sinks: int, window: int) -> GroupFit:
+    """DP allocations and ECSQ tables at `ratios` on the held-out middle rows' projections."""
+    t0 = time.perf_counter()
+    x_mid = rows.rows[rows.middle(sinks, window)]
+    z_mid = basis.project(x_mid)  # one GEMM serves the error tables, the ECSQ fit and the held-out metrics
+    allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
+    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
+                               ecsq_fit.EcsqSettings(max_components=alloc.max_components))
+    return GroupFit(stream, group, basis, rows, x_mid, z_mid, allocs, fits, time.perf_counter() - t0)

@@ -1,0 +1,159 @@
+"""One stream and group of the reduce: solve -> fit -> measure, the unit a reduce worker runs.
+
+`run_group` is the one path, in the driver (in-process jobs) or in a Ray task (`reduce_tasks`): it
+solves the basis from the stored accumulators (`basis_solver`), fits the DP allocations and ECSQ
+tables (`fit.group_fit`) and measures both modes (`evaluation.measure`), each a typed result with
+its own seconds. A subspace solve whose components the allocation fills is followed by an exact
+solve (or a wider subspace where that does not fit), before anything is measured.
+
+Results cross processes through the shard store as one checksummed object (arrays + JSON, no
+pickle): `GroupResult.arrays_and_meta` / `GroupResult.from_stored`; JSON round-trips floats
+exactly, so a result read back equals the one written.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from kvtc.pipeline.evaluation.measure import CURVES, GroupMeasure, measure_group
+from kvtc.pipeline.fit.allocator import AllocatorSettings
+from kvtc.pipeline.fit.group_fit import fit_group
+from kvtc.pipeline.fit.heldout import GroupRows
+from kvtc.pipeline.fit.pca import cpu_threads
+from kvtc.pipeline.job.basis_solver import choose_solver, max_components, next_solve, solve
+from kvtc.pipeline.job.store import ShardStore
+
+KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer than this share of it
+
+
+@dataclass(frozen=True)
+class GroupTask:
+    """What one stream and group's reduce needs besides its rows: the accumulators to sum (in order),
+    the ratios and allocator settings, sinks and window, the device of the solve, the CPU threads it
+    may use (fixed per job, so the result does not depend on how many workers ran), and the bytes
+    free for an exact solve."""
+
+    index: int
+    stream: str
+    group: int
+    p: int
+    accumulators: tuple[str, ...]
+    ratios: tuple[float, ...]
+    allocator: dict
+    sinks: int
+    window: int
+    threads: int
+    device: str = "cpu"
+    free_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stream not in ("keys", "values") or self.p < 1 or self.threads < 1 or not self.accumulators:
+            raise ValueError(f"GroupTask: bad stream {self.stream!r}, p {self.p}, threads {self.threads} "
+                             f"or no accumulators")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GroupTask":
+        return cls(**{**d, "accumulators": tuple(d["accumulators"]), "ratios": tuple(float(r) for r in d["ratios"])})
+
+
+@dataclass(frozen=True)
+class Solved:
+    """One solve of a group's basis: method, components solved, where, and its seconds."""
+
+    method: str
+    k: int
+    device: str
+    sum_s: float
+    eig_s: float
+
+
+@dataclass
+class GroupResult:
+    """Everything one stream and group contributes to the artifact: its basis (mean (p,), eigenvalues
+    (kept,), components (p, kept), float32), the DP allocations and ECSQ tables per (ratio, stream,
+    group), the measurement, warnings, the rows that built the basis, and each stage's seconds."""
+
+    stream: str
+    group: int
+    basis: tuple[np.ndarray, np.ndarray, np.ndarray]
+    allocations: dict
+    ecsq: dict
+    measure: GroupMeasure
+    notes: list[str]
+    train_rows: int
+    solves: list[Solved] = field(default_factory=list)
+    fit_s: float = 0.0
+
+    @property
+    def solve_s(self) -> float:
+        return sum(s.sum_s + s.eig_s for s in self.solves)
+
+    def arrays_and_meta(self) -> tuple[dict[str, np.ndarray], dict]:
+        arrays = {"mean": self.basis[0], "eigenvalues": self.basis[1], "components": self.basis[2]}
+        tables = []
+        for i, ((ratio, _, _), t) in enumerate(self.ecsq.items()):
+            arrays.update({f"ecsq{i}.scales": t["scales"], f"ecsq{i}.model": t["model"], f"ecsq{i}.offsets": t["offsets"]})
+            arrays.update({f"ecsq{i}.counts{j}": counts for j, (_, counts) in enumerate(t["models"])})
+            tables.append({"ratio": ratio, "radii": [int(r) for r, _ in t["models"]],
+                           **{k: t[k] for k in ("budget_bits", "step", "kept", "bits_per_token", "heldout_rows")}})
+        m = self.measure
+        meta = {"stream": self.stream, "group": self.group, "notes": self.notes, "train_rows": self.train_rows,
+                "allocations": [[list(key), value] for key, value in self.allocations.items()], "ecsq": tables,
+                "metrics": m.metrics, "curves": m.curves, "measure_s": m.seconds, "fit_s": self.fit_s,
+                "partials": [[list(k), v] for k, v in m.partials.items()],
+                "ecsq_partials": [[list(k), v] for k, v in m.ecsq_partials.items()],
+                "solves": [asdict(s) for s in self.solves]}
+        return arrays, meta
+
+    @classmethod
+    def from_stored(cls, arrays: dict[str, np.ndarray], meta: dict) -> "GroupResult":
+        stream, group = meta["stream"], int(meta["group"])
+        ecsq = {}
+        for i, t in enumerate(meta["ecsq"]):
+            ecsq[(float(t["ratio"]), stream, group)] = {
+                **{k: t[k] for k in ("budget_bits", "step", "kept", "bits_per_token", "heldout_rows")},
+                "scales": arrays[f"ecsq{i}.scales"], "model": arrays[f"ecsq{i}.model"],
+                "offsets": arrays[f"ecsq{i}.offsets"],
+                "models": [(int(r), arrays[f"ecsq{i}.counts{j}"]) for j, r in enumerate(t["radii"])]}
+        allocations = {(float(k[0]), k[1], int(k[2])): {**v, "blocks": [tuple(b) for b in v["blocks"]]}
+                       for k, v in meta["allocations"]}
+        measure = GroupMeasure(metrics=meta["metrics"], curves={name: meta["curves"].get(name, []) for name in CURVES},
+                               partials={tuple(k): v for k, v in meta["partials"]},
+                               ecsq_partials={tuple(k): v for k, v in meta["ecsq_partials"]}, seconds=meta["measure_s"])
+        return cls(stream, group, (arrays["mean"], arrays["eigenvalues"], arrays["components"]), allocations, ecsq,
+                   measure, list(meta["notes"]), int(meta["train_rows"]), [Solved(**s) for s in meta["solves"]],
+                   float(meta["fit_s"]))
+
+
+def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResult:
+    """solve -> fit -> measure of one stream and group, on `task.threads` CPU threads."""
+    alloc = AllocatorSettings.from_dict(task.allocator)
+    bound = max_components(task.p, task.ratios, alloc)
+    on_gpu = task.device.startswith("cuda")
+    method, k = choose_solver(task.p, bound, on_gpu, task.free_bytes)
+    solves: list[Solved] = []
+    with cpu_threads(task.threads):
+        while True:
+            basis, t = solve(store, list(task.accumulators), task.stream, task.group, k, task.device, method)
+            solves.append(Solved(t["method"], basis.k, task.device, t["sum_s"], t["eig_s"]))
+            fitted = fit_group(task.stream, task.group, basis, task.ratios, alloc, rows, task.sinks, task.window)
+            if t["method"] == "exact" or k >= bound or fitted.kept < KEEP_MARGIN * k:
+                break
+            del basis, fitted
+            method, k = next_solve(task.p, k, bound, task.free_bytes)
+        measured = measure_group(fitted, task.sinks, task.window)
+    kept = fitted.kept
+    allocations = {(a.ratio, task.stream, task.group): {
+        "budget_bits": a.budget_bits, "cost_bits": a.cost_bits, "kept": a.kept,
+        "blocks": [(b.start, b.size, b.qtype, b.bits, b.scale_bits) for b in a.blocks],
+        "expected_error": a.expected_error, "heldout_rows": a.heldout_rows} for a in fitted.allocs}
+    return GroupResult(
+        task.stream, task.group,
+        (basis.mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32),
+         basis.components[:, :kept].astype(np.float32)),
+        allocations, {(f.ratio, task.stream, task.group): f.to_table() for f in fitted.fits}, measured,
+        list(dict.fromkeys(w for a in fitted.allocs for w in a.warnings)), basis.n, solves, fitted.seconds)
