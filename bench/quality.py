@@ -53,7 +53,7 @@ def main() -> int:
     art = artifacts.pull(f"{args.name}@latest", registry=args.registry)
     curves = {name: art.curve(name) for name in art.curves()}
     if args.store and "error_by_tokens" not in curves:
-        from kvtc.pipeline.job.heldout_rows import load_rows
+        from kvtc.pipeline.job.heldout_store import load_rows
         from kvtc.pipeline.operations.recalibrate import heldout_store
 
         m, rec = art.manifest, artifacts.CalibrationRecord.from_manifest(art.manifest)

@@ -12,7 +12,7 @@ from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.job.error_by_tokens import error_by_tokens
 from kvtc.pipeline.settings import JobSettings
 from kvtc.pipeline.job.calibrate import calibrate_local
-from kvtc.pipeline.job.heldout_rows import load_rows
+from kvtc.pipeline.job.heldout_store import load_rows
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,

@@ -10,7 +10,7 @@ import torch
 
 from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.fit.allocator import Allocation, AllocatorSettings, allocate
-from kvtc.pipeline.fit.heldout import GroupRows
+from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.fit.pca import Basis
 
 

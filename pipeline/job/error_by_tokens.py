@@ -8,8 +8,8 @@ from typing import Callable
 
 from kvtc.pipeline.evaluation.diagnostics import prefix_errors, prefix_points
 from kvtc.pipeline.fit.allocator import AllocatorSettings
-from kvtc.pipeline.fit.heldout import HeldOut
-from kvtc.pipeline.job.heldout_rows import load_rows
+from kvtc.pipeline.fit.heldout_rows import HeldOut
+from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.workers.stats import CalibrationStats
 

@@ -19,7 +19,7 @@ import numpy as np
 from kvtc.pipeline.evaluation.measure import CURVES, GroupMeasure, measure_group
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.fit.group_fit import fit_group
-from kvtc.pipeline.fit.heldout import GroupRows
+from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.fit.pca import cpu_threads
 from kvtc.pipeline.job.basis_solver import choose_solver, max_components, next_solve, solve
 from kvtc.pipeline.job.store import ShardStore

@@ -30,7 +30,7 @@ from kvtc.pipeline.fit.pca import cores
 from kvtc.pipeline.job.basis_solver import max_components
 from kvtc.pipeline.job.error_by_tokens import error_by_tokens
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask
-from kvtc.pipeline.job.heldout_rows import load_rows
+from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.memory_plan import group_task_bytes
 from kvtc.pipeline.job.reduce_tasks import Placement, run_groups
 from kvtc.pipeline.job.store import ShardStore

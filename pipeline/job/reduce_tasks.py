@@ -19,11 +19,12 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from kvtc.pipeline.fit.heldout import GroupRows
+from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.fit.pca import cpu_threads
 from kvtc.pipeline.job.error_by_tokens import curve_from_store
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask, run_group
 from kvtc.pipeline.job.store import ShardStore
+from kvtc.workers.stats_file import CorruptStats
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,19 @@ def _tokens_curve_body(root: str, model_id: str, capture_key: str, threads: int,
         return json.dumps(curve_from_store(ShardStore(root, model_id, capture_key), **curve_args))
 
 
+def _get(ref):
+    """ray.get, raising a failed task's own exception (a one-line error for the CLI), not Ray's wrapper."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+
+
 def _node_memory() -> int:
     import ray
 
@@ -105,20 +119,28 @@ def _on_ray(tasks, rows, store, placement, memory, tokens_curve, bar) -> tuple[l
             *where, placement.threads, tokens_curve)
     pending: dict = {}
     names: dict[int, str] = {}
+    errors: list[Exception] = []
     queue = list(range(len(tasks)))
     try:
         while queue or pending:
-            while queue and len(pending) < placement.workers:
+            while queue and not errors and len(pending) < placement.workers:
                 i = queue.pop(0)
                 opts = {"num_cpus": placement.threads, "num_gpus": 1 if placement.gpu else 0}
                 if cap:
                     opts["memory"] = max(1, min(memory[i], cap))
                 pending[group_fn.options(**opts).remote(*where, tasks[i].to_json())] = i
+            if not pending:
+                break
             done, _ = ray.wait(list(pending), num_returns=1)
             i = pending.pop(done[0])
-            names[i] = ray.get(done[0])["name"]
+            try:
+                names[i] = _get(done[0])["name"]
+            except Exception as exc:  # let the running tasks end: one may name the cause (a corrupt object)
+                errors.append(exc)
             bar.update(1)
-        by_tokens = json.loads(ray.get(curve_ref)) if curve_ref is not None else []
+        if errors:  # tasks sharing a corrupt accumulator: one moved it aside, the others found it missing
+            raise next((e for e in errors if isinstance(e, CorruptStats)), errors[0])
+        by_tokens = json.loads(_get(curve_ref)) if curve_ref is not None else []
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)

@@ -55,7 +55,7 @@ def heldout_store(manifest: dict, store_root: str | None):
 def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:
     """Both artifacts on the parent's held-out rows -> (comparison rows, reasons the child is worse)."""
     from kvtc.artifacts.calibration import CalibrationRecord
-    from kvtc.pipeline.job.heldout_rows import load_rows
+    from kvtc.pipeline.job.heldout_store import load_rows
     from kvtc.pipeline.operations.drift_meter import measure_rows
 
     rec = CalibrationRecord.from_manifest(parent.manifest)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtc.pipeline.fit.heldout import HeldOut
+from kvtc.pipeline.fit.heldout_rows import HeldOut
 from kvtc.pipeline.job.store import ShardStore
 
 
