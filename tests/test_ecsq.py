@@ -15,7 +15,8 @@ from kvtc.kernels.ecsq import EcsqGroup, decode_symbols, dequantize, encode_symb
 from kvtc.kernels.spec import STREAMS
 from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
 from kvtc.pipeline.evaluation.metrics import waterfilling_distortion
-from kvtc.pipeline.fit.ecsq import EcsqFit, fit_ecsq, fit_ratios, isotonic_decreasing, squared_error
+from kvtc.pipeline.fit.ecsq import EcsqFit, fit_ecsq, fit_ratios, squared_error
+from kvtc.pipeline.fit.heldout import isotonic_decreasing
 
 
 def _gaussian(lam: np.ndarray, n: int, seed: int = 0) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 from kvtc.artifacts.blocks import (Block, block_cost_bits, budget_bits, cheapest_bits_per_component,  # noqa: F401
                                    cheapest_block_bits, qtype_bits)
 from kvtc.pipeline.fit.block_errors import ErrorTables, analytic_tables, measured_tables
+from kvtc.pipeline.fit.heldout import heldout_variances
 from kvtc.pipeline.fit.pca import Basis
 
 
@@ -230,8 +231,6 @@ def error_tables(basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,
     if settings.error_model == "analytic":
         variances = None
         if projections is not None:  # held-out variances (isotonic) generalize better than the eigenvalues
-            from kvtc.pipeline.fit.ecsq import heldout_variances
-
             variances = heldout_variances(torch.as_tensor(projections, dtype=torch.float32))
         return analytic_tables(basis, k, settings.block_sizes, settings.quantized_types, variances), ()
     if projections is None:
