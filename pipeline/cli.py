@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 COMMAND_MODULES = (
-    "kvtc.pipeline.job.calibrate",
+    "kvtc.pipeline.calibrate_command",
     "kvtc.pipeline.operations.recalibrate",
     "kvtc.pipeline.operations.drift",
     "kvtc.pipeline.operations.schedule",
@@ -61,44 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(sub)
     sub.add_parser("lmcache-server", add_help=False,  # handled in main(): every argument goes to LMCache
                    help="LMCache's own server (`lmcache server ARGS`) with the kvtc serde registered")
+    # a command that runs kvtc commands (`kvtc schedule --in-process`) gets this entry point from here,
+    # so no command module imports the CLI that loads it
+    parser.set_defaults(kvtc_main=main, kvtc_parser=build_parser)
     return parser
-
-
-def add_settings_arguments(parser: argparse.ArgumentParser, parent_defaults: bool = False) -> None:
-    """The `kvtc calibrate` options, one per settings field (kvtc.pipeline.settings), in argument
-    groups by concern. Options not given stay out of the namespace (argparse.SUPPRESS), so the
-    settings' own defaults apply, or with `parent_defaults` (recalibrate) the parent's."""
-    from dataclasses import MISSING
-
-    from kvtc.pipeline.settings import COMPUTATIONAL, options
-
-    sections: dict[str, argparse._ArgumentGroup] = {}
-    for group, name, opt, default in options():
-        section = sections.get(group) or sections.setdefault(group, parser.add_argument_group(f"{group} settings"))
-        shown = "" if default is MISSING or default is None else \
-            f" (default {opt.show(default) if opt.show else default})"
-        suffix = " [default: the parent's]" if parent_defaults and group in COMPUTATIONAL else shown
-        flag = "--" + name.replace("_", "-")
-        if opt.kind is bool:
-            section.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=opt.help)
-            continue
-        section.add_argument(flag, dest=name, type=opt.kind, choices=opt.choices, default=argparse.SUPPRESS,
-                             help=f"{opt.help}{suffix}")
-
-
-def settings_options(args: argparse.Namespace) -> dict:
-    """The settings options given on a parsed command line: {flat field name: word as typed}."""
-    from kvtc.pipeline.settings import options
-
-    names = {name for _, name, _, _ in options()}
-    return {k: v for k, v in vars(args).items() if k in names}
-
-
-def settings_from_args(args: argparse.Namespace):
-    """JobSettings from a parsed `kvtc calibrate` command line (kvtc.pipeline.settings.JobSettings.of)."""
-    from kvtc.pipeline.settings import JobSettings
-
-    return JobSettings.of(**settings_options(args))
 
 
 def _split_debug(argv: list[str]) -> tuple[list[str], bool]:

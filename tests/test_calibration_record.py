@@ -5,12 +5,13 @@ import dataclasses
 import pytest
 
 from kvtc.artifacts import CalibrationRecord
-from kvtc.pipeline.cli import build_parser, settings_options
+from kvtc.pipeline.cli import build_parser
 from kvtc.pipeline.job.calibrate import shard_plan
 from kvtc.pipeline.job.shards import DEFAULT_EVAL_SEQS, plan_shards
 from kvtc.pipeline.operations.recalibrate_plan import build_configs
 from kvtc.pipeline.settings import (ALLOCATOR_OPTIONS, CAPTURE_OPTIONS, COMPUTATIONAL, JobSettings,
                                     settings_from_manifest)
+from kvtc.pipeline.settings_args import settings_options
 
 ALLOCATOR = {"block_sizes": [1, 16], "types": ["none", "int4"], "error_model": "analytic"}
 

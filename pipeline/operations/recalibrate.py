@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError
 from kvtc.pipeline.operations.recalibrate_plan import build_configs, planned_shards, same_run
+from kvtc.pipeline.settings_args import add_settings_arguments, settings_options
 
 EXIT_OK, EXIT_KEPT = 0, 5
 
@@ -160,8 +161,6 @@ def print_result(result: Result, as_json: bool) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from kvtc.pipeline.cli import settings_options
-
     given = settings_options(args)
     try:
         result = recalibrate(args.target, given, args.if_drift, args.drift_tokens, tuple(args.alias), args.tolerance, args.force)
@@ -176,8 +175,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("recalibrate", help="recalibrate an artifact on new data; promote it only if no worse",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="NAME[@REF]", help="the parent artifact (default ref latest)")
-    from kvtc.pipeline.cli import add_settings_arguments
-
     add_settings_arguments(p, parent_defaults=True)  # unset options fall back to the parent's settings
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--if-drift", type=float, default=None, metavar="THRESHOLD",
