@@ -14,7 +14,7 @@ import torch
 from kvtc.kernels import KVTCCodec
 from kvtc.kernels.blob import BlobError, read_blob
 from kvtc.kernels.chunk_serde import ChunkSerdeSettings, ChunkTransform, RankedChunkTransforms, load_rank_codec
-from kvtc.kernels.synthetic import synthetic_spec
+from helpers.synthetic import synthetic_spec
 
 RATIO = 4
 
