@@ -21,8 +21,6 @@ from kvtc.pipeline.job.shards import ShardPlan, plan_shards
 from kvtc.pipeline.settings import (DEFAULT_CORPUS, DEFAULT_CPU_TOKENS, DEFAULT_EVAL_CORPUS,  # noqa: E402,F401
                                     DEFAULT_GPU_TOKENS, DEFAULT_MODEL, JobSettings)
 
-CalibrateConfig = JobSettings.of  # settings from flat option names, for callers of the former flat config
-
 
 def shard_plan(cfg: JobSettings, tokens: int) -> ShardPlan:
     """The job's ShardPlan for `tokens` training-corpus tokens."""
