@@ -2,7 +2,9 @@
 
 Each command module exposes `register(subparsers)`; it must import only light modules at
 import time (argparse, json, ...) and load torch, Ray or transformers inside its handlers,
-so that `kvtc list` stays fast.
+so that `kvtc list` stays fast. No command module imports this one back: a command that runs kvtc
+commands (`kvtc schedule --in-process`) finds this module's `main` and `build_parser` in its parsed
+arguments (`kvtc_main`, `kvtc_parser`).
 
 One handler here turns every expected failure into one line on stderr and an exit code
 (EXIT_CODES; a traceback only with --debug or KVTC_DEBUG=1), checks the options shared by the
@@ -20,6 +22,9 @@ import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
+
+from kvtc.artifacts.errors import IntegrityError
+from kvtc.pipeline.cli_checks import check_args
 
 COMMAND_MODULES = (
     "kvtc.pipeline.calibrate_command",
@@ -130,8 +135,6 @@ def _json_stdout() -> Iterator[None]:
 
 def exit_code(exc: BaseException) -> int | None:
     """The exit code of an expected failure, or None for a bug."""
-    from kvtc.artifacts.errors import IntegrityError
-
     if isinstance(exc, IntegrityError):
         return EXIT_INTEGRITY
     if isinstance(exc, (ValueError, LookupError, OSError, TimeoutError)):
@@ -150,7 +153,7 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lmcache-server"]:
-        from kvtc.kernels.lmcache_server import main as lmcache_server
+        from kvtc.kernels.lmcache_server import main as lmcache_server  # deferred: kvtc.kernels loads torch, triton
 
         return lmcache_server(argv[1:])
     argv, debug = _split_debug(argv)
@@ -159,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = next((a for a in argv if not a.startswith("-")), "")  # args.command may be a sub-command's own field
     try:
-        from kvtc.pipeline.cli_checks import check_args
-
         check_args(args)
         if getattr(args, "json", False):
             with _json_stdout():

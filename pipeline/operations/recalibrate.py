@@ -21,9 +21,19 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError
+from kvtc import artifacts
+from kvtc.artifacts.calibration import CalibrationRecord
+from kvtc.artifacts.errors import InputError
+from kvtc.artifacts.fingerprint import model_id
+from kvtc.artifacts.schema import check_name
+from kvtc.pipeline.job.calibrate import run
+from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError, check_drift, check_model
 from kvtc.pipeline.operations.recalibrate_plan import build_configs, planned_shards, same_run
 from kvtc.pipeline.settings_args import add_settings_arguments, settings_options
+from kvtc.workers.capture_settings import CaptureSettings
+
+# the shard store, the reduce, the drift meter and the model loader are imported where used: they load
+# torch (and transformers), which `kvtc` start-up does not
 
 EXIT_OK, EXIT_KEPT = 0, 5
 
@@ -43,10 +53,7 @@ class Result:
 
 def heldout_store(manifest: dict, store_root: str | None):
     """The shard store scope (model, capture settings) where the parent's held-out rows live."""
-    from kvtc.artifacts.calibration import CalibrationRecord
-    from kvtc.artifacts.fingerprint import model_id
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
-    from kvtc.workers.capture import CaptureSettings
 
     rec = CalibrationRecord.from_manifest(manifest)
     return ShardStore(store_root or default_store_uri(), model_id(manifest["model"]),
@@ -55,7 +62,7 @@ def heldout_store(manifest: dict, store_root: str | None):
 
 def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:
     """Both artifacts on the parent's held-out rows -> (comparison rows, reasons the child is worse)."""
-    from kvtc.artifacts.calibration import CalibrationRecord
+
     from kvtc.pipeline.job.reduce import load_rows
     from kvtc.pipeline.operations.drift_meter import measure_rows
 
@@ -78,11 +85,6 @@ def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[s
 
 def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_tokens: int | None = None,
                 aliases: tuple[str, ...] = (), tolerance: float = 0.0, force: bool = False) -> Result:
-    from kvtc import artifacts
-    from kvtc.artifacts.errors import InputError
-    from kvtc.artifacts.schema import check_name
-    from kvtc.pipeline.job.calibrate import run
-    from kvtc.pipeline.operations.drift import check_drift, check_model
     from kvtc.workers.models import load_model
 
     if tolerance < 0:
