@@ -198,3 +198,14 @@ def test_no_module_imports_the_cli():
     module, imports it back (a command that runs kvtc commands gets the entry point from the CLI)."""
     bad = [m for m, targets in _graph(_all_imports).items() if "kvtc.pipeline.cli" in targets and m not in ENTRY_MODULES]
     assert not bad, "modules importing kvtc.pipeline.cli: " + ", ".join(bad)
+
+
+def test_calibrate_job_module_runs_the_command_and_the_former_entry_says_where_it_went():
+    """`python -m kvtc.pipeline.calibrate_job` is `kvtc calibrate` (for `ray job submit`); the job module
+    has no command line and says so instead of exiting 0 having done nothing."""
+    out = subprocess.run([sys.executable, "-m", "kvtc.pipeline.calibrate_job", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "--ratios" in out.stdout and "--groups" in out.stdout, out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvtc.pipeline.job.calibrate", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0 and "kvtc.pipeline.calibrate_job" in out.stderr
