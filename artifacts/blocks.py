@@ -9,7 +9,7 @@ reference quantizers define the arithmetic) consumes them.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 QTYPES = ("none", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8")
 
@@ -91,3 +91,28 @@ class Block(NamedTuple):
     def to_dict(self) -> dict:
         return {"start": self.start, "size": self.size, "type": self.qtype, "bits": self.bits,
                 "scale_bits": self.scale_bits}
+
+
+def normalize_block(block: Any, where: str) -> tuple[int, int, str, int, int]:
+    """(start, size, type, bits[, scale_bits]) tuple, dict or Block-like object -> 5-tuple."""
+    if isinstance(block, dict):
+        fields = [block.get("start"), block.get("size"), block.get("type", block.get("qtype")), block.get("bits"),
+                  block.get("scale_bits")]
+    elif isinstance(block, (tuple, list)):
+        if len(block) not in (4, 5):
+            raise ValueError(f"{where}: a block is (start, size, type, bits[, scale_bits]), got {block!r}")
+        fields = list(block) + [None] * (5 - len(block))
+    else:
+        fields = [getattr(block, "start", None), getattr(block, "size", None),
+                  getattr(block, "type", getattr(block, "qtype", None)), getattr(block, "bits", None),
+                  getattr(block, "scale_bits", None)]
+    start, size, qtype, bits, scale = fields
+    if qtype is None or start is None or size is None:
+        raise ValueError(f"{where}: block {block!r} lacks start, size or type")
+    bits = qtype_bits(str(qtype)) if bits is None else int(bits)
+    if bits != qtype_bits(str(qtype)):
+        raise ValueError(f"{where}: block type {qtype} has {qtype_bits(str(qtype))} bits, not {bits}")
+    scale = scale_bits(str(qtype)) if scale is None else int(scale)
+    if int(size) <= 0 or int(start) < 0 or scale < 0:
+        raise ValueError(f"{where}: block {block!r} needs start >= 0, size > 0, scale_bits >= 0")
+    return int(start), int(size), str(qtype), bits, scale

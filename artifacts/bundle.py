@@ -3,8 +3,9 @@ under kernels/, and one hash names the bundle so a decoder can check it runs the
 
 Bundle hash = sha256 over the lines "<relative path> <sha256 of file>\\n", sorted by path.
 The `kernels` package is located without importing it (importing would load torch/triton).
-Test and bench fixtures that live beside the kernels (FIXTURES) are not runtime code: they are
-neither shipped nor hashed, so editing one does not change the bundle.
+The bundle is the runtime codec (CODEC: what a decoder must run to read what an encoder wrote); the
+serving integrations beside it (INTEGRATIONS) call the codec and change no byte of a blob, so they are
+neither shipped nor hashed: editing one leaves every artifact's bundle hash unchanged.
 """
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ import importlib.util
 from pathlib import Path
 
 
-FIXTURES = frozenset({"synthetic.py"})  # synthetic specs and caches for tests and benches
+# every file of kvtc/kernels is in exactly one of the two (tests/test_codec.py checks it)
+CODEC = frozenset({
+    "__init__.py", "spec.py", "codec.py", "blob.py", "layered.py", "layout.py", "layers.py", "coefficients.py",
+    "backend.py", "bitpack.py", "quantize.py", "dequantize.py", "reference.py", "rope.py", "rope_center.py",
+    "entropy.py", "ecsq.py", "rans.py", "rans_triton.py", "chunk_serde.py",
+})
+INTEGRATIONS = frozenset({
+    "kvtc_cache.py",  # the transformers cache class
+    "lmcache_serde.py",  # LMCache's serde plugin (its chunk format is chunk_serde.py, in the codec)
+    "lmcache_server.py",  # the `kvtc lmcache-server` launcher
+})
 
 
 def kernels_dir(package: str = "kvtc.kernels") -> Path | None:
@@ -28,13 +39,13 @@ def kernels_dir(package: str = "kvtc.kernels") -> Path | None:
 
 
 def kernel_sources(directory: Path | None = None) -> dict[str, bytes]:
-    """{relative posix path: source bytes} of every runtime *.py file under the kernels package."""
+    """{relative posix path: source bytes} of the runtime codec's files (CODEC) in the kernels package."""
     directory = directory if directory is not None else kernels_dir()
     if directory is None:
         return {}
     return {path.relative_to(directory).as_posix(): path.read_bytes()
             for path in sorted(directory.rglob("*.py"))
-            if "__pycache__" not in path.parts and path.relative_to(directory).as_posix() not in FIXTURES}
+            if path.relative_to(directory).as_posix() in CODEC}
 
 
 def bundle_hash(sources: dict[str, bytes]) -> str | None:

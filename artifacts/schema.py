@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtc.artifacts.blocks import qtype_bits, scale_bits
+from kvtc.artifacts.blocks import normalize_block
+from kvtc.artifacts.ecsq_tables import check_table
 from kvtc.artifacts.groups import FeatureGroup, parse_groups
 
 SCHEMA_VERSION = 1
@@ -49,31 +50,6 @@ def to_json(value: Any, where: str) -> Any:
     if isinstance(value, (list, tuple)):
         return [to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
     raise ValueError(f"{where}: {type(value).__name__} is not JSON-serialisable; pass plain numbers, strings, lists, dicts")
-
-
-def normalize_block(block: Any, where: str) -> tuple[int, int, str, int, int]:
-    """(start, size, type, bits[, scale_bits]) tuple, dict or Block-like object -> 5-tuple."""
-    if isinstance(block, dict):
-        fields = [block.get("start"), block.get("size"), block.get("type", block.get("qtype")), block.get("bits"),
-                  block.get("scale_bits")]
-    elif isinstance(block, (tuple, list)):
-        if len(block) not in (4, 5):
-            raise ValueError(f"{where}: a block is (start, size, type, bits[, scale_bits]), got {block!r}")
-        fields = list(block) + [None] * (5 - len(block))
-    else:
-        fields = [getattr(block, "start", None), getattr(block, "size", None),
-                  getattr(block, "type", getattr(block, "qtype", None)), getattr(block, "bits", None),
-                  getattr(block, "scale_bits", None)]
-    start, size, qtype, bits, scale = fields
-    if qtype is None or start is None or size is None:
-        raise ValueError(f"{where}: block {block!r} lacks start, size or type")
-    bits = qtype_bits(str(qtype)) if bits is None else int(bits)
-    if bits != qtype_bits(str(qtype)):
-        raise ValueError(f"{where}: block type {qtype} has {qtype_bits(str(qtype))} bits, not {bits}")
-    scale = scale_bits(str(qtype)) if scale is None else int(scale)
-    if int(size) <= 0 or int(start) < 0 or scale < 0:
-        raise ValueError(f"{where}: block {block!r} needs start >= 0, size > 0, scale_bits >= 0")
-    return int(start), int(size), str(qtype), bits, scale
 
 
 @dataclass(frozen=True)
@@ -158,8 +134,6 @@ class ArtifactContent:
                                  f"got {mean.shape}, {eig.shape}, {comp.shape}")
 
     def _check_ecsq(self, key: tuple, table: dict) -> None:
-        from kvtc.artifacts.ecsq_tables import check_table
-
         ratio, stream, group = key
         if (stream, group) not in self.bases:
             raise ValueError(f"ECSQ table {key!r} has no basis ({stream!r}, {group})")

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvtc.artifacts.schema import normalize_block
+from kvtc.artifacts.blocks import normalize_block
 
 BLOCK_TYPE = pa.struct([("start", pa.int32()), ("size", pa.int32()), ("type", pa.string()),
                         ("bits", pa.int32()), ("scale_bits", pa.int32())])

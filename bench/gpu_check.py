@@ -32,9 +32,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the fixtures: tests/helpers
 
 from kvtc.kernels import KVTCCodec  # noqa: E402
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
+from helpers.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
 
 
 def _timed(fn, repeat: int = 3) -> tuple[object, float]:

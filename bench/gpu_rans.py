@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
 
 from kvtc.artifacts.groups import FeatureGroup  # noqa: E402
 from kvtc.kernels import KVTCCodec, read_blob, rans  # noqa: E402
@@ -32,7 +33,7 @@ from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES  # noqa: E402
 from kvtc.kernels.ecsq import SymbolModel  # noqa: E402
 from kvtc.kernels.rans_triton import decode_device, encode_device  # noqa: E402
 from kvtc.kernels.spec import STREAMS, CodecSpec, GroupCode  # noqa: E402
-from kvtc.kernels.synthetic import budget_blocks, synthetic_ecsq  # noqa: E402
+from helpers.synthetic import budget_blocks, synthetic_ecsq  # noqa: E402
 
 
 DEV = torch.device("cuda")

@@ -35,16 +35,19 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
+
 from kvtc.artifacts import ArtifactNotFoundError, IntegrityError, Registry, publish, pull
 from kvtc.artifacts.manifest import build_files
-from kvtc.artifacts.testing import forge_version, toy_content
 from kvtc.kernels import BlobError, KVTCCodec, read_blob
 from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
 from kvtc.kernels.ecsq import decode_group, encode_symbols
 from kvtc.kernels.entropy import PLAIN, ZLIB
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
 from kvtc.pipeline import cli
-from kvtc.pipeline.fit.ecsq_synthetic import synthetic_ecsq_spec
+
+from helpers.ecsq_synthetic import synthetic_ecsq_spec  # noqa: E402
+from helpers.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
+from helpers.toy_artifacts import forge_version, toy_content  # noqa: E402
 
 
 def cli_cases(reg: str, tmp: Path) -> collections.Counter:

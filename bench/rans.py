@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
 
 from kvtc.kernels import BlobError, KVTCCodec, read_blob, rans  # noqa: E402
 from kvtc.kernels import ecsq  # noqa: E402
@@ -148,7 +149,7 @@ def fuzz(cases: int, share: float) -> None:
     checksums, decode; a share of the mutated sections also through the Triton interpreter."""
     import zlib
 
-    from kvtc.kernels.synthetic import synthetic_cache, synthetic_ecsq, synthetic_spec
+    from helpers.synthetic import synthetic_cache, synthetic_ecsq, synthetic_spec
 
     torch.set_num_threads(1)  # tiny GEMMs: a thread pool only waits on a loaded machine
     spec = synthetic_ecsq(synthetic_spec(3, 2, 16, 4.0, kept=24, sinks=2, window=3, groups=[(0, 1), (1, 3)]))

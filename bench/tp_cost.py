@@ -29,15 +29,16 @@ def calibrate(tp: int, args: argparse.Namespace, root: str) -> dict:
     """{ratio: (keys, values) held-out relative error} of the TP `tp` artifact, calibrated here unless
     `root` already holds it (a rerun with --root reuses what an earlier run published)."""
     from kvtc import artifacts
-    from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+    from kvtc.pipeline.job.calibrate import run
+    from kvtc.pipeline.settings import JobSettings
 
     registry = os.path.join(root, "registry")
     try:
         art = artifacts.pull(f"smollm2-tp{tp}@latest", registry=registry)
     except Exception:
-        cfg = CalibrateConfig(tokens=args.tokens, ratios=args.ratios, tp=tp, name=f"smollm2-tp{tp}", eval_corpus=None,
-                              seqs_per_shard=args.seqs_per_shard, tokens_curve_points=0, registry=registry,
-                              store=os.path.join(root, "store"), heldout_rows=args.heldout_rows)
+        cfg = JobSettings.of(tokens=args.tokens, ratios=args.ratios, tp=tp, name=f"smollm2-tp{tp}", eval_corpus=None,
+                             seqs_per_shard=args.seqs_per_shard, tokens_curve_points=0, registry=registry,
+                             store=os.path.join(root, "store"), heldout_rows=args.heldout_rows)
         t0 = time.perf_counter()
         summary = run(cfg, in_process=True)
         print(f"TP {tp}: calibrated in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -2,7 +2,9 @@
 
 Each command module exposes `register(subparsers)`; it must import only light modules at
 import time (argparse, json, ...) and load torch, Ray or transformers inside its handlers,
-so that `kvtc list` stays fast.
+so that `kvtc list` stays fast. No command module imports this one back: a command that runs kvtc
+commands (`kvtc schedule --in-process`) finds this module's `main` and `build_parser` in its parsed
+arguments (`kvtc_main`, `kvtc_parser`).
 
 One handler here turns every expected failure into one line on stderr and an exit code
 (EXIT_CODES; a traceback only with --debug or KVTC_DEBUG=1), checks the options shared by the
@@ -21,8 +23,11 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from kvtc.artifacts.errors import IntegrityError
+from kvtc.pipeline.cli_checks import check_args
+
 COMMAND_MODULES = (
-    "kvtc.pipeline.job.calibrate",
+    "kvtc.pipeline.calibrate_command",
     "kvtc.pipeline.operations.recalibrate",
     "kvtc.pipeline.operations.drift",
     "kvtc.pipeline.operations.schedule",
@@ -61,44 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(sub)
     sub.add_parser("lmcache-server", add_help=False,  # handled in main(): every argument goes to LMCache
                    help="LMCache's own server (`lmcache server ARGS`) with the kvtc serde registered")
+    # a command that runs kvtc commands (`kvtc schedule --in-process`) gets this entry point from here,
+    # so no command module imports the CLI that loads it
+    parser.set_defaults(kvtc_main=main, kvtc_parser=build_parser)
     return parser
-
-
-def add_settings_arguments(parser: argparse.ArgumentParser, parent_defaults: bool = False) -> None:
-    """The `kvtc calibrate` options, one per settings field (kvtc.pipeline.settings), in argument
-    groups by concern. Options not given stay out of the namespace (argparse.SUPPRESS), so the
-    settings' own defaults apply, or with `parent_defaults` (recalibrate) the parent's."""
-    from dataclasses import MISSING
-
-    from kvtc.pipeline.settings import COMPUTATIONAL, options
-
-    sections: dict[str, argparse._ArgumentGroup] = {}
-    for group, name, opt, default in options():
-        section = sections.get(group) or sections.setdefault(group, parser.add_argument_group(f"{group} settings"))
-        shown = "" if default is MISSING or default is None else \
-            f" (default {opt.show(default) if opt.show else default})"
-        suffix = " [default: the parent's]" if parent_defaults and group in COMPUTATIONAL else shown
-        flag = "--" + name.replace("_", "-")
-        if opt.kind is bool:
-            section.add_argument(flag, dest=name, action="store_true", default=argparse.SUPPRESS, help=opt.help)
-            continue
-        section.add_argument(flag, dest=name, type=opt.kind, choices=opt.choices, default=argparse.SUPPRESS,
-                             help=f"{opt.help}{suffix}")
-
-
-def settings_options(args: argparse.Namespace) -> dict:
-    """The settings options given on a parsed command line: {flat field name: word as typed}."""
-    from kvtc.pipeline.settings import options
-
-    names = {name for _, name, _, _ in options()}
-    return {k: v for k, v in vars(args).items() if k in names}
-
-
-def settings_from_args(args: argparse.Namespace):
-    """JobSettings from a parsed `kvtc calibrate` command line (kvtc.pipeline.settings.JobSettings.of)."""
-    from kvtc.pipeline.settings import JobSettings
-
-    return JobSettings.of(**settings_options(args))
 
 
 def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
@@ -164,8 +135,6 @@ def _json_stdout() -> Iterator[None]:
 
 def exit_code(exc: BaseException) -> int | None:
     """The exit code of an expected failure, or None for a bug."""
-    from kvtc.artifacts.errors import IntegrityError
-
     if isinstance(exc, IntegrityError):
         return EXIT_INTEGRITY
     if isinstance(exc, (ValueError, LookupError, OSError, TimeoutError)):
@@ -184,7 +153,7 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lmcache-server"]:
-        from kvtc.kernels.lmcache_server import main as lmcache_server
+        from kvtc.kernels.lmcache_server import main as lmcache_server  # deferred: kvtc.kernels loads torch, triton
 
         return lmcache_server(argv[1:])
     argv, debug = _split_debug(argv)
@@ -193,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = next((a for a in argv if not a.startswith("-")), "")  # args.command may be a sub-command's own field
     try:
-        from kvtc.pipeline.cli_checks import check_args
-
         check_args(args)
         if getattr(args, "json", False):
             with _json_stdout():

@@ -8,9 +8,10 @@ All but `runtime` decide what the job computes: the manifest records them verbat
 (`JobSettings.computational`) and `JobSettings.from_computational` rebuilds them, so recalibration
 repeats a parent exactly.
 
-A command-line option is a field: on the groups defined here a field's `metadata["option"]` (an
-`Option`) makes it a `kvtc calibrate` flag named after the field (`seq_len` -> `--seq-len`); for the
-two groups defined elsewhere, CAPTURE_OPTIONS and ALLOCATOR_OPTIONS name theirs. `JobSettings.of`
+A command-line option is a field: in every group a field's `metadata["option"]` (an `Option`,
+kvtc.workers.options) makes it a `kvtc calibrate` flag named after the field (`seq_len` ->
+`--seq-len`); the capture and allocator groups declare theirs on their own fields, in their light
+modules (kvtc.workers.capture_settings, kvtc.pipeline.fit.allocator_settings). `JobSettings.of`
 takes the flat field names (the options' dests) of every group.
 
 This module imports nothing heavy at import time: the CLI builds its parser from it.
@@ -18,12 +19,12 @@ This module imports nothing heavy at import time: the CLI builds its parser from
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Iterator
 
-if TYPE_CHECKING:
-    from kvtc.pipeline.fit.allocator import AllocatorSettings
-    from kvtc.workers.capture import CaptureSettings
+from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
+from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.workers.options import Option, joined, option
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "pydoc+pkgdocs"  # prose mixture; stdlib code stays the evaluation domain
@@ -34,49 +35,8 @@ DEFAULT_CPU_TOKENS = 80 * 1024
 DEFAULT_GPU_TOKENS = 2_000_000
 
 
-@dataclass(frozen=True)
-class Option:
-    """How a settings field appears on the command line. `kind`: the argparse type of the word;
-    `parse`: word -> field value when that is not `kind` (lists, 'none'); `show`: field value -> word."""
-
-    help: str = ""
-    kind: type = str
-    choices: tuple[str, ...] | None = None
-    parse: Callable[[Any], Any] | None = None
-    show: Callable[[Any], str] | None = None
-
-    def value(self, word: Any) -> Any:
-        return self.parse(word) if self.parse is not None else word
-
-
-def _numbers(kind: type, flag: str) -> Callable[[Any], tuple]:
-    def parse(word: Any) -> tuple:
-        if isinstance(word, (tuple, list)):
-            return tuple(kind(x) for x in word)
-        try:
-            return tuple(kind(x) for x in str(word).split(",") if x.strip())
-        except ValueError:
-            raise ValueError(f"{flag} must be comma-separated numbers, got {word!r}") from None
-    return parse
-
-
-def _words(word: Any) -> tuple[str, ...]:
-    if isinstance(word, (tuple, list)):
-        return tuple(word)
-    return tuple(t.strip() for t in str(word).split(",") if t.strip())
-
-
 def _none_word(word: Any) -> str | None:
     return None if word is None or str(word).strip().lower() in ("", "none") else word
-
-
-def _joined(value: Any) -> str:
-    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
-
-
-def option(default: Any, help: str = "", **kw) -> Any:
-    """A dataclass field that is also a `kvtc calibrate` option."""
-    return field(default=default, metadata={"option": Option(help, **kw)})
 
 
 def _count(value: int | None, flag: str, minimum: int = 1) -> None:
@@ -143,7 +103,7 @@ class ReduceSettings:
     (0: none, which skips a refold of every accumulator)."""
 
     ratios: tuple[float, ...] = option((8.0, 16.0, 32.0), "compression ratios, comma separated", parse=_ratios,
-                                       show=_joined)
+                                       show=joined)
     heldout_rows: int = option(8192, "cap on held-out rows per stream", kind=int)
     tokens_curve_points: int = option(3, "prefixes of the shard stream measured for the error-vs-calibration-tokens "
                                          "chart (0: off)", kind=int)
@@ -204,98 +164,26 @@ class RuntimeSettings:
                 raise ValueError(f"{flag} is empty; pass a path or URI, or omit it for the default")
 
 
-def _capture_options() -> dict[str, Option]:
-    return {
-        "sinks": Option("leading positions kept raw (default 4)", int),
-        "window": Option("trailing positions kept raw (default 128)", int),
-        "groups": Option("auto (default: one basis per layer kind, full-attention and sliding-window layers apart; "
-                          "model for models of one kind), model, layer, or layers:K (K consecutive layers of one kind)"),
-        "sample": Option("fraction of positions sampled (default 1.0)", float),
-        "seed": Option("corpus shuffle and position sampling seed (default 0)", int),
-        "keys": Option("rope-removed (default): keys calibrated and coded without RoPE; rope-kept: as servers store them, for "
-                       "consumers that cannot remove RoPE (Dynamo, chunk stores without positions)",
-                       choices=("rope-removed", "rope-kept")),
-        "tp": Option("tensor-parallel ranks the model is served at (default 1): one basis per rank's KV heads (and per "
-                     "layer group), as vLLM and SGLang shard them; ranks holding the same heads share one", int),
-    }
-
-
-def _share(word: Any) -> float:
-    """"3%", "0.03" or a number -> 0.03; "none" -> 0.0 (no basis budget)."""
-    if isinstance(word, (int, float)):
-        return float(word)
-    text = str(word).strip()
-    if text.lower() in ("", "none"):
-        return 0.0
-    try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise ValueError(f"--basis-budget {text!r} is not a share: give e.g. 3% or 0.03") from None
-
-
-def _components(word: Any) -> int:
-    if isinstance(word, int):
-        return word
-    text = str(word).strip().lower()
-    if text in ("", "none"):
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"--max-components must be an integer, got {word!r}") from None
-
-
-def _allocator_options() -> dict[str, Option]:
-    return {
-        "block_sizes": Option("DP block lengths, comma separated (default 1,16,64,256,1024)", parse=_numbers(int, "--block-sizes"), show=_joined),
-        "types": Option("DP block types, comma separated (default none,int2,int4,fp8)", parse=_words, show=_joined),
-        "error_model": Option("measured (default: reference quantizer on held-out rows) or analytic",
-                              choices=("measured", "analytic")),
-        "basis_budget": Option("basis memory a server may hold, as a share of the model's parameters (e.g. 3%%): "
-                               "caps the components per group both allocators may use (default: none)",
-                               parse=_share, show=lambda v: f"{100 * v:g}%" if v else "none"),
-        "max_components": Option("components per group the allocators may use (default: none)",
-                                 parse=_components, show=lambda v: str(v) if v else "none"),
-    }
-
-
-# options of the groups defined outside this module (a field missing here is not a flag)
-CAPTURE_OPTIONS = _capture_options()
-ALLOCATOR_OPTIONS = _allocator_options()
 GROUPS = ("model", "plan", "capture", "allocator", "reduce", "runtime")
 COMPUTATIONAL = ("model", "plan", "capture", "allocator", "reduce")
 
 
+GROUP_CLASSES: dict[str, type] = {"model": ModelSettings, "plan": PlanSettings, "capture": CaptureSettings,
+                                   "allocator": AllocatorSettings, "reduce": ReduceSettings, "runtime": RuntimeSettings}
+
+
 def _group_class(group: str) -> type:
-    if group == "capture":
-        from kvtc.workers.capture import CaptureSettings
-
-        return CaptureSettings
-    if group == "allocator":
-        from kvtc.pipeline.fit.allocator import AllocatorSettings
-
-        return AllocatorSettings
-    return {"model": ModelSettings, "plan": PlanSettings, "reduce": ReduceSettings, "runtime": RuntimeSettings}[group]
+    return GROUP_CLASSES[group]
 
 
 def group_options(group: str) -> dict[str, Option]:
-    """field name -> Option of one group's command-line options (without importing the group's class)."""
-    if group == "capture":
-        return CAPTURE_OPTIONS
-    if group == "allocator":
-        return ALLOCATOR_OPTIONS
-    cls = {"model": ModelSettings, "plan": PlanSettings, "reduce": ReduceSettings, "runtime": RuntimeSettings}[group]
-    return {f.name: f.metadata["option"] for f in fields(cls) if "option" in f.metadata}
+    """field name -> Option of one group's command-line options."""
+    return {f.name: f.metadata["option"] for f in fields(_group_class(group)) if "option" in f.metadata}
 
 
 def options() -> Iterator[tuple[str, str, Option, Any]]:
-    """(group, field name, Option, default or MISSING) of every `kvtc calibrate` option, group by group;
-    the defaults of the groups defined elsewhere are MISSING here (their classes import torch)."""
+    """(group, field name, Option, default) of every `kvtc calibrate` option, group by group."""
     for group in GROUPS:
-        if group in ("capture", "allocator"):
-            for name, opt in group_options(group).items():
-                yield group, name, opt, MISSING
-            continue
         for f in fields(_group_class(group)):
             if "option" in f.metadata:
                 yield group, f.name, f.metadata["option"], f.default
@@ -313,8 +201,8 @@ class JobSettings:
 
     model: ModelSettings = field(default_factory=ModelSettings)
     plan: PlanSettings = field(default_factory=PlanSettings)
-    capture: CaptureSettings = None  # type: ignore[assignment]  # default: CaptureSettings()
-    allocator: AllocatorSettings = None  # type: ignore[assignment]  # default: AllocatorSettings()
+    capture: CaptureSettings = field(default_factory=CaptureSettings)
+    allocator: AllocatorSettings = field(default_factory=AllocatorSettings)
     reduce: ReduceSettings = field(default_factory=ReduceSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
 

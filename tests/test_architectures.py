@@ -235,7 +235,7 @@ def test_cache_coder_and_blob_codec_remove_each_layers_own_rope(backend):
     from kvtc.kernels.coefficients import CoefficientCoder
     from kvtc.kernels.layers import LayerSpec
     from kvtc.kernels.rope import RopeSpec
-    from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+    from helpers.synthetic import synthetic_cache, synthetic_spec
 
     def rope(theta: float) -> RopeSpec:
         return RopeSpec("default", theta, 8, 8, tuple(theta ** (-i / 8) for i in range(0, 8, 2)))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtc.kernels import KVTCCodec
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from helpers.synthetic import synthetic_cache, synthetic_spec
 from kvtc.pipeline.evaluation import basis_size
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.fit.basis_budget import BasisBudget, model_parameters

@@ -9,7 +9,7 @@ import torch
 
 from kvtc.kernels import FORMAT_VERSION, BlobError, KVTCCodec, read_blob
 from kvtc.kernels.blob import write_blob
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from helpers.synthetic import synthetic_cache, synthetic_spec
 
 
 @pytest.fixture(scope="module")

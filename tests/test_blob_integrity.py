@@ -13,8 +13,8 @@ from kvtc.kernels import BlobError, KVTCCodec, read_blob
 from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
 from kvtc.kernels.ecsq import decode_group, encode_symbols
 from kvtc.kernels.entropy import PLAIN, ZLIB
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
-from kvtc.pipeline.fit.ecsq_synthetic import synthetic_ecsq_spec
+from helpers.synthetic import synthetic_cache, synthetic_spec
+from helpers.ecsq_synthetic import synthetic_ecsq_spec
 
 
 @pytest.fixture(scope="module", params=["constriction", "rans"])

@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 
 from kvtc.artifacts import CalibrationRecord
-from kvtc.pipeline.cli import build_parser, settings_options
+from kvtc.pipeline.cli import build_parser
 from kvtc.pipeline.job.calibrate import shard_plan
 from kvtc.pipeline.job.shards import DEFAULT_EVAL_SEQS, plan_shards
 from kvtc.pipeline.operations.recalibrate_plan import build_configs
-from kvtc.pipeline.settings import (ALLOCATOR_OPTIONS, CAPTURE_OPTIONS, COMPUTATIONAL, JobSettings,
-                                    settings_from_manifest)
+from kvtc.pipeline.settings import COMPUTATIONAL, JobSettings, group_options, settings_from_manifest
+from kvtc.pipeline.settings_args import settings_options
 
 ALLOCATOR = {"block_sizes": [1, 16], "types": ["none", "int4"], "error_model": "analytic"}
 
@@ -139,16 +139,25 @@ def _internal() -> set[str]:
     from kvtc.pipeline.fit.allocator import AllocatorSettings
     from kvtc.workers.capture import CaptureSettings
 
-    return ({f.name for f in dataclasses.fields(AllocatorSettings)} - set(ALLOCATOR_OPTIONS)) | \
-        ({f.name for f in dataclasses.fields(CaptureSettings)} - set(CAPTURE_OPTIONS))
+    return ({f.name for f in dataclasses.fields(AllocatorSettings)} - set(group_options("allocator"))) | \
+        ({f.name for f in dataclasses.fields(CaptureSettings)} - set(group_options("capture")))
 
 
-def test_capture_and_allocator_options_name_real_fields():
+def test_every_group_declares_its_options_on_its_own_fields():
+    """Each option is a field of its group, its metadata the Option; the capture and allocator groups
+    too (declared in their light modules, so `kvtc` start-up imports neither torch nor the capture)."""
+    import subprocess
+    import sys
+
     from kvtc.pipeline.fit.allocator import AllocatorSettings
     from kvtc.workers.capture import CaptureSettings
 
-    assert set(CAPTURE_OPTIONS) <= {f.name for f in dataclasses.fields(CaptureSettings)}
-    assert set(ALLOCATOR_OPTIONS) <= {f.name for f in dataclasses.fields(AllocatorSettings)}
+    assert set(group_options("capture")) == {f.name for f in dataclasses.fields(CaptureSettings)}
+    assert set(group_options("allocator")) == {"block_sizes", "types", "error_model", "max_components", "basis_budget"}
+    assert AllocatorSettings.__dataclass_fields__["types"].metadata["option"].value("none,int4") == ("none", "int4")
+    code = "import sys, kvtc.pipeline.settings; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_bad_settings_are_refused_with_the_option_named():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtc.artifacts import publish
-from kvtc.artifacts.testing import toy_content
+from helpers.toy_artifacts import toy_content
 from kvtc.pipeline import cli
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from kvtc.kernels.blob import TAG_CODES
 from kvtc.kernels.entropy import PLAIN, RAW_DEFLATE, ZLIB, decode_section, encode_section, nvcomp_available
 from kvtc.kernels.reference import quantize_dequantize
 from kvtc.kernels.spec import STREAMS, model_id
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from helpers.synthetic import synthetic_cache, synthetic_spec
 from kvtc.kernels.rope import RopeSpec
 
 
@@ -155,7 +155,7 @@ def test_entropy_sections_never_grow_and_decode_all_codings():
 
 
 def test_codec_from_registry_with_a_published_toy_artifact(tmp_path):
-    testing = pytest.importorskip("kvtc.artifacts.testing")
+    testing = pytest.importorskip("helpers.toy_artifacts")
     from kvtc.artifacts import publish
 
     content = testing.toy_content(num_layers=2, num_kv_heads=2, head_dim=8, groups=[[0, 1], [1, 2]])
@@ -178,19 +178,32 @@ def test_codec_from_registry_with_a_published_toy_artifact(tmp_path):
         other.decode(blob)
 
 
-def test_from_registry_checks_the_kernel_bundle_and_fixtures_are_not_in_it(tmp_path, monkeypatch):
+def test_every_kernels_file_is_codec_or_integration():
+    """The bundle is an explicit list: a new file of kvtc/kernels must be classed as codec (hashed,
+    shipped) or integration (neither)."""
+    from kvtc.artifacts.bundle import CODEC, INTEGRATIONS, kernels_dir
+
+    files = {p.name for p in kernels_dir().glob("*.py")}
+    assert not CODEC & INTEGRATIONS
+    assert files == CODEC | INTEGRATIONS, f"unclassed: {sorted(files - CODEC - INTEGRATIONS)}, " \
+                                          f"listed but missing: {sorted((CODEC | INTEGRATIONS) - files)}"
+
+
+def test_from_registry_checks_the_kernel_bundle_and_integrations_are_not_in_it(tmp_path, monkeypatch):
     import shutil
     import warnings
 
     from kvtc.artifacts import kernel_bundle_hash, publish
     from kvtc.artifacts.bundle import kernels_dir
-    from kvtc.artifacts.testing import toy_content
+    from helpers.toy_artifacts import toy_content
     from kvtc.kernels.codec import KernelBundleWarning
 
     copy = tmp_path / "kernels"
     shutil.copytree(kernels_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "synthetic.py").write_text((copy / "synthetic.py").read_text() + "\n# a test helper edited\n")
-    assert kernel_bundle_hash(copy) == kernel_bundle_hash()  # fixtures are not runtime code
+    for launcher_or_cache in ("lmcache_server.py", "kvtc_cache.py", "lmcache_serde.py"):
+        (copy / launcher_or_cache).write_text((copy / launcher_or_cache).read_text() + "\n# an integration edited\n")
+    (copy / "extra_tool.py").write_text("# a file beside the codec\n")
+    assert kernel_bundle_hash(copy) == kernel_bundle_hash()  # integrations are not the codec a decoder must match
     (copy / "reference.py").write_text((copy / "reference.py").read_text() + "\n# runtime code edited\n")
     assert kernel_bundle_hash(copy) != kernel_bundle_hash()
 

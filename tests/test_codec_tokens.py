@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtc.kernels import KVTCCodec
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from helpers.synthetic import synthetic_cache, synthetic_spec
 
 SINKS, WINDOW = 4, 128
 LONGEST = SINKS + WINDOW + 70

@@ -10,7 +10,7 @@ import pytest
 from kvtc.artifacts import publish, pull
 from kvtc.artifacts.cli import main as cli
 from kvtc.artifacts.export import DynamoExportOptions, ExportError, export_dynamo
-from kvtc.artifacts.testing import toy_content
+from helpers.toy_artifacts import toy_content
 
 PAGED_KEPT = dict(groups=[[0, 1], [1, 2]])
 

@@ -8,14 +8,15 @@ import torch
 from kvtc.artifacts import publish, pull
 from kvtc.artifacts.ecsq_tables import decode_ecsq, encode_ecsq
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.artifacts.testing import toy_content
+from helpers.toy_artifacts import toy_content
 from kvtc.kernels import BlobError, CodecSpec, KVTCCodec, read_blob
 from kvtc.kernels.blob import TAG_ECSQ, Section, write_blob
 from kvtc.kernels.ecsq import EcsqGroup, decode_symbols, dequantize, encode_symbols, quantize
 from kvtc.kernels.spec import STREAMS
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from helpers.synthetic import synthetic_cache, synthetic_spec
 from kvtc.pipeline.evaluation.metrics import waterfilling_distortion
-from kvtc.pipeline.fit.ecsq import EcsqFit, fit_ecsq, fit_ratios, isotonic_decreasing, squared_error
+from kvtc.pipeline.fit.ecsq import EcsqFit, fit_ecsq, fit_ratios, squared_error
+from kvtc.pipeline.fit.heldout import isotonic_decreasing
 
 
 def _gaussian(lam: np.ndarray, n: int, seed: int = 0) -> torch.Tensor:

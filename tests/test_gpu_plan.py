@@ -106,13 +106,14 @@ def test_tied_head_follows_the_embedding_and_a_short_budget_is_refused():
 
 
 def test_job_plans_the_model_from_its_config_and_refuses_too_few_gpus():
-    from kvtc.pipeline.job.calibrate import CalibrateConfig, Planned, _gpu_plan
+    from kvtc.pipeline.job.calibrate import Planned, _gpu_plan
+    from kvtc.pipeline.settings import JobSettings
     from kvtc.workers.models import load_spec
 
     info = load_spec("tiny:llama")  # bf16 on GPUs: 6.5 MB of weights
 
     def planned(**flat):
-        cfg = CalibrateConfig(model="tiny:llama", seq_len=256, **flat)
+        cfg = JobSettings.of(model="tiny:llama", seq_len=256, **flat)
         return Planned(cfg, "", "", None, info.fingerprint, 0.0, info.config)
 
     assert _gpu_plan(planned(), 4, 1 << 30, 4).gpus == 1

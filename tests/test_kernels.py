@@ -13,7 +13,7 @@ from kvtc.artifacts.blocks import QTYPES
 from kvtc.kernels.reference import quantize_block
 from kvtc.kernels.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
 from kvtc.kernels.spec import CodedBlock
-from kvtc.kernels.synthetic import random_blocks
+from helpers.synthetic import random_blocks
 from kvtc.kernels.rope import RopeSpec
 
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-6}

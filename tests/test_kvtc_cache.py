@@ -9,7 +9,7 @@ from transformers import DynamicCache  # noqa: E402
 from kvtc.artifacts.groups import FeatureGroup  # noqa: E402
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCache, KVTCCodec  # noqa: E402
 from kvtc.kernels.coefficients import CoefficientCoder  # noqa: E402
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
+from helpers.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
 from kvtc.workers.rope import rope_from_config  # noqa: E402
 from kvtc.workers.tiny import build_tiny  # noqa: E402
 
@@ -146,7 +146,7 @@ def calibrated_spec(model, ratio: float, sinks: int = 3, window: int = 5, groups
     tables fitted on the same projections: a small artifact-like spec carrying both modes."""
     from kvtc.kernels.ecsq import EcsqGroup
     from kvtc.kernels.rope import RopeSpec
-    from kvtc.kernels.synthetic import budget_blocks
+    from helpers.synthetic import budget_blocks
     from kvtc.kernels.kvtc_cache import cache_tensors
     from kvtc.pipeline.fit.ecsq import fit_ecsq
 
@@ -205,7 +205,7 @@ def test_ecsq_forward_loop_and_generate():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_ecsq_layer_decode_matches_codec_decode(backend):
     """Per-layer decode of an ECSQ chunk equals the codec's ECSQ decode of the same tokens."""
-    from kvtc.kernels.synthetic import synthetic_cache
+    from helpers.synthetic import synthetic_cache
 
     model = build_tiny("llama")
     spec = calibrated_spec(model, 4.0, sinks=0, window=0, groups=[(0, 2), (2, 3)])

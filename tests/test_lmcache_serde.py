@@ -14,7 +14,7 @@ import torch
 from kvtc.kernels import KVTCCodec
 from kvtc.kernels.blob import BlobError, read_blob
 from kvtc.kernels.chunk_serde import ChunkSerdeSettings, ChunkTransform, RankedChunkTransforms, load_rank_codec
-from kvtc.kernels.synthetic import synthetic_spec
+from helpers.synthetic import synthetic_spec
 
 RATIO = 4
 
@@ -22,15 +22,16 @@ RATIO = 4
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     """(registry, artifact ref, in-domain chunk (2, L, 256, H * D) bf16) of a tiny model calibrated here."""
-    from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+    from kvtc.pipeline.job.calibrate import run
+    from kvtc.pipeline.settings import JobSettings
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 
     root = tmp_path_factory.mktemp("serde")
-    cfg = CalibrateConfig(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=64, tokens=1024,
-                          seqs_per_shard=4, heldout_rows=512, ratios=(float(RATIO),), tokens_curve_points=1,
-                          sinks=0, window=0, keys="rope-kept", registry=str(root / "reg"), store=str(root / "store"),
-                          name="tiny-kept")
+    cfg = JobSettings.of(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=64, tokens=1024,
+                         seqs_per_shard=4, heldout_rows=512, ratios=(float(RATIO),), tokens_curve_points=1,
+                         sinks=0, window=0, keys="rope-kept", registry=str(root / "reg"), store=str(root / "store"),
+                         name="tiny-kept")
     summary = run(cfg, in_process=True)
     lm = load_model("tiny:llama", device="cpu")
     text = "The interpreter reads the module, compiles it to bytecode and caches it next to the source. " * 30

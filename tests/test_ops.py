@@ -125,13 +125,13 @@ def test_worse_version_kept_unaliased_and_fault_leaves_registry_as_it_was(parent
 
 def test_scheduler_fires_twice_second_run_reuses_everything(parent, reg, capsys):
     command = parse_command(["--", "recalibrate", "tiny", "--registry", reg, "--store", str(parent[0] / "store"),
-                             "--tokens", "3072", "--tolerance", "1", "--alias", "prod"])
+                             "--tokens", "3072", "--tolerance", "1", "--alias", "prod"], kvtc_cli.build_parser())
     seen = []
 
     def snapshot(record):
         seen.append((record, state(reg), store_files(parent), capsys.readouterr().out))
 
-    runs = Scheduler(Schedule(every=1.0), command_job(command, in_process=True), max_runs=2, report=snapshot).run()
+    runs = Scheduler(Schedule(every=1.0), command_job(command, main=kvtc_cli.main), max_runs=2, report=snapshot).run()
     assert [r["rc"] for r in runs] == [0, 0]
     assert runs[1]["fired_at"] - runs[0]["fired_at"] >= 1.0 and runs[1]["started"] >= runs[1]["fired_at"]
     (_, (v1, a1), files1, out1), (_, (v2, a2), files2, out2) = seen

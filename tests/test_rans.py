@@ -12,7 +12,7 @@ from kvtc.kernels import rans
 from kvtc.kernels.blob import TAG_ECSQ, write_blob
 from kvtc.kernels.ecsq import SymbolModel
 from kvtc.kernels.rans_triton import decode_device, encode_device
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_ecsq, synthetic_spec
+from helpers.synthetic import synthetic_cache, synthetic_ecsq, synthetic_spec
 
 CPU = torch.device("cpu")
 

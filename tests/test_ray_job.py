@@ -55,7 +55,7 @@ def test_ray_job_submit_publishes_artifact(ray_head, tmp_path):
     registry, store = tmp_path / "reg", tmp_path / "store"
     cmd = [
         str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-        "python", "-m", "kvtc.pipeline.job.calibrate", "--model", "tiny:qwen2", "--corpus", "pydoc", "--eval-corpus", "none",
+        "python", "-m", "kvtc.pipeline.calibrate_job", "--model", "tiny:qwen2", "--corpus", "pydoc", "--eval-corpus", "none",
         "--seq-len", "128", "--window", "16", "--tokens", "1536", "--seqs-per-shard", "2", "--ratios", "4,8",
         "--registry", str(registry), "--store", str(store), "--name", "job-tiny", "--json",
     ]

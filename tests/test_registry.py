@@ -16,7 +16,7 @@ import pytest
 
 from kvtc.artifacts import (ArtifactNotFoundError, IntegrityError, Registry, RegistryNotWritableError,
                        VersionExistsError, check_writable, kernel_bundle_hash, publish, pull)
-from kvtc.artifacts.testing import toy_content
+from helpers.toy_artifacts import toy_content
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -123,7 +123,7 @@ def test_check_writable(registry, tmp_path):
 PUBLISHER = textwrap.dedent("""
     import sys, time
     from kvtc.artifacts import VersionExistsError, publish
-    from kvtc.artifacts.testing import toy_content
+    from helpers.toy_artifacts import toy_content
     root, seed, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     content = toy_content(seed=seed)
     time.sleep(max(0.0, start - time.time()))
@@ -137,7 +137,7 @@ PUBLISHER = textwrap.dedent("""
 
 
 def _spawn(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-c", PUBLISHER if args[0] == "pub" else args[0], *args[1:]],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -159,7 +159,7 @@ def test_concurrent_publishers_leave_both_versions_whole(registry, tmp_path):
     assert registry.resolve("toy", "latest") in versions
 
 
-KILLED = "import sys; from kvtc.artifacts import publish; from kvtc.artifacts.testing import toy_content; publish(toy_content(), sys.argv[1])"
+KILLED = "import sys; from kvtc.artifacts import publish; from helpers.toy_artifacts import toy_content; publish(toy_content(), sys.argv[1])"
 
 
 def test_killed_publish_leaves_no_version_and_next_publish_succeeds(registry, tmp_path):

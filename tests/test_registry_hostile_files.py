@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvtc.artifacts import IntegrityError, Registry, publish, pull
-from kvtc.artifacts.testing import toy_content
+from helpers.toy_artifacts import toy_content
 from kvtc.pipeline import cli
 
 

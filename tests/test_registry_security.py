@@ -12,7 +12,7 @@ import pytest
 from kvtc.artifacts import ArtifactNotFoundError, IntegrityError, Registry, publish, pull
 from kvtc.artifacts.manifest import encode_manifest, manifest_digest
 from kvtc.artifacts.registry import split_ref
-from kvtc.artifacts.testing import forge_version, toy_content
+from helpers.toy_artifacts import forge_version, toy_content
 
 
 def _files_under(path) -> set[str]:

@@ -14,7 +14,7 @@ from kvtc.artifacts import publish, pull
 from kvtc.artifacts.cli import main as cli
 from kvtc.artifacts.export import ExportError
 from kvtc.artifacts.export_sglang import export_sglang, sglang_schema
-from kvtc.artifacts.testing import toy_content
+from helpers.toy_artifacts import toy_content
 
 BITS = {"float32": 32, "bfloat16": 16, "int8": 8, "int4": 4}
 

@@ -88,28 +88,7 @@ def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
 
 def test_no_import_cycle():
     """The module-level import graph of kvtc is acyclic (a package's __init__ may import its own modules)."""
-    files = {_module_name(p): p for _, p in _module_files()}
-    modules = set(files)
-    graph = {m: {t for t in _module_level_imports(p, modules) if t != m and not m.startswith(t + ".")}
-             for m, p in files.items()}
-    state: dict[str, int] = {}
-    stack: list[str] = []
-    cycles: list[str] = []
-
-    def visit(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for t in sorted(graph[m]):
-            if state.get(t) == 1:
-                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
-            elif t not in state:
-                visit(t)
-        stack.pop()
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m)
+    cycles = _cycles(_graph(_module_level_imports))
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
@@ -131,3 +110,102 @@ def test_pipeline_sub_packages_depend_one_way():
                     and PIPELINE_ORDER[parts[2]] > PIPELINE_ORDER[rel[0]]:
                 bad.append(f"pipeline/{'/'.join(rel)} imports {mod}")
     assert not bad, "pipeline sub-packages import upward (operations -> job -> evaluation -> fit):\n" + "\n".join(bad)
+
+
+_LOADERS = {("importlib", "import_module"), ("runpy", "run_module"), (None, "__import__"), (None, "import_module"),
+            (None, "run_module")}
+
+
+def _loads_by_name(tree: ast.AST) -> bool:
+    """Whether a file imports modules by name (importlib.import_module, runpy.run_module, __import__)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            key = ((f.value.id if isinstance(f.value, ast.Name) else None), f.attr) if isinstance(f, ast.Attribute) \
+                else (None, f.id) if isinstance(f, ast.Name) else None
+            if key in _LOADERS:
+                return True
+    return False
+
+
+def _all_imports(path: Path, modules: set[str]) -> set[str]:
+    """kvtc modules a file imports anywhere: at module level, inside functions and `if` blocks, and, where
+    the file loads modules by name, every string constant that names a kvtc module."""
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    if _loads_by_name(tree):
+        out.update(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    return {m for m in out if m in modules}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return cycles
+
+
+def _graph(imports) -> dict[str, set[str]]:
+    files = {_module_name(p): p for _, p in _module_files()}
+    modules = set(files)
+    return {m: {t for t in imports(p, modules) if t != m and not m.startswith(t + ".")} for m, p in files.items()}
+
+
+def test_no_import_cycle_deferred_imports_included():
+    """No cycle either through imports inside functions or modules loaded by name (a deferred import only
+    postpones a cycle to the first call). A package's __init__ may import its own modules."""
+    cycles = _cycles(_graph(_all_imports))
+    assert not cycles, "import cycles (deferred imports included):\n" + "\n".join(cycles)
+
+
+def test_all_imports_sees_deferred_and_by_name_imports(tmp_path):
+    """The checker itself: a function-level import and a module named in a string loaded by importlib count."""
+    f = tmp_path / "m.py"
+    f.write_text("import importlib\nNAMES = ('kvtc.b',)\ndef g():\n    from kvtc.a import x\n"
+                 "    return [importlib.import_module(n) for n in NAMES]\n")
+    assert _all_imports(f, {"kvtc.a", "kvtc.b", "kvtc.c"}) == {"kvtc.a", "kvtc.b"}
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == ["a -> b -> a"]
+
+
+# entry points that run the `kvtc` command as a module (`python -m ...`); nothing imports them
+ENTRY_MODULES = {"kvtc.pipeline.calibrate_job"}
+
+
+def test_no_module_imports_the_cli():
+    """The `kvtc` command (kvtc.pipeline.cli) loads the command modules; none of them, nor any domain
+    module, imports it back (a command that runs kvtc commands gets the entry point from the CLI)."""
+    bad = [m for m, targets in _graph(_all_imports).items() if "kvtc.pipeline.cli" in targets and m not in ENTRY_MODULES]
+    assert not bad, "modules importing kvtc.pipeline.cli: " + ", ".join(bad)
+
+
+def test_calibrate_job_module_runs_the_command_and_the_former_entry_says_where_it_went():
+    """`python -m kvtc.pipeline.calibrate_job` is `kvtc calibrate` (for `ray job submit`); the job module
+    has no command line and says so instead of exiting 0 having done nothing."""
+    out = subprocess.run([sys.executable, "-m", "kvtc.pipeline.calibrate_job", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "--ratios" in out.stdout and "--groups" in out.stdout, out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvtc.pipeline.job.calibrate", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0 and "kvtc.pipeline.calibrate_job" in out.stderr

@@ -66,12 +66,13 @@ TINY = dict(model="tiny:llama@2x8x16x16", corpus="pydoc", eval_corpus=None, seq_
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     """TP 1, 2, 4, 8 and 16 artifacts of one tiny model, one shared shard store per TP (in-process)."""
-    from kvtc.pipeline.job.calibrate import CalibrateConfig, run
+    from kvtc.pipeline.job.calibrate import run
+    from kvtc.pipeline.settings import JobSettings
 
     root = tmp_path_factory.mktemp("tp")
     out = {}
     for tp in (1, 2, 4, 8, 16):
-        cfg = CalibrateConfig(**TINY, tp=tp, registry=str(root / "reg"), store=str(root / "store"), name=f"tp{tp}")
+        cfg = JobSettings.of(**TINY, tp=tp, registry=str(root / "reg"), store=str(root / "store"), name=f"tp{tp}")
         summary = run(cfg, in_process=True)
         out[tp] = artifacts.pull(summary["name"], summary["version"], registry=summary["registry"])
     return out

@@ -19,18 +19,15 @@ basis, sliding layers another, chunked layers a third; "model" for models of one
 from __future__ import annotations
 
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from kvtc.artifacts.groups import FeatureGroup
-from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.layers import LayerSpec, cached_layers
+from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.workers.models import LoadedModel
 
-KEY_FORMS = ("rope-removed", "rope-kept")
-GROUP_FORMS = ("auto", "model", "layer")
 
 
 def resolve_groups(groups: str, layers: Sequence[LayerSpec]) -> str:
@@ -38,76 +35,6 @@ def resolve_groups(groups: str, layers: Sequence[LayerSpec]) -> str:
     if groups == "auto" and len({layers[i].kind for i in cached_layers(layers)}) == 1:
         return "model"
     return groups
-
-
-@dataclass(frozen=True)
-class CaptureSettings:
-    """Which positions and how features are grouped. Positions [0, sinks) and the last `window` are excluded.
-    tp: tensor-parallel ranks; above 1 every layer group is split by the KV head ranges the ranks hold
-    (kvtc.artifacts.tensor_parallel), one basis per (layer group, head range)."""
-
-    sinks: int = 4
-    window: int = 128
-    groups: str = "auto"
-    sample: float = 1.0
-    seed: int = 0
-    keys: str = "rope-removed"
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
-        if self.keys not in KEY_FORMS:
-            raise ValueError(f"keys must be one of {KEY_FORMS}, got {self.keys!r}")
-        if self.sinks < 0 or self.window < 0:
-            raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks}, window={self.window}")
-        if not 0.0 < self.sample <= 1.0:
-            raise ValueError(f"sample must be in (0, 1], got {self.sample}")
-        if self.groups not in GROUP_FORMS:
-            head, _, k = self.groups.partition(":")
-            if head != "layers" or not k.isdigit() or int(k) < 1:
-                raise ValueError(f"groups must be 'auto', 'model', 'layer' or 'layers:K' with K >= 1, got {self.groups!r}")
-
-    def group_layers(self, layers: int | Sequence[LayerSpec], kv_heads: int | None = None) -> list[FeatureGroup]:
-        """The groups (one basis each), in order; `layers`: the layer schema, or a layer count for a model
-        of full-attention layers only. Over all KV heads, or with tp > 1 (kv_heads needed) each group
-        once per rank's head range, head range major (a rank's groups are consecutive)."""
-        if isinstance(layers, int):
-            kinds = {i: "full" for i in range(layers)}
-        else:
-            kinds = {i: layers[i].kind for i in cached_layers(layers)}
-        by_kind: dict[str, list[int]] = {}
-        for i, kind in kinds.items():
-            by_kind.setdefault(kind, []).append(i)
-        if self.groups == "model" and len(by_kind) > 1:
-            raise ValueError(f"--groups model would give layers of kinds {sorted(by_kind)} one basis, but their caches "
-                             "hold different positions; use --groups auto (one basis per kind), layer or layers:K")
-        if self.groups in ("model", "auto"):
-            out = [FeatureGroup(tuple(ix)) for ix in by_kind.values()]
-        else:
-            k = 1 if self.groups == "layer" else int(self.groups.split(":")[1])
-            out = sorted([FeatureGroup(tuple(ix[a:a + k])) for ix in by_kind.values() for a in range(0, len(ix), k)],
-                         key=lambda g: g.layers[0])
-        if self.tp == 1:
-            return out
-        if kv_heads is None:
-            raise ValueError("tensor-parallel groups need the model's KV head count")
-        return [FeatureGroup(g.layers, heads) for heads in TensorParallelLayout(self.tp, kv_heads).shards for g in out]
-
-    def eligible(self, seq_len: int) -> int:
-        return seq_len - self.sinks - self.window
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        if self.keys == "rope-removed":
-            del d["keys"]  # the default stays out, so shard-store keys written before the option still match
-        if self.tp == 1:
-            del d["tp"]  # likewise
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
-        return cls(**d)
 
 
 @dataclass

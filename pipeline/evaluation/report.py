@@ -10,13 +10,15 @@ artifact. Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens, whole 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import sys
 
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.artifacts.schema import STREAMS
+from kvtc.artifacts.pull import pull
+from kvtc.artifacts.safe_io import write_contained
+from kvtc.artifacts.schema import STREAMS, check_name
+from kvtc.pipeline.evaluation.charts import figure, png
 
 SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
 
@@ -82,32 +84,13 @@ def error_table(metrics: list[dict]) -> str:
                 "Gaussian bound", "fixed-rate bits/token"], rows)
 
 
-def _figure(ncols: int):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 3.8), squeeze=False)
-    return plt, fig, axes[0]
-
-
-def png(plt, fig) -> bytes:
-    """A finished figure -> PNG bytes (closes it); every chart of the report goes through here."""
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def chart_error_by_tokens(rows: list[dict], ratio: float | None = None, run_tokens: int | None = None) -> bytes | None:
     """rows {tokens, stream, split, rel_error} measured at compression ratio `ratio`; the x-axis runs
     to `run_tokens` (every token the calibration ran, held-out shards, sinks and window included),
     marked by a dotted line. None when there are no rows."""
     if not rows:
         return None
-    plt, fig, axes = _figure(1)
+    plt, fig, axes = figure(1)
     ax = axes[0]
     for stream, color in zip(STREAMS, ("tab:blue", "tab:orange")):
         for split, style in (("heldout", "-o"), ("eval", "--s")):
@@ -143,7 +126,7 @@ def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None
         return None
     ratios = sorted({float(r["ratio"]) for r in rows})
     ratio = ratios[len(ratios) // 2] if ratio is None else float(ratio)
-    plt, fig, axes = _figure(2)
+    plt, fig, axes = figure(2)
     for ax, stream in zip(axes, STREAMS):
         for source, style in ((rows, "-"), (pca_rows or [], "--")):
             sel = _stream_rows(source, stream)
@@ -189,7 +172,7 @@ def chart_allocation(allocations: dict, features: int | None = None) -> bytes | 
     when given, so the dropped tail shows."""
     if not allocations:
         return None
-    plt, fig, axes = _figure(2)
+    plt, fig, axes = figure(2)
     for ax, stream in zip(axes, STREAMS):
         right = 2
         for (ratio, s, g), info in sorted(allocations.items()):
@@ -211,7 +194,7 @@ def chart_allocation(allocations: dict, features: int | None = None) -> bytes | 
 def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
           model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
     """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
-    from kvtc.pipeline.evaluation import basis_size, rate_distortion
+    from kvtc.pipeline.evaluation import basis_size, rate_distortion  # deferred: they load torch, `kvtc` start-up does not
 
     files: dict[str, bytes] = {}
     cal = calibration or {}
@@ -241,11 +224,11 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
     md += ["", "Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens (positions [sinks, T - window)), "
            "whole p-vector, keys RoPE-removed.", "", "## Reconstruction error", "", error_table(metrics), "",
            "## Gap to the Gaussian reverse water-filling bound", "", limit_table(limit_rows(metrics)), ""]
-    for rel, png in charts.items():
-        if png is None:
+    for rel, data in charts.items():
+        if data is None:
             md += [f"_{rel}: no data stored._", ""]
         else:
-            files[rel] = png
+            files[rel] = data
             md += [f"![{rel}]({rel})", ""]
     if quality:
         md += ["## Model quality with compressed caches", "",
@@ -263,18 +246,13 @@ def build_from_artifact(art, quality: dict | None = None) -> dict[str, bytes]:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from kvtc import artifacts
-    from kvtc.artifacts.schema import check_name
-
     ref = args.artifact if "@" in args.artifact else f"{args.artifact}@latest"
-    art = artifacts.pull(ref, registry=args.registry)
+    art = pull(ref, registry=args.registry)
     quality = None
     if args.quality:
         with open(args.quality) as f:
             quality = json.load(f)
     out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
-    from kvtc.artifacts.safe_io import write_contained
-
     for rel, data in build_from_artifact(art, quality).items():
         print(write_contained(out, rel, data))  # refuses to leave `out` or to follow a symlink
     print(f"kvtc report: wrote {out}", file=sys.stderr)

@@ -25,77 +25,11 @@ import torch
 
 from kvtc.artifacts.blocks import (Block, block_cost_bits, budget_bits, cheapest_bits_per_component,  # noqa: F401
                                    cheapest_block_bits, qtype_bits)
+from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
 from kvtc.pipeline.fit.block_errors import ErrorTables, analytic_tables, measured_tables
+from kvtc.pipeline.fit.heldout import heldout_variances
 from kvtc.pipeline.fit.pca import Basis
 
-
-
-@dataclass(frozen=True)
-class AllocatorSettings:
-    """block_sizes: allowed block lengths; types: allowed block types ("none" or any reference
-    qtype; the dropped tail is always "none"); error_model: "measured" (reference quantizer on
-    held-out projections) or "analytic"; min_rows / recommended_rows: held-out rows below which
-    allocation fails / warns; max_dp_states: cap on DP table cells; cost_unit: 0 = automatic;
-    max_components: the basis budget, components per group the code may use (0 = no cap);
-    basis_budget: the share of the model's parameters that sets max_components (0 = none; the job
-    resolves it: pipeline/fit/basis_budget.py, and records the resulting max_components)."""
-
-    block_sizes: tuple[int, ...] = (1, 16, 64, 256, 1024)
-    types: tuple[str, ...] = ("none", "int2", "int4", "fp8")
-    error_model: str = "measured"
-    min_rows: int = 16
-    recommended_rows: int = 1024
-    max_dp_states: int = 150_000_000
-    cost_unit: int = 0
-    max_components: int = 0
-    basis_budget: float = 0.0
-
-    def __post_init__(self) -> None:
-        sizes, types = tuple(self.block_sizes), tuple(self.types)
-        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes) or len(set(sizes)) != len(sizes):
-            raise ValueError(f"block_sizes={sizes}: give distinct positive integers, e.g. (1, 16, 64, 256, 1024)")
-        for t in types:
-            qtype_bits(t)
-        if len(set(types)) != len(types) or not any(t != "none" for t in types):
-            raise ValueError(f"types={types}: give distinct types with at least one quantized type, e.g. int4")
-        if self.error_model not in ("measured", "analytic"):
-            raise ValueError(f"error_model={self.error_model!r}: use 'measured' or 'analytic'")
-        if not 1 <= self.min_rows <= self.recommended_rows:
-            raise ValueError("min_rows must be >= 1 and <= recommended_rows")
-        if self.max_dp_states < 1000 or self.cost_unit < 0:
-            raise ValueError("max_dp_states must be >= 1000 and cost_unit >= 0 (0 = automatic)")
-        if not isinstance(self.max_components, int) or self.max_components < 0:
-            raise ValueError(f"--max-components must be an integer >= 1 (0 or none: no cap), got {self.max_components!r}")
-        if not (0 <= self.basis_budget <= 1 and math.isfinite(self.basis_budget)):
-            raise ValueError(f"--basis-budget {self.basis_budget!r} must be a share of the model's parameters in (0, 1], "
-                             "e.g. 3% or 0.03")
-        object.__setattr__(self, "block_sizes", tuple(sorted(sizes)))
-        object.__setattr__(self, "types", types)
-
-    @property
-    def quantized_types(self) -> tuple[str, ...]:
-        return tuple(t for t in self.types if t != "none")
-
-    def kept_bound(self, p: int, ratios) -> int:
-        """Most components any allocation at `ratios` can keep: the largest budget over the cheapest
-        bits per component, capped at p and at the basis budget (max_components)."""
-        per_component = cheapest_bits_per_component(self.types, self.block_sizes, p)
-        return max(1, min(p, self.max_components or p, math.floor(budget_bits(p, min(ratios)) / per_component)))
-
-    def to_dict(self) -> dict:
-        return {"block_sizes": list(self.block_sizes), "types": list(self.types), "error_model": self.error_model,
-                "min_rows": self.min_rows, "recommended_rows": self.recommended_rows,
-                "max_dp_states": self.max_dp_states, "cost_unit": self.cost_unit,
-                "max_components": self.max_components, "basis_budget": self.basis_budget, "aligned_starts": True}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "AllocatorSettings":
-        """Inverse of to_dict (unknown keys are an error; "aligned_starts" is informational)."""
-        d = {k: v for k, v in d.items() if k != "aligned_starts"}
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown allocator settings {sorted(unknown)}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 @dataclass(frozen=True)
@@ -230,8 +164,6 @@ def error_tables(basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,
     if settings.error_model == "analytic":
         variances = None
         if projections is not None:  # held-out variances (isotonic) generalize better than the eigenvalues
-            from kvtc.pipeline.fit.ecsq import heldout_variances
-
             variances = heldout_variances(torch.as_tensor(projections, dtype=torch.float32))
         return analytic_tables(basis, k, settings.block_sizes, settings.quantized_types, variances), ()
     if projections is None:

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from scipy.special import ndtr
 
+from kvtc.artifacts.blocks import budget_bits
 from kvtc.kernels.ecsq import PROBABILITY_TOTAL, SymbolModel, dequantize, quantize
-from kvtc.pipeline.fit.allocator import budget_bits
+from kvtc.pipeline.fit.heldout import heldout_variances
 
 ESCAPE_BITS = 32
 
@@ -77,27 +78,6 @@ class EcsqFit:
                 "scales": self.scales.astype(np.float32), "model": self.model.astype(np.int32),
                 "offsets": self.offsets.astype(np.float32),
                 "models": [(m.radius, m.counts.astype(np.int64)) for m in self.models]}
-
-
-def isotonic_decreasing(v: np.ndarray) -> np.ndarray:
-    """Least-squares non-increasing fit of v (pool adjacent violators), same length."""
-    means: list[float] = []
-    sizes: list[int] = []
-    for x in np.asarray(v, dtype=np.float64):
-        means.append(float(x))
-        sizes.append(1)
-        while len(means) > 1 and means[-2] < means[-1]:
-            n = sizes[-2] + sizes[-1]
-            means[-2] = (means[-2] * sizes[-2] + means[-1] * sizes[-1]) / n
-            sizes[-2] = n
-            means.pop()
-            sizes.pop()
-    return np.repeat(means, sizes)
-
-
-def heldout_variances(z: torch.Tensor) -> np.ndarray:
-    """Projections (N, k) -> (k,) non-increasing per-component variances (second moments about 0)."""
-    return isotonic_decreasing(z.double().square().mean(0).numpy())
 
 
 def class_model(c: int, settings: EcsqSettings) -> SymbolModel:

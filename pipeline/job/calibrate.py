@@ -3,16 +3,14 @@ model's KV cache and store per-shard statistics; the driver folds them in shard 
 PCA bases and one DP bit allocation per ratio, measures held-out errors and publishes a versioned
 artifact to the registry.
 
-Also runnable as `python -m kvtc.pipeline.job.calibrate ...` (for `ray job submit`).
+The `kvtc calibrate` command is kvtc.pipeline.calibrate_command; `python -m kvtc.pipeline.calibrate_job ...`
+runs it for `ray job submit`.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,8 +24,6 @@ from kvtc.pipeline.job.store import ShardStore
 # the settings and their defaults live in kvtc.pipeline.settings; these names stay importable from here
 from kvtc.pipeline.settings import (DEFAULT_CORPUS, DEFAULT_CPU_TOKENS, DEFAULT_EVAL_CORPUS,  # noqa: E402,F401
                                     DEFAULT_GPU_TOKENS, DEFAULT_MODEL, JobSettings)
-
-CalibrateConfig = JobSettings.of  # settings from flat option names, for callers of the former flat config
 
 
 def shard_plan(cfg: JobSettings, tokens: int) -> ShardPlan:
@@ -337,57 +333,6 @@ def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, wor
                                       route=lambda payload: payload.get("acc_index"))
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtc.pipeline.cli import add_settings_arguments
-
-    add_settings_arguments(p)
-    p.add_argument("--json", action="store_true", help="print a machine-readable summary")
-
-
-def print_summary(summary: dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(summary, indent=2, sort_keys=True))
-        return
-    print(f"published {summary['name']}@{summary['version']} to {summary['registry']}")
-    print("  held-out relative error, in the codec's default mode (kept components) | the other mode")
-    for row in summary["ratios"]:
-        other = "fixed" if row["mode"] == "ecsq" else "ecsq"
-        k, v = row["keys"], row["values"]
-        beside = (f"  | {other}: keys {100 * k[other]['rel_error']:.2f}%  values {100 * v[other]['rel_error']:.2f}%"
-                  if "rel_error" in k.get(other, {}) and "rel_error" in v.get(other, {}) else "")
-        print(f"  CR {row['ratio']:>5g} {row['mode']}: keys {100 * k['rel_error']:.2f}%  values {100 * v['rel_error']:.2f}%"
-              f"  ({k.get('kept')}/{v.get('kept')}){beside}")
-    run = summary.get("run", {})
-    if run:
-        print(f"  tokens run {run['tokens_run']} in {run['pool_seconds']} s ({run['pool_tokens_per_s']} tok/s), wall "
-              f"{run['wall_seconds']} s; stages (s): " + ", ".join(f"{k} {v:g}" for k, v in run.get("stages", {}).items()))
-
-
-def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    return f"kvtc calibrate: warning: {message}\n"
-
-
-def _handler(args: argparse.Namespace) -> int:
-    from kvtc.pipeline.cli import settings_from_args
-
-    cfg = settings_from_args(args)
-    warnings.formatwarning = _one_line_warning  # the message, not the source line that raised it
-    print_summary(run(cfg), args.json)
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="calibrate a model and publish an artifact", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=_handler)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from kvtc.pipeline.cli import main as cli_main
-
-    return cli_main(["calibrate", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the former `ray job submit` entry: say where the command went instead of doing nothing
+    sys.exit("kvtc: this module has no command line; run `python -m kvtc.pipeline.calibrate_job ARGS` "
+             "(the same as `kvtc calibrate ARGS`)")

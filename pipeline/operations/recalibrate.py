@@ -21,8 +21,19 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError
+from kvtc import artifacts
+from kvtc.artifacts.calibration import CalibrationRecord
+from kvtc.artifacts.errors import InputError
+from kvtc.artifacts.fingerprint import model_id
+from kvtc.artifacts.schema import check_name
+from kvtc.pipeline.job.calibrate import run
+from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError, check_drift, check_model
 from kvtc.pipeline.operations.recalibrate_plan import build_configs, planned_shards, same_run
+from kvtc.pipeline.settings_args import add_settings_arguments, settings_options
+from kvtc.workers.capture_settings import CaptureSettings
+
+# the shard store, the reduce, the drift meter and the model loader are imported where used: they load
+# torch (and transformers), which `kvtc` start-up does not
 
 EXIT_OK, EXIT_KEPT = 0, 5
 
@@ -42,10 +53,7 @@ class Result:
 
 def heldout_store(manifest: dict, store_root: str | None):
     """The shard store scope (model, capture settings) where the parent's held-out rows live."""
-    from kvtc.artifacts.calibration import CalibrationRecord
-    from kvtc.artifacts.fingerprint import model_id
     from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
-    from kvtc.workers.capture import CaptureSettings
 
     rec = CalibrationRecord.from_manifest(manifest)
     return ShardStore(store_root or default_store_uri(), model_id(manifest["model"]),
@@ -54,7 +62,6 @@ def heldout_store(manifest: dict, store_root: str | None):
 
 def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:
     """Both artifacts on the parent's held-out rows -> (comparison rows, reasons the child is worse)."""
-    from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.job.heldout_store import load_rows
     from kvtc.pipeline.operations.drift_meter import measure_rows
 
@@ -77,11 +84,6 @@ def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[s
 
 def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_tokens: int | None = None,
                 aliases: tuple[str, ...] = (), tolerance: float = 0.0, force: bool = False) -> Result:
-    from kvtc import artifacts
-    from kvtc.artifacts.errors import InputError
-    from kvtc.artifacts.schema import check_name
-    from kvtc.pipeline.job.calibrate import run
-    from kvtc.pipeline.operations.drift import check_drift, check_model
     from kvtc.workers.models import load_model
 
     if tolerance < 0:
@@ -160,8 +162,6 @@ def print_result(result: Result, as_json: bool) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from kvtc.pipeline.cli import settings_options
-
     given = settings_options(args)
     try:
         result = recalibrate(args.target, given, args.if_drift, args.drift_tokens, tuple(args.alias), args.tolerance, args.force)
@@ -176,8 +176,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("recalibrate", help="recalibrate an artifact on new data; promote it only if no worse",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="NAME[@REF]", help="the parent artifact (default ref latest)")
-    from kvtc.pipeline.cli import add_settings_arguments
-
     add_settings_arguments(p, parent_defaults=True)  # unset options fall back to the parent's settings
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--if-drift", type=float, default=None, metavar="THRESHOLD",

@@ -96,12 +96,12 @@ class Scheduler:
         return self.runs
 
 
-def command_job(command: list[str], in_process: bool, timeout: float | None = None) -> Callable[[], int]:
-    """A job running `kvtc COMMAND...`: a subprocess, or kvtc.pipeline.cli.main in this process."""
-    if in_process:
+def command_job(command: list[str], main: Callable[[list[str]], int] | None = None,
+                timeout: float | None = None) -> Callable[[], int]:
+    """A job running `kvtc COMMAND...`: with `main` (the `kvtc` entry point, which the CLI hands its
+    commands), a call in this process; without, a fresh `python -m kvtc.pipeline.cli` subprocess."""
+    if main is not None:
         def job() -> int:
-            from kvtc.pipeline.cli import main
-
             return main(list(command))
         return job
 
@@ -114,10 +114,8 @@ def command_job(command: list[str], in_process: bool, timeout: float | None = No
     return run_subprocess
 
 
-def parse_command(argv: list[str]) -> list[str]:
-    """`-- [kvtc] COMMAND ARGS...` -> [COMMAND, ARGS...], checked against the kvtc parser now, not at 3 am."""
-    from kvtc.pipeline.cli import build_parser
-
+def parse_command(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`-- [kvtc] COMMAND ARGS...` -> [COMMAND, ARGS...], checked against the `kvtc` parser now, not at 3 am."""
     command = argv[1:] if argv[:1] == ["--"] else list(argv)
     command = command[1:] if command[:1] == ["kvtc"] else command
     if not command:
@@ -125,7 +123,7 @@ def parse_command(argv: list[str]) -> list[str]:
     if command[0] == "schedule":
         raise ValueError("kvtc schedule cannot schedule itself")
     try:
-        build_parser().parse_args(command)
+        parser.parse_args(command)
     except SystemExit:
         raise ValueError(f"the scheduled command `kvtc {' '.join(command)}` does not parse (see the message above)") from None
     return command
@@ -133,8 +131,9 @@ def parse_command(argv: list[str]) -> list[str]:
 
 def _handler(args: argparse.Namespace) -> int:
     schedule = Schedule(cron=args.cron, every=args.every)
-    command = parse_command(args.command)
-    scheduler = Scheduler(schedule, command_job(command, args.in_process, args.timeout), args.max_runs)
+    command = parse_command(args.command, args.kvtc_parser())  # the CLI's own entry points (kvtc.pipeline.cli)
+    scheduler = Scheduler(schedule, command_job(command, args.kvtc_main if args.in_process else None, args.timeout),
+                          args.max_runs)
     previous = {sig: signal.signal(sig, scheduler.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     print(f"kvtc schedule: `kvtc {' '.join(command)}` {'every ' + str(args.every) + ' s' if args.every else 'at ' + repr(args.cron)}"
           f"; next run at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(schedule.next_after(time.time())))}",

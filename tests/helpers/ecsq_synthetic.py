@@ -9,7 +9,7 @@ import torch
 from kvtc.kernels.ecsq import EcsqGroup
 from kvtc.kernels.rope import RopeSpec
 from kvtc.kernels.spec import STREAMS, CodecSpec
-from kvtc.kernels.synthetic import synthetic_cache, synthetic_spec
+from helpers.synthetic import synthetic_cache, synthetic_spec
 from kvtc.pipeline.fit.ecsq import fit_ecsq
 
 

@@ -1,0 +1,16 @@
+"""`python -m kvtc.pipeline.calibrate_job ARGS`: `kvtc calibrate ARGS` as a module, for `ray job submit`
+(a cluster's Python runs it whether or not the `kvtc` script is on its PATH). An entry point: nothing
+imports it."""
+from __future__ import annotations
+
+import sys
+
+from kvtc.pipeline.cli import main as cli_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli_main(["calibrate", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
