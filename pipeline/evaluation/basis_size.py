@@ -14,6 +14,7 @@ import torch
 
 from kvtc.pipeline.evaluation.rate_distortion import split_error
 from kvtc.pipeline.fit.ecsq import EcsqSettings, fit_ecsq, heldout_variances
+from kvtc.pipeline.evaluation.charts import figure, png
 from kvtc.pipeline.fit.pca import Basis
 
 STREAMS = ("keys", "values")
@@ -59,12 +60,7 @@ def chart(rows: list[dict]) -> bytes | None:
     if not rows:
         return None
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    plt, fig, axes = figure(2)
     for ax, stream in zip(axes, STREAMS):
         for ratio in sorted({r["ratio"] for r in rows}):
             pts = sorted((r["components"], r["rel_error"]) for r in rows
@@ -77,6 +73,4 @@ def chart(rows: list[dict]) -> bytes | None:
                title=f"{stream}: error against basis size (ECSQ)")
         if ax.lines:
             ax.legend(fontsize=8)
-    from kvtc.pipeline.evaluation.report import png
-
     return png(plt, fig)

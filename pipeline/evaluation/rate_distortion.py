@@ -15,6 +15,7 @@ import torch
 
 from kvtc.pipeline.evaluation.metrics import waterfilling_distortion
 from kvtc.pipeline.fit.ecsq import EcsqFit, EcsqSettings, fit_ecsq, heldout_variances, squared_error
+from kvtc.pipeline.evaluation.charts import figure, png
 from kvtc.pipeline.fit.pca import Basis
 
 STREAMS = ("keys", "values")
@@ -97,13 +98,9 @@ def chart(rows: list[dict]) -> bytes | None:
     if not rows:
         return None
 
-    import matplotlib
-    import matplotlib.ticker
+    import matplotlib.ticker  # deferred, as every chart: commands that draw nothing never load matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    plt, fig, axes = figure(2)
     styles = {"fixed": ("o-", "fixed-rate (DP blocks, budget before DEFLATE)"), "ecsq": ("s-", "ECSQ (entropy-coded)"),
               "bound_heldout": ("--", "Gaussian bound, held-out variances"),
               "bound_calibration": (":", "Gaussian bound, calibration eigenvalues")}
@@ -120,6 +117,4 @@ def chart(rows: list[dict]) -> bytes | None:
                title=f"{stream}: rate-distortion on held-out rows")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    from kvtc.pipeline.evaluation.report import png
-
     return png(plt, fig)
