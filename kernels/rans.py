@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -163,6 +164,24 @@ def compiled() -> object | None:
     except ImportError:
         return None
     return rans_numba
+
+
+def warm_up() -> bool:
+    """Compile (or load from numba's disk cache) the host kernels now, so a first restore does not pay
+    for it (seconds once per host and kvtc version); -> whether the compiled path is in use."""
+    if compiled() is None:
+        return False
+    tables = RansTables((SymbolModelLike(0, np.array([3, 1])),), np.zeros(1, dtype=np.int64))
+    q = np.array([[0], [2]], dtype=np.int32)
+    section, escapes = encode(q, tables, 1)
+    return bool(np.array_equal(decode(section, escapes, 2, tables), q))
+
+
+class SymbolModelLike(NamedTuple):
+    """What RansTables reads of a symbol model (kernels/ecsq.SymbolModel has the same fields)."""
+
+    radius: int
+    counts: np.ndarray
 
 
 def encode(q: np.ndarray, tables: RansTables, lanes: int | None = None, *, reference: bool = False
