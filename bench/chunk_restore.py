@@ -11,6 +11,7 @@
    geometry, through the codec: time and traced (numpy) peak before its BlobError.
 
     python bench/chunk_restore.py --registry REG --artifact smollm2-kept@latest [--ratios 16] [--repeats 5]
+    python bench/chunk_restore.py --synthetic   # no artifact: synthetic bases at the same geometry
 
 The artifact must keep RoPE on the keys (`kvtc calibrate --keys rope-kept --sinks 0 --window 0`), as chunk
 stores need. Stages run the codec's own functions in the codec's order (bench/rans.py does the same).
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtc.kernels import BlobError, ecsq, rans, read_blob  # noqa: E402
+from kvtc.kernels import BlobError, KVTCCodec, ecsq, rans, read_blob  # noqa: E402
 from kvtc.kernels.backend import resolve_ops  # noqa: E402
 from kvtc.kernels.blob import TAG_ECSQ, Section, write_blob  # noqa: E402
 from kvtc.kernels.chunk_serde import ChunkSerdeSettings, ChunkTransform  # noqa: E402
@@ -55,6 +56,22 @@ def chunk_of_model(corpus: str, tokens: int) -> torch.Tensor:
     keys, values = raw_cache(lm, torch.tensor([ids[:tokens]]))
     L, H, T, D = keys.shape
     return torch.stack([x.permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)]).to(torch.bfloat16)
+
+
+def synthetic_chunk_spec(ratio: float):
+    """A synthetic rope-kept ECSQ spec at the embedded model's geometry (30 layers, 3 KV heads, head_dim 64)."""
+    from kvtc.kernels.synthetic import synthetic_ecsq, synthetic_spec
+
+    return synthetic_ecsq(synthetic_spec(30, 3, 64, ratio, sinks=0, window=0, rope_theta=None))
+
+
+def synthetic_chunk(tokens: int) -> torch.Tensor:
+    """(2, 30, tokens, 192) bf16 drawn from synthetic_chunk_spec's bases."""
+    from kvtc.kernels.synthetic import synthetic_cache
+
+    keys, values = synthetic_cache(synthetic_chunk_spec(16.0), tokens, torch.bfloat16)
+    L, H, T, D = keys.shape
+    return torch.stack([x.permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)])
 
 
 def best(fn, repeats: int) -> float:
@@ -198,7 +215,9 @@ def amplification(transform: ChunkTransform, kv: torch.Tensor, tokens: int = 131
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--artifact", required=True, help="NAME@REF of a rope-kept artifact of the embedded model")
+    ap.add_argument("--artifact", default=None, help="NAME@REF of a rope-kept artifact of the embedded model")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="no artifact: a synthetic ECSQ spec at the embedded model's geometry and a cache drawn from it")
     ap.add_argument("--registry", default=None)
     ap.add_argument("--ratios", default="16")
     ap.add_argument("--tokens", type=int, default=256)
@@ -206,12 +225,17 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    kv = chunk_of_model(args.corpus, args.tokens)
-    rans.encode(np.zeros((1, 1), np.int32), rans.RansTables((ecsq.SymbolModel(0, np.array([1, 1])),), np.zeros(1)))
-    print(f"chunk {tuple(kv.shape)} {kv.dtype}; rANS compiled path: {rans.compiled() is not None}; "
+    if not args.artifact and not args.synthetic:
+        ap.error("pass --artifact NAME@REF (with --registry) or --synthetic")
+    kv = synthetic_chunk(args.tokens) if args.synthetic else chunk_of_model(args.corpus, args.tokens)
+    print(f"chunk {tuple(kv.shape)} {kv.dtype}; rANS compiled path: {rans.warm_up()}; "
           f"host cores {os.cpu_count()}")
     for ratio in (float(r) for r in args.ratios.split(",")):
-        transform = ChunkTransform.from_settings(ChunkSerdeSettings(args.artifact, ratio, args.registry, mode="ecsq"))
+        if args.synthetic:
+            transform = ChunkTransform(KVTCCodec(synthetic_chunk_spec(ratio), mode="ecsq"), mode="ecsq")
+        else:
+            transform = ChunkTransform.from_settings(ChunkSerdeSettings(args.artifact, ratio, args.registry,
+                                                                        mode="ecsq"))
         kept = {st: [g.kept for g in transform.codec.spec.ecsq[st]] for st in STREAMS}
         print(f"CR {ratio:g}: kept components {kept}, p = {transform.codec.spec.features} per stream")
         for threads in (int(n) for n in args.threads.split(",")):
