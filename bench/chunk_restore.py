@@ -190,26 +190,32 @@ def amplification(transform: ChunkTransform, kv: torch.Tensor, tokens: int = 131
     codec = transform.codec
     header, sections = read_blob(codec.encode(*kv.reshape(2, kv.shape[1], kv.shape[2], codec.spec.kv_heads,
                                                           codec.spec.head_dim).permute(0, 1, 3, 2, 4)))
-    ecsq_keys = [sec.key for sec in sections if sec.key.tag == TAG_ECSQ]
-    lanes = (nbytes // len(ecsq_keys) - 8) // 6
-    table = struct.pack("<I", lanes) + struct.pack(f"<{lanes}I", *[rans.STATE_LOW] * lanes) + bytes(2 * lanes)
-    words = struct.pack("<i", ecsq.STREAM_FORMAT << 16) + table
-    fake = [Section(sec.key, 0, len(words), words) if sec.key.tag == TAG_ECSQ else Section(sec.key, 0, 0, b"")
-            for sec in sections]
+    groups = {sec.key: codec.spec.ecsq[STREAMS[sec.key.stream]][sec.key.group] for sec in sections
+              if sec.key.tag == TAG_ECSQ}
+    fake, lanes = [], []
+    for sec in sections:
+        if sec.key.tag != TAG_ECSQ:
+            fake.append(Section(sec.key, 0, 0, b""))
+            continue
+        # as many lanes as nbytes pays for, or the fewest the format allows for the declared symbols
+        w = max((nbytes // len(groups) - 8) // 6, -(-tokens * groups[sec.key].kept // rans.MAX_LANE_SYMBOLS))
+        raw = struct.pack("<iI", ecsq.STREAM_FORMAT << 16, w) + struct.pack(f"<{w}I", *[rans.STATE_LOW] * w) + bytes(2 * w)
+        fake.append(Section(sec.key, 0, len(raw), raw))
+        lanes.append(w)
     blob = write_blob(dataclasses.replace(header, tokens=tokens), fake)
-    kept = sum(g.kept for st in STREAMS for g in codec.spec.ecsq[st])
+    kept = sum(g.kept for g in groups.values())
     tracemalloc.start()
     t0 = time.perf_counter()
     try:
         codec.decode(blob, max_tokens=tokens)
         verdict = "DECODED"
     except BlobError as exc:
-        verdict = f"BlobError ({str(exc)[:90]}...)"
+        verdict = f"BlobError ({str(exc)[:110]}...)"
     elapsed = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     print(f"amplification: {len(blob)} byte blob, {tokens} tokens x {kept} kept symbols declared, "
-          f"{len(ecsq_keys)} lane tables of {lanes} lanes, no words: {verdict} after {1e3 * elapsed:.1f} ms, "
+          f"lane tables of {lanes} lanes, no words: {verdict} after {1e3 * elapsed:.1f} ms, "
           f"traced peak {peak / 1e6:.2f} MB")
 
 

@@ -188,21 +188,22 @@ def encode(q: np.ndarray, tables: RansTables, lanes: int | None = None, *, refer
            ) -> tuple[bytes, bytes]:
     """Symbols (T, kept) int32 -> (rANS section bytes, escapes int32 bytes); compiled lanes, or with
     `reference` (or without numba) numpy vectorised across lanes: the same bytes."""
+    fast = None if reference else compiled()
+    if fast is not None and tables.kept and np.asarray(q).size:
+        v = np.ascontiguousarray(q, dtype=np.int32).reshape(-1, tables.kept)
+        n = v.size
+        w = choose_lanes(v.shape[0], tables) if lanes is None else lanes
+        _check_lanes(w, n)
+        states, counts = np.empty(w, dtype=np.int64), np.empty(w, dtype=np.int64)
+        words = fast.encode_steps(v.reshape(-1), tables.comp_radius, tables.fc, tables.comp_sym_base, w, states, counts)
+        return pack_section(w, states, counts, words), fast.escapes_of(v, tables.comp_radius).tobytes()
     idx, escapes = symbol_indices(q, tables)
     n, kept = idx.size, tables.kept
     w = choose_lanes(n // kept if kept else 0, tables) if lanes is None else lanes
     if n == 0:
         return pack_section(0, np.zeros(0), np.zeros(0), np.zeros(0)), escapes.tobytes()
-    if not 1 <= w <= n or math.ceil(n / w) > MAX_LANE_SYMBOLS:
-        raise ValueError(f"lanes must be in [ceil(N / {MAX_LANE_SYMBOLS}), N] for N = {n} symbols, got {w}")
+    _check_lanes(w, n)
     steps = -(-n // w)
-    fast = None if reference else compiled()
-    if fast is not None:
-        states, counts = np.empty(w, dtype=np.int64), np.empty(w, dtype=np.int64)
-        buf = np.empty((w, steps), dtype=np.uint16)
-        fast.encode_lanes(idx, tables.fc, tables.comp_sym_base, w, steps, states, counts, buf)
-        words = buf[np.arange(steps)[None, :] >= (steps - counts)[:, None]]
-        return pack_section(w, states, counts, words), escapes.tobytes()
     e = tables.fc[(idx.reshape(-1, kept) + tables.comp_sym_base).reshape(-1)]
     freq, cum = e & WORD_MASK, e >> 16
     x = np.full(w, STATE_LOW, dtype=np.int64)
@@ -222,6 +223,11 @@ def encode(q: np.ndarray, tables: RansTables, lanes: int | None = None, *, refer
     counts = steps - 1 - ptr
     words = buf.reshape(w, steps)[np.arange(steps)[None, :] > ptr[:, None]]
     return pack_section(w, x, counts, words), escapes.tobytes()
+
+
+def _check_lanes(w: int, n: int) -> None:
+    if not 1 <= w <= n or math.ceil(n / w) > MAX_LANE_SYMBOLS:
+        raise ValueError(f"lanes must be in [ceil(N / {MAX_LANE_SYMBOLS}), N] for N = {n} symbols, got {w}")
 
 
 class Layout:

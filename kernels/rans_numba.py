@@ -78,31 +78,62 @@ def fill_escapes(idx: np.ndarray, radius: np.ndarray, esc: np.ndarray, max_symbo
 
 
 @njit(cache=True, nogil=True)
-def encode_lanes(idx: np.ndarray, fc: np.ndarray, comp_sym_base: np.ndarray, w: int, steps: int,
-                 states: np.ndarray, counts: np.ndarray, buf: np.ndarray) -> None:
-    """Table indices (n,) in flat order -> per lane: final state, word count, and its words at the end of
-    its row of buf (w, steps) in decoder order (as the reference's buffer)."""
-    n = idx.shape[0]
-    kept = comp_sym_base.shape[0]
-    for lane in range(w):
-        x = np.int64(_LOW)
-        ptr = steps - 1
-        pos = lane + (steps - 1) * w
-        if pos >= n:
-            pos -= w
-        comp = pos % kept
-        back = w % kept
-        while pos >= 0:
-            e = fc[comp_sym_base[comp] + idx[pos]]
+def escapes_of(q: np.ndarray, radius: np.ndarray) -> np.ndarray:
+    """Symbols (T, kept) -> the values outside their component's [-r, r], int32, in flat order."""
+    k = 0
+    for t in range(q.shape[0]):
+        for j in range(q.shape[1]):
+            k += abs(np.int64(q[t, j])) > radius[j]
+    out = np.empty(k, dtype=np.int32)
+    k = 0
+    for t in range(q.shape[0]):
+        for j in range(q.shape[1]):
+            if abs(np.int64(q[t, j])) > radius[j]:
+                out[k] = q[t, j]
+                k += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def encode_steps(q: np.ndarray, radius: np.ndarray, fc: np.ndarray, comp_sym_base: np.ndarray, w: int,
+                 states: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Symbols (N,) in flat order (values; an escape's table index is 2 r + 1) -> the lanes' words (uint16,
+    lane by lane, each lane's in decoder order); fills states and counts (W,). All lanes one step at a time,
+    last step first (independent lanes overlap in the CPU's pipeline)."""
+    n = q.shape[0]
+    kept = radius.shape[0]
+    steps = (n + w - 1) // w
+    buf = np.empty((w, steps), dtype=np.uint16)
+    x = np.full(w, _LOW, dtype=np.int64)
+    ptr = np.full(w, steps - 1, dtype=np.int64)
+    for i in range(steps - 1, -1, -1):
+        first = i * w
+        comp = first % kept
+        for lane in range(min(w, n - first)):
+            r = radius[comp]
+            v = np.int64(q[first + lane])
+            sym = 2 * r + 1 if abs(v) > r else v + r
+            e = fc[comp_sym_base[comp] + sym]
             f = e & _MASK
-            if x >= (f << 16):
-                buf[lane, ptr] = x & _MASK
-                ptr -= 1
-                x >>= 16
-            x = ((x // f) << 16) + x % f + (e >> 16)
-            pos -= w
-            comp -= back
-            if comp < 0:
-                comp += kept
-        states[lane] = x
-        counts[lane] = steps - 1 - ptr
+            xs = x[lane]
+            if xs >= (f << 16):
+                p = ptr[lane]
+                buf[lane, p] = xs & _MASK
+                ptr[lane] = p - 1
+                xs >>= 16
+            x[lane] = ((xs // f) << 16) + xs % f + (e >> 16)
+            comp += 1
+            if comp == kept:
+                comp = 0
+    total = 0
+    for lane in range(w):
+        states[lane] = x[lane]
+        counts[lane] = steps - 1 - ptr[lane]
+        total += counts[lane]
+    words = np.empty(total, dtype=np.uint16)
+    k = 0
+    for lane in range(w):
+        for j in range(ptr[lane] + 1, steps):
+            words[k] = buf[lane, j]
+            k += 1
+    return words
