@@ -2,8 +2,9 @@
 
 1. rate: ECSQ bytes (coded symbols + escapes) per middle token of both formats at each ratio, on
    held-out text of the artifact's model (the tail of Python's pydoc topics, as bench/codec.py);
-2. CPU speed, 1 thread: encode and decode MB/s of the numpy reference and of constriction on the
-   same symbols (coded MB/s, and raw MB/s of the fp16 middle cache they stand for);
+2. CPU speed, 1 thread: encode and decode MB/s of the compiled rANS path ("rans", kernels/rans_numba.py), the
+   numpy reference ("rans-numpy") and constriction on the same symbols (coded MB/s, and raw MB/s of the fp16
+   middle cache they stand for);
 3. Triton interpreter: the kernels bit-identical to the reference on odd shapes (1, 3, 129, 4097
    tokens; 1 and many lanes; escapes present) with the artifact's own symbol models;
 4. fuzz: mutated rANS blobs (checksums recomputed so they reach the rANS parser) end in BlobError or
@@ -101,6 +102,8 @@ def rate_and_speed(artifact, ratios, caches) -> None:
                 rans.encode(q[:2], tables)  # warm the tables
                 for name, enc, dec in (
                         ("rans", lambda: rans.encode(q, tables), lambda c: rans.decode(c[0], c[1], q.shape[0], tables)),
+                        ("rans-numpy", lambda: rans.encode(q, tables, reference=True),
+                         lambda c: rans.decode(c[0], c[1], q.shape[0], tables, reference=True)),
                         ("constriction", lambda: ecsq.encode_symbols(q, g),
                          lambda c: ecsq.decode_symbols(c[0], c[1], q.shape[0], g))):
                     t0 = time.perf_counter()
@@ -112,7 +115,7 @@ def rate_and_speed(artifact, ratios, caches) -> None:
                     t[name, "enc"] += t1 - t0
                     t[name, "dec"] += t2 - t1
                     coded[name] += len(c[0]) + len(c[1])
-        for name in ("rans", "constriction"):
+        for name in ("rans", "rans-numpy", "constriction"):
             print(f"speed CR {ratio:g} {name:>12} (1 thread): encode {coded[name] / t[name, 'enc'] / 1e6:6.2f} MB/s coded "
                   f"{raw / t[name, 'enc'] / 1e6:7.1f} MB/s raw; decode {coded[name] / t[name, 'dec'] / 1e6:6.2f} MB/s coded "
                   f"{raw / t[name, 'dec'] / 1e6:7.1f} MB/s raw")

@@ -13,6 +13,17 @@ offset (the sum of the previous lanes' counts) are read without decoding any oth
 encoder starts every lane at STATE_LOW, so a decoder that does not end every lane there, having
 read exactly its words, holds a corrupt stream.
 
+Work bound: a decode step leaves a state x' < rho (2 - rho) x, rho = f / 2^PROB_BITS for the symbol's frequency
+f, so a symbol of component j consumes at least `RansTables.min_bits[j]` = -log2(rho_max (2 - rho_max)) bits
+of state (rho_max: the largest frequency of its model); a word adds fewer than 17 bits, a lane starts below
+2^32 and ends at 2^16. A section whose lanes and words cannot hold its declared symbols is refused before
+any per-symbol array exists (`Layout`), so a small blob cannot make the decoder allocate for millions of
+symbols.
+
+Speed: `encode` and `decode` run compiled lane loops (kernels/rans_numba.py) where numba imports, and
+the numpy reference (`encode(..., reference=True)`, `decode_indices`, `fill_escapes`) otherwise; both
+write and read the same bytes.
+
 Tables (`RansTables`) come from the artifact's calibrated symbol models (kernels/ecsq.py): each
 model's integer counts are quantized to frequencies summing to 2^PROB_BITS, every symbol >= 1,
 with integer arithmetic only, so every host and device builds the same tables. A model covers
@@ -24,6 +35,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,11 +87,12 @@ class RansTables:
     radius (K,) int64; fc (sum of alphabets,) int64 packs f | cum << 16 per symbol; sym_base (K,)
     the model's first entry in fc; slot2sym (K * PROB_TOTAL,) int16, symbol of each slot;
     comp_model (kept,) int64; comp_radius / comp_sym_base / comp_slot_base (kept,) int64 by component;
-    bits (kept,) float64 each component's model entropy (for choosing the lane count).
+    bits (kept,) float64 each component's model entropy (for choosing the lane count); min_bits (kept,)
+    float64 the fewest bits of decoder state a symbol of each component consumes (see the module doc).
     """
 
     def __init__(self, models: tuple, model: np.ndarray) -> None:
-        radii, fcs, bases, slots, ent, base = [], [], [], [], [], 0
+        radii, fcs, bases, slots, ent, least, base = [], [], [], [], [], [], 0
         for m in models:
             r, f = model_frequencies(int(m.radius), m.counts)
             cum = np.concatenate([[0], np.cumsum(f)[:-1]])
@@ -89,6 +102,8 @@ class RansTables:
             slots.append(np.repeat(np.arange(f.size, dtype=np.int16), f))
             p = f / PROB_TOTAL
             ent.append(float(-(p * np.log2(p)).sum()))
+            rho = float(f.max()) / PROB_TOTAL
+            least.append(-math.log2(rho * (2.0 - rho)))
             base += f.size
         self.radius = np.asarray(radii, dtype=np.int64)
         self.fc = np.concatenate(fcs).astype(np.int64) if fcs else np.zeros(0, np.int64)
@@ -99,6 +114,7 @@ class RansTables:
         self.comp_sym_base = self.sym_base[self.comp_model]
         self.comp_slot_base = self.comp_model * PROB_TOTAL
         self.bits = np.asarray(ent, dtype=np.float64)[self.comp_model]
+        self.min_bits = np.asarray(least, dtype=np.float64)[self.comp_model]
 
     @property
     def kept(self) -> int:
@@ -140,15 +156,53 @@ def pack_section(lanes: int, states: np.ndarray, counts: np.ndarray, words: np.n
                      words.astype("<u2").tobytes()])
 
 
-def encode(q: np.ndarray, tables: RansTables, lanes: int | None = None) -> tuple[bytes, bytes]:
-    """Symbols (T, kept) int32 -> (rANS section bytes, escapes int32 bytes); numpy, vectorised across lanes."""
+@functools.cache
+def compiled() -> object | None:
+    """kernels/rans_numba (compiled lane loops), or None where numba does not import."""
+    try:
+        from kvtc.kernels import rans_numba
+    except ImportError:
+        return None
+    return rans_numba
+
+
+def warm_up() -> bool:
+    """Compile (or load from numba's disk cache) the host kernels now, so a first restore does not pay
+    for it (seconds once per host and kvtc version); -> whether the compiled path is in use."""
+    if compiled() is None:
+        return False
+    tables = RansTables((SymbolModelLike(0, np.array([3, 1])),), np.zeros(1, dtype=np.int64))
+    q = np.array([[0], [2]], dtype=np.int32)
+    section, escapes = encode(q, tables, 1)
+    return bool(np.array_equal(decode(section, escapes, 2, tables), q))
+
+
+class SymbolModelLike(NamedTuple):
+    """What RansTables reads of a symbol model (kernels/ecsq.SymbolModel has the same fields)."""
+
+    radius: int
+    counts: np.ndarray
+
+
+def encode(q: np.ndarray, tables: RansTables, lanes: int | None = None, *, reference: bool = False
+           ) -> tuple[bytes, bytes]:
+    """Symbols (T, kept) int32 -> (rANS section bytes, escapes int32 bytes); compiled lanes, or with
+    `reference` (or without numba) numpy vectorised across lanes: the same bytes."""
+    fast = None if reference else compiled()
+    if fast is not None and tables.kept and np.asarray(q).size:
+        v = np.ascontiguousarray(q, dtype=np.int32).reshape(-1, tables.kept)
+        n = v.size
+        w = choose_lanes(v.shape[0], tables) if lanes is None else lanes
+        _check_lanes(w, n)
+        states, counts = np.empty(w, dtype=np.int64), np.empty(w, dtype=np.int64)
+        words = fast.encode_steps(v.reshape(-1), tables.comp_radius, tables.fc, tables.comp_sym_base, w, states, counts)
+        return pack_section(w, states, counts, words), fast.escapes_of(v, tables.comp_radius).tobytes()
     idx, escapes = symbol_indices(q, tables)
     n, kept = idx.size, tables.kept
     w = choose_lanes(n // kept if kept else 0, tables) if lanes is None else lanes
     if n == 0:
         return pack_section(0, np.zeros(0), np.zeros(0), np.zeros(0)), escapes.tobytes()
-    if not 1 <= w <= n or math.ceil(n / w) > MAX_LANE_SYMBOLS:
-        raise ValueError(f"lanes must be in [ceil(N / {MAX_LANE_SYMBOLS}), N] for N = {n} symbols, got {w}")
+    _check_lanes(w, n)
     steps = -(-n // w)
     e = tables.fc[(idx.reshape(-1, kept) + tables.comp_sym_base).reshape(-1)]
     freq, cum = e & WORD_MASK, e >> 16
@@ -171,11 +225,19 @@ def encode(q: np.ndarray, tables: RansTables, lanes: int | None = None) -> tuple
     return pack_section(w, x, counts, words), escapes.tobytes()
 
 
+def _check_lanes(w: int, n: int) -> None:
+    if not 1 <= w <= n or math.ceil(n / w) > MAX_LANE_SYMBOLS:
+        raise ValueError(f"lanes must be in [ceil(N / {MAX_LANE_SYMBOLS}), N] for N = {n} symbols, got {w}")
+
+
 class Layout:
     """A parsed, checked rANS section: lanes, final states (W,), counts (W,), word offsets (W,),
-    words (total,) uint16 view, and the symbol geometry (N symbols, steps per lane)."""
+    words (total,) uint16 view, and the symbol geometry (N symbols, steps per lane). With `tables`, a
+    section whose lanes and words cannot hold N symbols of those tables is refused (see the module doc):
+    every decoder passes them, before it allocates anything per symbol."""
 
-    def __init__(self, section: bytes | memoryview, tokens: int, kept: int) -> None:
+    def __init__(self, section: bytes | memoryview, tokens: int, kept: int, tables: RansTables | None = None
+                 ) -> None:
         buf = memoryview(section).cast("B")
         n = tokens * kept
         if len(buf) < 4:
@@ -195,6 +257,12 @@ class Layout:
         if len(buf) != 4 + 6 * w + 2 * total:
             raise BlobError(f"rANS section holds {len(buf)} bytes, its lane table says {4 + 6 * w + 2 * total}: "
                             "it is truncated or corrupt")
+        if tables is not None and n:
+            least = tokens * float(tables.min_bits.sum())
+            if 17 * total + 16 * w < least * (1 - 1e-9):
+                raise BlobError(f"rANS section holds {total} words in {w} lanes; its {n} symbols need at least "
+                                f"{math.ceil((least - 16 * w) / 17)} under the artifact's symbol models: the blob is "
+                                "truncated or corrupt")
         if w and int(self.states.min()) < STATE_LOW:
             raise BlobError("rANS lane state below the coder's range: the blob is corrupt")
         lane_symbols = self.steps - (np.arange(w) >= n - (self.steps - 1) * w) if w else np.zeros(0, np.int64)
@@ -267,9 +335,29 @@ def decode_indices(layout: Layout, tables: RansTables) -> np.ndarray:
     return out
 
 
-def decode(section: bytes | memoryview, escapes: bytes | memoryview, tokens: int, tables: RansTables) -> np.ndarray:
-    """Inverse of encode -> symbols (tokens, kept) int32; BlobError for anything inconsistent."""
-    layout = Layout(section, tokens, tables.kept)
+def decode(section: bytes | memoryview, escapes: bytes | memoryview, tokens: int, tables: RansTables, *,
+           reference: bool = False) -> np.ndarray:
+    """Inverse of encode -> symbols (tokens, kept) int32; BlobError for anything inconsistent. Compiled
+    lanes, or with `reference` (or without numba) the numpy reference: the same symbols and verdicts."""
+    layout = Layout(section, tokens, tables.kept, tables)
     esc = check_escapes(escapes, layout.symbols)
-    idx = decode_indices(layout, tables).reshape(tokens, tables.kept)
-    return fill_escapes(idx, esc, tables)
+    fast = None if reference else compiled()
+    if fast is None:
+        idx = decode_indices(layout, tables).reshape(tokens, tables.kept)
+        return fill_escapes(idx, esc, tables)
+    out = np.empty((tokens, tables.kept), dtype=np.int32)
+    if layout.symbols:
+        status = fast.decode_steps(layout.states, layout.offsets, layout.counts, layout.words, tables.slot2sym,
+                                   tables.fc, tables.comp_slot_base, tables.comp_sym_base, out.reshape(-1))
+        if status == 1:
+            raise BlobError("rANS lane reads past its words: the stream is truncated or corrupt")
+        if status:
+            raise BlobError("rANS stream does not end where its encoder started (lane state or words left over): "
+                            "it is truncated or corrupt")
+    status = fast.fill_escapes(out, tables.comp_radius, esc, MAX_SYMBOL)
+    if status == 1:
+        raise BlobError(f"ECSQ stream names more or fewer escaped symbols than the {esc.size} the blob holds: "
+                        "it is corrupt")
+    if status:
+        raise BlobError("ECSQ escaped symbol lies inside its model's range or beyond 2^30: the blob is corrupt")
+    return out

@@ -111,7 +111,7 @@ def decode_device(section: bytes | memoryview, escapes: bytes | memoryview, toke
                   device: torch.device) -> torch.Tensor:
     """rANS section + escapes -> symbols (tokens, kept) int32 on `device` (Triton; the interpreter on CPU).
     Everything the blob declares is checked on the host before the launch; BlobError if inconsistent."""
-    layout = Layout(section, tokens, tables.kept)
+    layout = Layout(section, tokens, tables.kept, tables)
     esc_host = check_escapes(escapes, layout.symbols)
     dt = device_tables(tables, str(device))
     out = torch.empty(tokens, tables.kept, dtype=torch.int32, device=device)

@@ -1,16 +1,20 @@
-"""Interleaved rANS (kernels/rans.py, kernels/rans_triton.py): tables, bit identity of the numpy reference and
-the Triton kernels (interpreter) on odd shapes, escapes, codec blobs in both ECSQ formats, hostile sections."""
+"""Interleaved rANS (kernels/rans.py, kernels/rans_numba.py, kernels/rans_triton.py): tables, bit identity of the
+numpy reference, the compiled host path and the Triton kernels (interpreter) on odd shapes, escapes, codec blobs in
+both ECSQ formats, hostile sections, the work bound (words that cannot hold the declared symbols)."""
+import dataclasses
 import random
 import struct
+import time
+import tracemalloc
 
 import numpy as np
 import pytest
 import torch
 
-from kvtc.kernels import BlobError, KVTCCodec, read_blob
-from kvtc.kernels import rans
-from kvtc.kernels.blob import TAG_ECSQ, write_blob
-from kvtc.kernels.ecsq import SymbolModel
+from kvtc.artifacts.groups import FeatureGroup
+from kvtc.kernels import BlobError, KVTCCodec, ecsq, rans, read_blob
+from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
+from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
 from kvtc.kernels.rans_triton import decode_device, encode_device
 from helpers.synthetic import synthetic_cache, synthetic_ecsq, synthetic_spec
 
@@ -24,9 +28,13 @@ def _gaussian_model(std: float, radius: int) -> SymbolModel:
     return SymbolModel(radius, np.append(counts, 3))
 
 
+def _models() -> tuple[SymbolModel, ...]:
+    return (_gaussian_model(0.3, 2), _gaussian_model(2.0, 12), _gaussian_model(40.0, 240), SymbolModel(0, np.array([5, 1])))
+
+
 def _tables(kept: int, seed: int) -> tuple[rans.RansTables, np.ndarray]:
     rng = np.random.default_rng(seed)
-    models = (_gaussian_model(0.3, 2), _gaussian_model(2.0, 12), _gaussian_model(40.0, 240), SymbolModel(0, np.array([5, 1])))
+    models = _models()
     model = rng.integers(0, len(models), size=kept)
     return rans.RansTables(models, model), np.array([0.3, 2.0, 40.0, 0.0])[model]
 
@@ -52,8 +60,11 @@ def test_quantized_frequencies_sum_to_the_total_and_keep_every_symbol():
 def test_reference_and_triton_are_bit_identical(tokens, kept, lanes):
     tables, std = _tables(kept, tokens)
     q = _symbols(tokens, kept, tokens + kept, std)
-    section, escapes = rans.encode(q, tables, lanes)
+    section, escapes = rans.encode(q, tables, lanes, reference=True)
+    assert rans.compiled() is not None, "numba is a dependency: the compiled host path must import"
+    assert rans.encode(q, tables, lanes) == (section, escapes)
     assert encode_device(torch.from_numpy(q), tables, lanes) == (section, escapes)
+    np.testing.assert_array_equal(rans.decode(section, escapes, tokens, tables, reference=True), q)
     np.testing.assert_array_equal(rans.decode(section, escapes, tokens, tables), q)
     np.testing.assert_array_equal(decode_device(section, escapes, tokens, tables, CPU).numpy(), q)
 
@@ -96,9 +107,14 @@ def test_hostile_sections_end_in_blob_error_or_a_consistent_decode():
     for i, bad in enumerate(_mutations(section, rng)):
         for esc in (escapes, escapes[:-4] if escapes else b"\0\0\0\0"):
             try:
-                ref = rans.decode(bad, esc, 40, tables)
+                ref = rans.decode(bad, esc, 40, tables, reference=True)
             except BlobError:
                 ref = None
+            try:
+                fast = rans.decode(bad, esc, 40, tables)
+            except BlobError:
+                fast = None
+            assert (ref is None) == (fast is None) and (ref is None or (ref == fast).all())
             if i % 6 == 0:  # a share through the Triton interpreter: same verdict, same symbols
                 try:
                     dev = decode_device(bad, esc, 40, tables, CPU).numpy()
@@ -162,3 +178,59 @@ def test_codec_fuzz_with_recomputed_checksums(ecsq_codec_spec):
         except BlobError:
             errors += 1
     assert errors > 100
+
+
+def test_the_work_bound_holds_for_the_cheapest_streams():
+    """Streams of each model's likeliest symbol cost the fewest bits: the words bound must still let them through."""
+    models = (_gaussian_model(0.3, 2), _gaussian_model(0.05, 1), SymbolModel(0, np.array([1 << 20, 1])))
+    for model in ([0], [1], [2], [0, 1, 2, 2]):
+        tables = rans.RansTables(models, np.array(model))
+        q = np.zeros((20000, len(model)), dtype=np.int32)
+        for lanes in (-(-q.size // rans.MAX_LANE_SYMBOLS), 7, 1000):
+            section, escapes = rans.encode(q, tables, lanes)
+            layout = rans.Layout(section, q.shape[0], tables.kept, tables)
+            assert 17 * int(layout.counts.sum()) + 16 * lanes >= q.shape[0] * tables.min_bits.sum()
+            np.testing.assert_array_equal(rans.decode(section, escapes, q.shape[0], tables), q)
+
+
+def _lane_table(lanes: int) -> bytes:
+    """A section of `lanes` lanes, each at the encoder's initial state, and no words."""
+    return struct.pack("<I", lanes) + struct.pack(f"<{lanes}I", *[rans.STATE_LOW] * lanes) + bytes(2 * lanes)
+
+
+def test_a_small_section_declaring_many_symbols_is_refused_before_allocating():
+    """Issue 28 item 5: a 27 KB lane table with no words, declaring 131,072 tokens at the embedded model's
+    geometry (p = 5760, ~250 kept components), is refused in well under 2 s and 64 MB."""
+    tables, _ = _tables(250, 5)
+    group = EcsqGroup(FeatureGroup.span(0, 30), torch.zeros(5760), torch.zeros(5760, 250), 0.1,
+                      tables.comp_model, torch.zeros(250, 1), _models())
+    section = _lane_table(4500)
+    assert 26_000 < len(section) < 28_000
+    words = struct.pack("<i", ecsq.STREAM_FORMAT << 16) + section
+    for decode in (lambda: ecsq.decode_group(words, b"", 131072, group, "rans"),
+                   lambda: decode_device(section, b"", 131072, rans.group_tables(group), CPU)):
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        with pytest.raises(BlobError, match="words"):
+            decode()
+        elapsed = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert elapsed < 1.0 and peak < 16 << 20, (elapsed, peak)
+
+
+def test_codec_refuses_a_blob_whose_words_cannot_hold_its_tokens(ecsq_codec_spec):
+    spec = dataclasses.replace(ecsq_codec_spec, sinks=0, window=0)
+    codec = KVTCCodec(spec, mode="ecsq", rate_control=False)
+    keys, values = synthetic_cache(spec, 8, torch.float32)
+    header, sections = read_blob(codec.encode(keys, values))
+    big = dataclasses.replace(header, tokens=131072)
+    fake = []
+    for s in sections:
+        raw = struct.pack("<i", ecsq.STREAM_FORMAT << 16) + _lane_table(600) if s.key.tag == TAG_ECSQ else b""
+        assert s.key.tag in (TAG_ECSQ, TAG_ESCAPES)
+        fake.append(Section(s.key, 0, len(raw), raw))
+    t0 = time.perf_counter()
+    with pytest.raises(BlobError, match="words"):
+        codec.decode(write_blob(big, fake))
+    assert time.perf_counter() - t0 < 1.0
