@@ -18,7 +18,7 @@ from pathlib import Path
 CODEC = frozenset({
     "__init__.py", "spec.py", "codec.py", "blob.py", "layered.py", "layout.py", "layers.py", "coefficients.py",
     "backend.py", "bitpack.py", "quantize.py", "dequantize.py", "reference.py", "rope.py", "rope_center.py",
-    "entropy.py", "ecsq.py", "rans.py", "rans_triton.py", "chunk_serde.py",
+    "entropy.py", "ecsq.py", "rans.py", "rans_numba.py", "rans_triton.py", "chunk_serde.py",
 })
 INTEGRATIONS = frozenset({
     "kvtc_cache.py",  # the transformers cache class

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
 
 from kvtc.kernels import BlobError, KVTCCodec, ecsq, rans, read_blob  # noqa: E402
 from kvtc.kernels.backend import resolve_ops  # noqa: E402
@@ -60,14 +61,14 @@ def chunk_of_model(corpus: str, tokens: int) -> torch.Tensor:
 
 def synthetic_chunk_spec(ratio: float):
     """A synthetic rope-kept ECSQ spec at the embedded model's geometry (30 layers, 3 KV heads, head_dim 64)."""
-    from kvtc.kernels.synthetic import synthetic_ecsq, synthetic_spec
+    from helpers.synthetic import synthetic_ecsq, synthetic_spec
 
     return synthetic_ecsq(synthetic_spec(30, 3, 64, ratio, sinks=0, window=0, rope_theta=None))
 
 
 def synthetic_chunk(tokens: int) -> torch.Tensor:
     """(2, 30, tokens, 192) bf16 drawn from synthetic_chunk_spec's bases."""
-    from kvtc.kernels.synthetic import synthetic_cache
+    from helpers.synthetic import synthetic_cache
 
     keys, values = synthetic_cache(synthetic_chunk_spec(16.0), tokens, torch.bfloat16)
     L, H, T, D = keys.shape
