@@ -92,16 +92,6 @@ def _tokens_curve_body(root: str, model_id: str, capture_key: str, threads: int,
         return json.dumps(curve_from_store(ShardStore(root, model_id, capture_key), **curve_args))
 
 
-def _get(ref):
-    """A task's value, or its error raised again here (a one-line error for the CLI)."""
-    import ray
-
-    out = ray.get(ref)
-    if "error" in out:
-        raise _error(out["error"])
-    return out["ok"]
-
-
 def _node_memory() -> int:
     import ray
 
@@ -161,9 +151,12 @@ def _on_ray(tasks, rows, store, placement, memory, tokens_curve, bar) -> tuple[l
             else:
                 names[i] = out["ok"]
             bar.update(1)
+        curve = ray.get(curve_ref) if curve_ref is not None else {"ok": "[]"}
+        if "error" in curve:
+            errors.append(curve["error"])
         if errors:  # tasks sharing a corrupt accumulator: one moved it aside, the others found it missing
             raise _error(next((e for e in errors if e["kind"] == "CorruptStats"), errors[0]))
-        by_tokens = json.loads(_get(curve_ref)) if curve_ref is not None else []
+        by_tokens = json.loads(curve["ok"])
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
