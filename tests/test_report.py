@@ -115,3 +115,43 @@ def test_pca_error_by_position_is_below_the_quantized_error():
     assert {(r["lo"], r["ratio"]) for r in rows} == set(quantized)
     for r in rows:
         assert 0 <= r["rel_error"] <= quantized[(r["lo"], r["ratio"])] + 1e-6
+
+
+def test_group_task_reruns_the_published_group_and_survives_the_store(calibrated):
+    """One stream and group's reduce unit, rerun from the store on one thread, gives the published
+    basis and allocations; its result read back from the store (arrays + JSON, no pickle) equals it."""
+    import numpy as np
+
+    from kvtc.pipeline.job.group_task import GroupResult, GroupTask, run_group
+
+    summary, ctx, art = calibrated
+    cal, corpus = art.manifest["calibration"], art.manifest["corpus"]
+    held = load_rows(ctx["store"], corpus["heldout_shards"], 1024)
+    evals = load_rows(ctx["store"], corpus["eval_shards"], 1024)
+    p = art.basis("values")[0].shape[0]
+    task = GroupTask(0, "values", 0, p, tuple(corpus["accumulators"]), (4.0, 8.0), cal["allocator"], cal["sinks"],
+                     cal["window"], threads=1)
+    result = run_group(task, ctx["store"], held.group("values", slice(0, p), evals, cal["sinks"], cal["window"]))
+    mean, eigenvalues, components = art.basis("values")
+    np.testing.assert_allclose(result.basis[0], mean, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.abs(result.basis[2]), np.abs(components), rtol=0, atol=1e-4)
+    assert [s.method for s in result.solves] and result.fit_s > 0 and result.measure.seconds > 0
+    for ratio in (4.0, 8.0):
+        assert [tuple(b[:4]) for b in result.allocations[(ratio, "values", 0)]["blocks"]] == \
+               [tuple(b) for b in art.allocation(ratio, "values")]
+    ctx["store"].put_basis("result-test", *result.arrays_and_meta())
+    back = GroupResult.from_stored(*ctx["store"].get_basis("result-test"))
+    ctx["store"].drop_basis("result-test")
+    assert back.allocations == result.allocations and back.notes == result.notes and back.solves == result.solves
+    assert back.measure.metrics == result.measure.metrics and back.measure.curves == result.measure.curves
+    assert back.measure.partials == result.measure.partials and back.measure.ecsq_partials == result.measure.ecsq_partials
+    for a, b in zip(back.basis, result.basis):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    for key, table in result.ecsq.items():
+        other = back.ecsq[key]
+        assert {k: v for k, v in other.items() if not isinstance(v, (np.ndarray, list))} == \
+               {k: v for k, v in table.items() if not isinstance(v, (np.ndarray, list))}
+        assert all(np.array_equal(other[k], table[k]) for k in ("scales", "model", "offsets"))
+        assert [(r, c.tolist()) for r, c in other["models"]] == [(r, c.tolist()) for r, c in table["models"]]
+    with pytest.raises(ValueError, match="bad stream"):
+        GroupTask(0, "queries", 0, p, ("a",), (4.0,), {}, 4, 16, threads=1)

@@ -11,6 +11,7 @@ curve (a refold of the accumulators) is one more task, run beside the groups.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -24,7 +25,6 @@ from kvtc.pipeline.fit.pca import cpu_threads
 from kvtc.pipeline.job.error_by_tokens import curve_from_store
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask, run_group
 from kvtc.pipeline.job.store import ShardStore
-from kvtc.workers.stats_file import CorruptStats
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,31 @@ def _object_name(kind: str, task: GroupTask) -> str:
     return f"{kind}-{task.stream}-g{task.group}-{hashlib.sha256(key).hexdigest()[:16]}"
 
 
-def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict) -> dict:
+def _reported(body):
+    """A task body whose failure comes back as plain values {"error": {kind, message}} (exceptions would
+    cross Ray pickled, and some do not unpickle): the driver raises it again (`_raise`)."""
+
+    @functools.wraps(body)
+    def run(*args):
+        try:
+            return {"ok": body(*args)}
+        except Exception as exc:
+            return {"error": {"kind": type(exc).__name__, "message": str(exc)}}
+
+    return run
+
+
+_KINDS = {"CorruptStats": ValueError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
+          "MemoryError": MemoryError, "PermissionError": PermissionError}
+
+
+def _error(err: dict) -> Exception:
+    kind, message = err["kind"], err["message"]
+    return _KINDS[kind](message) if kind in _KINDS else RuntimeError(f"reduce task failed: {kind}: {message}")
+
+
+@_reported
+def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict) -> str:
     """Body of a Ray task: read the group's rows, run it, store the result; returns the result's name."""
     import torch
 
@@ -58,26 +82,14 @@ def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict
     result = run_group(task, store, GroupRows.from_arrays(arrays, meta["seq_len"]))
     name = _object_name("result", task)
     store.put_basis(name, *result.arrays_and_meta())
-    return {"name": name}
+    return name
 
 
+@_reported
 def _tokens_curve_body(root: str, model_id: str, capture_key: str, threads: int, curve_args: dict) -> str:
     """Body of the error-by-tokens task: the curve rows as JSON."""
     with cpu_threads(threads):
         return json.dumps(curve_from_store(ShardStore(root, model_id, capture_key), **curve_args))
-
-
-def _get(ref):
-    """ray.get, raising a failed task's own exception (a one-line error for the CLI), not Ray's wrapper."""
-    import ray
-
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, Exception):
-            raise cause from None
-        raise
 
 
 def _node_memory() -> int:
@@ -133,14 +145,18 @@ def _on_ray(tasks, rows, store, placement, memory, tokens_curve, bar) -> tuple[l
                 break
             done, _ = ray.wait(list(pending), num_returns=1)
             i = pending.pop(done[0])
-            try:
-                names[i] = _get(done[0])["name"]
-            except Exception as exc:  # let the running tasks end: one may name the cause (a corrupt object)
-                errors.append(exc)
+            out = ray.get(done[0])
+            if "error" in out:  # let the running tasks end: one may name the cause (a corrupt object)
+                errors.append(out["error"])
+            else:
+                names[i] = out["ok"]
             bar.update(1)
+        curve = ray.get(curve_ref) if curve_ref is not None else {"ok": "[]"}
+        if "error" in curve:
+            errors.append(curve["error"])
         if errors:  # tasks sharing a corrupt accumulator: one moved it aside, the others found it missing
-            raise next((e for e in errors if isinstance(e, CorruptStats)), errors[0])
-        by_tokens = json.loads(_get(curve_ref)) if curve_ref is not None else []
+            raise _error(next((e for e in errors if e["kind"] == "CorruptStats"), errors[0]))
+        by_tokens = json.loads(curve["ok"])
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
