@@ -12,6 +12,8 @@
 5. The codec's device path (bench/gpu_rans.py): rANS bit identity against the numpy reference,
    rANS decode/encode GB/s and the restore of a 32K-token cache of an 8B geometry against the
    fixed-rate mode.
+3b. The reduce's unit of work (`group_task.run_group`: solve -> fit -> measure) with its solve on
+   CUDA against the same unit on the CPU, on a tiny in-process calibration (held-out errors agree).
 6. Multi-GPU workers (two or more GPUs, else skipped with a message): a model spread over every
    visible GPU (`load_model(..., gpu_budgets=)`) captures the same KV rows as on one GPU; the
    memory plan's GPUs per worker for Llama-3.1-8B and 70B at this GPU's memory.
@@ -124,6 +126,42 @@ def check_reducer() -> bool:
     return ev < 1e-8 and overlap > 0.999
 
 
+def check_reduce_task() -> bool:
+    """One stream and group's reduce unit (solve -> fit -> measure) with its solve on CUDA, against the
+    same unit on the CPU, on a tiny in-process calibration: held-out errors of both modes agree."""
+    import tempfile
+
+    from kvtc.pipeline.job.calibrate import calibrate_local
+    from kvtc.pipeline.job.group_task import GroupTask, run_group
+    from kvtc.pipeline.job.heldout_store import load_rows
+    from kvtc.pipeline.settings import JobSettings
+
+    with tempfile.TemporaryDirectory() as root:
+        cfg = JobSettings.of(model="tiny:llama@8x8x128", corpus="pydoc", eval_corpus=None, seq_len=256, window=32,
+                             tokens=8192, seqs_per_shard=4, ratios=(8.0, 16.0), registry=f"{root}/reg",
+                             store=f"{root}/store", name="gpu-reduce", tokens_curve_points=0)
+        summary, ctx = calibrate_local(cfg)
+        from kvtc import artifacts
+
+        art = artifacts.pull("gpu-reduce@latest", registry=summary["registry"])
+        cal, corpus = art.manifest["calibration"], art.manifest["corpus"]
+        held = load_rows(ctx["store"], corpus["heldout_shards"], 8192)
+        p = art.basis("keys")[0].shape[0]
+        rows = held.group("keys", slice(0, p), None, cal["sinks"], cal["window"])
+        out = {}
+        for device in ("cpu", "cuda"):
+            task = GroupTask(0, "keys", 0, p, tuple(corpus["accumulators"]), (8.0, 16.0), cal["allocator"], cal["sinks"],
+                             cal["window"], threads=1, device=device)
+            t0 = time.perf_counter()
+            r = run_group(task, ctx["store"], rows)
+            errs = {m["ratio"]: m["value"] for m in r.measure.metrics
+                    if m["split"] == "heldout" and m["metric"] == "ecsq_rel_error"}
+            out[device] = errs
+            print(f"reduce task on {device}: {time.perf_counter() - t0:.1f} s (solve {r.solve_s:.1f} s), p={p}, "
+                  f"ECSQ held-out errors {errs}")
+    return all(abs(out["cuda"][r] - out["cpu"][r]) <= 0.02 * out["cpu"][r] for r in out["cpu"])
+
+
 def check_multi_gpu() -> bool:
     n = torch.cuda.device_count()
     if n < 2:
@@ -164,7 +202,7 @@ def main() -> int:
         print("no CUDA device torch can see; nothing to check")
         return 2
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
-    ok = check_kernels() & check_capture() & check_reducer()
+    ok = check_kernels() & check_capture() & check_reducer() & check_reduce_task()
     import gpu_rans
 
     ok &= gpu_rans.check_identity() & gpu_rans.check_geometry(32768, 4096)
