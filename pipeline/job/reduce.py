@@ -29,7 +29,7 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-from kvtc.kernels.layers import layers_of, layers_to_json
+from kvtc.kernels.layers import layers_of, layers_to_json, stream_dims
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import basis_size, rate_distortion, report
 from kvtc.pipeline.fit import ecsq as ecsq_fit
@@ -254,7 +254,8 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
 
     kv_heads, head_dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
     groups = cap.group_layers(layers_of(fingerprint), kv_heads)
-    columns = group_columns(groups, kv_heads, head_dim)
+    dims = stream_dims(fingerprint)  # MLA: the streams (latent, rope key) differ in width
+    columns_of = {stream: group_columns(groups, *dims[stream]) for stream in STREAMS}
     # error against calibration tokens (chart 1): prefixes of the accumulators, in order
     curve_ratio = red.curve_ratio
     p_total = sum(g.dim(kv_heads, head_dim) for g in groups)
@@ -276,8 +277,9 @@ def reduce_and_publish(*, cfg: JobSettings, fingerprint: dict, store: ShardStore
     bar = tqdm(total=len(STREAMS) * len(groups), unit="group", desc="reduce", dynamic_ncols=True, disable=None,
                file=sys.stderr)
     for stream in STREAMS:
+        columns = columns_of[stream]
         for g, group in enumerate(groups):
-            p = group.dim(kv_heads, head_dim)
+            p = group.dim(*dims[stream])
             bound = max_components(p, red.ratios, alloc)
             method, k = choose_solver(p, bound, on_cluster_gpu, _free_bytes())
             while True:  # a subspace the allocation fills is followed by an exact solve (or a wider one)
