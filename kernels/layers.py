@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from kvtc.artifacts.groups import stream_dims  # noqa: F401  (re-exported: the runtime's name)
 from kvtc.kernels.rope import RopeSpec
 
 KINDS = ("full", "sliding", "chunked", "none", "mla")
@@ -132,13 +133,6 @@ def layers_of(fingerprint: dict[str, Any]) -> tuple[LayerSpec, ...]:
 def is_mla(layers: Sequence[LayerSpec] | None) -> bool:
     """True when the coded layers are multi-head latent attention (a schema never mixes them with other kinds)."""
     return bool(layers) and any(l.kind == "mla" for l in layers)
-
-
-def stream_dims(fingerprint: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """A manifest's model section -> {stream: (heads, head width)}: keys and values share kv_heads x head_dim
-    except in an MLA model (latent kv_lora_rank in the keys slot, rope key `value_dim` in the values slot)."""
-    heads, dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
-    return {"keys": (heads, dim), "values": (heads, int(fingerprint.get("value_dim") or dim))}
 
 
 def check_codable(layers: Sequence[LayerSpec], model_type: str = "?") -> None:
