@@ -115,9 +115,10 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
     from kvtc.kernels import KVTCCodec
     from kvtc.pipeline.evaluation import baselines as bl
 
+    p = bl.features(keys, values)
     yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
-                                                  4 * keys[:, :, 0].numel() * bl.split(keys.shape[2], sinks, window)[1],
-                                                  bl.split(keys.shape[2], sinks, window)[1], keys[:, :, 0].numel())
+                                                  4 * p * bl.split(keys.shape[2], sinks, window)[1],
+                                                  bl.split(keys.shape[2], sinks, window)[1], p)
     for r in settings.ratios:
         yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r, mode=settings.mode), keys, values)
     if "pca_uniform" in settings.baselines:
