@@ -204,13 +204,15 @@ class KVTCCodec:
             if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != layers \
                     or x.shape[1] != s.kv_heads or x.shape[3] != s.dim(name):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                what = f"{name} ({'latent' if name == 'keys' else 'rope key'}) " if s.value_dim is not None else f"{name} "
-                raise ValueError(f"{what}must be shaped (layers, kv_heads, tokens, width) = {want} for artifact "
+                if s.value_dim is None:
+                    raise ValueError(f"{name} must be shaped (layers, kv_heads, tokens, head_dim) = {want}, got {got}")
+                what = "latent" if name == "keys" else "rope key"
+                raise ValueError(f"{name} ({what}) must be shaped (layers, kv_heads, tokens, width) = {want} for artifact "
                                  f"{s.name}@{s.version} ({s.widths}), got {got}: every layer's width must match")
             if x.dtype not in _CACHE_DTYPES:
                 raise ValueError(f"{name} dtype {x.dtype} is not supported; use float16, bfloat16, float32 or float8_e4m3fn")
         if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype or keys.device != values.device:
-            raise ValueError("keys and values must hold the same layers, heads and tokens, in one dtype on one device")
+            raise ValueError("keys and values must have the same shape (but for an MLA cache's widths), dtype and device")
         if not 0 <= start < _MAX_START or keys.shape[2] >= _MAX_TOKENS:
             raise ValueError(f"start must be >= 0 and tokens < 2^31; got start={start}, tokens={keys.shape[2]}")
 

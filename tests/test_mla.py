@@ -126,6 +126,30 @@ def test_fp8_latent_cache_in_and_out_and_widths_checked_before_decoding():
         KVTCCache(codec, config=tiny_config("llama"))
 
 
+def test_triton_kernels_and_cache_coder_code_the_rope_key_like_the_torch_codec():
+    """The fused kernels (interpreter on CPU) remove and restore RoPE on the values slot of an MLA cache, and
+    KVTCCache's coefficient coder decodes each layer's latent and RoPE key as the blob codec does."""
+    from kvtc.kernels.coefficients import CoefficientCoder
+
+    lm = load_model("tiny:deepseek_v3", device="cpu")
+    spec = _near_lossless(lm)
+    cache = DynamicCache(config=lm.model.config)
+    with torch.no_grad():
+        lm.model(_ids(21, seed=4), past_key_values=cache, use_cache=True)
+    latent, rope = (x[:, :, 5:] for x in cache_tensors(cache))  # 16 tokens from position 5
+    want_k, want_v = KVTCCodec(spec, backend="torch").decode(KVTCCodec(spec, backend="torch").encode(latent, rope, start=5))
+    got_k, got_v = KVTCCodec(spec, backend="triton").decode(KVTCCodec(spec, backend="triton").encode(latent, rope, start=5))
+    torch.testing.assert_close(got_k, want_k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_v, want_v, rtol=1e-4, atol=1e-4)
+    assert float((want_v - rope).norm() / rope.norm()) < 2e-2
+    coder = CoefficientCoder(spec, "triton")
+    coded = coder.encode(latent[:, None, :, 2:13], rope[:, None, :, 2:13], 7)  # the codec's coded middle
+    for layer in range(3):
+        for stream, want in (("keys", want_k), ("values", want_v)):
+            got = coder.decode_layer(coded, coder.coefficients(coded, stream, layer), stream, layer, torch.float32)
+            torch.testing.assert_close(got[0], want[layer][:, 2:13], rtol=1e-3, atol=1e-3)
+
+
 def _geometry(text: str):
     from kvtc.workers.tiny import Geometry
 

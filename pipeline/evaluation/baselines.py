@@ -75,7 +75,7 @@ def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float]:
 def _check(keys: torch.Tensor, values: torch.Tensor) -> None:
     """Same layers, heads and tokens; the head widths may differ (an MLA cache: latent and RoPE key)."""
     if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
-        raise ValueError(f"keys and values must both be (layers, kv_heads, tokens, width); got "
+        raise ValueError(f"keys and values must both be (layers, kv_heads, tokens, head_dim), head_dim per stream; got "
                          f"{tuple(keys.shape)} and {tuple(values.shape)}")
 
 
