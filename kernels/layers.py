@@ -19,8 +19,6 @@ from kvtc.kernels.rope import RopeSpec
 
 KINDS = ("full", "sliding", "chunked", "none", "mla")
 CACHED_KINDS = ("full", "sliding", "chunked", "mla")
-STREAM_NAMES = {"keys": "keys", "values": "values"}
-MLA_STREAM_NAMES = {"keys": "latent", "values": "rope"}  # what each cache slot holds in an "mla" layer
 
 
 @dataclass(frozen=True)
@@ -134,13 +132,3 @@ def is_mla(layers: Sequence[LayerSpec] | None) -> bool:
     """True when the coded layers are multi-head latent attention (a schema never mixes them with other kinds)."""
     return bool(layers) and any(l.kind == "mla" for l in layers)
 
-
-def check_codable(layers: Sequence[LayerSpec], model_type: str = "?") -> None:
-    """ValueError when MLA layers are mixed with other cached kinds (their caches hold different things),
-    naming the first offending layer."""
-    if not is_mla(layers):
-        return
-    for i, l in enumerate(layers):
-        if l.cached and l.kind != "mla":
-            raise ValueError(f"layer {i} of {model_type!r} is {l.kind} attention in a model of multi-head latent "
-                             "attention layers: the service codes a model whose cached layers are all MLA or none")

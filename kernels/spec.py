@@ -17,7 +17,7 @@ import torch
 from kvtc.artifacts.blocks import Block, qtype_bits
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.artifacts.groups import FeatureGroup, check_cover, parse_groups
-from kvtc.kernels.layers import LayerSpec, cached_layers, layers_from_json
+from kvtc.kernels.layers import LayerSpec, cached_layers, is_mla, layers_from_json
 from kvtc.kernels.rope import RopeSpec
 from kvtc.artifacts.schema import STREAMS
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
@@ -133,7 +133,7 @@ class CodecSpec:
     @property
     def rope_stream(self) -> str:
         """The stream whose RoPE is removed before coding: "keys", or "values" (the RoPE key) for MLA."""
-        return "values" if self.layers is not None and any(l.kind == "mla" for l in self.layers) else "keys"
+        return "values" if is_mla(self.layers) else "keys"
 
     @property
     def widths(self) -> str:

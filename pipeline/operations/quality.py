@@ -147,13 +147,13 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
 
     from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.evaluation import baselines as bl
-    from kvtc.kernels.layers import cached_layers, is_uniform
+    from kvtc.kernels.layers import cached_layers, is_mla, is_uniform
     from kvtc.workers.capture import raw_cache
 
     from kvtc.workers import mla
 
     record = CalibrationRecord.from_manifest(artifact.manifest)
-    projections = mla.up_projections(lm.model, lm.layers) if any(l.kind == "mla" for l in lm.layers) else None
+    projections = mla.up_projections(lm.model, lm.layers) if is_mla(lm.layers) else None
     sinks, window = record.sinks, record.window
     tallies: dict[str, _Tally] = {}
     count = 0
