@@ -147,3 +147,11 @@ def group_columns(groups: Sequence[FeatureGroup], kv_heads: int, head_dim: int) 
     """Per group, its columns in a token's (coded layer, KV head, head_dim) feature vector (see layer_slots)."""
     slots = layer_slots(groups)
     return [g.columns(kv_heads, head_dim, slots) for g in groups]
+
+
+def stream_dims(fingerprint: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """A manifest's model section -> {stream: (heads, head width)}: keys and values share kv_heads x head_dim
+    except in a multi-head latent attention model (latent kv_lora_rank in the keys slot, RoPE key of
+    `value_dim` in the values slot)."""
+    heads, dim = int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])
+    return {"keys": (heads, dim), "values": (heads, int(fingerprint.get("value_dim") or dim))}

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtc.artifacts.blocks import normalize_block
 from kvtc.artifacts.ecsq_tables import check_table
-from kvtc.artifacts.groups import FeatureGroup, parse_groups
+from kvtc.artifacts.groups import FeatureGroup, parse_groups, stream_dims
 
 SCHEMA_VERSION = 1
 STREAMS = ("keys", "values")
@@ -115,9 +115,9 @@ class ArtifactContent:
         """The calibration's groups (layers x KV heads), one per basis; old manifests' [a, b) ranges load too."""
         return parse_groups(self.calibration["groups"])
 
-    def group_dim(self, group: int) -> int:
-        """p of a group: layers x its KV heads x head_dim."""
-        return self.group_layers()[group].dim(int(self.model["num_kv_heads"]), int(self.model["head_dim"]))
+    def group_dim(self, group: int, stream: str = "keys") -> int:
+        """p of a group in `stream`: layers x its KV heads x the stream's head width (see groups.stream_dims)."""
+        return self.group_layers()[group].dim(*stream_dims(self.model)[stream])
 
     def _check_bases(self) -> None:
         groups = self.group_layers()
@@ -128,7 +128,7 @@ class ArtifactContent:
             if stream not in STREAMS or not (0 <= int(group) < len(groups)):
                 raise ValueError(f"basis key {key!r}: stream must be one of {STREAMS}, group in [0, {len(groups)})")
             mean, eig, comp = (np.asarray(a) for a in arrays)
-            p = self.group_dim(int(group))
+            p = self.group_dim(int(group), stream)
             if mean.shape != (p,) or comp.ndim != 2 or comp.shape[0] != p or eig.shape != (comp.shape[1],):
                 raise ValueError(f"basis {key!r}: expected mean ({p},), eigenvalues (k,), components ({p}, k); "
                                  f"got {mean.shape}, {eig.shape}, {comp.shape}")

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 1
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")  # fp8: latent caches as servers store them
 TAG_RAW_HEAD, TAG_RAW_TAIL, TAG_PARAMS, TAG_CODES = 1, 2, 3, 4
 TAG_ECSQ, TAG_ESCAPES = 5, 6  # ECSQ mode: per (stream, group) the ANS words, then the escaped symbols
 TAG_LAYOUT, TAG_SEGMENT = 7, 8  # per-layer container: layer token counts, then one inner blob per segment

@@ -89,6 +89,10 @@ class ChunkTransform:
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
                  pad: bool = True) -> None:
         spec = codec.spec
+        if spec.value_dim is not None:
+            raise ValueError(f"artifact {spec.name}@{spec.version} is for a multi-head latent attention model "
+                             f"({spec.widths}): servers move its cache as one latent plane per token (kv_size 1), "
+                             "which the chunk serde does not code; use KVTCCodec or KVTCCache for MLA caches")
         if spec.rope is not None:
             raise ValueError(f"artifact {spec.name}@{spec.version} codes keys with RoPE removed, which needs each "
                              "token's position; a storage layer hands the serde chunks by content hash, without "

@@ -8,6 +8,11 @@ with RoPE), layers = the layers that keep a KV cache. A cache whose layers hold 
 Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
 is RoPE-removed (keys), centred, projected on each group's kept components, quantized per block,
 packed and entropy-coded. Decode reverses it and re-applies RoPE at the original positions.
+
+A multi-head latent attention model's cache (spec.value_dim set) is passed as the model caches it: the
+latent c_KV (layers, 1, tokens, kv_lora_rank) as `keys`, the RoPE key (layers, 1, tokens, qk_rope_head_dim)
+as `values`; the RoPE comes off the values (spec.rope_stream). Caches may also be float8_e4m3fn (what
+servers store): coded from their exact bfloat16 values, decoded back to float8_e4m3fn.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from kvtc.kernels.layered import decode_layered, encode_layered, layer_counts, r
 from kvtc.kernels.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_FP8 = {torch.float8_e4m3fn: "float8_e4m3fn"}  # cache dtypes coded through their exact bfloat16 values
+_CACHE_DTYPES = {**_DTYPES, **_FP8}
 _MAX_TOKENS = 1 << 31
 _MAX_START = 1 << 62
 DEFAULT_MAX_TOKENS = 1 << 17  # 131072: decode refuses longer blobs unless the caller raises the limit
@@ -146,8 +153,8 @@ class KVTCCodec:
         key = (stream, str(device), mode, str(dtype))
         if key not in self._on_device:
             groups = self.spec.streams[stream]
-            cols = self._columns(device)
-            mean = torch.empty(self.spec.features, dtype=torch.float32, device=device)
+            cols = self._columns(device, stream)
+            mean = torch.empty(self.spec.stream_features(stream), dtype=torch.float32, device=device)
             for c, g in zip(cols, groups):
                 mean[c] = g.mean.to(device)
             codes = self.spec.ecsq[stream] if mode == "ecsq" else groups
@@ -156,11 +163,11 @@ class KVTCCodec:
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
 
-    def _columns(self, device: torch.device) -> list[slice | torch.Tensor]:
-        """Each group's columns in a token's (layer, KV head, head_dim) features: a slice, or an index tensor."""
+    def _columns(self, device: torch.device, stream: str = "keys") -> list[slice | torch.Tensor]:
+        """Each group's columns in a token's (layer, KV head, head_dim) features of `stream`: a slice, or an index tensor."""
         s = self.spec
         return [c if isinstance(c, slice) else torch.as_tensor(c, device=device)
-                for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.head_dim)]
+                for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.dim(stream))]
 
     def basis_bytes(self) -> int:
         """Bytes of means and components this codec holds on its devices (the runtime's basis memory)."""
@@ -179,7 +186,7 @@ class KVTCCodec:
         return head, tokens - head - tail, tail
 
     def _cos_sin(self, stream: str, positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
-        if stream != "keys" or self.rope is None:
+        if stream != self.spec.rope_stream or self.rope is None:
             return None, None, "half"
         cos, sin = self.rope.cos_sin(positions)
         return cos.contiguous(), sin.contiguous(), self.rope.layout
@@ -192,16 +199,20 @@ class KVTCCodec:
     def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         s = self.spec
         layers = len(s.coded_layers)
-        want = (layers, s.kv_heads, "tokens", s.head_dim)
         for name, x in (("keys", keys), ("values", values)):
+            want = (layers, s.kv_heads, "tokens", s.dim(name))
             if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[0] != layers \
-                    or x.shape[1] != s.kv_heads or x.shape[3] != s.head_dim:
+                    or x.shape[1] != s.kv_heads or x.shape[3] != s.dim(name):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"{name} must be shaped (layers, kv_heads, tokens, head_dim) = {want}, got {got}")
-            if x.dtype not in _DTYPES:
-                raise ValueError(f"{name} dtype {x.dtype} is not supported; use float16, bfloat16 or float32")
-        if keys.shape != values.shape or keys.dtype != values.dtype or keys.device != values.device:
-            raise ValueError("keys and values must have the same shape, dtype and device")
+                if s.value_dim is None:
+                    raise ValueError(f"{name} must be shaped (layers, kv_heads, tokens, head_dim) = {want}, got {got}")
+                what = "latent" if name == "keys" else "rope key"
+                raise ValueError(f"{name} ({what}) must be shaped (layers, kv_heads, tokens, width) = {want} for artifact "
+                                 f"{s.name}@{s.version} ({s.widths}), got {got}: every layer's width must match")
+            if x.dtype not in _CACHE_DTYPES:
+                raise ValueError(f"{name} dtype {x.dtype} is not supported; use float16, bfloat16, float32 or float8_e4m3fn")
+        if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype or keys.device != values.device:
+            raise ValueError("keys and values must have the same shape (but for an MLA cache's widths), dtype and device")
         if not 0 <= start < _MAX_START or keys.shape[2] >= _MAX_TOKENS:
             raise ValueError(f"start must be >= 0 and tokens < 2^31; got start={start}, tokens={keys.shape[2]}")
 
@@ -216,7 +227,7 @@ class KVTCCodec:
         return self._subs[layers]
 
     def _remove_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(L, H, n, D) keys of the coded layers -> float32, each layer's own RoPE removed."""
+        """(L, H, n, D) rope stream of the coded layers -> float32, each layer's own RoPE removed."""
         ropes = [self.spec.layer_ropes[i] for i in self.spec.coded_layers]
         return torch.stack([x[j].float() if r is None else r.remove(x[j].float(), positions) for j, r in enumerate(ropes)])
 
@@ -234,10 +245,14 @@ class KVTCCodec:
             counts = layer_counts(self.spec, keys, values)
             first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
             longest = max(n for n in counts if n != NO_CACHE)
-            if first.dtype not in _DTYPES or not 0 <= start < _MAX_START or longest >= _MAX_TOKENS:
-                raise ValueError("per-layer cache: dtype must be float16, bfloat16 or float32, start >= 0, tokens < 2^31")
-            return encode_layered(self.spec, self._sub, keys, values, start, _DTYPES[first.dtype], self.mode)
+            if first.dtype not in _CACHE_DTYPES or not 0 <= start < _MAX_START or longest >= _MAX_TOKENS:
+                raise ValueError("per-layer cache: dtype must be float16, bfloat16, float32 or float8_e4m3fn, start >= 0, "
+                                 "tokens < 2^31")
+            return encode_layered(self.spec, self._sub, keys, values, start, _CACHE_DTYPES[first.dtype], self.mode)
         self._check_cache(keys, values, start)
+        cache_dtype = keys.dtype
+        if cache_dtype in _FP8:  # every float8_e4m3fn value is exact in bfloat16
+            keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
         ops = resolve_ops(self.backend, dev)
@@ -245,7 +260,7 @@ class KVTCCodec:
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
             if hi > lo:
                 for si, x in enumerate((keys, values)):
-                    sections.append(self._section(SectionKey(tag, si, 0, 0), tensor_bytes(x[:, :, lo:hi]), dev))
+                    sections.append(self._section(SectionKey(tag, si, 0, 0), tensor_bytes(x[:, :, lo:hi].to(cache_dtype)), dev))
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
@@ -254,7 +269,7 @@ class KVTCCodec:
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
                     xm = x[:, :, head:head + mid]
-                    if stream == "keys" and self._per_layer_rope:
+                    if stream == self.spec.rope_stream and self._per_layer_rope:
                         xm = self._remove_rope(xm, positions)
                     feat = ops.rope_center(xm, cos, sin, mean, layout)
                 if self.mode == "ecsq":
@@ -271,7 +286,7 @@ class KVTCCodec:
                             sections.append(self._section(SectionKey(TAG_PARAMS, si, gi, bi), c[0], dev))
                             sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
         s = self.spec
-        header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPES[keys.dtype], L, H, T, D, start,
+        header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
                             s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format)
         return write_blob(header, sections)
 
@@ -320,10 +335,11 @@ class KVTCCodec:
         are common to every mode; the coded middle's sections come from the mode's bound function
         (`_MODE_BOUNDS`; a new mode adds its own there). `sections`: the blob's table, for a mode whose
         bound on one section depends on another's stored length."""
-        L, H, D, T = header.layers, header.kv_heads, header.head_dim, header.tokens
+        L, H, T = header.layers, header.kv_heads, header.tokens
+        widths = (header.head_dim, self.spec.dim("values") if self.spec.value_dim is not None else header.head_dim)
         item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
         head, mid, tail = self.split(T, header.start)
-        out = [SectionBound(SectionKey(tag, si, 0, 0), L * H * n * D * item)
+        out = [SectionBound(SectionKey(tag, si, 0, 0), L * H * n * widths[si] * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
         if mid:
             out += _MODE_BOUNDS[header.mode](self, mid, {s.key: s for s in sections or ()}, header)
@@ -400,17 +416,21 @@ class KVTCCodec:
         bounds = self.section_bounds(header, sections)
         with self._stage("entropy_decode", dev):
             data = decode_sections(sections, bounds)
-        L, H, T, D = header.layers, header.kv_heads, header.tokens, header.head_dim
-        dtype = getattr(torch, header.dtype)
+        L, H, T = header.layers, header.kv_heads, header.tokens
+        widths = [header.head_dim if st == "keys" else self.spec.dim(st) for st in STREAMS]
+        stored = getattr(torch, header.dtype)
+        dtype = torch.bfloat16 if stored in _FP8 else stored  # float8 caches are decoded through bfloat16
         head, mid, tail = self.split(T, header.start)
-        out = [torch.empty(L, H, T, D, dtype=dtype, device=dev) for _ in STREAMS]
+        out = [torch.empty(L, H, T, D, dtype=dtype, device=dev) for D in widths]
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
             for si in range(2) if hi > lo else ():
-                out[si][:, :, lo:hi] = bytes_to_tensor(data[SectionKey(tag, si, 0, 0)], dtype, (L, H, hi - lo, D))
+                raw = bytes_to_tensor(data[SectionKey(tag, si, 0, 0)], stored, (L, H, hi - lo, widths[si]))
+                out[si][:, :, lo:hi] = raw.to(dev).to(dtype)
         if mid:
             ops = resolve_ops(self.backend, dev)
             positions = torch.arange(header.start + head, header.start + head + mid, device=dev)
             for si, stream in enumerate(STREAMS):
+                D = widths[si]
                 mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype))
                 feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
                 if header.mode == "ecsq":
@@ -428,14 +448,16 @@ class KVTCCodec:
                         feat[:, cols] = zhat.to(comps.dtype) @ comps.T
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
-                    if stream == "keys" and self._per_layer_rope:
+                    if stream == self.spec.rope_stream and self._per_layer_rope:
                         plain = torch.empty(L, H, mid, D, dtype=torch.float32, device=dev)
                         ops.rope_restore(feat, None, None, mean, plain, layout)
                         self._apply_rope(plain, positions, out[si][:, :, head:head + mid])
                     else:
                         ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
-                    finite = torch.finfo(dtype).max  # values rounded past the dtype's range stay finite
+                    finite = torch.finfo(stored).max  # values rounded past the dtype's range stay finite
                     out[si][:, :, head:head + mid].clamp_(-finite, finite)
+        if stored != dtype:
+            return out[0].to(stored), out[1].to(stored)
         return out[0], out[1]
 
 

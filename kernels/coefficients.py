@@ -93,7 +93,7 @@ class CoefficientCoder:
         self.basis_dtype = basis_dtype  # None: the cache's dtype on CUDA, float32 elsewhere (as KVTCCodec)
         self.layer_ropes: list[RopeSpec | None] = spec.layer_ropes  # each layer's own RoPE (None: NoPE / kept)
         self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # layer -> [(group index, row offset of the layer inside the group's features, (h0, h1))], a
+        # layer -> [(group index, row offset of the layer inside the group's keys features, (h0, h1))], a
         # layer in several groups when groups split its KV heads; layer_group: its first (group, row)
         self.layer_parts: dict[int, list[tuple[int, int, tuple[int, int]]]] = {}
         for gi, g in enumerate(spec.streams["keys"]):
@@ -131,7 +131,7 @@ class CoefficientCoder:
 
     def _cos_sin(self, stream: str, start: int, tokens: int, batch: int, device: torch.device,
                  rope: RopeSpec | None) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
-        if stream != "keys" or rope is None:
+        if stream != self.spec.rope_stream or rope is None:
             return None, None, "half"
         positions = torch.arange(start, start + tokens, device=device).repeat(batch)
         cos, sin = rope.cos_sin(positions)
@@ -141,7 +141,7 @@ class CoefficientCoder:
                   start: int, n: int, batch: int) -> torch.Tensor:
         """A group's centred, RoPE-removed features (B*n, p_g): fused when its layers share one RoPE."""
         x = _group_cache(cache, group, self.spec.kv_heads)
-        ropes = {self.layer_ropes[l] for l in group.layers} if stream == "keys" else {None}
+        ropes = {self.layer_ropes[l] for l in group.layers} if stream == self.spec.rope_stream else {None}
         if len(ropes) == 1:
             cos, sin, layout = self._cos_sin(stream, start, n, batch, cache.device, ropes.pop())
             return ops.rope_center(x, cos, sin, mean, layout)
@@ -153,17 +153,16 @@ class CoefficientCoder:
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedTokens:
         """keys, values (L, B, H, n, D) as the model cached them, first token at position `start`."""
         s = self.spec
-        if keys.shape != values.shape or keys.ndim != 5 or keys.shape[0] != s.num_layers \
-                or keys.shape[2] != s.kv_heads or keys.shape[4] != s.head_dim:
-            raise ValueError(f"expected keys and values (layers, batch, kv_heads, tokens, head_dim) with "
-                             f"layers={s.num_layers}, kv_heads={s.kv_heads}, head_dim={s.head_dim}; got "
-                             f"{tuple(keys.shape)} and {tuple(values.shape)}")
-        L, B, H, n, D = keys.shape
+        if keys.ndim != 5 or values.ndim != 5 or keys.shape[:4] != values.shape[:4] or keys.shape[0] != s.num_layers \
+                or keys.shape[2] != s.kv_heads or (keys.shape[4], values.shape[4]) != (s.dim("keys"), s.dim("values")):
+            raise ValueError(f"expected keys and values (layers, batch, kv_heads, tokens, width) with "
+                             f"layers={s.num_layers} ({s.widths}); got {tuple(keys.shape)} and {tuple(values.shape)}")
+        L, B, H, n, _ = keys.shape
         dev = keys.device
         ops = self._ops(dev)
         blocks: dict[str, tuple] = {}
         for stream, x in zip(STREAMS, (keys, values)):
-            cache = x.permute(0, 2, 1, 3, 4).reshape(L, H, B * n, D)  # tokens in (batch, token) order
+            cache = x.permute(0, 2, 1, 3, 4).reshape(L, H, B * n, x.shape[4])  # tokens in (batch, token) order
             groups = []
             for gi, g in enumerate(s.streams[stream]):
                 mean, comps = self._group(stream, gi, dev, x.dtype)
@@ -208,13 +207,14 @@ class CoefficientCoder:
                      ) -> torch.Tensor:
         """z of the layer's group (from `coefficients`) -> that layer's cache (B, H, n, D) in `dtype`.
         A layer whose heads are split over groups: z is a dict {group index: z} of those groups."""
-        D, B, n = self.spec.head_dim, coded.batch, coded.tokens
+        D, B, n = self.spec.dim(stream), coded.batch, coded.tokens
         parts = self.layer_parts[layer]
         zs = z if isinstance(z, dict) else {parts[0][0]: z}
         dev = next(iter(zs.values())).device
         out = torch.empty(1, self.spec.kv_heads, B * n, D, dtype=dtype, device=dev)
         cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev, self.layer_ropes[layer])
-        for gi, row, (h0, h1) in parts:
+        for gi, _, (h0, h1) in parts:
+            row = self.spec.streams[stream][gi].group.layer_offset(layer, self.spec.kv_heads, D)
             mean, comps = self._group(stream, gi, dev, dtype)
             rows = slice(row, row + (h1 - h0) * D)
             feat = (zs[gi].to(comps.dtype) @ comps[rows].T).float()  # (B*n, heads*D): this layer's rows only

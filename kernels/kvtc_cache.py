@@ -12,6 +12,10 @@ and dropped from every layer. Each update decodes the layer's slice of the
 coded tokens from their coefficients (its own rows of the group's components only); a group's
 dequantized coefficients live only while its layers decode in that forward.
 
+Multi-head latent attention models (DeepSeek V2/V3, Kimi, MiniCPM3...): each layer's update carries the
+latent c_KV (B, 1, q, kv_lora_rank) as keys and the RoPE key (B, 1, q, qk_rope_head_dim) as values; both are
+coded like keys and values of other kinds, each at its own width, and returned as the model cached them.
+
 Models whose layers differ: only full-attention layers are coded. A sliding-window or chunked layer
 keeps at most its window (transformers' own DynamicSlidingWindowLayer, bounded, raw), and a layer
 without a KV cache (linear attention, SSM) keeps transformers' own state layer; every layer therefore
@@ -168,6 +172,8 @@ class KVTCCacheLayer(DynamicLayer):
 
 def _config_dims(config: Any) -> tuple[int, int, int]:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):  # MLA: one latent "head" per token
+        return text.num_hidden_layers, 1, int(text.kv_lora_rank)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim
@@ -183,13 +189,23 @@ def _kinds(spec: CodecSpec) -> list[str]:
 def check_config(spec: CodecSpec, config: Any) -> None:
     """Raise ValueError unless the model config has the artifact's shape and layer kinds."""
     layers, kv_heads, head_dim = _config_dims(config)
-    if (layers, kv_heads, head_dim) != (spec.num_layers, spec.kv_heads, spec.head_dim):
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    mla = bool(getattr(text, "kv_lora_rank", None))
+    if mla or spec.value_dim is not None:
+        rope_width = int(getattr(text, "qk_rope_head_dim", 0) or 0) if mla else None
+        if not mla or (layers, head_dim, rope_width) != (spec.num_layers, spec.head_dim, spec.value_dim):
+            got = f"{layers} layers, latent width {head_dim}, rope width {rope_width}" if mla else \
+                f"{layers} layers x {kv_heads} KV heads x head_dim {head_dim} (no latent)"
+            raise ValueError(f"the codec's artifact {spec.name}@{spec.version} is for a model with {spec.num_layers} "
+                             f"layers, {spec.widths}; this model has {got}: use an artifact calibrated for this model")
+    elif (layers, kv_heads, head_dim) != (spec.num_layers, spec.kv_heads, spec.head_dim):
         raise ValueError(f"the codec's artifact {spec.name}@{spec.version} is for a model with {spec.num_layers} "
                          f"layers x {spec.kv_heads} KV heads x head_dim {spec.head_dim}; this model has {layers} x "
                          f"{kv_heads} x {head_dim}: use an artifact calibrated for this model")
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     types, _ = get_layer_types_and_kwargs(text)
     kinds = [_KINDS.get(t, "none") for t in types]
+    if mla:
+        kinds = ["mla" if k == "full" else k for k in kinds]
     if kinds != _kinds(spec):
         raise ValueError(f"the artifact {spec.name}@{spec.version} was calibrated for layers {_kinds(spec)}; this model "
                          f"has {kinds}: use an artifact calibrated for this model")
@@ -227,7 +243,7 @@ class KVTCCache(Cache):
             raise ValueError(f"window and sinks must be >= 0 and chunk >= 1; got window={self.window}, "
                              f"sinks={self.sinks}, chunk={self.chunk}")
         self.codec = codec
-        full = [i for i, kind in enumerate(_kinds(spec)) if kind == "full"]
+        full = [i for i, kind in enumerate(_kinds(spec)) if kind in ("full", "mla")]
         coded = spec if full == list(range(spec.num_layers)) else restrict(spec, full)
         self.store = _CodedStore(CoefficientCoder(coded, backend or codec.backend, codec.mode, codec.rate_control,
                                                     codec.ecsq_format, codec.basis_dtype))

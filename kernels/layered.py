@@ -59,11 +59,13 @@ def layer_counts(spec: CodecSpec, keys: Sequence, values: Sequence) -> list[int]
                 raise ValueError(f"layer {i} keeps no KV cache in this model; pass None for it")
             counts.append(NO_CACHE)
             continue
-        want = (spec.kv_heads, "tokens", spec.head_dim)
-        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.ndim != 3 or k.shape != v.shape \
-                or k.shape[0] != spec.kv_heads or k.shape[2] != spec.head_dim:
-            got = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
-            raise ValueError(f"layer {i}: keys and values must be shaped (kv_heads, tokens, head_dim) = {want}, got {got}")
+        kd, vd = spec.dim("keys"), spec.dim("values")
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.ndim != 3 or v.ndim != 3 \
+                or k.shape[:2] != v.shape[:2] or k.shape[0] != spec.kv_heads or (k.shape[2], v.shape[2]) != (kd, vd):
+            got = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in (k, v))
+            raise ValueError(f"layer {i}: keys and values must be shaped (kv_heads, tokens, width) = "
+                             f"({spec.kv_heads}, tokens, {kd}) and ({spec.kv_heads}, tokens, {vd}) for the artifact "
+                             f"({spec.widths}), got {got[0]} and {got[1]}")
         first = k if first is None else first
         if (k.dtype, k.device) != (first.dtype, first.device) or (v.dtype, v.device) != (first.dtype, first.device):
             raise ValueError("every layer's keys and values must share one dtype and device")
@@ -123,7 +125,8 @@ def decode_layered(spec: CodecSpec, sub: Callable[[tuple[int, ...]], "object"], 
         if n == 0:
             if inner:
                 raise BlobError("per-layer blob has bytes for an empty segment")
-            k = v = torch.empty(len(layers), spec.kv_heads, 0, spec.head_dim, dtype=dtype, device=device)
+            k, v = (torch.empty(len(layers), spec.kv_heads, 0, spec.dim(st), dtype=dtype, device=device)
+                    for st in ("keys", "values"))
         else:
             k, v = sub(layers).decode(bytes(inner), device, max_tokens=max_tokens)
             if k.shape != (len(layers), spec.kv_heads, n, spec.head_dim) or k.dtype != dtype:

@@ -17,7 +17,7 @@ import torch
 from kvtc.artifacts.blocks import Block, qtype_bits
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.artifacts.groups import FeatureGroup, check_cover, parse_groups
-from kvtc.kernels.layers import LayerSpec, cached_layers, layers_from_json
+from kvtc.kernels.layers import LayerSpec, cached_layers, is_mla, layers_from_json
 from kvtc.kernels.rope import RopeSpec
 from kvtc.artifacts.schema import STREAMS
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
@@ -69,6 +69,9 @@ class CodecSpec:
     tensor_parallel: the artifact's TP layout (None: single-rank). A rank's spec (`for_rank`) codes only
     that rank's KV heads: kv_heads is its head count, its groups' heads count from 0, `heads` says
     which of the model's KV heads they are, and its model_id names them (blobs of other heads are refused).
+    value_dim: the width of a head in the values slot when it differs from head_dim: a multi-head latent
+    attention model's values slot holds its RoPE key (head_dim is then its latent width, kv_heads 1, and the
+    RoPE is removed from the values stream: `rope_stream`).
     """
 
     name: str
@@ -87,8 +90,11 @@ class CodecSpec:
     tensor_parallel: TensorParallelLayout | None = None
     rank: int | None = None
     heads: tuple[int, int] | None = None
+    value_dim: int | None = None
 
     def __post_init__(self) -> None:
+        if self.value_dim is not None and self.value_dim < 1:
+            raise ValueError(f"value_dim must be >= 1 or None, got {self.value_dim}")
         if self.layers is not None and len(self.layers) != self.num_layers:
             raise ValueError(f"the layer schema lists {len(self.layers)} layers, the spec {self.num_layers}")
         if min(self.num_layers, self.kv_heads, self.head_dim) < 1 or self.sinks < 0 or self.window < 0:
@@ -99,10 +105,11 @@ class CodecSpec:
             raise ValueError(f"streams must be exactly {STREAMS}, got {sorted(self.streams)}")
         for stream, groups in self.streams.items():
             check_cover([g.group for g in groups], self.coded_layers, self.kv_heads, f"{stream} groups")
+            dim = self.dim(stream)
             for g in groups:
-                if g.mean.shape[0] != g.group.dim(self.kv_heads, self.head_dim):
+                if g.mean.shape[0] != g.group.dim(self.kv_heads, dim):
                     raise ValueError(f"{stream} group {g.group.label}: p_g {g.mean.shape[0]} is not layers x heads "
-                                     f"x {self.head_dim} = {g.group.dim(self.kv_heads, self.head_dim)}")
+                                     f"x {dim} = {g.group.dim(self.kv_heads, dim)}")
         if [g.group for g in self.streams["keys"]] != [g.group for g in self.streams["values"]]:
             raise ValueError("keys and values must have the same groups in the same order")
         if self.ecsq is not None:
@@ -112,8 +119,28 @@ class CodecSpec:
 
     @property
     def features(self) -> int:
-        """p = layers * kv_heads * head_dim."""
+        """p = layers * kv_heads * head_dim (the keys stream; see `stream_features`)."""
         return len(self.coded_layers) * self.kv_heads * self.head_dim
+
+    def dim(self, stream: str) -> int:
+        """Width of one head of `stream`: head_dim, or value_dim for the values of an MLA model."""
+        return self.head_dim if stream == "keys" or self.value_dim is None else self.value_dim
+
+    def stream_features(self, stream: str) -> int:
+        """p of `stream` = layers * kv_heads * its head width."""
+        return len(self.coded_layers) * self.kv_heads * self.dim(stream)
+
+    @property
+    def rope_stream(self) -> str:
+        """The stream whose RoPE is removed before coding: "keys", or "values" (the RoPE key) for MLA."""
+        return "values" if is_mla(self.layers) else "keys"
+
+    @property
+    def widths(self) -> str:
+        """The per-token shape a cache must have, in words (for error messages)."""
+        if self.value_dim is None:
+            return f"{self.kv_heads} KV heads x head_dim {self.head_dim}"
+        return f"latent width {self.head_dim}, rope width {self.value_dim}"
 
     @property
     def coded_layers(self) -> list[int]:
@@ -185,7 +212,8 @@ class CodecSpec:
                    sinks=int(cal["sinks"]), window=int(cal["window"]), streams=streams,
                    rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"),
                    ecsq=_ecsq_groups(artifact, ratio, groups), layers=_schema(fp, cal.get("keys") == "rope-kept"),
-                   tensor_parallel=TensorParallelLayout.from_dict(cal.get("tensor_parallel"), groups))
+                   tensor_parallel=TensorParallelLayout.from_dict(cal.get("tensor_parallel"), groups),
+                   value_dim=None if fp.get("value_dim") is None else int(fp["value_dim"]))
 
 
 def _schema(fingerprint: dict, rope_kept: bool) -> tuple[LayerSpec, ...] | None:

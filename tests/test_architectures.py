@@ -61,8 +61,10 @@ def test_gemma3_config_as_gguf_gives_it():
 def test_layer_kinds_the_service_cannot_code_are_named():
     import transformers as tf
 
-    with pytest.raises(ValueError, match="multi-head latent attention"):
-        layer_schema(tf.DeepseekV3Config(num_hidden_layers=2))
+    mixed = tf.DeepseekV3Config(num_hidden_layers=2, sliding_window=64)
+    mixed.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match=r"layer 1 of 'deepseek_v3' is 'sliding_attention' in a multi-head latent"):
+        layer_schema(mixed)
     with pytest.raises(ValueError, match=r"layer 0 of 'falcon_h1' is 'hybrid'"):
         layer_schema(tf.FalconH1Config(num_hidden_layers=2))
 
@@ -210,19 +212,22 @@ def test_gguf_rope_scaling_reaches_the_global_layers():
 
 
 def test_calibrate_refuses_an_uncodable_layer_kind_before_model_work(tmp_path, capsys, monkeypatch):
-    """`kvtc calibrate` on a multi-head latent attention model: one line naming the kind and the layer."""
+    """`kvtc calibrate` on a model mixing multi-head latent attention with sliding-window layers: one line
+    naming the kind and the layer."""
     import transformers as tf
 
     from kvtc.pipeline import cli
     from kvtc.workers.models import embedded_tokenizer
 
     model = tmp_path / "mla"
-    tf.DeepseekV3Config(num_hidden_layers=2, vocab_size=49152).save_pretrained(model)
+    config = tf.DeepseekV3Config(num_hidden_layers=2, vocab_size=49152, sliding_window=64)
+    config.layer_types = ["full_attention", "sliding_attention"]
+    config.save_pretrained(model)
     embedded_tokenizer().save_pretrained(model)
     monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
     rc = cli.main(["calibrate", "--model", str(model), "--tokens", "2048", "--registry", str(tmp_path / "reg")])
     err = capsys.readouterr().err
-    assert rc != 0 and "multi-head latent attention" in err and "layer 0" in err and "Traceback" not in err
+    assert rc != 0 and "multi-head latent attention" in err and "layer 1" in err and "Traceback" not in err
     assert not (tmp_path / "reg").exists() or not any((tmp_path / "reg").rglob("manifest.json"))
 
 

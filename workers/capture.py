@@ -4,6 +4,9 @@ for consumers that store and code keys as the model cached them).
 
 Feature order of a captured row: coded layer (ascending), then KV head, then head_dim
 (p = coded layers * kv_heads * head_dim). Layers without a KV cache (linear attention, SSM) add nothing.
+Multi-head latent attention layers ("mla") are captured as the cache holds them: the latent c_KV in the
+keys slot (its "keys" stream, p = layers x kv_lora_rank, no RoPE) and the shared RoPE key in the values
+slot (its "values" stream, p = layers x qk_rope_head_dim, RoPE removed like other kinds' keys).
 
 Sliding-window and chunked layers are captured at every selected position, like full ones: the
 forward keeps their whole cache (plain DynamicLayers; the model still masks with its window). A
@@ -125,14 +128,14 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
             rows = stacked[bi, pos].reshape(b * k, *stacked.shape[2:])  # (N, L, H, D)
             return rows.to(torch.float32)
 
-        krows = gather(keys)
+        rows = {"keys": gather(keys), "values": gather(values)}
         flat_pos = pos.reshape(-1)
         if settings.keys == "rope-removed":
             for slot, i in enumerate(cached_layers(lm.layers)):
-                rope = lm.layers[i].rope
+                rope, x = lm.layers[i].rope, rows[lm.layers[i].rope_stream]
                 if rope is not None:
-                    krows[:, slot] = rope.remove(krows[:, slot].transpose(0, 1), flat_pos).transpose(0, 1)
-        vrows = gather(values)
+                    x[:, slot] = rope.remove(x[:, slot].transpose(0, 1), flat_pos).transpose(0, 1)
+        krows, vrows = rows["keys"], rows["values"]
     n = b * k
     return CapturedKV(
         keys=krows.reshape(n, -1).contiguous(),

@@ -7,6 +7,12 @@ attention_chunk_size). RoPE per layer: the layer type's RoPE parameters, none fo
 (`no_rope_layers` zeros: SmolLM3, Llama 4; the global layers of Cohere 2 and EXAONE 4, which rotate
 only their sliding layers). A layer kind the service cannot code is refused here, before any model
 work, naming the kind and the layer.
+
+Multi-head latent attention (configs with `kv_lora_rank`): each attention layer is kind "mla", one cached
+"head" of kv_lora_rank (the normalized latent c_KV, keys slot) and one of qk_rope_head_dim (the shared RoPE
+key, values slot). transformers caches k_rot in the half layout even when `rope_interleave` is set: its
+interleaved rotary function takes interleaved dims and returns rotated halves (kvtc.workers.rope_check
+checks this against the model's own function), so the schema's RoPE is always "half" for MLA layers.
 """
 from __future__ import annotations
 
@@ -42,11 +48,9 @@ def layer_schema(config: Any) -> tuple[LayerSpec, ...]:
     """One LayerSpec per decoder layer; ValueError naming the kind and index of a layer that cannot be coded."""
     text = text_config(config)
     model_type = getattr(text, "model_type", "?")
-    if getattr(text, "kv_lora_rank", None):
-        raise ValueError(f"layer 0 of {model_type!r} is multi-head latent attention (kv_lora_rank "
-                         f"{text.kv_lora_rank}): its cache holds a compressed latent, not per-head keys and values; "
-                         "the service cannot code it yet")
     types = layer_types(text)
+    if getattr(text, "kv_lora_rank", None):
+        return _mla_schema(text, types)
     if len(types) != int(text.num_hidden_layers):
         raise ValueError(f"config of {model_type!r} lists {len(types)} layer types for {text.num_hidden_layers} layers")
     heads = int(text.num_attention_heads)
@@ -83,6 +87,40 @@ def layer_schema(config: Any) -> tuple[LayerSpec, ...]:
                 ropes[key] = rope_for_layer_type(text, key)
             rope = ropes[key]
         out.append(LayerSpec(kind, int(kv_heads), head_dim, rope, span))
+    if not any(l.cached for l in out):
+        raise ValueError(f"no layer of {model_type!r} keeps a KV cache: there is nothing to code")
+    return tuple(out)
+
+
+def _mla_schema(text: Any, types: list[str]) -> tuple[LayerSpec, ...]:
+    """The schema of a multi-head latent attention model: full-attention layers are "mla"; any other cached kind
+    (sliding, chunked, or one the service does not know) is refused, naming it and its layer."""
+    import dataclasses
+
+    model_type = getattr(text, "model_type", "?")
+    rank, rope_dim = int(text.kv_lora_rank), int(getattr(text, "qk_rope_head_dim", 0) or 0)
+    if rope_dim < 2:
+        raise ValueError(f"config of {model_type!r} has kv_lora_rank {rank} but no qk_rope_head_dim: the width of "
+                         "its cached RoPE key is unknown")
+    if len(types) != int(text.num_hidden_layers):
+        raise ValueError(f"config of {model_type!r} lists {len(types)} layer types for {text.num_hidden_layers} layers")
+    rope = rope_for_layer_type(text, "full_attention" if nested_rope_parameters(text) else None)
+    if rope is not None:
+        if rope.rotary_dim != rope_dim:
+            raise ValueError(f"config of {model_type!r}: RoPE rotates {rope.rotary_dim} dims, its cached RoPE key has "
+                             f"qk_rope_head_dim {rope_dim}")
+        rope = dataclasses.replace(rope, head_dim=rope_dim, layout="half")
+    out = []
+    for i, t in enumerate(types):
+        kind = KIND_OF_TYPE.get(t)
+        if kind == "none":
+            out.append(LayerSpec("none", 0, 0))
+        elif kind == "full":
+            out.append(LayerSpec("mla", 1, rank, rope, value_dim=rope_dim))
+        else:
+            raise ValueError(f"layer {i} of {model_type!r} is {t!r} in a multi-head latent attention model (latent "
+                             f"width {rank}, rope width {rope_dim}): the service codes MLA layers and layers without "
+                             "a KV cache, not a mix with other attention kinds")
     if not any(l.cached for l in out):
         raise ValueError(f"no layer of {model_type!r} keeps a KV cache: there is nothing to code")
     return tuple(out)

@@ -314,7 +314,7 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
         raise ValueError(f"unknown model spec {spec!r}; accepted: {ACCEPTED_FORMS}")
     layers = layer_schema(config)  # a layer kind that cannot be coded fails here, before any weights
     coded = [layers[i] for i in cached_layers(layers)]
-    if len({(l.kv_heads, l.head_dim) for l in coded}) != 1:
+    if len({(l.kv_heads, l.head_dim, l.value_dim) for l in coded}) != 1:
         raise ValueError(f"layers of {config.model_type!r} differ in KV heads or head_dim "
                          f"({sorted({(l.kv_heads, l.head_dim) for l in coded})}); the service needs one geometry")
     rope = next((l.rope for l in coded if l.rope is not None), None)
@@ -340,6 +340,8 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
         "rope": None if rope is None else rope.to_dict(),
         "key_norm": key_norm,
     }
+    if coded[0].value_dim is not None:  # MLA: the values slot (rope key) is narrower than the keys slot (latent)
+        fingerprint["value_dim"] = coded[0].value_dim
     if not is_uniform(layers):  # uniform models keep the fingerprint (and model id) of earlier releases
         fingerprint["layers"] = layers_to_json(layers)
     return ModelSpec(spec, config, tok, fingerprint, rope, num_layers, num_kv_heads, head_dim, max_positions, how,

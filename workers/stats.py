@@ -20,7 +20,7 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups
 from kvtc.artifacts.schema import STREAMS
-from kvtc.kernels.layers import layers_of
+from kvtc.kernels.layers import layers_of, stream_dims
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
 from kvtc.workers.triangle import add_upper_rows, packed_len, symmetric
@@ -65,15 +65,23 @@ class CalibrationStats:
 
     @classmethod
     def new(cls, fingerprint: dict[str, Any], settings: CaptureSettings, shard_ids: tuple[str, ...] = ()) -> "CalibrationStats":
-        """Empty statistics; group g has layers x its KV heads x head_dim features."""
+        """Empty statistics; group g has layers x its KV heads x head_dim features (`dims`: the keys stream's;
+        an MLA model's values stream, its rope key, is narrower: see `stream_dims`)."""
         groups = settings.group_layers(layers_of(fingerprint), int(fingerprint["num_kv_heads"]))
         dims = [g.dim(int(fingerprint["num_kv_heads"]), int(fingerprint["head_dim"])) for g in groups]
         return cls(dict(fingerprint), settings.to_dict(), groups, dims, tuple(shard_ids))
 
+    def stream_dims(self, stream: str) -> list[int]:
+        """Per group, its features in `stream` (the keys' `dims`, or the values' own widths)."""
+        if stream == "keys":
+            return self.dims
+        heads, dim = stream_dims(self.fingerprint)[stream]
+        return [g.dim(heads, dim) for g in self.groups]
+
     def _get(self, stream: str, group: int, device: torch.device) -> _Moments:
         """The moments of (stream, group), created empty if absent, on `device` when updating."""
         if (stream, group) not in self.moments:
-            p = self.dims[group]
+            p = self.stream_dims(stream)[group]
             with torch.inference_mode(False):  # normal tensors: updatable inside and outside inference mode
                 self.moments[(stream, group)] = _Moments(
                     0, torch.zeros(p, dtype=torch.float64, device=device),
@@ -84,12 +92,12 @@ class CalibrationStats:
     def update(self, captured: CapturedKV) -> None:
         """Fold captured rows (N, p) of both streams into every group."""
         for stream in STREAMS:
-            x = getattr(captured, stream)
-            if x.dim() != 2 or x.shape[1] != sum(self.dims):
-                raise ValueError(f"captured {stream} must be (N, {sum(self.dims)}), got {tuple(x.shape)}")
+            x, want = getattr(captured, stream), sum(self.stream_dims(stream))
+            if x.dim() != 2 or x.shape[1] != want:
+                raise ValueError(f"captured {stream} must be (N, {want}), got {tuple(x.shape)}")
             x = x.to(torch.float32)
             tf32 = x.is_cuda and captured.source_dtype in ("bfloat16", "float16")
-            for g, cols in enumerate(self._columns()):
+            for g, cols in enumerate(self._columns(stream)):
                 m = self._get(stream, g, x.device)
                 if m.gram.device != x.device:
                     m.sum, m.gram = m.sum.to(x.device), m.gram.to(x.device)
@@ -98,9 +106,9 @@ class CalibrationStats:
                 m.sum += xg.sum(0, dtype=torch.float64)
                 _upper_gram_update(m.gram, xg.contiguous(), tf32)
 
-    def _columns(self) -> list:
-        """Each group's columns in a captured row (coded layers ascending, KV head, head_dim)."""
-        return group_columns(self.groups, int(self.fingerprint["num_kv_heads"]), int(self.fingerprint["head_dim"]))
+    def _columns(self, stream: str = "keys") -> list:
+        """Each group's columns in a captured row of `stream` (coded layers ascending, KV head, head_dim)."""
+        return group_columns(self.groups, *stream_dims(self.fingerprint)[stream])
 
     def packed(self, stream: str, group: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """-> (n, sum (p,) float64, packed upper-triangle Gram (p(p+1)/2,) float64), numpy views."""
@@ -111,7 +119,7 @@ class CalibrationStats:
     def stream(self, stream: str, group: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """-> (n, sum (p,) float64, gram (p, p) float64 symmetric) as numpy arrays."""
         n, s, packed = self.packed(stream, group)
-        return n, s, symmetric(packed, self.dims[group])
+        return n, s, symmetric(packed, self.stream_dims(stream)[group])
 
     def _check_key(self, stream: str, group: int) -> None:
         if stream not in STREAMS or not 0 <= group < len(self.dims):
@@ -222,10 +230,11 @@ class CalibrationStats:
                 continue
             total = torch.from_numpy(read_tensor(f, footer, f"{s}/{g}/sum", name))
             gram = torch.from_numpy(read_tensor(f, footer, f"{s}/{g}/gram_triu", name))
-            if gram.shape != (packed_len(out.dims[int(g)]),) or total.shape != (out.dims[int(g)],) \
+            p = out.stream_dims(s)[int(g)]
+            if gram.shape != (packed_len(p),) or total.shape != (p,) \
                     or gram.dtype != torch.float64 or total.dtype != torch.float64:
                 raise CorruptStats(name, f"{key} sum {tuple(total.shape)} / Gram {tuple(gram.shape)} are not float64 "
-                                   f"arrays for p={out.dims[int(g)]}")
+                                   f"arrays for p={p}")
             out.moments[(s, int(g))] = _Moments(int(n), total, gram)
         return out
 

@@ -63,6 +63,8 @@ class Geometry:
 
 
 GEOMETRY_ARCHS = ("llama", "qwen3", "mistral", "gemma")  # the ones whose head_dim is free of hidden_size
+# multi-head latent attention: LAYERSxKV_LORA_RANKxQK_ROPE_HEAD_DIM, e.g. tiny:deepseek_v3@61x512x64 (DeepSeek V3's cache)
+MLA_GEOMETRY_ARCHS = ("deepseek_v3", "deepseek_v3_plain", "minicpm3")
 
 
 def parse_tiny(spec: str) -> tuple[str, Geometry | None]:
@@ -73,7 +75,7 @@ def parse_tiny(spec: str) -> tuple[str, Geometry | None]:
         raise ValueError(f"unknown tiny architecture {arch!r}; use one of {TINY_ARCHS}")
     if not geo:
         return arch, None
-    if arch not in GEOMETRY_ARCHS:
+    if arch not in GEOMETRY_ARCHS + MLA_GEOMETRY_ARCHS:
         raise ValueError(f"tiny:{arch} takes no geometry (its head_dim follows hidden_size); use one of "
                          f"{', '.join('tiny:' + a for a in GEOMETRY_ARCHS)} with @LAYERSxKV_HEADSxHEAD_DIM")
     return arch, Geometry.parse(geo)
@@ -81,6 +83,8 @@ def parse_tiny(spec: str) -> tuple[str, Geometry | None]:
 
 def tiny_config(arch: str, geometry: Geometry | None = None) -> Any:
     """The transformers config of a tiny model, with `geometry` applied when given."""
+    if arch in MLA_GEOMETRY_ARCHS:
+        return _mla_config(arch, geometry)
     config = _config(arch)
     if geometry is not None:
         if arch not in GEOMETRY_ARCHS:
@@ -178,12 +182,41 @@ def _mixed_config(arch: str) -> Any:
             **{**four, "intermediate_size": 64}, intermediate_size_mlp=64, head_dim=16, attention_chunk_size=8,
             no_rope_layers=[1, 1, 1, 0], num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    return _mla_config(arch)
+
+
+def _mla_config(arch: str, geometry: Geometry | None = None) -> Any:
+    """Multi-head latent attention: the cache holds a latent of kv_lora_rank (32, or the geometry's second
+    number) and a RoPE key of qk_rope_head_dim (8, or its third) per token and layer. deepseek_v3:
+    q_lora_rank, interleaved RoPE weights, YaRN, MoE after the first layer; deepseek_v3_plain: no
+    q_lora_rank, RoPE in halves; minicpm3: another family."""
+    import transformers as tf
+
+    mla = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    common = {**_COMMON, "num_key_value_heads": 4}
+    if geometry is not None:
+        mla.update(kv_lora_rank=geometry.kv_heads, qk_rope_head_dim=geometry.head_dim)
+        common.update(num_hidden_layers=geometry.layers, num_attention_heads=geometry.attention_heads or 4,
+                      num_key_value_heads=geometry.attention_heads or 4)
+    if arch in ("deepseek_v3", "deepseek_v3_plain"):
+        interleave = arch == "deepseek_v3"
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0} if interleave else \
+            {"rope_type": "default", "rope_theta": 10000.0}
+        return tf.DeepseekV3Config(
+            **common, **mla, q_lora_rank=24 if interleave else None,
+            rope_interleave=interleave, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, rope_parameters=rope)
+    if arch == "minicpm3":
+        return tf.MiniCPM3Config(**common, **mla, q_lora_rank=24,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     raise ValueError(f"unknown tiny architecture {arch!r}; use one of {TINY_ARCHS}")
 
 
 UNIFORM_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi")
 MIXED_ARCHS = ("gemma3", "gpt_oss", "smollm3", "qwen3_next", "cohere2", "llama4")
-TINY_ARCHS = UNIFORM_ARCHS + MIXED_ARCHS
+MLA_ARCHS = ("deepseek_v3", "deepseek_v3_plain", "minicpm3")
+TINY_ARCHS = UNIFORM_ARCHS + MIXED_ARCHS + MLA_ARCHS
 
 
 def build_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, geometry: Geometry | None = None) -> torch.nn.Module:

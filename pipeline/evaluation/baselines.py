@@ -73,9 +73,15 @@ def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float]:
 
 
 def _check(keys: torch.Tensor, values: torch.Tensor) -> None:
-    if keys.ndim != 4 or keys.shape != values.shape:
-        raise ValueError(f"keys and values must both be (layers, kv_heads, tokens, head_dim); got "
+    """Same layers, heads and tokens; the head widths may differ (an MLA cache: latent and RoPE key)."""
+    if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+        raise ValueError(f"keys and values must both be (layers, kv_heads, tokens, head_dim), head_dim per stream; got "
                          f"{tuple(keys.shape)} and {tuple(values.shape)}")
+
+
+def features(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Values per token and stream, averaged over the two streams (p, when both have one width)."""
+    return (keys[:, :, 0].numel() + values[:, :, 0].numel()) // 2
 
 
 def _splice(x: torch.Tensor, middle: torch.Tensor, head: int, mid: int) -> torch.Tensor:
@@ -103,6 +109,7 @@ def kivi(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int, sinks:
     if bits not in range(1, 9) or group < 1:
         raise ValueError(f"kivi: bits must be in 1..8 and group >= 1, got bits={bits}, group={group}")
     L, H, T, D = keys.shape
+    Dv = values.shape[3]
     head, mid, _ = split(T, sinks, window)
     qtype = f"int{bits}"
     k_mid = keys[:, :, head:head + mid].float()
@@ -110,13 +117,13 @@ def kivi(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int, sinks:
     k_rows = k_mid.permute(0, 1, 3, 2).reshape(-1, mid)  # (L*H*D channels, mid tokens)
     k_hat, k_groups = _grouped(k_rows, group, qtype) if mid else (k_rows, 0)
     k_hat = k_hat.view(L, H, D, mid).permute(0, 1, 3, 2)
-    v_rows = v_mid.permute(0, 2, 1, 3).reshape(L * mid, H * D)  # (layer-token rows, channels)
+    v_rows = v_mid.permute(0, 2, 1, 3).reshape(L * mid, H * Dv)  # (layer-token rows, channels)
     v_hat, v_groups = _grouped(v_rows, group, qtype) if mid else (v_rows, 0)
-    v_hat = v_hat.view(L, mid, H, D).permute(0, 2, 1, 3)
-    elements = L * H * D * mid
-    stored = 2 * math.ceil(elements * bits / 8) + 4 * (k_groups + v_groups)  # fp16 zero point + scale per group
+    v_hat = v_hat.view(L, mid, H, Dv).permute(0, 2, 1, 3)
+    stored = math.ceil(L * H * D * mid * bits / 8) + math.ceil(L * H * Dv * mid * bits / 8) \
+        + 4 * (k_groups + v_groups)  # fp16 zero point + scale per group
     return Reconstruction(f"kivi-int{bits}-g{group}", _splice(keys, k_hat, head, mid), _splice(values, v_hat, head, mid),
-                          stored, mid, L * H * D)
+                          stored, mid, features(keys, values))
 
 
 def fp8_cast(keys: torch.Tensor, values: torch.Tensor, sinks: int, window: int) -> Reconstruction:
@@ -129,7 +136,8 @@ def fp8_cast(keys: torch.Tensor, values: torch.Tensor, sinks: int, window: int) 
         m = x[:, :, head:head + mid].float().clamp(-448.0, 448.0)
         return _splice(x, m.to(torch.float8_e4m3fn).float(), head, mid)
 
-    return Reconstruction("fp8-e4m3", cast(keys), cast(values), 2 * L * H * D * mid, mid, L * H * D)
+    return Reconstruction("fp8-e4m3", cast(keys), cast(values), 2 * features(keys, values) * mid, mid,
+                          features(keys, values))
 
 
 def deflate(keys: torch.Tensor, values: torch.Tensor, sinks: int, window: int, level: int = 6) -> Reconstruction:
@@ -142,7 +150,7 @@ def deflate(keys: torch.Tensor, values: torch.Tensor, sinks: int, window: int, l
         m = x[:, :, head:head + mid].to(torch.float16).contiguous()
         stored += len(zlib.compress(m.cpu().view(torch.uint8).numpy().tobytes(), level)) if mid else 0
         outs.append(_splice(x, m.float(), head, mid))
-    return Reconstruction("deflate-fp16", outs[0], outs[1], stored, mid, L * H * D)
+    return Reconstruction("deflate-fp16", outs[0], outs[1], stored, mid, features(keys, values))
 
 
 def evict(keys: torch.Tensor, values: torch.Tensor, ratio: float, sinks: int, window: int) -> Reconstruction:
@@ -151,9 +159,9 @@ def evict(keys: torch.Tensor, values: torch.Tensor, ratio: float, sinks: int, wi
     _check(keys, values)
     if not ratio >= 1:
         raise ValueError(f"evict: ratio must be >= 1, got {ratio}")
-    L, H, T, D = keys.shape
+    T = keys.shape[2]
     head, mid, _ = split(T, sinks, window)
-    p = L * H * D
+    p = features(keys, values)
     budget = math.floor(4 * p * mid / ratio)
     kept = min(mid, max(0, budget - 8) // (4 * p))
     keep = torch.ones(T, dtype=torch.bool, device=keys.device)
@@ -176,12 +184,11 @@ def blob_middle_bytes(blob: bytes) -> int:
 def run_codec(codec, keys: torch.Tensor, values: torch.Tensor, method: str | None = None) -> Reconstruction:
     """Encode and decode with a KVTCCodec; bytes are the blob's middle bytes (`blob_middle_bytes`)."""
     _check(keys, values)
-    L, H, T, D = keys.shape
     blob = codec.encode(keys, values)
     k_hat, v_hat = codec.decode(blob)
-    _, mid, _ = codec.split(T, 0)
+    _, mid, _ = codec.split(keys.shape[2], 0)
     return Reconstruction(method or f"kvtc-{codec.spec.ratio:g}x", k_hat.float(), v_hat.float(),
-                          blob_middle_bytes(blob), mid, L * H * D)
+                          blob_middle_bytes(blob), mid, features(keys, values))
 
 
 def uniform_blocks(eigenvalues, p: int, ratio: float, block: int = PCA_UNIFORM_BLOCK,
@@ -220,5 +227,6 @@ def pca_uniform_codec(artifact, ratio: float):
                                    blocks))
         groups[stream] = tuple(codes)
     uniform = CodecSpec(spec.name, spec.version, float(ratio), spec.model_id, spec.num_layers, spec.kv_heads,
-                        spec.head_dim, spec.sinks, spec.window, spec.rope, groups, layers=spec.layers)
+                        spec.head_dim, spec.sinks, spec.window, spec.rope, groups, layers=spec.layers,
+                        value_dim=spec.value_dim)
     return KVTCCodec(uniform)

@@ -12,6 +12,7 @@ import torch
 
 from kvtc.artifacts.groups import group_columns
 from kvtc.artifacts.schema import STREAMS
+from kvtc.kernels.layers import stream_dims
 from kvtc.pipeline.evaluation.metrics import default_edges, evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.fit.pca import Basis, fix_signs
@@ -46,14 +47,13 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
     `settings` says), stream-level error over all groups on held-out (and eval) rows."""
     settings = settings or AllocatorSettings(error_model="analytic")
     splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
-    fp = total.fingerprint
-    columns = group_columns(total.groups, int(fp["num_kv_heads"]), int(fp["head_dim"]))
+    dims = stream_dims(total.fingerprint)  # an MLA model's streams differ in width
     rows = []
     for stream in STREAMS:
         acc = {name: [0.0, 0.0] for name, _ in splits}
-        for g, cols in enumerate(columns):
+        for g, cols in enumerate(group_columns(total.groups, *dims[stream])):
             n, s, gram = total.stream(stream, g)
-            basis = top_basis(n, s, gram, min(k, total.dims[g]))
+            basis = top_basis(n, s, gram, min(k, total.stream_dims(stream)[g]))
             mid = heldout.middle(sinks, window)
             (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, cols], settings)
             for name, rows_ in splits:

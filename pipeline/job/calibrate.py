@@ -126,8 +126,11 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
         cap = BasisBudget(alloc.basis_budget, alloc.max_components or None).cap(model_parameters(info.config), features)
         alloc = replace(alloc, max_components=cap)
         cfg = replace(cfg, allocator=alloc)
+    from kvtc.kernels.layers import stream_dims
+
     for group in capture.group_layers(info.layers, info.num_kv_heads):
-        validate_ratios(cfg.reduce.ratios, group.dim(info.num_kv_heads, info.head_dim), cfg.allocator)
+        for heads, dim in set(stream_dims(info.fingerprint).values()):  # an MLA model's RoPE key is narrower
+            validate_ratios(cfg.reduce.ratios, group.dim(heads, dim), cfg.allocator)
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         if rt.gpus_per_worker and not in_process and not torch.cuda.is_available():
             raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: this machine has no GPU torch can see and no "

@@ -23,7 +23,7 @@ import psutil
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-from kvtc.kernels.layers import layers_of, layers_to_json
+from kvtc.kernels.layers import layers_of, layers_to_json, stream_dims
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows
 from kvtc.pipeline.fit.pca import cores
@@ -122,7 +122,8 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
 
     kv_heads, head_dim = int(inp.fingerprint["num_kv_heads"]), int(inp.fingerprint["head_dim"])
     groups = cap.group_layers(layers_of(inp.fingerprint), kv_heads)
-    columns = group_columns(groups, kv_heads, head_dim)
+    dims = stream_dims(inp.fingerprint)  # MLA: the streams (latent, RoPE key) differ in width
+    columns_of = {stream: group_columns(groups, *dims[stream]) for stream in STREAMS}
     p_total = sum(g.dim(kv_heads, head_dim) for g in groups)
     curve = None
     if red.tokens_curve_points > 0:  # error against calibration tokens (chart 1): prefixes of the accumulators
@@ -134,8 +135,9 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
     free = int(psutil.virtual_memory().available)
     tasks, rows, memory = [], [], []
     for stream in STREAMS:
+        columns = columns_of[stream]
         for g, group in enumerate(groups):
-            p = group.dim(kv_heads, head_dim)
+            p = group.dim(*dims[stream])
             tasks.append(GroupTask(len(tasks), stream, g, p, tuple(names), tuple(red.ratios), alloc.to_dict(), cap.sinks,
                                    cap.window, threads, "cuda" if placement.gpu else "cpu", free))
             rows.append(held.group(stream, columns[g], evals, cap.sinks, cap.window))

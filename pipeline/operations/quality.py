@@ -115,9 +115,10 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
     from kvtc.kernels import KVTCCodec
     from kvtc.pipeline.evaluation import baselines as bl
 
+    p = bl.features(keys, values)
     yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
-                                                  4 * keys[:, :, 0].numel() * bl.split(keys.shape[2], sinks, window)[1],
-                                                  bl.split(keys.shape[2], sinks, window)[1], keys[:, :, 0].numel())
+                                                  4 * p * bl.split(keys.shape[2], sinks, window)[1],
+                                                  bl.split(keys.shape[2], sinks, window)[1], p)
     for r in settings.ratios:
         yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r, mode=settings.mode), keys, values)
     if "pca_uniform" in settings.baselines:
@@ -140,15 +141,19 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
 def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None) -> list[dict]:
     """sequences: iterable of (T,) token arrays. Returns one row per method: method, ratio (target,
     or None for fixed-rate methods), bytes_per_token, cr, key_rel_error, value_rel_error,
-    ppl_ratio, kl, tokens, sequences."""
+    ppl_ratio, kl, tokens, sequences; for a multi-head latent attention model (keys: its latent, values: its
+    RoPE key) also key_up_error, value_up_error: the per-head keys and values after kv_b_proj (workers.mla)."""
     import torch
 
     from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.evaluation import baselines as bl
-    from kvtc.kernels.layers import cached_layers, is_uniform
+    from kvtc.kernels.layers import cached_layers, is_mla, is_uniform
     from kvtc.workers.capture import raw_cache
 
+    from kvtc.workers import mla
+
     record = CalibrationRecord.from_manifest(artifact.manifest)
+    projections = mla.up_projections(lm.model, lm.layers) if is_mla(lm.layers) else None
     sinks, window = record.sinks, record.window
     tallies: dict[str, _Tally] = {}
     count = 0
@@ -180,6 +185,12 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
                 err, norm = bl.rel_error(x[:, :, head:head + mid], xh[:, :, head:head + mid])
                 setattr(t, f"{stream}_err", getattr(t, f"{stream}_err") + err)
                 setattr(t, f"{stream}_norm", getattr(t, f"{stream}_norm") + norm)
+            if projections is not None:
+                window_ = slice(head, head + mid)
+                up = mla.upprojected_sums(projections, cached_layers(lm.layers), keys[:, :, window_],
+                                          rec.keys[:, :, window_], values[:, :, window_], rec.values[:, :, window_])
+                for key, v in up.items():
+                    t.extra[key] = t.extra.get(key, 0.0) + v
             t.stored += rec.stored_bytes
             t.mid += rec.mid
             t.features = rec.features
@@ -197,6 +208,9 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             "value_rel_error": math.sqrt(t.v_err / max(t.v_norm, 1e-300)),
             "ppl_ratio": math.exp(t.nll / t.tokens), "kl": t.kl / t.tokens, "tokens": t.tokens, "sequences": count,
         })
+        if projections is not None:
+            up = mla.relative(t.extra)
+            rows[-1].update(key_up_error=up["keys"], value_up_error=up["values"])
     return rows
 
 
