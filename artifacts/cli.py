@@ -184,12 +184,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "sglang":
         from kvtc.artifacts.export_sglang import export_sglang
 
-        path = export_sglang(artifact, args.ratio, args.to)
+        partition = None
+        if args.pp_partition:
+            try:
+                partition = tuple(int(v) for v in args.pp_partition.split(","))
+            except ValueError:
+                raise ValueError(f"--pp-partition must be layers per stage, e.g. 16,16; got {args.pp_partition!r}") from None
+        path = export_sglang(artifact, args.ratio, args.to, tp=args.tp, pp=args.pp, pp_partition=partition)
         doc = json.loads(path.with_suffix(".json").read_text())
+        workers = ", ".join(f"{w['worker']} {w['sglang_ratio']}x" for w in doc["workers"])
         return _print(args, {"name": artifact.name, "version": artifact.version, "ratio": args.ratio,
-                             "path": str(path), "sglang_ratio": doc["sglang_ratio"]},
+                             "path": str(path), "sglang_ratio": doc["sglang_ratio"], "tp": doc["tp"], "pp": doc["pp"],
+                             "workers": doc["workers"]},
                       f"{path}\nratio {args.ratio:g} as allocated; {doc['sglang_ratio']}x with SGLang's "
-                      "fp16 scale and offset per quantized group per token")
+                      f"fp16 scale and offset per quantized group per token; serve at --tp {doc['tp']} "
+                      f"--pp {doc['pp']}: {workers}")
     from kvtc.artifacts.export import DynamoExportOptions, export_dynamo
 
     options = DynamoExportOptions(fp8=args.fp8, layout=args.layout, allow_rope_removed=args.allow_rope_removed,
@@ -251,6 +260,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="dynamo: a range whose width x bits is not whole bytes per row: pad it with zero columns "
                    "(default) or refuse (Dynamo's buffer sizing would be overrun)")
     p.add_argument("--batch", type=int, default=256, help="dynamo: rows per compress call, for the real ratio")
+    p.add_argument("--tp", type=int, default=None, help="the tensor-parallel size you serve at; must be the artifact's "
+                   "(kvtc calibrate --tp N); default: the artifact's")
+    p.add_argument("--pp", type=int, default=1, help="sglang: pipeline stages (one worker entry per rank and stage)")
+    p.add_argument("--pp-partition", default=None, help="sglang: layers per stage, as SGLANG_PP_LAYER_PARTITION "
+                   "(default: SGLang's even split)")
     p.add_argument("--cache-dir", help="cache directory (default $KVTC_CACHE or ~/.cache/kvtc)")
     p.set_defaults(func=_with_one_line_warnings("export", cmd_export))
     p = subparsers.add_parser("sign", parents=[common], help="sign a published version's manifest (Ed25519)")
