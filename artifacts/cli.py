@@ -202,15 +202,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from kvtc.artifacts.export import DynamoExportOptions, export_dynamo
 
     options = DynamoExportOptions(fp8=args.fp8, layout=args.layout, allow_rope_removed=args.allow_rope_removed,
-                                  ranges=args.ranges, batch=args.batch)
+                                  ranges=args.ranges, batch=args.batch, tokens_per_block=args.tokens_per_block,
+                                  max_projection_mb=args.max_projection_mb, tp=args.tp)
     path = export_dynamo(artifact, args.ratio, args.to, options)
     doc = json.loads(path.read_text())
     real = doc["dynamo_ratio"]
     return _print(args, {"name": artifact.name, "version": artifact.version, "ratio": args.ratio, "path": str(path),
                          "dynamo_ratio": real, "dynamo_bytes_per_token": doc["dynamo_bytes_per_token"]},
                   f"{path}\nratio {args.ratio:g} as allocated; {real}x ({doc['dynamo_bytes_per_token']} bytes per "
-                  f"token) with Dynamo's 64-bit min/max per range per row, per-row byte padding and 40-byte range "
-                  f"headers per {args.batch}-row call")
+                  f"token per rank) with Dynamo's 64-bit min/max per range per row ({args.layout} rows), per-row "
+                  f"byte padding and 40-byte range headers per {args.batch}-row call; "
+                  f"TP {doc['tensor_parallel']['tp']}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -252,8 +254,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, help="output directory")
     p.add_argument("--fp8", choices=["int8", "refuse"], default="int8",
                    help="scaled fp8 blocks: export as 8-bit IntX (default) or refuse (Dynamo's Fp8 has no scale)")
-    p.add_argument("--layout", choices=["paged", "token-major"], default="paged",
-                   help="paged (default): only per-layer groups; token-major: all layers of a token contiguous")
+    p.add_argument("--layout", choices=["block", "token", "token-major"], default="block",
+                   help="dynamo: what a row is: block (default; one KVBM block region of a layer's K or V, "
+                   "--tokens-per-block tokens), token (one token of one layer: a pointer per token), token-major "
+                   "(one token over a group's layers); block and token need per-layer groups")
+    p.add_argument("--tokens-per-block", type=int, default=16,
+                   help="dynamo --layout block: tokens per KV block (the engine's block size, KVBM's page_size)")
+    p.add_argument("--max-projection-mb", type=float, default=1024.0,
+                   help="dynamo --layout block: refuse a projection file larger than this")
     p.add_argument("--allow-rope-removed", action="store_true",
                    help="export a RoPE-removed key basis (the consumer removes and re-applies RoPE itself)")
     p.add_argument("--ranges", choices=["pad", "refuse"], default="pad",
