@@ -1,10 +1,12 @@
 """The engine routes in one run: SGLang per-rank exports, Dynamo block rows, and the vLLM offloading tier.
 
-Needs artifacts of the embedded model in one registry (small budgets are enough for the byte counts):
-    kvtc calibrate --tokens 8192 --seq-len 512 --ratios 8,16 --groups model --name smol-tp1 ...
-    kvtc calibrate ... --tp 3 --groups model --name smol-tp3            # SmolLM2 has 3 KV heads
-    kvtc calibrate ... --keys rope-kept --groups layer --name smol-kept-layer
-    python bench/serving_exports.py --registry REG
+Needs artifacts of one model in one registry (small budgets are enough for the byte counts), e.g.
+    M=tiny:llama@4x4x64x8; A="--tokens 2048 --seq-len 256 --ratios 8,16 --tokens-curve-points 0 --registry REG"
+    kvtc calibrate --model $M $A --groups model --name tiny-tp1
+    kvtc calibrate --model $M $A --groups model --tp 2 --name tiny-tp2
+    kvtc calibrate --model $M $A --groups layer --keys rope-kept --name tiny-kept-layer
+    python bench/serving_exports.py --registry REG --model $M --sglang tiny-tp1,tiny-tp2 \
+        --dynamo tiny-kept-layer --vllm tiny-tp1
 
 1. SGLang: per worker `tp_<r>_pp_0`, bytes per token and the real ratio (fp16 scale and offset per
    quantized group per token) for the TP 1 and TP 3 artifacts at each ratio.
@@ -126,6 +128,26 @@ def vllm_tier(registry: str, name: str, ratios: list[float], chunks) -> None:
                   f"rel. error keys {(num[0] / den[0]) ** 0.5:.4f} values {(num[1] / den[1]) ** 0.5:.4f}")
 
 
+def model_chunks(model: str | None, corpus: str, count: int, tokens: int = 256):
+    """-> `count` consecutive (2, layers, tokens, kv_heads x head_dim) bf16 chunks of one sequence of `model`'s cache."""
+    import torch
+
+    from kvtc.pipeline.job.corpus import iter_documents
+    from kvtc.workers.capture import raw_cache
+    from kvtc.workers.models import load_model
+
+    lm = load_model(model, device="cpu") if model else load_model(device="cpu")
+    ids: list[int] = []
+    for doc in iter_documents(corpus):
+        ids += lm.tokenizer(doc.text).input_ids
+        if len(ids) >= count * tokens:
+            break
+    keys, values = raw_cache(lm, torch.tensor([ids[:count * tokens]]))
+    L, H, T, D = keys.shape
+    kv = torch.stack([x.permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)]).to(torch.bfloat16)
+    return [kv[:, :, i * tokens:(i + 1) * tokens].contiguous() for i in range(count)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--registry", required=True)
@@ -135,14 +157,17 @@ def main() -> int:
     ap.add_argument("--ratios", default="8,16")
     ap.add_argument("--corpus", default="stdlib")
     ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--model", default=None, help="the artifacts' model (default: the embedded SmolLM2)")
+    ap.add_argument("--vllm-registry", default=None, help="registry of the --vllm artifact (default --registry)")
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
-    sglang(args.registry, args.sglang.split(","), ratios)
-    from lmcache_serving import chunks_of_model
-
-    chunks, _ = chunks_of_model(args.corpus, args.chunks, 256)
-    dynamo(args.registry, args.dynamo, ratios, chunks)
-    vllm_tier(args.registry, args.vllm, ratios, chunks)
+    if args.sglang:
+        sglang(args.registry, args.sglang.split(","), ratios)
+    chunks = model_chunks(args.model, args.corpus, args.chunks)
+    if args.dynamo:
+        dynamo(args.registry, args.dynamo, ratios, chunks)
+    if args.vllm:
+        vllm_tier(args.vllm_registry or args.registry, args.vllm, ratios, chunks)
     return 0
 
 
