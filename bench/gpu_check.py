@@ -17,8 +17,13 @@
 6. Multi-GPU workers (two or more GPUs, else skipped with a message): a model spread over every
    visible GPU (`load_model(..., gpu_budgets=)`) captures the same KV rows as on one GPU; the
    memory plan's GPUs per worker for Llama-3.1-8B and 70B at this GPU's memory.
+7. The vLLM offloading tier's device path (kernels/vllm_offload.py; vLLM itself need not be
+   installed): 256-token chunks of a SmolLM2-geometry cache laid out as vLLM pages (bf16, 16-token
+   blocks, LBNHC) are read from the pages, coded on CUDA (fixed and ECSQ), decoded and written back
+   into other blocks: the blobs decode on the CPU to the same cache (fp tolerance), the restored
+   pages equal the CUDA decode, and store / load milliseconds per chunk and bytes per chunk print.
 
-    python bench/gpu_check.py [--skip-overhead]
+    python bench/gpu_check.py [--skip-overhead] [--only-offload]
 """
 from __future__ import annotations
 
@@ -194,19 +199,79 @@ def check_multi_gpu() -> bool:
     return len(used) == n and diff < 1e-4
 
 
+def check_vllm_offload(chunks: int = 8, block: int = 16, chunk_tokens: int = 256) -> bool:
+    """vLLM pages -> ChunkCodec on CUDA -> blob -> pages of other blocks; the CPU decodes the same blobs."""
+    from helpers.synthetic import synthetic_ecsq
+    from kvtc.kernels.vllm_offload import ChunkCodec, PageFormat
+
+    ok = True
+    spec = synthetic_ecsq(synthetic_spec(num_layers=30, kv_heads=3, head_dim=64, ratio=16.0, sinks=4, window=128))
+    L, H, D = spec.num_layers, spec.kv_heads, spec.head_dim
+    page = PageFormat(kv_heads=H, tokens=block, head_dim=D, dtype=torch.bfloat16, order="NHC")
+    per_chunk = chunk_tokens // block
+    nblocks = 2 * chunks * per_chunk
+    keys, values = synthetic_cache(spec, chunks * chunk_tokens, torch.bfloat16)
+    # vLLM's per-layer cache [B, N, H, K|V], the first chunks * per_chunk blocks holding the sequence
+    cells = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3).reshape(L, chunks * per_chunk, block, H, 2 * D)
+    layers = torch.zeros(L, nblocks, block, H, 2 * D, dtype=torch.bfloat16, device="cuda")
+    layers[:, :chunks * per_chunk] = cells.cuda()
+    pages = [layers[i].view(torch.int8).reshape(nblocks, page.page_bytes) for i in range(L)]
+    for mode in ("fixed", "ecsq"):
+        chunk = ChunkCodec(KVTCCodec(spec, mode=mode), list(range(L)))
+        cpu = ChunkCodec(KVTCCodec(spec, mode=mode, backend="torch"), list(range(L)))
+        store = load = 0.0
+        sizes, errs = [], []
+        for c in range(chunks):
+            src = torch.arange(c * per_chunk, (c + 1) * per_chunk, device="cuda")
+            dst = src + chunks * per_chunk
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            read = [page.read(p, src) for p in pages]
+            k, v = torch.stack([a for a, _ in read]), torch.stack([b for _, b in read])
+            blob = chunk.encode(k, v, c * chunk_tokens)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            dk, dv = chunk.decode(blob, torch.device("cuda"), c * chunk_tokens)
+            for i, p in enumerate(pages):
+                page.write(p, dst, dk[i], dv[i])
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            store, load, sizes = store + t1 - t0, load + t2 - t1, sizes + [len(blob)]
+            back = [page.read(p, dst) for p in pages]
+            ok &= bool(torch.equal(torch.stack([a for a, _ in back]), dk.to(torch.bfloat16)))
+            ck, cv = cpu.decode(blob, torch.device("cpu"), c * chunk_tokens)
+            errs.append(max(float((ck.float() - dk.float().cpu()).abs().max()),
+                            float((cv.float() - dv.float().cpu()).abs().max())))
+            ref = torch.cat([k, v]).float()
+            rel = float((torch.cat([dk, dv]).float() - ref).norm() / ref.norm())
+            ok &= rel < 0.5
+        raw = chunk_tokens * L * H * D * 2 * 2
+        ok &= max(errs) < 0.05
+        print(f"vllm offload {mode}: {np.mean(sizes):.0f} bytes per {chunk_tokens}-token chunk ({raw / np.mean(sizes):.2f}x "
+              f"below bf16), store {1e3 * store / chunks:.2f} ms, load {1e3 * load / chunks:.2f} ms per chunk, "
+              f"CUDA vs CPU decode max |diff| {max(errs):.2e}, last chunk rel. error {rel:.4f}")
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--only-offload", action="store_true", help="run section 7 (the vLLM offloading tier) alone")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device torch can see; nothing to check")
         return 2
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}")
+    if args.only_offload:
+        ok = check_vllm_offload()
+        print("GPU CHECK", "PASSED" if ok else "FAILED")
+        return 0 if ok else 1
     ok = check_kernels() & check_capture() & check_reducer() & check_reduce_task()
     import gpu_rans
 
     ok &= gpu_rans.check_identity() & gpu_rans.check_geometry(32768, 4096)
     ok &= check_multi_gpu()
+    ok &= check_vllm_offload()
     if not args.skip_overhead:
         subprocess.run([sys.executable, str(ROOT / "bench" / "worker_overhead.py"), "--device", "cuda",
                         "--sequences", "32", "--batch", "8"], check=False, env=os.environ.copy())

@@ -1,5 +1,7 @@
 """Dynamo export: what Dynamo's KVTC kernels can run, refusals, the real ratio, and a numpy round trip
-with Dynamo's documented math ((x - mean) @ P, IntX min/max per row per range, c @ P.T + mean)."""
+with Dynamo's documented math ((x - mean) @ P, IntX min/max per row per range, c @ P.T + mean), for
+token rows and for block rows (a row = one KVBM block region: tokens_per_block x heads x head_dim),
+and the tensor-parallel rank mapping."""
 from __future__ import annotations
 
 import json
@@ -10,9 +12,12 @@ import pytest
 from kvtc.artifacts import publish, pull
 from kvtc.artifacts.cli import main as cli
 from kvtc.artifacts.export import DynamoExportOptions, ExportError, export_dynamo
+from kvtc.artifacts.groups import parse_groups
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from helpers.toy_artifacts import toy_content
 
 PAGED_KEPT = dict(groups=[[0, 1], [1, 2]])
+TOKEN = DynamoExportOptions(layout="token")
 
 
 def _artifact(tmp_path, keys: str = "rope-kept", **kw):
@@ -38,8 +43,8 @@ def _intx(c: np.ndarray, bits: int) -> np.ndarray:
 def test_round_trip_with_dynamos_math(tmp_path):
     art, content = _artifact(tmp_path)
     out = tmp_path / "out"
-    doc = json.loads(export_dynamo(art, 4, out).read_text())
-    assert doc["keys"] == "rope-kept" and doc["layout"] == "paged" and len(doc["configs"]) == 4
+    doc = json.loads(export_dynamo(art, 4, out, TOKEN).read_text())
+    assert doc["keys"] == "rope-kept" and doc["layout"] == "token" and len(doc["configs"]) == 4
     rng = np.random.default_rng(0)
     for config in doc["configs"]:
         mean, P = _load(out, config)
@@ -69,7 +74,7 @@ def test_round_trip_with_dynamos_math(tmp_path):
 
 def test_fp8_blocks_become_int8_and_the_real_ratio_counts_64_bits_per_range(tmp_path):
     art, content = _artifact(tmp_path)
-    doc = json.loads(export_dynamo(art, 4, tmp_path / "out").read_text())
+    doc = json.loads(export_dynamo(art, 4, tmp_path / "out", TOKEN).read_text())
     for config in doc["configs"]:
         ranges = config["ranges"]
         assert all(r["quant_type"] == "IntX" and r["int_bits"] in (1, 2, 4, 8) for r in ranges)
@@ -104,7 +109,7 @@ def test_odd_widths_export_at_the_next_dynamo_width(tmp_path):
     content.calibration["keys"] = "rope-kept"
     content.allocations[(8.0, "values", 0)]["blocks"][0] = (0, 4, "int3", 3, 32)
     art = pull("toy", registry=publish(content, tmp_path / "reg").registry)
-    doc = json.loads(export_dynamo(art, 8, tmp_path / "out").read_text())
+    doc = json.loads(export_dynamo(art, 8, tmp_path / "out", TOKEN).read_text())
     config = next(c for c in doc["configs"] if c["stream"] == "values" and c["group"] == 0)
     assert config["ranges"][0]["int_bits"] == 4 and config["ranges"][0]["from"] == "int3"
 
@@ -115,7 +120,7 @@ def test_cli_prints_the_real_ratio_and_exits_2_on_refusal(tmp_path, capsys):
     assert cli(["export", "toy", "--ratio", "4", "--to", str(tmp_path / "o"), "--registry", reg]) == 2
     assert "--allow-rope-removed" in capsys.readouterr().err
     assert cli(["export", "toy", "--ratio", "4", "--to", str(tmp_path / "o"), "--registry", reg,
-                "--allow-rope-removed"]) == 0
+                "--allow-rope-removed", "--layout", "token"]) == 0
     assert "Dynamo's 64-bit min/max" in capsys.readouterr().out
 
 
@@ -139,10 +144,10 @@ def test_a_range_of_partial_bytes_is_padded_with_zero_columns_or_refused(tmp_pat
     raw = [{"start_idx": 0, "end_idx": 3, "int_bits": 2}, {"start_idx": 3, "end_idx": 8, "int_bits": 4}]
     assert _dynamo_writes(raw, 16) > _dynamo_buffer(raw, 16)  # as allocated, Dynamo's kernel would overrun
     with pytest.raises(ExportError, match="--ranges pad"):
-        export_dynamo(art, 4, tmp_path / "refused", DynamoExportOptions(ranges="refuse"))
+        export_dynamo(art, 4, tmp_path / "refused", DynamoExportOptions(ranges="refuse", layout="token"))
     assert not (tmp_path / "refused").exists()
     out = tmp_path / "out"
-    doc = json.loads(export_dynamo(art, 4, out, DynamoExportOptions(batch=16)).read_text())
+    doc = json.loads(export_dynamo(art, 4, out, DynamoExportOptions(batch=16, layout="token")).read_text())
     config = next(c for c in doc["configs"] if c["stream"] == "keys" and c["group"] == 0)
     ranges = config["ranges"]
     assert [(r["start_idx"], r["end_idx"], r["zero_columns"]) for r in ranges] == [(0, 4, 1), (4, 10, 1)]
@@ -155,3 +160,88 @@ def test_a_range_of_partial_bytes_is_padded_with_zero_columns_or_refused(tmp_pat
     c = (x - mean) @ P
     np.testing.assert_array_equal(c[:, [3, 9]], 0)  # zero columns code 0 and add nothing back
     assert config["dynamo_bits_per_row"] == 8 * (1 + 8 + 3 + 8)
+
+
+def _dynamo_round_trip(x: np.ndarray, mean: np.ndarray, P: np.ndarray, ranges: list[dict]) -> np.ndarray:
+    c = (x - mean) @ P
+    c_hat = np.concatenate([_intx(c[:, r["start_idx"]:r["end_idx"]], r["int_bits"]) for r in ranges], axis=1)
+    return c_hat @ P.T + mean
+
+
+def test_block_rows_are_kvbm_block_regions_and_round_trip_with_dynamos_math(tmp_path):
+    art, content = _artifact(tmp_path)
+    T = 4
+    token_doc = json.loads(export_dynamo(art, 4, tmp_path / "tok", TOKEN).read_text())
+    out = tmp_path / "blk"
+    doc = json.loads(export_dynamo(art, 4, out, DynamoExportOptions(tokens_per_block=T, batch=8)).read_text())
+    assert doc["layout"] == "block" and doc["row_layout"]["order"] == ["token", "kv_head", "head_dim"]
+    rng = np.random.default_rng(2)
+    for config, per_token in zip(doc["configs"], token_doc["configs"]):
+        p = per_token["features"]
+        assert config["features"] == T * p and config["tokens_per_row"] == T
+        mean, P = _load(out, config)
+        tmean, tP = _load(tmp_path / "tok", per_token)
+        np.testing.assert_array_equal(mean, np.tile(tmean, T))
+        # without quantization a block row projects and reconstructs exactly as its tokens do one by one
+        src_mean, eig, comps = content.bases[(config["stream"], config["group"])]
+        tokens = src_mean + (rng.standard_normal((3 * T, p)) * np.sqrt(eig)).astype(np.float32) @ comps.T
+        blocks = tokens.reshape(3, T * p)  # a KVBM region: token-major, each token (heads, head_dim)
+        per_tok = ((tokens - tmean) @ tP) @ tP.T + tmean
+        np.testing.assert_allclose((((blocks - mean) @ P) @ P.T + mean).reshape(3 * T, p), per_tok, atol=1e-4)
+        # range j of a block row holds range j's components of every token
+        for rb, rt in zip(config["ranges"], per_token["ranges"]):
+            assert rb["int_bits"] == rt["int_bits"]
+            assert rb["end_idx"] - rb["start_idx"] - rb["zero_columns"] == T * (rt["end_idx"] - rt["start_idx"]
+                                                                               - rt["zero_columns"])
+        assert all((r["end_idx"] - r["start_idx"]) * r["int_bits"] % 8 == 0 for r in config["ranges"])
+        # with Dynamo's IntX (one min/max per block and range) the error stays near the per-token rows'
+        x_blk = _dynamo_round_trip(blocks, mean, P, config["ranges"]).reshape(3 * T, p)
+        x_tok = _dynamo_round_trip(tokens, tmean, tP, per_token["ranges"])
+        rel_blk = np.linalg.norm(x_blk - tokens) / np.linalg.norm(tokens - src_mean)
+        rel_tok = np.linalg.norm(x_tok - tokens) / np.linalg.norm(tokens - src_mean)
+        assert rel_blk < 2 * rel_tok + 0.05, (rel_blk, rel_tok)
+        # 64 bits of min/max per range per block, not per token: fewer bytes per token than token rows
+        assert config["dynamo_bits_per_row"] / T < per_token["dynamo_bits_per_row"]
+        assert config["projection_bytes"] == 4 * T * p * config["pca_components"]
+    assert doc["dynamo_ratio"] > token_doc["dynamo_ratio"]
+
+
+def test_block_rows_refuse_cross_layer_groups_and_oversized_projections(tmp_path):
+    wide, _ = _artifact(tmp_path / "a", groups=[[0, 2]])
+    with pytest.raises(ExportError, match="one layer's block region.*--groups layer"):
+        export_dynamo(wide, 4, tmp_path / "o1")
+    kept, _ = _artifact(tmp_path / "b")
+    with pytest.raises(ExportError, match=r"dense 512 x \d+ projection .*--layout token"):
+        export_dynamo(kept, 4, tmp_path / "o2", DynamoExportOptions(tokens_per_block=32, max_projection_mb=0.01))
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def _tp_artifact(tmp_path, tp: int, kv_heads: int = 2):
+    """A toy per-rank artifact: one group per layer and distinct head range (as kvtc calibrate --tp --groups layer)."""
+    layout = TensorParallelLayout(tp, kv_heads)
+    groups = [{"layers": [layer], "heads": list(h)} for layer in range(2) for h in layout.shards]
+    content = toy_content(num_kv_heads=kv_heads, head_dim=16, groups=groups)
+    content.calibration["keys"] = "rope-kept"
+    content.calibration["tensor_parallel"] = layout.to_dict(parse_groups(groups))
+    return pull("toy", registry=publish(content, tmp_path / "reg").registry), content
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_rank_maps_to_its_heads_and_configs(tmp_path, tp):
+    art, content = _tp_artifact(tmp_path, tp)
+    out = tmp_path / "out"
+    doc = json.loads(export_dynamo(art, 4, out, DynamoExportOptions(tokens_per_block=2, tp=tp)).read_text())
+    section = doc["tensor_parallel"]
+    assert section["tp"] == tp and [r["rank"] for r in section["ranks"]] == list(range(tp))
+    layout = TensorParallelLayout(tp, 2)
+    for rank in section["ranks"]:
+        h0, h1 = layout.heads(rank["rank"])
+        assert rank["heads"] == [h0, h1]
+        mine = [c for c in doc["configs"] if rank["rank"] in c["ranks"]]
+        assert len(mine) == 4  # 2 layers x keys, values
+        for c in mine:
+            assert c["features_per_token"] == (h1 - h0) * 16  # the rank's region: its heads only
+    if tp == 4:  # two ranks per head share one config and its files
+        assert sorted(len(c["ranks"]) for c in doc["configs"]) == [2] * len(doc["configs"])
+    with pytest.raises(ExportError, match=f"calibrated for TP {tp}.*--tp 1 deployment"):
+        export_dynamo(art, 4, tmp_path / "o", DynamoExportOptions(tp=1))
