@@ -45,7 +45,7 @@ import numpy as np
 from kvtc.artifacts.artifact import Artifact
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.schema import STREAMS
-from kvtc.artifacts.safe_io import write_contained
+from kvtc.artifacts.local_files import Outputs
 
 FORMAT = "kvtc-dynamo/3"
 DYNAMO_INT_BITS = (1, 2, 4, 8)
@@ -147,9 +147,9 @@ def buffer_bytes(ranges: list[dict], batch: int) -> int:
                for r in ranges)
 
 
-def _write(out: Path, name: str, array: np.ndarray) -> dict:
+def _write(out: Outputs, name: str, array: np.ndarray) -> dict:
     data = np.ascontiguousarray(array, dtype="<f4").tobytes()
-    path = write_contained(out, name, data)  # never through a symlink planted in the output folder
+    path = out.add(name, data)  # all files or none, never through a link or FIFO planted in the folder
     return {"file": path.name, "shape": list(array.shape), "dtype": "float32", "byte_order": "little",
             "order": "row-major", "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -183,8 +183,7 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
         where = f"{artifact.name}@{artifact.version} ratio {ratio:g} {stream} group {group}"
         columns, ranges = dynamo_ranges(artifact.allocation(ratio, stream, group), options.fp8, where)
         plans.append((entry, *pad_ranges(columns, ranges, options.ranges, where)))
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Outputs(directory)
     configs = []
     for entry, columns, ranges in plans:
         stream, group = entry["stream"], entry["group"]
@@ -224,5 +223,6 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
            **({"layers": model["layers"]} if model.get("layers") else {}),  # per-layer kinds and RoPE
            "sinks": calibration.sinks, "window": calibration.window,
            "kernel_bundle_hash": artifact.manifest.get("kernel_bundle_hash"), "configs": configs}
-    path = write_contained(out, "dynamo_kvtc.json", (json.dumps(doc, indent=2) + "\n").encode())
+    path = out.add("dynamo_kvtc.json", (json.dumps(doc, indent=2) + "\n").encode())
+    out.commit()
     return path

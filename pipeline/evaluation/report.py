@@ -273,10 +273,10 @@ def _handler(args: argparse.Namespace) -> int:
         with open(args.quality) as f:
             quality = json.load(f)
     out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
-    from kvtc.artifacts.safe_io import write_contained
+    from kvtc.artifacts.local_files import write_outputs
 
-    for rel, data in build_from_artifact(art, quality).items():
-        print(write_contained(out, rel, data))  # refuses to leave `out` or to follow a symlink
+    for path in write_outputs(out, build_from_artifact(art, quality)):  # whole, never through a planted link
+        print(path)
     print(f"kvtc report: wrote {out}", file=sys.stderr)
     return 0
 
