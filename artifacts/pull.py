@@ -129,6 +129,10 @@ def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = Non
         except IntegrityError:
             shutil.rmtree(dest, ignore_errors=True)
     if artifact is None:
+        if dest.is_symlink() or (os.path.lexists(dest) and not dest.is_dir()):
+            dest.unlink()
+        elif dest.exists():  # a cache entry without its manifest (or with a special one): fetched again
+            shutil.rmtree(dest, ignore_errors=True)
         damaged = _download(reg, name, version, manifest_bytes, manifest, dest, signature)
         artifact = Artifact(dest, manifest, verify=False)
         artifact.damaged = damaged
