@@ -147,7 +147,8 @@ class ShardStore:
         device, directory or symlink; locally inside the store's root), its size known before reading."""
         fs, _ = self._fs_and_base
         local = isinstance(fs, LocalFileSystem)
-        return open_untrusted(fs, local, path, what, limit=limit, root=self.root if local else None)
+        root = fsspec.core.url_to_fs(self.root)[1] if local else None  # file:// URIs too
+        return open_untrusted(fs, local, path, what, limit=limit, root=root)
 
     def get_bytes(self, shard_id: str, kind: str) -> bytes:
         """An entry's bytes: its safetensors header (at most 64 MiB) is read first and the object must be
