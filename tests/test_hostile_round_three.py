@@ -71,6 +71,9 @@ def test_nested_containers_end_in_a_blob_error_without_recursion(hostile):
     ended = hostile.nested_containers()
     _all_clean(ended)
     assert all(e.how == "BlobError" for e in ended)  # the message names the nesting
+    codec, blob = hostile._layered(0)  # a container that does not nest still decodes
+    keys, values = codec.decode(blob)
+    assert [tuple(k.shape) for k in keys] == [(1, 6, 8), (1, 4, 8)]
 
 
 def test_short_inputs_declaring_long_caches_are_refused_before_they_cost_memory(hostile, monkeypatch):
