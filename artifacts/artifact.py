@@ -14,12 +14,15 @@ from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError
 from kvtc.artifacts.blocks import Block
 from kvtc.artifacts.groups import FeatureGroup, parse_groups
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
+from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, open_untrusted, read_limited
 from kvtc.artifacts.schema import STREAMS
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, limit: int | None = None, what: str = "file") -> str:
+    """sha256 of a regular file (safe_io.open_untrusted: no FIFO, device or symlink; at most `limit` bytes)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    handle, _ = open_untrusted(None, True, str(path), what, limit=limit)
+    with handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -65,13 +68,17 @@ def verify_folder(folder: Path, manifest: dict, where: str) -> list[str]:
     for rel, expected in manifest["files"].items():
         problem = None
         path = contained(folder, rel)
-        if not path.is_file():
+        try:
+            size = os.lstat(path).st_size
+            if size != expected["size"]:
+                problem = (f"{where}: file {rel} has {size} bytes, manifest says {expected['size']} "
+                           "(truncated or replaced); refusing it")
+            elif file_sha256(path, expected["size"], f"{where}: file") != expected["sha256"]:
+                problem = f"{where}: file {rel} fails its sha256 check (tampered or corrupt); refusing it"
+        except FileNotFoundError:
             problem = f"{where}: file {rel} is missing"
-        elif path.stat().st_size != expected["size"]:
-            problem = (f"{where}: file {rel} has {path.stat().st_size} bytes, manifest says {expected['size']} "
-                       "(truncated or replaced); refusing it")
-        elif file_sha256(path) != expected["sha256"]:
-            problem = f"{where}: file {rel} fails its sha256 check (tampered or corrupt); refusing it"
+        except IntegrityError as exc:
+            problem = str(exc)
         if problem and rel not in extras:
             raise IntegrityError(problem)
         if problem:
@@ -93,9 +100,10 @@ class Artifact:
             manifest_path = self.path / MANIFEST
             if not manifest_path.is_file():
                 raise ArtifactNotFoundError(f"{self.path} holds no {MANIFEST}; is it an artifact version folder?")
-            data = manifest_path.read_bytes()
+            data = read_limited(None, True, str(manifest_path), MANIFEST_LIMIT, "manifest")
             digest_path = self.path / DIGEST_FILE
-            check_digest(data, digest_path.read_bytes() if digest_path.is_file() else None, None, str(self.path))
+            digest = read_limited(None, True, str(digest_path), SMALL_FILE, "digest file") if digest_path.is_file() else None
+            check_digest(data, digest, None, str(self.path))
             manifest = decode_manifest(data, str(self.path))
         self.manifest = manifest
         self.name: str = manifest["name"]

@@ -66,7 +66,7 @@ import numpy as np
 from kvtc.artifacts.artifact import Artifact
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.schema import STREAMS
-from kvtc.artifacts.safe_io import write_contained
+from kvtc.artifacts.local_files import Outputs
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 
 FORMAT = "kvtc-dynamo/4"
@@ -191,9 +191,9 @@ def buffer_bytes(ranges: list[dict], batch: int) -> int:
                for r in ranges)
 
 
-def _write(out: Path, name: str, array: np.ndarray) -> dict:
+def _write(out: Outputs, name: str, array: np.ndarray) -> dict:
     data = np.ascontiguousarray(array, dtype="<f4").tobytes()
-    path = write_contained(out, name, data)  # never through a symlink planted in the output folder
+    path = out.add(name, data)  # all files or none, never through a link or FIFO planted in the folder
     return {"file": path.name, "shape": list(array.shape), "dtype": "float32", "byte_order": "little",
             "order": "row-major", "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -289,8 +289,7 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
                               "Dynamo's GEMM has no block-diagonal form. Export --layout token (one pointer per "
                               "token) or a smaller --tokens-per-block")
         plans.append((entry, columns, ranges))
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Outputs(directory)
     configs = []
     for entry, columns, ranges in plans:
         stream, group = entry["stream"], entry["group"]
@@ -336,5 +335,6 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
            **({"layers": model["layers"]} if model.get("layers") else {}),  # per-layer kinds and RoPE
            "sinks": cal.sinks, "window": cal.window,
            "kernel_bundle_hash": artifact.manifest.get("kernel_bundle_hash"), "configs": configs}
-    path = write_contained(out, "dynamo_kvtc.json", (json.dumps(doc, indent=2) + "\n").encode())
+    path = out.add("dynamo_kvtc.json", (json.dumps(doc, indent=2) + "\n").encode())
+    out.commit()
     return path

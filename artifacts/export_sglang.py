@@ -45,7 +45,7 @@ import numpy as np
 from kvtc.artifacts.artifact import Artifact
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.export import ExportError, refuse_latent
-from kvtc.artifacts.safe_io import write_contained
+from kvtc.artifacts.local_files import Outputs
 from kvtc.artifacts.schema import STREAMS
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 
@@ -196,7 +196,8 @@ def export_sglang(artifact: Artifact, ratio: float, directory: str | Path, *, tp
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    path = write_contained(out, SGLANG_FILE, buffer.getvalue())  # never through a planted symlink
+    outputs = Outputs(out)  # both files or neither, never through a planted link or FIFO
+    path = outputs.add(SGLANG_FILE, buffer.getvalue())
     workers = []
     for worker, rank, s, _ in plan:
         rows = [r for r in summary if r["worker"] == worker]
@@ -206,11 +207,12 @@ def export_sglang(artifact: Artifact, ratio: float, directory: str | Path, *, tp
     features = sum(s["features"] for s in summary)
     total_bits = sum(s["bits_per_token"] for s in summary)
     doc = {"format": "kvtc-sglang/2", "file": SGLANG_FILE, "file_version": SGLANG_FILE_VERSION,
-           "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "artifact": artifact.name,
+           "sha256": hashlib.sha256(outputs.files[SGLANG_FILE]).hexdigest(), "artifact": artifact.name,
            "version": artifact.version, "ratio": float(ratio), "tp": ranks, "pp": len(stages),
            "pp_layers": [list(s) for s in stages], "keys": cal.keys, "sinks": cal.sinks,
            "window": cal.window, "rope": artifact.manifest["model"].get("rope"),
            "bytes_per_token": total_bits / 8, "sglang_ratio": round(16 * features / total_bits, 3),
            "workers": workers, "streams": summary}
-    write_contained(out, path.with_suffix(".json").name, (json.dumps(doc, indent=2) + "\n").encode())
+    outputs.add(path.with_suffix(".json").name, (json.dumps(doc, indent=2) + "\n").encode())
+    outputs.commit()
     return path

@@ -1,10 +1,16 @@
-"""Local files: the one cache root and the one atomic write every part of kvtc uses."""
+"""Local files: the one cache root and the one atomic write every part of kvtc uses.
+
+Every file the CLI writes for a user (export, report, pull --to, keygen) goes through `write_outputs`:
+temp files in the target folder renamed into place, so nothing planted there is written through, and
+a multi-file output is whole or absent."""
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Mapping
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -51,3 +57,85 @@ def atomic_write(target: str | os.PathLike, data: bytes | Callable[[BinaryIO], i
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    """Refuse a target that is a symlink, FIFO, device or directory (and, without overwrite, anything)."""
+    from kvtc.artifacts.errors import IntegrityError
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not overwrite:
+        raise FileExistsError(f"{path} already exists; choose another name (it is never overwritten)")
+    if not stat.S_ISREG(mode):
+        kind = ("a symlink" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a directory" if stat.S_ISDIR(mode) else "a special file")
+        raise IntegrityError(f"{path} is {kind}; refusing to write through it (remove it, or choose another folder)")
+
+
+def write_outputs(root: str | os.PathLike, files: Mapping[str, bytes], *, overwrite: bool = True,
+                  modes: Mapping[str, int] | None = None) -> list[Path]:
+    """Write `files` ({path relative to root: bytes}) into `root`, all of them or none: every target is
+    checked first (contained in root with symlinks resolved; a symlink, FIFO, device or directory there is
+    refused, IntegrityError), each is written to a temp file in its own folder and fsynced, then all are
+    renamed into place, so a file planted there (a hardlink included) is replaced, never written through,
+    and a failure before the renames leaves the folder as it was. overwrite=False refuses any existing
+    target (FileExistsError; link(2), so no race clobbers one). modes: a file's mode instead of the umask's."""
+    from kvtc.artifacts.safe_io import contained_path
+
+    os.makedirs(root, exist_ok=True)
+    targets = []
+    for rel in files:
+        path = contained_path(root, rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path = contained_path(root, rel)  # a parent created meanwhile is checked again
+        _check_target(path, overwrite)
+        targets.append(path)
+    staged: list[str] = []
+    placed: list[Path] = []
+    try:
+        for path, data in zip(targets, files.values()):
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            staged.append(tmp)
+            mode = (modes or {}).get(str(os.path.relpath(path, root)).replace(os.sep, "/"))
+            os.fchmod(fd, mode if mode is not None else 0o666 & ~process_umask())
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        for path, tmp in zip(targets, staged):
+            if overwrite:
+                _check_target(path, True)
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)
+                os.unlink(tmp)
+            placed.append(path)
+    except BaseException:
+        for tmp in staged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if not overwrite:  # no-clobber: what this call created goes again, so it is all or nothing
+            for path in placed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        raise
+    return targets
+
+
+class Outputs:
+    """One output folder's files, collected (`add`) and written whole or not at all (`commit`, write_outputs)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.files: dict[str, bytes] = {}
+
+    def add(self, rel: str, data: bytes) -> Path:
+        """Queue `data` for root / rel; -> that path (written on commit)."""
+        self.files[rel] = bytes(data)
+        return self.root / rel
+
+    def commit(self) -> list[Path]:
+        return write_outputs(self.root, self.files)

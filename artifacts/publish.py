@@ -23,6 +23,7 @@ from kvtc.artifacts.errors import ArtifactNotFoundError, VersionExistsError
 from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIGNATURE_FILE, build_files, build_manifest,
                                      encode_manifest, manifest_digest)
 from kvtc.artifacts.registry import RESERVED_ALIASES, Registry, as_registry, split_ref
+from kvtc.artifacts.local_files import write_outputs
 from kvtc.artifacts.safe_io import SMALL_FILE
 from kvtc.artifacts.schema import ArtifactContent
 
@@ -53,11 +54,7 @@ def _pause(point: str) -> None:
 
 
 def _write_local(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_outputs(os.path.dirname(path), {os.path.basename(path): data})  # temp + rename, never through a link
 
 
 def _sweep_staging(directory: str) -> None:

@@ -21,7 +21,8 @@ from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.local_files import cache_root  # noqa: F401  (also imported from here)
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manifest_digest
 from kvtc.artifacts.registry import Registry, as_registry, split_ref
-from kvtc.artifacts.safe_io import write_contained
+from kvtc.artifacts.local_files import write_outputs
+from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, read_limited
 
 PUBLIC_KEY_ENV = "KVTC_PUBLIC_KEY"            # default Ed25519 public key (PEM path) to check signatures with
 REQUIRE_SIGNATURE_ENV = "KVTC_REQUIRE_SIGNATURE"  # "1": refuse unsigned versions
@@ -46,11 +47,15 @@ def _download(reg: Registry, name: str, version: str, manifest_bytes: bytes, man
             target = contained(staging, rel)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                reg.copy_file(f"{prefix}/{rel}", target, entry["size"], f"{reg.uri}: {name}@{version}: file")
+                try:
+                    reg.copy_file(f"{prefix}/{rel}", target, entry["size"], f"{reg.uri}: {name}@{version}: file")
+                except FileNotFoundError:
+                    raise IntegrityError(f"{reg.uri}: {name}@{version}: file {rel} is listed in the manifest but "
+                                         "missing from the registry (deleted?); republish the version") from None
             except IntegrityError:
                 if rel not in extras:
                     raise
-                target.unlink(missing_ok=True)  # an oversized or special optional file: left out, reported damaged
+                target.unlink(missing_ok=True)  # a missing, oversized or special optional file: reported damaged
         damaged = verify_folder(staging, manifest, f"{reg.uri}: {name}@{version}")
         (staging / DIGEST_FILE).write_bytes((manifest_digest(manifest_bytes) + "\n").encode())
         if signature is not None:
@@ -118,12 +123,16 @@ def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = Non
     artifact = None
     if (dest / MANIFEST).is_file():
         try:
-            if (dest / MANIFEST).read_bytes() != manifest_bytes:
+            if read_limited(None, True, str(dest / MANIFEST), MANIFEST_LIMIT, "cached manifest") != manifest_bytes:
                 raise IntegrityError(f"cached manifest of {name}@{version} differs from the registry's")
             artifact = Artifact(dest, manifest, verify=verify)
         except IntegrityError:
             shutil.rmtree(dest, ignore_errors=True)
     if artifact is None:
+        if dest.is_symlink() or (os.path.lexists(dest) and not dest.is_dir()):
+            dest.unlink()
+        elif dest.exists():  # a cache entry without its manifest (or with a special one): fetched again
+            shutil.rmtree(dest, ignore_errors=True)
         damaged = _download(reg, name, version, manifest_bytes, manifest, dest, signature)
         artifact = Artifact(dest, manifest, verify=False)
         artifact.damaged = damaged
@@ -144,9 +153,12 @@ def copy_to(artifact: Artifact, directory: str | os.PathLike) -> Path:
     if (target / MANIFEST).exists():
         raise ValueError(f"{target} already holds an artifact; choose an empty directory")
     target.mkdir(parents=True, exist_ok=True)
+    files = {}
     for rel in [*artifact.manifest["files"], DIGEST_FILE, SIGNATURE_FILE, MANIFEST]:
         source = artifact.path / rel
         if rel in artifact.damaged or not source.is_file():
             continue
-        write_contained(target, rel, source.read_bytes())
+        size = artifact.manifest["files"].get(rel, {}).get("size", SMALL_FILE) if rel != MANIFEST else MANIFEST_LIMIT
+        files[rel] = read_limited(None, True, str(source), size, f"cached file of {artifact.name}@{artifact.version}")
+    write_outputs(target, files)  # the whole copy or nothing, never through a planted link
     return target

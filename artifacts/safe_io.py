@@ -3,8 +3,11 @@
 Reads (`read_limited`, `copy_limited`) open local files with O_NOFOLLOW | O_NONBLOCK and refuse
 anything but a regular file (a FIFO would hang, a device or /dev/zero would never end, a symlink
 may point anywhere), and read at most `limit` bytes; object-store objects are streamed with the same
-limit. Writes (`write_contained`) stay under their root: the path is checked with symlinks resolved
-and the file is opened with O_NOFOLLOW, so a planted symlink is refused, never followed.
+limit. `open_untrusted` is the one way to open a file kvtc did not just write (the statistics store,
+held-out rows, the registry, the pull cache, the store key): regular files only, checked with fstat
+before a byte is read, its size known (and limited) first. Writes (`write_contained`) stay under their
+root and go through a temp file renamed into place (kvtc.artifacts.local_files.write_outputs), so a
+planted symlink, FIFO or hardlink is refused or replaced, never written through.
 """
 from __future__ import annotations
 
@@ -63,29 +66,66 @@ def _stream(source: BinaryIO, sink: Any, limit: int, what: str, path: str) -> in
         sink(chunk)
 
 
-def _open(fs: Any, local: bool, path: str, what: str) -> BinaryIO:
+def _contained(path: str, root: str | None, what: str) -> None:
+    if root is None:
+        return
+    real_root = os.path.realpath(root).rstrip(os.sep) + os.sep
+    if not os.path.realpath(path).startswith(real_root):
+        raise IntegrityError(f"{what} {path} resolves outside {root} (a symlinked folder?); refusing it")
+
+
+def open_untrusted(fs: Any, local: bool, path: str, what: str, *, limit: int | None = None,
+                   root: str | None = None) -> tuple[BinaryIO, int]:
+    """(open binary handle, size) of a regular file or object: the one way kvtc opens a file it did not just
+    write. Local: opened with O_NOFOLLOW | O_NONBLOCK and checked with fstat (a FIFO never blocks, a
+    device, directory or symlink is refused), and, with `root`, refused when its folders resolve outside
+    root. Object stores: its listing must say "file". With `limit`, a larger file is refused before a
+    byte of it is read. IntegrityError names the path; FileNotFoundError when it is absent."""
     if local:
-        return os.fdopen(open_regular(path, what), "rb")
-    try:
+        _contained(path, root, what)
+        fd = open_regular(path, what)
+        size = os.fstat(fd).st_size
+        handle: BinaryIO = os.fdopen(fd, "rb")
+    else:
         info = fs.info(path)
-    except FileNotFoundError:
-        raise
-    if info.get("type") not in (None, "file"):
-        raise IntegrityError(f"{what} {path} is a {info.get('type')}, not a file; refusing it")
-    return fs.open(path, "rb", block_size=_CHUNK)
+        if info.get("type") not in (None, "file"):
+            raise IntegrityError(f"{what} {path} is a {info.get('type')}, not a file; refusing it")
+        size = int(info.get("size") or 0)
+        handle = None  # opened below, after the size check
+    if limit is not None and size > limit:
+        if handle is not None:
+            handle.close()
+        raise _too_big(what, path, limit)
+    return (handle if handle is not None else fs.open(path, "rb", block_size=_CHUNK)), size
+
+
+def _open(fs: Any, local: bool, path: str, what: str, limit: int | None = None) -> BinaryIO:
+    return open_untrusted(fs, local, path, what, limit=limit)[0]
 
 
 def read_limited(fs: Any, local: bool, path: str, limit: int, what: str) -> bytes:
     """The bytes of a regular file or object, at most `limit` of them (IntegrityError beyond)."""
     parts: list[bytes] = []
-    with _open(fs, local, path, what) as source:
+    with _open(fs, local, path, what, limit) as source:
         _stream(source, parts.append, limit, what, path)
+    return b"".join(parts)
+
+
+def read_exactly(source: BinaryIO, n: int, what: str, path: str) -> bytes:
+    """n bytes from an open handle, read in bounded chunks; IntegrityError when it ends sooner."""
+    parts, got = [], 0
+    while got < n:
+        chunk = source.read(min(_CHUNK, n - got))
+        if not chunk:
+            raise IntegrityError(f"{what} {path} ends after {got} of its {n} bytes (truncated or replaced); refusing it")
+        parts.append(chunk)
+        got += len(chunk)
     return b"".join(parts)
 
 
 def copy_limited(fs: Any, local: bool, path: str, target: Path, limit: int, what: str) -> int:
     """Stream a regular file or object into a new file `target` (never a symlink), at most `limit` bytes."""
-    with _open(fs, local, path, what) as source, _create(target) as sink:
+    with _open(fs, local, path, what, limit) as source, _create(target) as sink:
         return _stream(source, sink.write, limit, what, path)
 
 
@@ -112,11 +152,8 @@ def contained_path(root: str | os.PathLike, rel: str) -> Path:
 
 
 def write_contained(root: str | os.PathLike, rel: str, data: bytes) -> Path:
-    """Write `data` to root / rel (parents created), refusing to leave root or to follow a symlink."""
-    os.makedirs(root, exist_ok=True)
-    path = contained_path(root, rel)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path = contained_path(root, rel)  # a parent created meanwhile is checked again
-    with _create(path) as handle:
-        handle.write(data)
-    return path
+    """Write `data` to root / rel (parents created) through a temp file renamed into place, refusing to
+    leave root or to write through a symlink, FIFO or device (local_files.write_outputs)."""
+    from kvtc.artifacts.local_files import write_outputs
+
+    return write_outputs(root, {rel: data})[0]

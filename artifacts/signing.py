@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 
 from kvtc.artifacts.errors import InputError, IntegrityError
+from kvtc.artifacts.local_files import write_outputs
+from kvtc.artifacts.safe_io import SMALL_FILE, read_limited
 
 ALGORITHM = "ed25519"
 _CONTEXT = b"kvtc-manifest-v1\0"  # domain separation: a manifest signature is never valid for anything else
@@ -32,7 +34,7 @@ def _crypto():
 
 def _read_key_file(path: str | os.PathLike, what: str) -> bytes:
     try:
-        return Path(path).expanduser().read_bytes()
+        return read_limited(None, True, str(Path(path).expanduser()), SMALL_FILE, f"{what} key file")
     except OSError as exc:
         raise ValueError(f"cannot read the {what} key file {path}: {exc.strerror or exc}") from None
 
@@ -111,9 +113,7 @@ def generate_keypair(prefix: str | os.PathLike) -> tuple[Path, Path]:
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(private)
-    with open(public_path, "xb") as handle:
-        handle.write(public)
+    folder = private_path.parent
+    write_outputs(folder, {private_path.name: private, public_path.name: public}, overwrite=False,
+                  modes={private_path.name: 0o600})  # both or neither, never over a planted file
     return private_path, public_path

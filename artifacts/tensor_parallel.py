@@ -52,7 +52,7 @@ class TensorParallelLayout:
 
     def shard_of(self, rank: int) -> int:
         """Index into `shards` of the head range rank `rank` holds."""
-        if not isinstance(rank, int) or not 0 <= rank < self.tp:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.tp:
             raise ValueError(f"rank must be an integer in [0, {self.tp}) for TP size {self.tp}, got {rank!r}")
         return rank // self.replicas if self.tp > self.kv_heads else rank
 

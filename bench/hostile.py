@@ -2,11 +2,14 @@
 loopback), fuzzed codec blobs in both modes, and issue 21's families: ECSQ inflation bombs and cut
 ANS streams, version-id pins, files swapped after verification, special files (FIFO, directory,
 /dev/zero), oversized objects, stale `published/` markers, writes through planted symlinks and
-crafted statistics objects. Each case must end in a clear error or a correct result, with nothing
-written outside a root; prints how each family ended, and the cost of the verified pull against
-hashing the same files (the baseline, measured in the same run).
+crafted statistics objects; and issue 28's: special files (FIFO, directory, /dev/zero and outside
+links, hardlinks) in the statistics store, held-out rows, store key, pull cache and every output folder,
+nested per-layer containers, and short inputs declaring long caches (peak RSS over input bytes, time to
+refusal). Each case must end in a clear error or a correct result, with nothing written outside a root;
+prints how each family ended, and the cost of the verified pull against hashing the same files (the
+baseline, measured in the same run).
 
-    .venv/bin/python bench/hostile.py [--blobs 20000] [--race-seconds 10]
+    .venv/bin/python bench/hostile.py [--blobs 20000] [--race-seconds 10] [--round-three] [--geometry 30,3,64]
 """
 from __future__ import annotations
 
@@ -484,11 +487,394 @@ def moto_s3():
         server.stop()
 
 
+# ---- issue 28: special files in every store and output folder, nested containers, amplification ----
+
+@dataclasses.dataclass
+class Ended:
+    """How one hostile case ended: `clean` (a one-line error naming the object, or a correct result,
+    nothing written through or lost), the input's bytes, the peak RSS it added and its seconds."""
+
+    family: str
+    label: str
+    how: str
+    clean: bool
+    input_bytes: int = 0
+    peak_bytes: int = 0
+    seconds: float = 0.0
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak RSS (VmHWM) to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measured(family: str, label: str, input_bytes: int, case) -> Ended:
+    """Run `case()` -> (how, clean) under a 10 s deadline, measuring its peak RSS above the RSS before it."""
+    import gc
+
+    gc.collect()
+    _reset_peak()
+    base = _status("VmRSS")
+    t = time.perf_counter()
+    try:
+        with _deadline(10):
+            how, clean = case()
+    except TimeoutError:
+        how, clean = "HUNG (10 s)", False
+    except Exception as exc:  # would be a bug: the case itself decides what is expected
+        how, clean = f"CRASH {type(exc).__name__}: {str(exc)[:80]}", False
+    seconds = time.perf_counter() - t
+    return Ended(family, label, how, clean, input_bytes, max(0, _status("VmHWM") - base), seconds)
+
+
+def _plant(path: Path, kind: str, outside: Path) -> None:
+    """Put a special file where kvtc reads or writes: fifo, dir, zero (symlink to /dev/zero), outside
+    (symlink to a file outside the root), hardlink (to that file)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dir":
+        path.mkdir()
+    elif kind == "zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "outside":
+        os.symlink(outside, path)
+    elif kind == "hardlink":
+        os.link(outside, path)
+    else:
+        raise ValueError(kind)
+
+
+def _toy_stats():
+    from kvtc.workers.capture import CaptureSettings
+    from kvtc.workers.stats import CalibrationStats
+
+    s = CalibrationStats.new({"num_layers": 1, "num_kv_heads": 1, "head_dim": 4}, CaptureSettings(sinks=0, window=0),
+                             shard_ids=("s0",))
+    for stream in ("keys", "values"):
+        s._get(stream, 0, torch.device("cpu")).n = 1
+    return s
+
+
+def store_special_files(tmp: Path) -> list[Ended]:
+    """Statistics objects, held-out rows and the store key replaced by special or oversized files: each is
+    named in one line; statistics and rows are moved aside (a rerun recomputes them), nothing read hangs."""
+    import numpy as np
+
+    from kvtc.pipeline.job.store import KEY_FILE, ShardStore
+    from kvtc.workers.stats_file import CorruptStats
+
+    outside = tmp / "outside.bin"
+    outside.write_bytes(b"precious")
+    out = []
+    for kind in ("fifo", "dir", "zero", "outside"):
+        for what in ("acc_shards", "get_acc"):
+            store = ShardStore(str(tmp / f"st-{uuid.uuid4().hex[:8]}"), "m", "c")
+            store.put_acc("a0", _toy_stats())
+            path = next(Path(store.root).rglob("a0.stats"))
+            _plant(path, kind, outside)
+
+            def case(store=store, path=path, what=what):
+                err = io.StringIO()
+                try:
+                    with contextlib.redirect_stderr(err):
+                        got = store.acc_shards("a0") if what == "acc_shards" else store.get_acc("a0")
+                except CorruptStats as exc:
+                    text = str(exc)
+                else:
+                    text = err.getvalue()
+                    if got is not None:
+                        return "READ", False
+                aside = os.path.lexists(f"{path}.corrupt") and not os.path.lexists(path)
+                named = "a0.stats" in text and len(text.strip().splitlines()) == 1
+                ok = aside and named and outside.read_bytes() == b"precious"
+                return ("named, moved aside" if ok else f"NOT CLEAN (aside={aside}, named={named})"), ok
+            out.append(measured("statistics store: special files", f".stats {kind} ({what})", 0, case))
+    for kind in ("fifo", "dir", "zero", "outside", "2 GiB appended", "header declaring 2^40 bytes"):
+        store = ShardStore(str(tmp / f"st-{uuid.uuid4().hex[:8]}"), "m", "c")
+        store.put("sh", "rows", {"keys": np.zeros((4, 8), np.float32)}, {"shard_id": "sh", "seq_len": 4})
+        path = next(Path(store.root).rglob("sh.rows.safetensors"))
+        size = path.stat().st_size
+        if kind == "2 GiB appended":
+            os.truncate(path, size + (2 << 30))  # sparse: no disk, but 2 GiB for a reader that trusts it
+            size += 2 << 30
+        elif kind.startswith("header"):
+            data = bytearray(path.read_bytes())
+            header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+            header["keys"]["data_offsets"][1] = 1 << 40
+            text = json.dumps(header).encode()
+            path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(data[8 + int.from_bytes(data[:8], "little"):]))
+        else:
+            _plant(path, kind, outside)
+
+        def case(store=store, path=path):
+            try:
+                store.get("sh", "rows")
+            except CorruptStats as exc:
+                aside = os.path.lexists(f"{path}.corrupt") and not os.path.lexists(path)
+                ok = aside and "sh.rows.safetensors" in str(exc) and outside.read_bytes() == b"precious"
+                return ("named, moved aside" if ok else "NOT MOVED ASIDE OR NOT NAMED"), ok
+            return "READ", False
+        out.append(measured("held-out rows: special and oversized files", f"rows {kind}", size, case))
+    for kind in ("fifo", "dir", "zero", "mode 0644", "33 bytes"):
+        root = tmp / f"key-{uuid.uuid4().hex[:8]}"
+        ShardStore(str(root), "m", "c").put_acc("a0", _toy_stats())
+        key = root / KEY_FILE
+        from kvtc.pipeline.job import store as store_module
+
+        store_module._KEYS.clear()
+        if kind == "mode 0644":
+            os.chmod(key, 0o644)
+        elif kind == "33 bytes":
+            key.write_bytes(bytes(33))
+        else:
+            _plant(key, kind, outside)
+
+        def case(root=root):
+            try:
+                ShardStore(str(root), "m", "c").acc_shards("a0")
+            except ValueError as exc:
+                ok = KEY_FILE in str(exc) and "\n" not in str(exc)
+                return ("refused, named" if ok else "NOT NAMED"), ok
+            return "ACCEPTED", False
+        out.append(measured("store key: special files and modes", f".store-key {kind}", 0, case))
+    return out
+
+
+def output_special_files(tmp: Path) -> list[Ended]:
+    """Every file the CLI writes (export dynamo and sglang, report, pull --to, keygen) with a hardlink,
+    symlink or FIFO planted in its place: never written through, never hung, a multi-file output whole
+    or absent; a hardlink is replaced (exit 0), a symlink or FIFO refused in one line."""
+    from kvtc.pipeline.evaluation import report
+
+    reg = tmp / f"reg-{uuid.uuid4().hex[:8]}"
+    publish(toy_content(), reg)
+    report.build_from_artifact = lambda art, quality: {"report.md": b"# report\n", "charts/a.txt": b"chart\n"}
+    commands = {
+        "export dynamo": (["export", "toy", "--ratio", "4", "--layout", "token-major", "--allow-rope-removed",
+                           "--to"], ["dynamo_kvtc.json", "keys-g0.mean.f32"]),
+        "export sglang": (["export", "toy", "--ratio", "4", "--format", "sglang", "--to"],
+                          ["kvtc_sglang.json", "kvtc_sglang.pt"]),
+        "report": (["report", "toy", "--out"], ["report.md"]),
+        "pull --to": (["pull", "toy", "--to"], ["metrics.parquet", "manifest.json"]),
+        "keygen": (["keygen", "--out"], ["signer.pem", "signer.pub.pem"]),
+    }
+    out = []
+    for command, (argv, planted_names) in commands.items():
+        for planted in planted_names:
+            for kind in ("hardlink", "symlink", "fifo"):
+                victim = tmp / f"victim-{uuid.uuid4().hex[:8]}"
+                victim.write_bytes(b"precious")
+                folder = tmp / f"out-{uuid.uuid4().hex[:8]}"
+                _plant(folder / planted, "outside" if kind == "symlink" else kind, victim)
+                target = str(folder / "signer") if command == "keygen" else str(folder)
+                full = [*argv, target] + ([] if command == "keygen" else ["--registry", str(reg)])
+
+                def case(full=full, folder=folder, victim=victim, kind=kind, planted=planted, names=planted_names):
+                    rc, err = _cli(*full)
+                    intact = victim.read_bytes() == b"precious"
+                    one = len(err.strip().splitlines()) <= 1 and "Traceback" not in err
+                    present = [n for n in names if n != planted and (folder / n).exists()]
+                    if rc == 0:
+                        ok = intact and kind == "hardlink" and not (folder / planted).samefile(victim)
+                        return ("replaced, exit 0" if ok else f"exit 0, NOT CLEAN (victim intact={intact})"), ok
+                    ok = intact and one and not present and rc in (2, 6)
+                    return (f"refused, exit {rc}, one line, nothing written" if ok else
+                            f"exit {rc}, NOT CLEAN (intact={intact}, one line={one}, written={present})"), ok
+                out.append(measured("output folders: planted files", f"{command}: {planted} as {kind}", 0, case))
+    return out
+
+
+def cache_special_files(tmp: Path) -> list[Ended]:
+    """Listed files of a pulled version replaced in the local pull cache: the cache entry is refused and
+    fetched again (a correct result), never read through a FIFO or a link."""
+    reg = Registry(str(tmp / f"reg-{uuid.uuid4().hex[:8]}"))
+    publish(toy_content(), reg)
+    outside = tmp / "outside-cache.bin"
+    outside.write_bytes(b"precious")
+    out = []
+    for rel in ("metrics.parquet", "manifest.json"):
+        for kind in ("fifo", "dir", "zero", "outside"):
+            art = pull("toy", registry=reg)
+            _plant(art.path / rel, kind, outside)
+
+            def case():
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    again = pull("toy", registry=reg)
+                ok = (again.path / rel).is_file() and not (again.path / rel).is_symlink() \
+                    and outside.read_bytes() == b"precious"
+                return ("refetched, correct" if ok else "NOT REFETCHED"), ok
+            out.append(measured("pull cache: special files", f"{rel} as {kind}", 0, case))
+    return out
+
+
+def _layered(depth: int) -> tuple[KVTCCodec, bytes]:
+    """A per-layer container nested `depth` deep in its first segment (CRCs recomputed at each level)."""
+    spec = synthetic_spec(2, 1, 8, 4.0, groups=[(0, 1), (1, 2)], sinks=1, window=1, kept=6, seed=3)
+    codec = KVTCCodec(spec, backend="torch", mode="fixed")
+    keys = [torch.randn(1, 6, 8, dtype=torch.float16), torch.randn(1, 4, 8, dtype=torch.float16)]
+    values = [torch.randn(1, 6, 8, dtype=torch.float16), torch.randn(1, 4, 8, dtype=torch.float16)]
+    blob = codec.encode(keys, values, start=0)
+    header, sections = read_blob(blob)
+    for _ in range(depth):
+        inner = blob
+        blob = write_blob(header, [sections[0], Section(sections[1].key, PLAIN, len(inner), inner), *sections[2:]])
+    return codec, blob
+
+
+def nested_containers() -> list[Ended]:
+    """A per-layer container inside a segment of another, 1 to 2,000 deep: a BlobError, no recursion."""
+    out = []
+    for depth in (1, 2, 10, 2000):
+        codec, blob = _layered(depth)
+
+        def case(codec=codec, blob=blob):
+            try:
+                codec.decode(blob)
+            except BlobError as exc:
+                return ("BlobError" if "nest" in str(exc) else f"BlobError ({str(exc)[:60]})"), True
+            return "DECODED", False
+        out.append(measured("nested containers", f"depth {depth}", len(blob), case))
+    return out
+
+
+def _no_words(section: bytes, symbols: int) -> bytes:
+    """A rANS section with the lane table the symbol count needs and no words."""
+    from kvtc.kernels import rans
+
+    lanes = -(-symbols // rans.MAX_LANE_SYMBOLS)
+    return struct.pack("<I", lanes) + struct.pack(f"<{lanes}I", *([rans.STATE_LOW] * lanes)) + bytes(2 * lanes)
+
+
+def amplification(geometry: tuple[int, int, int] = (8, 2, 64)) -> list[Ended]:
+    """Short inputs declaring long caches: each must be refused before it costs memory (peak RSS over the
+    input's bytes) -- rANS lane tables with no words, a constriction stream of one word, DEFLATE bombs in
+    fixed mode, a stored chunk longer than its destination."""
+    from kvtc.kernels.chunk_serde import ChunkTransform
+    from kvtc.kernels.ecsq import _EXPONENT, STREAM_FORMAT
+
+    layers, heads, dim = geometry
+    spec = synthetic_ecsq_spec(layers, heads, dim, 8.0, sinks=2, window=3)
+    out = []
+    for fmt in ("rans", "constriction"):
+        codec = KVTCCodec(spec, backend="torch", mode="ecsq", ecsq_format=fmt)
+        keys, values = synthetic_cache(spec, 16, torch.float16, seed=1)
+        header, sections = read_blob(codec.encode(keys, values))
+        for tokens in (8192, 131072):
+            long = dataclasses.replace(header, tokens=tokens)
+            _, mid, _ = codec.split(tokens, 0)
+            kept = {s.key: g.kept for si, st in enumerate(("keys", "values"))
+                    for gi, g in enumerate(spec.ecsq[st]) for s in sections if s.key == (TAG_ECSQ, si, gi, 0)}
+            head = _EXPONENT.pack(STREAM_FORMAT << 16)
+            forged = [Section(s.key, PLAIN, 0, b"") if s.key.tag == TAG_ESCAPES else
+                      Section(s.key, PLAIN, *(lambda b: (len(b), b))(
+                          head + (_no_words(b"", mid * kept[s.key]) if fmt == "rans" else struct.pack("<II", 0, 1))))
+                      if s.key.tag == TAG_ECSQ else s for s in sections]
+            blob = write_blob(long, forged)
+
+            def case(codec=codec, blob=blob):
+                try:
+                    codec.decode(blob, max_tokens=131072)
+                except BlobError as exc:
+                    return ("BlobError before decoding" if "cannot hold" in str(exc) else "BlobError"), True
+                return "DECODED", False
+            out.append(measured("amplification", f"{fmt}: no words, {tokens} tokens declared, {layers}x{heads}x{dim}",
+                                len(blob), case))
+    plain = synthetic_spec(layers, heads, dim, 8.0, sinks=0, window=0, kept=64, rope_theta=None)
+    fixed = KVTCCodec(plain, backend="torch", mode="fixed")
+    keys, values = synthetic_cache(plain, 16, torch.float16, seed=1)
+    header, sections = read_blob(fixed.encode(keys, values))
+    for tokens, label, bomb in ((131072, "sizes declared, 1 byte stored", False),
+                                (2048, "DEFLATE-packed zeros at the exact sizes (a valid cache)", True)):
+        long = dataclasses.replace(header, tokens=tokens)
+        bounds = {b.key: b.max_raw for b in fixed.section_bounds(long)}
+        blob = write_blob(long, [Section(s.key, ZLIB, bounds[s.key], _bomb(bounds[s.key]) if bomb else b"x")
+                                 if s.key.tag > 2 else s for s in sections])
+
+        def case(blob=blob):
+            try:
+                fixed.decode(blob, max_tokens=131072)
+            except BlobError:
+                return "BlobError", True
+            return "DECODED (a valid cache of that length)", True
+        out.append(measured("amplification", f"fixed: {label}, {tokens} tokens", len(blob), case))
+    serde = ChunkTransform(KVTCCodec(plain, backend="torch", mode="fixed"))
+    width = heads * dim
+    stored = serde.serialize(torch.randn(2, layers, 4096, width, dtype=torch.float16))
+    dest = torch.zeros(2, layers, 256, width, dtype=torch.float16)
+
+    def chunk_case():
+        try:
+            serde.deserialize(stored, dest)
+        except BlobError as exc:
+            return ("BlobError before decoding" if "limit" in str(exc) else "BlobError"), True
+        return "DECODED", False
+    out.append(measured("amplification", "chunk serde: 4096-token chunk into a 256-token destination", len(stored),
+                        chunk_case))
+    return out
+
+
+_ACCEPTED = ("DECODED", "replaced", "refetched")  # correct results, not refusals
+
+
+def round_three_table(ended: list[Ended]) -> str:
+    """Per family: cases, clean, peak RSS over input bytes (worst), the worst peak RSS of an input under
+    1 MB, and the longest time to the end of a case."""
+    lines = ["| family | cases | clean | worst peak RSS / input bytes | worst peak RSS, inputs < 1 MB | longest |",
+             "|---|---|---|---|---|---|"]
+    for family in dict.fromkeys(e.family for e in ended):
+        cases = [e for e in ended if e.family == family]
+        refused = [e for e in cases if not e.how.startswith(_ACCEPTED)]  # RSS before a refusal
+        sized = [e for e in refused if e.input_bytes]
+        ratio = max((e.peak_bytes / e.input_bytes for e in sized), default=None)
+        small = max((e.peak_bytes for e in refused if e.input_bytes < 1 << 20), default=0)
+        lines.append(f"| {family} | {len(cases)} | {sum(e.clean for e in cases)} | "
+                     f"{'-' if ratio is None else f'{ratio:.1f}'} | {small / 2**20:.1f} MB | "
+                     f"{max(e.seconds for e in cases):.2f} s |")
+    lines += [f"valid input, decoded: {e.label}: {e.input_bytes / 1024:.0f} KB, peak RSS +{e.peak_bytes / 2**20:.0f} MB, "
+              f"{e.seconds:.2f} s" for e in ended if e.how.startswith("DECODED")]
+    lines += [f"NOT CLEAN: {e.family}: {e.label}: {e.how}" for e in ended if not e.clean]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blobs", type=int, default=20000)
     parser.add_argument("--race-seconds", type=float, default=10.0)
+    parser.add_argument("--round-three", action="store_true", help="only issue 28's families (special files in every "
+                        "store and output folder, nested containers, amplification), with their cost table")
+    parser.add_argument("--geometry", default="30,3,64", help="layers,kv_heads,head_dim of the amplification cases "
+                        "(default: the embedded SmolLM2's)")
     args = parser.parse_args()
+    geometry = tuple(int(x) for x in args.geometry.split(","))
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        os.environ["KVTC_CACHE"] = str(tmp / "cache")
+        t0 = time.perf_counter()
+        third = [*store_special_files(tmp), *output_special_files(tmp), *cache_special_files(tmp),
+                 *nested_containers(), *amplification(geometry)]
+        print(round_three_table(third))
+        print(f"\nissue 28's families: {len(third)} cases in {time.perf_counter() - t0:.1f} s")
+    if args.round_three:
+        return
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(scratch)
         os.environ["KVTC_CACHE"] = str(tmp / "cache")

@@ -9,13 +9,16 @@ Layout (little endian):
            raw tail tokens, section count; then per section "<BBHHBQQI": tag, stream, group, block,
            coding, stored length, raw length, CRC32 of the stored bytes
   payloads the sections' stored bytes, in table order, nothing after them
-Parsing uses struct with explicit bounds checks; every failure is a BlobError.
+Parsing uses struct with explicit bounds checks; every failure is a BlobError. A section's raw length
+is bounded by its stored bytes (equal when plain, at most DEFLATE's expansion when deflated), so no
+declared size is believed beyond what the bytes given can hold.
 
 Per-layer container (flag bit 1): a cache whose layers hold different token counts (sliding-window or
 chunked layers, layers without a KV cache). Its header gives the model's layer count and the longest
 layer's tokens and first position; a TAG_LAYOUT section holds each layer's token count (u32 little
 endian; NO_CACHE for a layer without a KV cache), then one TAG_SEGMENT section per run of layers with
-the same count (group = segment index), each a complete blob of those layers' groups alone.
+the same count (group = segment index), each a complete blob of those layers' groups alone, never
+itself a container (containers do not nest).
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ _PREFIX = struct.Struct("<4sHHII")
 _FIELDS = struct.Struct("<dBIIIIQIIIII")
 _SECTION = struct.Struct("<BBHHBQQI")
 _MAX_SECTIONS = 1 << 20
+DEFLATE_MAX_RATIO = 1032  # DEFLATE's largest expansion (258-byte matches in ~2 bits); a section claiming
+_DEFLATE_SLACK = 64       # more raw bytes per stored byte is refused before anything is inflated
 
 
 class BlobError(ValueError):
@@ -183,6 +188,9 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
         stored = r.take(stored_len)
         if zlib.crc32(stored) != crc:
             raise BlobError(f"section {tuple(key)} checksum mismatch: the blob is corrupt")
+        if raw_len > (stored_len if coding == 0 else DEFLATE_MAX_RATIO * stored_len + _DEFLATE_SLACK):
+            raise BlobError(f"section {tuple(key)} declares {raw_len} raw bytes, more than its {stored_len} stored "
+                            "bytes can hold: the blob is corrupt")
         sections.append(Section(key, coding, raw_len, stored))
     if r.pos != len(r.buf):
         raise BlobError(f"blob has {len(r.buf) - r.pos} unexpected trailing bytes")

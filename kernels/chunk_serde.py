@@ -201,7 +201,7 @@ class ChunkTransform:
         (n,) = _LENGTH.unpack(view[:_LENGTH.size])
         if n > len(view) - _LENGTH.size:
             raise BlobError(f"kvtc chunk declares {n} blob bytes, holds {len(view) - _LENGTH.size}")
-        keys, values = self.codec.decode(view[_LENGTH.size:_LENGTH.size + n], device=out.device)
+        keys, values = self.codec.decode(view[_LENGTH.size:_LENGTH.size + n], device=out.device, max_tokens=tokens)
         if keys.shape[2] != tokens:
             raise BlobError(f"kvtc chunk holds {keys.shape[2]} tokens, the destination expects {tokens}")
         s = self.spec

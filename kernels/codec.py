@@ -373,6 +373,20 @@ class KVTCCodec:
                 out.append(SectionBound(SectionKey(TAG_ESCAPES, si, gi, 0), escapes_max, exact=False))
         return out
 
+    def _check_capacity(self, header: BlobHeader, sections: list[Section]) -> None:
+        """BlobError when the sections given cannot hold the tokens the header declares (ECSQ: a lower bound
+        on the words each token's symbols cost; the fixed mode's sections are exact sizes, bounded by their
+        stored bytes in read_blob), checked before any per-token array is built."""
+        _, mid, _ = self.split(header.tokens, header.start)
+        if header.mode != "ecsq" or not mid or self.spec.ecsq is None:
+            return
+        table = {s.key: s for s in sections}
+        for si, stream in enumerate(STREAMS):
+            for gi, g in enumerate(self.spec.ecsq[stream]):
+                words = table.get(SectionKey(TAG_ECSQ, si, gi, 0))
+                if words is not None:
+                    ecsq.check_capacity(g, mid, len(words.stored), header.ecsq_format)
+
     def _check_header(self, h: BlobHeader) -> None:
         s = self.spec
         if (h.name, h.version, h.ratio) != (s.name, s.version, s.ratio):
@@ -414,6 +428,7 @@ class KVTCCodec:
             return decode_layered(self.spec, self._sub, header, sections, dev, max_tokens)
         self._check_header(header)
         bounds = self.section_bounds(header, sections)
+        self._check_capacity(header, sections)
         with self._stage("entropy_decode", dev):
             data = decode_sections(sections, bounds)
         L, H, T = header.layers, header.kv_heads, header.tokens

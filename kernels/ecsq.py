@@ -209,6 +209,39 @@ def section_bounds(group: EcsqGroup, tokens: int, words_len: int | None = None, 
     return words_max, 4 * escapes
 
 
+@functools.lru_cache(maxsize=256)
+def min_token_bits(group: EcsqGroup, fmt: str) -> float:
+    """A lower bound on the bits one token's symbols add to the words section, from the group's models.
+
+    An ANS coder whose state never drops below its word size W (rANS: state >= 2^16 = its table total M)
+    grows by at least log2(M / f) + log2(1 - f / M) bits for a symbol of frequency f (the floor of state / f
+    loses at most a factor 1 - f / M), so a model whose likeliest symbol has probability p costs at least
+    log2((1 - p) / p) bits per symbol (0 when p >= 1/2). The words and final states hold every such bit:
+    a section of B bytes can hold at most 8 B. constriction's tables are rounded from the counts, so its
+    bound is halved."""
+    per_model = []
+    for m in group.models:
+        if fmt == "rans":
+            _, f = rans.model_frequencies(int(m.radius), m.counts)
+            p = float(f.max()) / rans.PROB_TOTAL
+        else:
+            p = float(m.counts.max()) / float(m.counts.sum())
+        per_model.append(max(0.0, math.log2((1 - p) / p)) if p < 1 else 0.0)
+    bits = float(np.asarray(per_model, dtype=np.float64)[group.model].sum()) if group.kept else 0.0
+    return bits if fmt == "rans" else bits / 2
+
+
+def check_capacity(group: EcsqGroup, tokens: int, words_len: int, fmt: str) -> None:
+    """BlobError when a words section of `words_len` bytes cannot hold `tokens` tokens' symbols: checked
+    before any array is built for them, so a short blob declaring many tokens costs nothing to refuse."""
+    need = tokens * min_token_bits(group, fmt)
+    have = 8 * max(0, words_len - _EXPONENT.size) + 64
+    if need > have:
+        raise BlobError(f"ECSQ section of {words_len} bytes cannot hold {tokens} tokens of group "
+                        f"{group.group.label} (they need at least {math.ceil(need / 8)} bytes): the blob is "
+                        "truncated or declares tokens it does not hold")
+
+
 def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None, fmt: str = "constriction",
                  on_device: bool = False) -> tuple[bytes, bytes]:
     """z (N, kept) projections -> (words section: step exponent j then the coded symbols, escapes section).

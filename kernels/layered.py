@@ -128,12 +128,17 @@ def decode_layered(spec: CodecSpec, sub: Callable[[tuple[int, ...]], "object"], 
             k, v = (torch.empty(len(layers), spec.kv_heads, 0, spec.dim(st), dtype=dtype, device=device)
                     for st in ("keys", "values"))
         else:
-            k, v = sub(layers).decode(bytes(inner), device, max_tokens=max_tokens)
-            if k.shape != (len(layers), spec.kv_heads, n, spec.head_dim) or k.dtype != dtype:
-                raise BlobError("a per-layer blob segment does not hold the tokens its layout declares")
             inner_header, _ = read_blob(inner)
+            if inner_header.layered:
+                raise BlobError("a per-layer blob segment is itself a per-layer container (containers do not nest): "
+                                "the blob is corrupt")
             if inner_header.start != header.start + header.tokens - n or inner_header.mode != header.mode:
                 raise BlobError("a per-layer blob segment starts at another position or mode than its layout says")
+            if inner_header.tokens != n:
+                raise BlobError("a per-layer blob segment does not hold the tokens its layout declares")
+            k, v = sub(layers).decode(bytes(inner), device, max_tokens=min(n, max_tokens))
+            if k.shape != (len(layers), spec.kv_heads, n, spec.head_dim) or k.dtype != dtype:
+                raise BlobError("a per-layer blob segment does not hold the tokens its layout declares")
         for j, l in enumerate(layers):
             out_k[l], out_v[l] = k[j], v[j]
     return out_k, out_v

@@ -166,6 +166,8 @@ class CodecSpec:
         A single-rank artifact has one rank, 0: the whole cache."""
         if self.rank is not None:
             raise ValueError(f"this spec is already rank {self.rank}'s; build the rank's spec from the artifact's")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0 (a tensor-parallel rank), got {rank!r}")
         if self.tensor_parallel is None:
             if rank != 0:
                 raise ValueError(f"artifact {self.name}@{self.version} was calibrated for one rank (no --tp): its only "

@@ -18,10 +18,11 @@ import argparse
 import importlib
 import io
 import os
+import re
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 from kvtc.artifacts.errors import IntegrityError
 from kvtc.pipeline.cli_checks import check_args
@@ -50,9 +51,32 @@ EXIT_CODES = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`kvtc COMMAND: error: ...`, exit 2) instead of the full usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+_NEGATIVE = re.compile(r"^-[0-9.]+%?$")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--flag -3%` -> `--flag=-3%`: argparse takes a word starting with '-' for an option, so a negative
+    or percent value would end in "expected one argument" instead of the option's own range check."""
+    end = argv.index("--") if "--" in argv else len(argv)  # after '--' the words are a scheduled command's
+    out: list[str] = []
+    for word in argv[:end]:
+        if out and _NEGATIVE.match(word) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out + argv[end:]
+
+
 def build_parser() -> argparse.ArgumentParser:
     codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES.items())
-    parser = argparse.ArgumentParser(prog="kvtc", description="KV-cache transform coding: calibration service",
+    parser = _Parser(prog="kvtc", description="KV-cache transform coding: calibration service",
                                      epilog=f"exit codes:\n{codes}", formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="print tracebacks (also KVTC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -157,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return lmcache_server(argv[1:])
     argv, debug = _split_debug(argv)
+    argv = _join_negative_values(argv)
     debug = debug or os.environ.get("KVTC_DEBUG", "") not in ("", "0")
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -242,13 +242,30 @@ class JobSettings:
     @classmethod
     def from_computational(cls, recorded: dict[str, dict[str, Any]], runtime: RuntimeSettings | None = None
                            ) -> "JobSettings":
-        """The settings `computational()` recorded (fields a newer version added keep their defaults)."""
+        """The settings `computational()` recorded (fields a newer version added keep their defaults).
+        `recorded` is untrusted (a manifest): every value is type-checked against its field, then the
+        group's own validation (the CLI's) runs; a safety cap is never lifted. ValueError names the field."""
+        if not isinstance(recorded, dict):
+            raise ValueError(f"{_WHERE}: expected an object of settings groups, got {type(recorded).__name__}")
         parts = {}
         for g in COMPUTATIONAL:
-            known = {f.name for f in fields(_group_class(g))}
-            values = {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
-                      for k, v in (recorded.get(g) or {}).items() if k in known}
-            parts[g] = _group_class(g)(**values)
+            group = recorded.get(g)
+            if group is None:
+                group = {}
+            if not isinstance(group, dict):
+                raise ValueError(f"{_WHERE}.{g}: expected an object of settings, got {type(group).__name__}")
+            cls_ = _group_class(g)
+            values = {f.name: _typed(f"{_WHERE}.{g}.{f.name}", f.type, group[f.name])
+                      for f in fields(cls_) if f.name in group}
+            for name in _SAFETY_CAPS.get(g, ()):
+                cap = next(f.default for f in fields(cls_) if f.name == name)
+                if name in values and values[name] > cap:
+                    raise ValueError(f"{_WHERE}.{g}.{name} = {values[name]} lifts a safety cap of {cap}; a manifest "
+                                     "cannot raise it (the manifest is corrupt or was edited)")
+            try:
+                parts[g] = cls_(**values)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{_WHERE}.{g}: {exc} (the manifest is corrupt or was edited)") from None
         return cls(**parts, runtime=runtime or RuntimeSettings())
 
     @property
@@ -260,6 +277,37 @@ class JobSettings:
 
     def with_runtime(self, **changes: Any) -> "JobSettings":
         return replace(self, runtime=replace(self.runtime, **changes))
+
+
+_WHERE = "manifest calibration.settings"
+_SAFETY_CAPS = {"allocator": ("max_dp_states",)}  # a manifest may lower these below their defaults, never lift them
+_SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_NAMES = {"int": "an integer", "float": "a finite number", "str": "a string", "bool": "true or false"}
+
+
+def _scalar(where: str, kind: str, value: Any) -> Any:
+    ok = isinstance(value, _SCALARS[kind]) and (kind == "bool" or not isinstance(value, bool))
+    if kind == "float" and ok and not math.isfinite(value):
+        ok = False
+    if not ok:
+        raise ValueError(f"{where}: expected {_NAMES[kind]}, got {value!r} "
+                         "(the manifest is corrupt or was edited)")
+    return float(value) if kind == "float" else value
+
+
+def _typed(where: str, annotation: Any, value: Any) -> Any:
+    """A recorded value checked against its field's annotation (a string under postponed annotations):
+    int, float, str, bool, X | None, tuple[X, ...]; JSON lists become tuples. ValueError names `where`."""
+    kind = str(annotation).replace(" ", "")
+    if kind.endswith("|None"):
+        return None if value is None else _typed(where, kind[:-len("|None")], value)
+    if kind.startswith("tuple[") and kind.endswith(",...]"):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r} (the manifest is corrupt or was edited)")
+        return tuple(_scalar(f"{where}[{i}]", kind[len("tuple["):-len(",...]")], v) for i, v in enumerate(value))
+    if kind in _SCALARS:
+        return _scalar(where, kind, value)
+    raise TypeError(f"{where}: no type check for a field of type {annotation!r}")  # a new field type: add it here
 
 
 def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | None = None) -> JobSettings:

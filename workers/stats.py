@@ -245,6 +245,11 @@ class CalibrationStats:
     @classmethod
     def load(cls, path_or_uri: str | os.PathLike) -> "CalibrationStats":
         import fsspec
+        from fsspec.implementations.local import LocalFileSystem
 
-        with fsspec.open(os.fspath(path_or_uri), "rb") as f:
+        from kvtc.artifacts.safe_io import open_untrusted
+
+        fs, path = fsspec.core.url_to_fs(os.fspath(path_or_uri))
+        handle, _ = open_untrusted(fs, isinstance(fs, LocalFileSystem), path, "statistics file")  # no FIFO, no link
+        with handle as f:
             return cls.read_from(f, os.fspath(path_or_uri))

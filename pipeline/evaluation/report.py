@@ -16,7 +16,7 @@ import sys
 
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.pull import pull
-from kvtc.artifacts.safe_io import write_contained
+from kvtc.artifacts.local_files import write_outputs
 from kvtc.artifacts.schema import STREAMS, check_name
 from kvtc.pipeline.evaluation.charts import figure, png
 
@@ -253,8 +253,8 @@ def _handler(args: argparse.Namespace) -> int:
         with open(args.quality) as f:
             quality = json.load(f)
     out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
-    for rel, data in build_from_artifact(art, quality).items():
-        print(write_contained(out, rel, data))  # refuses to leave `out` or to follow a symlink
+    for path in write_outputs(out, build_from_artifact(art, quality)):  # whole, never through a planted link
+        print(path)
     print(f"kvtc report: wrote {out}", file=sys.stderr)
     return 0
 

@@ -27,6 +27,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -34,7 +35,9 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.local_files import atomic_write, cache_root
+from kvtc.artifacts.safe_io import open_untrusted, read_exactly
 from kvtc.workers.stats import CalibrationStats
 from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
 
@@ -43,6 +46,19 @@ ACC_DIR = "acc"
 KEY_FILE = ".store-key"
 _KEY_BYTES = 32
 _KEYS: dict[str, bytes] = {}  # per store root, loaded once per process
+_ROWS_HEADER_LIMIT = 1 << 26  # a held-out rows entry's safetensors header (JSON of three tensors)
+
+
+def _data_end(header: bytes, uri: str) -> int:
+    """The byte length of a safetensors entry's data, as its header's tensor offsets describe it."""
+    try:
+        entries = json.loads(header)
+        ends = [v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise IntegrityError(f"shard entry {uri} has an unreadable header ({type(exc).__name__}: {exc})") from None
+    if any(not isinstance(e, int) or isinstance(e, bool) or e < 0 for e in ends):
+        raise IntegrityError(f"shard entry {uri} has a header with invalid tensor offsets")
+    return max(ends, default=0)
 
 
 def default_store_uri() -> str:
@@ -126,29 +142,53 @@ class ShardStore:
                 f.write(data)
         return len(data)
 
-    def get_bytes(self, shard_id: str, kind: str) -> bytes:
+    def _open(self, path: str, what: str, limit: int | None = None) -> tuple[BinaryIO, int]:
+        """(handle, size) of a stored object through safe_io.open_untrusted: a regular file (no FIFO,
+        device, directory or symlink; locally inside the store's root), its size known before reading."""
         fs, _ = self._fs_and_base
+        local = isinstance(fs, LocalFileSystem)
+        root = fsspec.core.url_to_fs(self.root)[1] if local else None  # file:// URIs too
+        return open_untrusted(fs, local, path, what, limit=limit, root=root)
+
+    def get_bytes(self, shard_id: str, kind: str) -> bytes:
+        """An entry's bytes: its safetensors header (at most 64 MiB) is read first and the object must be
+        exactly the size the header describes, so an appended tail or a huge object is refused unread."""
+        path, uri = self._path(shard_id, kind), self.uri(shard_id, kind)
         try:
-            with fs.open(self._path(shard_id, kind), "rb") as f:
-                return f.read()
+            handle, size = self._open(path, "shard entry")
         except FileNotFoundError:
-            raise FileNotFoundError(f"shard entry {self.uri(shard_id, kind)} is missing; rerun the calibration to recompute it") from None
+            raise FileNotFoundError(f"shard entry {uri} is missing; rerun the calibration to recompute it") from None
+        with handle:
+            if size < 8:
+                raise IntegrityError(f"shard entry {uri} holds {size} bytes, less than a safetensors header")
+            header_len = int.from_bytes(read_exactly(handle, 8, "shard entry", uri), "little")
+            if header_len > min(size - 8, _ROWS_HEADER_LIMIT):
+                raise IntegrityError(f"shard entry {uri}: header length {header_len} exceeds the entry or "
+                                     f"{_ROWS_HEADER_LIMIT} bytes")
+            header = read_exactly(handle, header_len, "shard entry", uri)
+            end = _data_end(header, uri)
+            if size != 8 + header_len + end:
+                raise IntegrityError(f"shard entry {uri} holds {size} bytes, its header describes {8 + header_len + end} "
+                                     "(extended or truncated)")
+            return b"".join([header_len.to_bytes(8, "little"), header,
+                             read_exactly(handle, end, "shard entry", uri)])
 
     def get(self, shard_id: str, kind: str) -> tuple[dict[str, np.ndarray], dict]:
-        """Arrays and JSON metadata of an entry written by `put`, authenticated. An unreadable or forged
-        entry is moved aside (`.corrupt`) and raised as CorruptStats naming it: a rerun recomputes it."""
-        data = self.get_bytes(shard_id, kind)
+        """Arrays and JSON metadata of an entry written by `put`, authenticated. An unreadable, forged or
+        special (FIFO, directory, link) entry is moved aside (`.corrupt`) and raised as CorruptStats naming
+        it: a rerun recomputes it."""
         try:
+            data = self.get_bytes(shard_id, kind)
             header_len = int.from_bytes(data[:8], "little")
-            if header_len > min(len(data) - 8, 1 << 26):
-                raise ValueError(f"header length {header_len} exceeds the entry")
             meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
             text, mac = meta.get("kvtc", "{}"), meta.get("kvtc_hmac")
             arrays = st_load(data)
             if not isinstance(mac, str) or not hmac.compare_digest(mac, self._entry_mac(arrays, text)):
                 raise ValueError("not authenticated with the store's key (forged, or written by an older release)")
             return arrays, json.loads(text)
-        except Exception as exc:  # safetensors, JSON and the check all fail as "unreadable"
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # safetensors, JSON, the file's type and the check all fail as "unreadable"
             path = self._path(shard_id, kind)
             self._move_aside(path)
             raise CorruptStats(self.uri(shard_id, kind), f"{type(exc).__name__}: {exc}; moved aside as "
@@ -176,12 +216,17 @@ class ShardStore:
     def acc_shards(self, name: str) -> list[str] | None:
         """Shard ids folded into a stored accumulator (its footer only), None when it is absent.
         A corrupt one is moved aside (next to it, `.corrupt`) and reported absent: it gets recomputed."""
-        fs, _ = self._fs_and_base
         path = self._acc_path(name)
-        if not fs.exists(path):
-            return None
         try:
-            with fs.open(path, "rb") as f:
+            handle, _ = self._open(path, "statistics object")
+        except FileNotFoundError:
+            return None
+        except IntegrityError as exc:
+            handle, problem = None, CorruptStats(self.acc_uri(name), str(exc))
+        try:
+            if handle is None:
+                raise problem
+            with handle as f:
                 return list(CalibrationStats.read_metadata(f, self.acc_uri(name), self.hmac_key)["shard_ids"])
         except CorruptStats as exc:
             self.quarantine(name)
@@ -192,9 +237,12 @@ class ShardStore:
         """A stored accumulator (only the (stream, group) `keys` when given), checksums verified.
         Missing: FileNotFoundError naming it. Corrupt: `CorruptStats` naming it, after moving it
         aside so that a rerun recomputes it."""
-        fs, _ = self._fs_and_base
         try:
-            with fs.open(self._acc_path(name), "rb") as f:
+            try:
+                handle, _ = self._open(self._acc_path(name), "statistics object")
+            except IntegrityError as exc:
+                raise CorruptStats(self.acc_uri(name), str(exc)) from None
+            with handle as f:
                 return CalibrationStats.read_from(f, self.acc_uri(name), keys, self.hmac_key)
         except FileNotFoundError:
             raise FileNotFoundError(f"statistics object {self.acc_uri(name)} is missing; rerun the calibration to recompute it") from None
@@ -211,9 +259,20 @@ class ShardStore:
         self._move_aside(self._acc_path(name), why)
 
     def _move_aside(self, path: str, why: str = "corrupt") -> None:
+        """Rename `path` (a file, FIFO, link or directory) to `<path>.<why>`, replacing an older file set
+        aside; when that name is taken by something that cannot be replaced, a unique suffix is added."""
         fs, _ = self._fs_and_base
+        target = f"{path}.{why}"
+        if isinstance(fs, LocalFileSystem):
+            if not os.path.lexists(path):
+                return
+            try:
+                os.replace(path, target)
+            except OSError:
+                os.replace(path, f"{target}.{uuid.uuid4().hex[:8]}")
+            return
         if fs.exists(path):
-            fs.mv(path, f"{path}.{why}")
+            fs.mv(path, target, recursive=fs.isdir(path))
 
     def stats_bytes(self) -> int:
         """Bytes of all statistics objects in this scope (accumulators)."""
@@ -241,10 +300,13 @@ class ShardStore:
 
     def get_basis(self, name: str) -> tuple[dict[str, np.ndarray], dict]:
         """Arrays and metadata of a basis object, checksums verified (CorruptStats names it)."""
-        fs, _ = self._fs_and_base
         uri = f"{self.root.rstrip('/')}/{self.model_id}/{self.capture_key}/bases/{name}.basis"
         try:
-            with fs.open(self._basis_path(name), "rb") as f:
+            try:
+                handle, _ = self._open(self._basis_path(name), "basis object")
+            except IntegrityError as exc:
+                raise CorruptStats(uri, str(exc)) from None
+            with handle as f:
                 footer = read_footer(f, uri, self.hmac_key)
                 return {key: read_tensor(f, footer, key, uri) for key in footer["tensors"]}, footer["metadata"]
         except CorruptStats:
@@ -257,6 +319,16 @@ class ShardStore:
             fs.rm(self._basis_path(name))
 
 
+def _check_key_mode(mode: int, where: str) -> None:
+    """Refuse a local store key that users outside its owner and group can read or write: whoever reads it
+    can forge statistics the store accepts. A group sharing the store may hold it (0640/0660)."""
+    if mode & 0o007:
+        raise ValueError(f"shard store key {where} has mode {oct(mode & 0o777)}: users other than its owner and "
+                         "group can read or change it, and whoever reads it can forge statistics. If nobody else could "
+                         "have read it, `chmod 600` it; otherwise delete it (every statistics object is then "
+                         "recomputed under a fresh key)")
+
+
 def _load_or_create_key(root: str) -> bytes:
     """<root>/.store-key: read it, or create it exclusively (0600 on a local disk) if absent."""
     fs, base = fsspec.core.url_to_fs(root)
@@ -264,17 +336,17 @@ def _load_or_create_key(root: str) -> bytes:
     local = isinstance(fs, LocalFileSystem)
     for _ in range(40):
         try:
-            if local:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-                with os.fdopen(fd, "rb") as f:
-                    key = f.read(_KEY_BYTES + 1)
-            else:
-                key = fs.cat_file(path)
+            handle, _ = open_untrusted(fs, local, path, "shard store key", limit=_KEY_BYTES)
+            with handle:
+                if local:
+                    _check_key_mode(os.fstat(handle.fileno()).st_mode, f"{root}/{KEY_FILE}")
+                key = handle.read(_KEY_BYTES + 1)
         except FileNotFoundError:
             key = None
-        except OSError as exc:
-            raise ValueError(f"shard store key {root}/{KEY_FILE} cannot be read ({exc}); it must be a regular file "
-                             "readable by the calibration (delete it to start a fresh store)") from None
+        except (OSError, IntegrityError) as exc:
+            raise ValueError(f"shard store key {root}/{KEY_FILE} cannot be used ({exc}); it must be a regular file "
+                             f"of {_KEY_BYTES} bytes readable by the calibration (delete it to start a fresh store: "
+                             "every statistics object is then recomputed)") from None
         if key is not None and not key:
             time.sleep(0.05)  # created by another process a moment ago, not yet written
             continue
