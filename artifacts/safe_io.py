@@ -5,7 +5,7 @@ anything but a regular file (a FIFO would hang, a device or /dev/zero would neve
 may point anywhere), and read at most `limit` bytes; object-store objects are streamed with the same
 limit. `open_untrusted` is the one way to open a file kvtc did not just write (the statistics store,
 held-out rows, the registry, the pull cache, the store key): regular files only, checked with fstat
-before a byte is read, its size known (and limited) first. Writes (`write_contained`) stay under their
+before a byte is read, its size known (and limited) first. Writes (`contained_path`) stay under their
 root and go through a temp file renamed into place (kvtc.artifacts.local_files.write_outputs), so a
 planted symlink, FIFO or hardlink is refused or replaced, never written through.
 """
@@ -149,11 +149,3 @@ def contained_path(root: str | os.PathLike, rel: str) -> Path:
     if not os.path.realpath(path).startswith(real_root.rstrip(os.sep) + os.sep):
         raise IntegrityError(f"{rel!r} resolves outside {root} (a symlink?); refusing to write it")
     return path
-
-
-def write_contained(root: str | os.PathLike, rel: str, data: bytes) -> Path:
-    """Write `data` to root / rel (parents created) through a temp file renamed into place, refusing to
-    leave root or to write through a symlink, FIFO or device (local_files.write_outputs)."""
-    from kvtc.artifacts.local_files import write_outputs
-
-    return write_outputs(root, {rel: data})[0]

@@ -1,6 +1,7 @@
 """`ray job submit` against a Ray head started on loopback, as the README shows for clusters: token
 authentication on (Ray's default since 2.52), the submitting client given the head's token."""
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -27,18 +28,21 @@ def ray_head(tmp_path):
     head_home.mkdir()
     client_home.mkdir()
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "token", "HOME": str(head_home)}  # the head writes its token to ~/.ray/auth_token
+           "RAY_AUTH_MODE": "token", "HOME": str(head_home)}  # the head reads the cluster's token from ~/.ray/auth_token
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(name, None)
+    token = secrets.token_hex(32)  # what `ray get-auth-token --generate` makes; `ray start` needs one to exist
+    (head_home / ".ray").mkdir(mode=0o700)
+    (head_home / ".ray" / "auth_token").write_text(token)
     dash = _free_port()
-    subprocess.run(
+    started = subprocess.run(
         [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", "--include-dashboard=true",
          "--disable-usage-stats"],
-        check=True, env=env, cwd=tmp_path, capture_output=True, timeout=180,
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )
+    assert started.returncode == 0, started.stderr[-3000:]
     try:
-        token = (head_home / ".ray" / "auth_token").read_text().strip()
         # the submitting client: another home (no token file), the head's token in its environment
         client = {**env, "HOME": str(client_home), "RAY_AUTH_TOKEN": token}
         yield f"http://127.0.0.1:{dash}", client
