@@ -18,8 +18,14 @@ world size and worker id; the server hashes them into one `ObjectKey` per chunk.
 """
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
@@ -163,3 +169,44 @@ class MPClient:
             self.client.close()
         finally:
             self._zmq.term()
+
+
+def launcher() -> list[str]:
+    """The command that runs `kvtc lmcache-server`: the installed script beside this Python, else the module."""
+    kvtc = Path(sys.executable).with_name("kvtc")
+    return [str(kvtc), "lmcache-server"] if kvtc.exists() else [sys.executable, "-m", "kvtc.pipeline.cli", "lmcache-server"]
+
+
+@contextmanager
+def server_process(args: list[str], log: Path, stop_timeout: float = 20.0) -> Iterator[subprocess.Popen]:
+    """`kvtc lmcache-server ARGS` in its own process group, output to `log`; stopped on exit (SIGTERM to
+    the group, SIGKILL after `stop_timeout` seconds)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*launcher(), *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"}, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=stop_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=stop_timeout)
+
+
+def connect(proc: subprocess.Popen, url: str, model_name: str, *, start_timeout: float = 240.0, log: Path | None = None,
+            **options: Any) -> MPClient:
+    """An MPClient of the server `proc` runs, retried until it answers; RuntimeError (with the end of its log)
+    if the server exits, TimeoutError after `start_timeout` seconds."""
+    deadline = time.monotonic() + start_timeout
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log is not None else ""
+            raise RuntimeError(f"the LMCache server exited ({proc.returncode}) before answering:\n{tail}")
+        try:
+            return MPClient(url, model_name, **{"timeout": 30.0, **options})
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
