@@ -248,10 +248,10 @@ def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int
                     got = [client.read(r, blocks) for r in range(tp)]
                 finally:
                     client.close()
+            data = [p.read_bytes() for p in files]
         k_hat = torch.cat([k for k, _ in got], dim=1)[:, :, :hits * 256].float()
         v_hat = torch.cat([v for _, v in got], dim=1)[:, :, :hits * 256].float()
         k, v = keys[:, :, :hits * 256].float(), values[:, :, :hits * 256].float()
-        data = [p.read_bytes() for p in files]
         blob = [8 + int.from_bytes(d[:8], "little") for d in data]
         starts = {read_blob(d[8:b])[0].start for d, b in zip(data, blob)}
         rows.append({"artifact": ref, "tp": tp, "ratio": ratio, "stored": len(files), "offered": want,
