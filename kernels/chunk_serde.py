@@ -1,16 +1,29 @@
 """KV chunks as a storage layer hands them (LMCache: (2, layers, tokens, kv_heads * head_dim)) <->
 bounded-size KVTC bytes. The pure transform behind kernels/lmcache_serde.py; imports no LMCache.
 
-A chunk is coded whole: no sinks, no recent window. Storage layers identify a chunk by a content
-hash, not by its position in the sequence, so RoPE cannot be removed: the artifact must have been
-calibrated with keys as cached (`kvtc calibrate --keys rope-kept`).
+A chunk is coded whole: no sinks, no recent window.
+
+Keys and RoPE: an artifact calibrated with `--keys rope-kept` codes keys as cached, whatever their
+position. One calibrated with RoPE removed (the default) needs each chunk's position: the caller
+passes `start` (the absolute position of the chunk's first token; in a prefix cache chunk i starts at
+i x chunk size), the blob records it and decode re-applies RoPE there. A caller that cannot know
+positions builds its transforms with `positions=False`, and a RoPE-removed artifact is then refused.
+
+Placement: a storage layer keys chunks by a rank (LMCache packs world size, global rank, local world
+size and local rank into `ObjectKey.kv_rank`: `KVRank.decode`). With an artifact calibrated for T
+tensor-parallel ranks (`kvtc calibrate --tp T`; T = 1 without it), world size W = T x P: global rank g
+holds TP rank g % T's KV heads of pipeline stage g // T, whose layers are vLLM's partition of the
+model's layers into P stages (its default, or `pp_partition`, vLLM's VLLM_PP_LAYER_PARTITION). A
+stage is coded with the bases of its layers alone, which needs every basis group inside one stage
+(calibrate with `--groups layer` or `layers:K`); other placements are refused with the reason.
 
 Mode: the artifact's default (ECSQ where it carries ECSQ tables for the ratio, else fixed-rate), or
 `mode=` explicitly. Size bound (`serialized_size`): ECSQ's rate control coarsens the step of any
 (stream, group) whose bytes would exceed the ratio's budget, so an ECSQ blob is at most its header
 plus the budgets; a chunk that no step can fit (values thousands of times the calibration's) is
 coded fixed-rate instead, whose size is exact. The bound is the larger of the two, and every chunk
-is stored. Sections are stored plain (no DEFLATE).
+is stored. Sections are stored plain (no DEFLATE). The bound of a chunk shape is the same for every
+rank and stage that can hold it (a storage layer sizes a chunk by its shape alone, before its key).
 
 Bytes: "<Q" blob length, then the blob (kernels/blob.py); with `pad` (the default), zero padding up
 to the bound, for storage layers that read back exactly the bound (LMCache's filesystem adapter);
@@ -18,28 +31,44 @@ without it, exactly the blob, for layers that keep variable-size objects.
 """
 from __future__ import annotations
 
-import inspect
 import struct
+import threading
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.kernels.blob import BlobError, BlobHeader, Section, write_blob
 from kvtc.kernels.codec import KVTCCodec
+from kvtc.kernels.spec import CodecSpec
 
 _LENGTH = struct.Struct("<Q")
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad")
+_KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition")
 MODES = ("ecsq", "fixed")
+
+
+def _partition(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        out = tuple(int(str(x).strip()) for x in items)
+    except (TypeError, ValueError):
+        out = ()
+    if not out or any(n < 1 for n in out):
+        raise ValueError(f'kvtc serde "pp_partition" must list layers per pipeline stage, e.g. "16,16" or [16, 16] '
+                         f"(vLLM's VLLM_PP_LAYER_PARTITION), got {value!r}")
+    return out
 
 
 @dataclass(frozen=True)
 class ChunkSerdeSettings:
     """Serde kwargs: artifact "NAME[@VERSION|ALIAS]", ratio, registry URI, backend, model (hub id or
     local dir whose config is checked against the artifact), max_workers (LMCache's thread pool),
-    mode ("ecsq" | "fixed"; default: the artifact's), pad (pad every chunk to the size bound)."""
+    mode ("ecsq" | "fixed"; default: the artifact's), pad (pad every chunk to the size bound),
+    pp_partition (layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION; default: vLLM's)."""
 
     artifact: str
     ratio: float
@@ -49,6 +78,7 @@ class ChunkSerdeSettings:
     max_workers: int = 1
     mode: str | None = None
     pad: bool = True
+    pp_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifact, str) or not self.artifact:
@@ -63,6 +93,7 @@ class ChunkSerdeSettings:
                              f"got {self.mode!r}")
         if not isinstance(self.pad, bool):
             raise ValueError(f'kvtc serde "pad" must be true or false, got {self.pad!r}')
+        object.__setattr__(self, "pp_partition", _partition(self.pp_partition))
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, object]) -> "ChunkSerdeSettings":
@@ -82,26 +113,143 @@ class ChunkSerdeSettings:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+# ------------------------------------------------------------------ ranks and placements
+
+
+@dataclass(frozen=True)
+class KVRank:
+    """A storage key's rank: LMCache's `ObjectKey.kv_rank` packs
+    (world_size << 24) | (global_rank << 16) | (local_world_size << 8) | local_rank
+    (`ObjectKey.ComputeKVRank`), world_size and global_rank over TP x PP."""
+
+    world_size: int
+    rank: int
+    local_world_size: int
+    local_rank: int
+
+    @classmethod
+    def decode(cls, kv_rank: int | None) -> "KVRank":
+        """LMCache's packed kv_rank -> its fields; None (a caller without keys) is rank 0 of world size 1."""
+        if kv_rank is None:
+            return cls(1, 0, 1, 0)
+        if not isinstance(kv_rank, int) or isinstance(kv_rank, bool) or not 0 <= kv_rank < 1 << 32:
+            raise ValueError(f"kv_rank must be LMCache's packed rank, an integer in [0, 2^32), got {kv_rank!r}")
+        out = cls((kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF, (kv_rank >> 8) & 0xFF, kv_rank & 0xFF)
+        if out.world_size == 0 or out.rank >= out.world_size or out.local_rank >= max(out.local_world_size, 1):
+            raise ValueError(f"kv_rank {kv_rank} ({kv_rank:#010x}) is not LMCache's packed rank "
+                             "(world_size << 24 | rank << 16 | local_world_size << 8 | local_rank, "
+                             f"ObjectKey.ComputeKVRank): it decodes to {out}")
+        return out
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} of world size {self.world_size}"
+
+
+def stage_layers(num_layers: int, stage: int, stages: int, partition: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """[first, end) of the model layers pipeline stage `stage` of `stages` holds: vLLM's partition
+    (`vllm.distributed.utils.get_pp_indices`: equal shares, the remainder one layer each to the stages
+    before the last, counting back), or `partition` (layers per stage, VLLM_PP_LAYER_PARTITION)."""
+    if partition is not None:
+        if len(partition) != stages or sum(partition) != num_layers:
+            raise ValueError(f"pp_partition {list(partition)} does not split the artifact's {num_layers} layers into "
+                             f"{stages} pipeline stages")
+        parts = list(partition)
+    else:
+        if stages > num_layers:
+            raise ValueError(f"{stages} pipeline stages cannot split the artifact's {num_layers} layers")
+        parts = [num_layers // stages] * stages
+        for i in range(2, num_layers % stages + 2):
+            parts[-i] += 1
+    first = sum(parts[:stage])
+    return first, first + parts[stage]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one rank's chunks hold: TP rank `tp_rank` of the artifact's `tp` and model layers [first, end)."""
+
+    tp_rank: int
+    tp: int
+    first: int
+    end: int
+
+    def describe(self, spec: CodecSpec) -> str:
+        heads = spec.tensor_parallel.heads(self.tp_rank) if spec.tensor_parallel is not None else (0, spec.kv_heads)
+        where = f"TP rank {self.tp_rank} of {self.tp} (KV heads {heads[0]}-{heads[1] - 1})"
+        if (self.first, self.end) != (0, spec.num_layers):
+            where += f", layers {self.first}-{self.end - 1} of {spec.num_layers}"
+        return where
+
+
+def place(spec: CodecSpec, kv: KVRank, partition: tuple[int, ...] | None = None) -> Placement:
+    """The placement rank `kv` holds under the artifact `spec` (every KV head, rank None); ValueError
+    naming the rank, the world size and what the artifact has."""
+    tp = spec.tensor_parallel.tp if spec.tensor_parallel is not None else 1
+    ref = f"{spec.name}@{spec.version}"
+    calibrated = f"calibrated with --tp {tp}" if tp > 1 else "calibrated for one rank, no --tp"
+    if kv.world_size % tp:
+        raise ValueError(f"{kv}: artifact {ref} has {tp} tensor-parallel rank(s) ({calibrated}); world size "
+                         f"{kv.world_size} is not {tp} x pipeline stages: serve it with an artifact calibrated with "
+                         f"--tp {kv.world_size} (or the deployment's TP size)")
+    stages = kv.world_size // tp
+    stage, tp_rank = divmod(kv.rank, tp)
+    if stages == 1:
+        return Placement(tp_rank, tp, 0, spec.num_layers)
+    try:
+        first, end = stage_layers(spec.num_layers, stage, stages, partition)
+    except ValueError as exc:
+        raise ValueError(f"{kv}: artifact {ref} has {tp} tensor-parallel rank(s) ({calibrated}), so world size "
+                         f"{kv.world_size} means {stages} pipeline stages: {exc}") from exc
+    return Placement(tp_rank, tp, first, end)
+
+
+def placement_spec(spec: CodecSpec, placement: Placement) -> CodecSpec:
+    """The spec coding `placement`'s chunks: its TP rank's heads, restricted to its layers."""
+    from kvtc.kernels.layered import restrict
+
+    out = spec.for_rank(placement.tp_rank) if spec.tensor_parallel is not None else spec
+    if (placement.first, placement.end) == (0, spec.num_layers):
+        return out
+    if spec.coded_layers != list(range(spec.num_layers)):
+        raise ValueError(f"artifact {spec.name}@{spec.version}: pipeline stages of a model with layers that keep no "
+                         "KV cache are not served")
+    try:
+        out = restrict(out, range(placement.first, placement.end))
+    except ValueError as exc:
+        raise ValueError(f"{placement.describe(spec)}: artifact {spec.name}@{spec.version} has bases spanning "
+                         f"layers of several pipeline stages ({exc}); to serve pipeline-parallel chunks calibrate "
+                         "with --groups layer (or layers:K with K dividing every stage)") from exc
+    return replace(out, model_id=f"{out.model_id}/layers{placement.first}-{placement.end}")
+
+
+# ------------------------------------------------------------------ one placement's transform
+
+
 class ChunkTransform:
-    """One rank's transform. codec: a KVTCCodec whose artifact keeps RoPE on the keys; model_config:
-    checked if given; mode: None keeps the codec's mode; pad: see the module docstring."""
+    """One placement's transform. codec: a KVTCCodec whose spec is the placement's (`placement_spec`);
+    model_config: checked if given (a whole-model spec only); mode: None keeps the codec's mode; pad:
+    see the module docstring; positions: whether callers pass each chunk's position (`start`), which
+    an artifact calibrated with RoPE removed needs; label: how errors name what this transform codes."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
-                 pad: bool = True) -> None:
+                 pad: bool = True, positions: bool = False, label: str | None = None) -> None:
         spec = codec.spec
         if spec.value_dim is not None:
             raise ValueError(f"artifact {spec.name}@{spec.version} is for a multi-head latent attention model "
                              f"({spec.widths}): servers move its cache as one latent plane per token (kv_size 1), "
                              "which the chunk serde does not code; use KVTCCodec or KVTCCache for MLA caches")
-        if spec.rope is not None:
+        self.needs_positions = any(spec.layer_ropes[i] is not None for i in spec.coded_layers)
+        if self.needs_positions and not positions:
             raise ValueError(f"artifact {spec.name}@{spec.version} codes keys with RoPE removed, which needs each "
-                             "token's position; a storage layer hands the serde chunks by content hash, without "
-                             "positions. Calibrate with --keys rope-kept for chunk stores")
-        if model_config is not None:
+                             "chunk's position; this storage layer hands the serde chunks by content hash, without "
+                             "positions. Serve it through `kvtc lmcache-server` (which records the positions of "
+                             "LMCache's chunks), or calibrate with --keys rope-kept for chunk stores")
+        if model_config is not None and spec.rank is None:
             from kvtc.kernels.kvtc_cache import check_config
 
             check_config(spec, model_config)
         self.spec = replace(spec, sinks=0, window=0)
+        self.label = label or f"artifact {spec.name}@{spec.version}"
         if mode is None:  # the codec's mode where this serde knows its size bound
             mode = codec.mode if codec.mode in MODES else ("ecsq" if spec.ecsq is not None else "fixed")
         if mode not in MODES:
@@ -113,28 +261,26 @@ class ChunkTransform:
         self.pad = pad
 
     @classmethod
-    def from_settings(cls, settings: ChunkSerdeSettings, rank: int = 0) -> "ChunkTransform":
-        """Pull the artifact (verified) and build rank `rank`'s transform; every bad setting fails here."""
-        model_config = None
-        if settings.model:
-            from transformers import AutoConfig
-
-            model_config = AutoConfig.from_pretrained(settings.model)
-        codec = load_rank_codec(settings.artifact, settings.ratio, rank, registry=settings.registry,
-                                backend=settings.backend)
-        return cls(codec, model_config, mode=settings.mode, pad=settings.pad)
+    def from_settings(cls, settings: ChunkSerdeSettings, kv_rank: int | None = None, *,
+                      positions: bool = False) -> "ChunkTransform":
+        """Pull the artifact (verified) and build the transform of LMCache key rank `kv_rank` (packed; None:
+        rank 0 of world size 1); every bad setting fails here."""
+        return RankedChunkTransforms.from_settings(settings, positions=positions)(kv_rank)
 
     def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """-> tokens; ValueError naming what does not match the artifact."""
         s = self.spec
         width = s.kv_heads * s.head_dim
-        if len(shape) != 4 or shape[0] != 2 or shape[1] != s.num_layers:
+        if len(shape) != 4 or shape[0] != 2:
             raise ValueError(f"expected a KV chunk (2, layers={s.num_layers}, tokens, {width}), got {tuple(shape)}: "
-                             f"is artifact {s.name}@{s.version} for this model?")
+                             f"is {self.label} for this model?")
+        if shape[1] != s.num_layers:
+            raise ValueError(f"the chunk holds {shape[1]} layers, {self.label} codes {s.num_layers}: "
+                             f"expected (2, {s.num_layers}, tokens, {width}), got {tuple(shape)}")
         if shape[3] != width:
-            raise ValueError(f"chunk rows hold {shape[3]} features, the artifact {s.name}@{s.version} covers "
-                             f"{s.kv_heads} KV heads x {s.head_dim} = {width}: a tensor-parallel rank holding a "
-                             "subset of the heads needs an artifact calibrated per rank (kvtc calibrate --tp N)")
+            raise ValueError(f"chunk rows hold {shape[3]} features, {self.label} covers {s.kv_heads} KV heads x "
+                             f"{s.head_dim} = {width}: a tensor-parallel rank holding a subset of the heads needs an "
+                             "artifact calibrated per rank (kvtc calibrate --tp N) and keys naming the rank")
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"chunk dtype {dtype} is not supported; use float16, bfloat16 or float32")
         return int(shape[2])
@@ -142,7 +288,7 @@ class ChunkTransform:
     def _header_bytes(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype) -> tuple[int, list]:
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPE_NAMES[dtype], s.num_layers, s.kv_heads,
-                            tokens, s.head_dim, 0, 0, 0, 0, 0, mode=codec.mode)
+                            tokens, s.head_dim, 0, 0, 0, 0, 0, mode=codec.mode)  # fixed-width fields: any start
         expected = codec.expected_sections(header)
         return len(write_blob(header, [Section(key, 0, 0, b"") for key, _ in expected])), expected
 
@@ -168,23 +314,35 @@ class ChunkTransform:
         for every chunk when padding."""
         return _LENGTH.size + self.blob_bound(self.check(shape, dtype), dtype)
 
-    def encode(self, kv: torch.Tensor) -> bytes:
-        """kv (2, L, T, H * D) -> blob: the transform's mode, or fixed-rate where ECSQ cannot meet its bound."""
+    def _start(self, start: int | None) -> int:
+        if not self.needs_positions:
+            return 0  # RoPE kept: the bytes do not depend on the position
+        if start is None:
+            raise ValueError(f"the chunk's position is unknown, and {self.label} codes keys with RoPE removed at "
+                             "their positions; it is not stored")
+        if not isinstance(start, int) or start < 0:
+            raise ValueError(f"a chunk's start position must be an integer >= 0, got {start!r}")
+        return start
+
+    def encode(self, kv: torch.Tensor, start: int | None = None) -> bytes:
+        """kv (2, L, T, H * D) -> blob: the transform's mode, or fixed-rate where ECSQ cannot meet its bound.
+        start: the absolute position of the chunk's first token (needed with RoPE removed, else ignored)."""
         tokens = self.check(tuple(kv.shape), kv.dtype)
+        start = self._start(start)
         if not bool(torch.isfinite(kv).all()):
             raise ValueError("the chunk holds NaN or infinite values; it is not stored (check the model's numerics)")
         s = self.spec
         x = kv.reshape(2, s.num_layers, tokens, s.kv_heads, s.head_dim).permute(0, 1, 3, 2, 4)
         if self.mode == "ecsq":
-            blob = self.codec.encode(x[0], x[1], start=0)
+            blob = self.codec.encode(x[0], x[1], start=start)
             if len(blob) <= self.ecsq_bound(tokens, kv.dtype):
                 return blob
-        return self.fixed.encode(x[0], x[1], start=0)
+        return self.fixed.encode(x[0], x[1], start=start)
 
-    def serialize(self, kv: torch.Tensor, size: int | None = None) -> bytes:
+    def serialize(self, kv: torch.Tensor, size: int | None = None, start: int | None = None) -> bytes:
         """kv (2, L, T, H * D) -> bytes: at most `size` (default serialized_size(kv.shape, kv.dtype)),
-        padded to exactly `size` when padding."""
-        blob = self.encode(kv)
+        padded to exactly `size` when padding; start: see `encode`."""
+        blob = self.encode(kv, start)
         size = self.serialized_size(tuple(kv.shape), kv.dtype) if size is None else size
         out = _LENGTH.pack(len(blob)) + blob
         if len(out) > size:
@@ -193,7 +351,8 @@ class ChunkTransform:
 
     def deserialize(self, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
         """Bytes from `serialize` (trailing bytes ignored) -> written into out (2, L, T, H * D) in its
-        dtype; BlobError if corrupt or not this artifact's, and `out` is left untouched then."""
+        dtype (RoPE re-applied at the positions the blob records); BlobError if corrupt or not this
+        placement's, and `out` is left untouched then."""
         tokens = self.check(tuple(out.shape), out.dtype)
         view = memoryview(data).cast("B")
         if len(view) < _LENGTH.size:
@@ -209,37 +368,117 @@ class ChunkTransform:
             out[i].copy_(x.permute(0, 2, 1, 3).reshape(s.num_layers, tokens, s.kv_heads * s.head_dim))
 
 
-def load_rank_codec(ref: str, ratio: float, rank: int, **kwargs: Any) -> KVTCCodec:
-    """Rank `rank`'s codec: `KVTCCodec.from_registry(ref, ratio, rank=rank)` where the codec takes ranks;
-    otherwise rank 0 is the single-rank artifact and any other rank a clear error."""
-    if _codec_takes_rank():
-        return KVTCCodec.from_registry(ref, ratio, rank=rank, **kwargs)
-    if rank != 0:
-        raise ValueError(f"kv_rank {rank}: artifact {ref} has one basis for all KV heads (a single rank); a "
-                         "tensor-parallel deployment needs per-rank bases (kvtc calibrate --tp N), which this "
-                         "kvtc release does not load")
-    return KVTCCodec.from_registry(ref, ratio, **kwargs)
+# ------------------------------------------------------------------ every rank of one artifact
 
 
-def _codec_takes_rank() -> bool:
-    return "rank" in inspect.signature(KVTCCodec.from_registry).parameters
+def load_rank_codec(ref: str, ratio: float, rank: int | None, **kwargs: Any) -> KVTCCodec:
+    """`KVTCCodec.from_registry(ref, ratio, rank=rank, ...)`: tensor-parallel rank `rank`'s codec (None:
+    every KV head); a single-rank artifact has one rank, 0."""
+    return KVTCCodec.from_registry(ref, ratio, rank=rank, **kwargs)
 
 
 class RankedChunkTransforms:
-    """Per-rank transforms, built on first use of each rank (LMCache keys carry `kv_rank`)."""
+    """Every placement's transform of one artifact, built on first use of each (LMCache keys carry a packed
+    `kv_rank`: `KVRank`). codec: the artifact's whole-model codec (rank None); the options as ChunkTransform's;
+    partition: layers per pipeline stage (None: vLLM's default partition)."""
 
-    def __init__(self, build: Callable[[int], ChunkTransform]) -> None:
-        self._build = build
-        self._ranks: dict[int, ChunkTransform] = {0: build(0)}
+    def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None, pad: bool = True,
+                 positions: bool = False, partition: tuple[int, ...] | None = None) -> None:
+        self.spec = codec.spec
+        if self.spec.rank is not None:
+            raise ValueError("RankedChunkTransforms takes the artifact's whole-model codec (rank=None)")
+        if model_config is not None:
+            from kvtc.kernels.kvtc_cache import check_config
 
-    def __call__(self, rank: int | None) -> ChunkTransform:
-        rank = 0 if rank is None else rank
-        if not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"kv_rank must be an integer >= 0, got {rank!r}")
-        if rank not in self._ranks:
-            self._ranks[rank] = self._build(rank)
-        return self._ranks[rank]
+            check_config(self.spec, model_config)
+        self._codec, self._mode, self._pad, self._positions = codec, mode, pad, positions
+        self.partition = _partition(partition)
+        self._lock = threading.Lock()
+        self._built: dict[Placement, ChunkTransform | ValueError] = {}
+        self._sizes: dict[tuple, int | ValueError] = {}
+        self._ranks: dict[int | None, ChunkTransform] = {}
+        tp = self.spec.tensor_parallel.tp if self.spec.tensor_parallel is not None else 1
+        self.default = self.transform(Placement(0, tp, 0, self.spec.num_layers))  # bad settings fail here
+
+    @classmethod
+    def from_settings(cls, settings: ChunkSerdeSettings, *, positions: bool = False) -> "RankedChunkTransforms":
+        """Pull the artifact (verified) once; every bad setting fails here."""
+        model_config = None
+        if settings.model:
+            from transformers import AutoConfig
+
+            model_config = AutoConfig.from_pretrained(settings.model)
+        codec = load_rank_codec(settings.artifact, settings.ratio, None, registry=settings.registry,
+                                backend=settings.backend)
+        return cls(codec, model_config, mode=settings.mode, pad=settings.pad, positions=positions,
+                   partition=settings.pp_partition)
+
+    def transform(self, placement: Placement) -> ChunkTransform:
+        with self._lock:
+            built = self._built.get(placement)
+        if built is None:
+            try:
+                spec = placement_spec(self.spec, placement)
+                c = self._codec
+                codec = KVTCCodec(spec, backend=c.backend, ecsq_format=c.ecsq_format, basis_dtype=c.basis_dtype)
+                built = ChunkTransform(codec, mode=self._mode, pad=self._pad, positions=self._positions,
+                                       label=f"artifact {self.spec.name}@{self.spec.version} {placement.describe(self.spec)}")
+            except ValueError as exc:
+                built = exc
+            with self._lock:
+                built = self._built.setdefault(placement, built)
+        if isinstance(built, ValueError):
+            raise ValueError(str(built))
+        return built
+
+    def __call__(self, kv_rank: int | None) -> ChunkTransform:
+        """The transform of a key's packed kv_rank; ValueError naming the rank, the world size and the mismatch."""
+        found = self._ranks.get(kv_rank)
+        if found is not None:
+            return found
+        kv = KVRank.decode(kv_rank)
+        try:
+            out = self.transform(place(self.spec, kv, self.partition))
+        except ValueError as exc:
+            text = str(exc)
+            raise ValueError(text if text.startswith(str(kv)) else f"{kv}: {text}") from exc
+        self._ranks[kv_rank] = out
+        return out
 
     def serialized_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        """The bound over every rank loaded (ranks of one artifact share shapes and the ratio's budget)."""
-        return max(t.serialized_size(shape, dtype) for t in self._ranks.values())
+        """The bound of a chunk of this shape: the largest over every placement of the artifact that holds
+        such chunks (each TP rank; a layer count below the model's: every run of that many layers a stage
+        could hold), so it is the same whichever ranks have been seen (a store and a later load agree)."""
+        key = (tuple(int(n) for n in shape), dtype)
+        with self._lock:
+            known = self._sizes.get(key)
+        if known is None:
+            known = self._bound(key[0], dtype)
+            with self._lock:
+                self._sizes[key] = known
+        if isinstance(known, ValueError):
+            raise ValueError(str(known))
+        return known
+
+    def _bound(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | ValueError:
+        n, tp = self.spec.num_layers, self.spec.tensor_parallel
+        if len(shape) != 4 or not 0 < shape[1] < n:
+            try:
+                self.default.check(shape, dtype)
+            except ValueError as exc:
+                return exc
+        layers = shape[1]
+        runs = [(a, a + layers) for a in range(n - layers + 1)] if 0 < layers < n else [(0, n)]
+        ranks = range(tp.tp if tp is not None else 1)
+        sizes, errors = [], []
+        for first, end in runs:
+            for r in ranks:
+                try:
+                    t = self.transform(Placement(r, len(ranks), first, end))
+                    sizes.append(t.serialized_size(shape, dtype))
+                except ValueError as exc:
+                    errors.append(exc)
+        if sizes:
+            return max(sizes)
+        return ValueError(f"no placement of artifact {self.spec.name}@{self.spec.version} holds chunks of shape {shape} "
+                          f"({errors[0] if errors else 'no layers'})")

@@ -7,15 +7,26 @@
 (`kvtc lmcache-server` registers it and runs LMCache's own server: kernels/lmcache_server.py.)
 The transform is kernels/chunk_serde.py; this module only adapts it to LMCache's `Serializer` /
 `Deserializer` interfaces (`MemoryObj` in and out) and wraps them in LMCache's
-`AsyncSerdeProcessor`. The artifact is pulled and checked when the adapter is built; the key's
-`kv_rank` picks the rank's basis. Both factory conventions are accepted (the "serde" dict with or
-without "type"), and the serializers take `key` as an optional argument (LMCache revisions differ).
-A chunk that cannot be coded raises an error naming its key, which LMCache's processor logs and
-counts as a failed store or a miss: nothing wrong reaches the engine and the server keeps running.
+`AsyncSerdeProcessor`. The artifact is pulled and checked when the adapter is built; the key's packed
+`kv_rank` (world size, rank, local world size, local rank: `chunk_serde.KVRank`) picks the placement:
+the tensor-parallel rank's basis and, under pipeline parallelism, the stage's layers.
+
+Positions: LMCache's MP server resolves a request's token range [start, end) into one key per chunk,
+chunk i at token start + i x chunk size (`MPCacheServerContext.resolve_obj_keys`). `install_position_hook`
+(called by `kvtc lmcache-server` before the server starts) records each chunk hash's position there,
+so chunks of an artifact calibrated with RoPE removed are coded at their true positions. Without the
+hook (the serde imported into another process) such an artifact is refused when the adapter is built.
+
+Both factory conventions are accepted (the "serde" dict with or without "type"), and the serializers
+take `key` as an optional argument (LMCache revisions differ). A chunk that cannot be coded raises an
+error naming its key, which LMCache's processor logs and counts as a failed store or a miss: nothing
+wrong reaches the engine and the server keeps running.
 """
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -26,11 +37,72 @@ from lmcache.v1.distributed.serde.factory import get_registered_serde_types, reg
 from lmcache.v1.memory_management import MemoryObj
 
 from kvtc.kernels.blob import BlobError
-from kvtc.kernels.chunk_serde import ChunkSerdeSettings, ChunkTransform, RankedChunkTransforms
+from kvtc.kernels.chunk_serde import ChunkSerdeSettings, KVRank, RankedChunkTransforms
 
 SERDE_TYPE = "kvtc"
-TESTED_LMCACHE = ">=0.5.6,<0.6"  # the range pyproject's `lmcache` extra pins
+TESTED_LMCACHE = ">=0.5.6,<0.6"  # the LMCache releases this plugin is tested with (0.5.6)
 _log = logging.getLogger(__name__)
+
+
+class ChunkPositions:
+    """chunk hash -> the absolute position of the chunk's first token, the `capacity` most recent."""
+
+    def __init__(self, capacity: int = 1 << 18) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._start: OrderedDict[bytes, int] = OrderedDict()
+
+    def record(self, hashes: list[bytes], start: int, chunk_size: int) -> None:
+        with self._lock:
+            for i, h in enumerate(hashes):
+                self._start[h] = start + i * chunk_size
+                self._start.move_to_end(h)
+            while len(self._start) > self.capacity:
+                self._start.popitem(last=False)
+
+    def get(self, chunk_hash: Any) -> int | None:
+        with self._lock:
+            return self._start.get(chunk_hash)
+
+
+POSITIONS = ChunkPositions()
+_hook_lock = threading.Lock()
+_hooked = False
+
+
+def install_position_hook() -> bool:
+    """Record the position of every chunk key LMCache's MP server resolves (into POSITIONS); idempotent.
+    False where this LMCache has no `MPCacheServerContext.resolve_obj_keys` (positions stay unknown)."""
+    global _hooked
+    with _hook_lock:
+        if _hooked:
+            return True
+        try:
+            from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
+        except ImportError:
+            return False
+        original = getattr(MPCacheServerContext, "resolve_obj_keys", None)
+        if original is None:
+            return False
+
+        def resolve_obj_keys(self, key, object_group_ids):  # noqa: ANN001 - LMCache's signature
+            out = original(self, key, object_group_ids)
+            try:
+                if out and out[0]:
+                    POSITIONS.record([k.chunk_hash for k in out[0]], int(key.start), int(self.chunk_size))
+            except Exception:  # never fail LMCache's request for a position not recorded
+                _log.exception("kvtc serde: chunk positions not recorded for request %s", getattr(key, "request_id", "?"))
+            return out
+
+        resolve_obj_keys.__wrapped__ = original  # type: ignore[attr-defined]
+        MPCacheServerContext.resolve_obj_keys = resolve_obj_keys
+        _hooked = True
+        return True
+
+
+def positions_known() -> bool:
+    """Whether chunk positions are recorded in this process (install_position_hook ran)."""
+    return _hooked
 
 
 def _tensor(obj: MemoryObj, what: str) -> torch.Tensor:
@@ -41,23 +113,33 @@ def _tensor(obj: MemoryObj, what: str) -> torch.Tensor:
 
 
 def describe(key: Any) -> str:
-    """A key as the logs name it: model, rank and chunk hash."""
+    """A key as the logs name it: model, rank (decoded) and chunk hash."""
     if key is None:
         return "chunk"
     digest = getattr(key, "chunk_hash", b"")
     digest = digest.hex()[:16] if isinstance(digest, (bytes, bytearray)) else str(digest)
-    return f"chunk {getattr(key, 'model_name', '?')}/rank {getattr(key, 'kv_rank', '?')}/{digest}"
+    kv_rank = getattr(key, "kv_rank", None)
+    try:
+        rank = f"{KVRank.decode(kv_rank)} (kv_rank {kv_rank:#010x})"
+    except (ValueError, TypeError):
+        rank = f"kv_rank {kv_rank!r}"
+    return f"chunk {getattr(key, 'model_name', '?')}/{rank}/{digest}"
 
 
 class KVTCSerializer(Serializer):
-    def __init__(self, transforms: RankedChunkTransforms) -> None:
+    def __init__(self, transforms: RankedChunkTransforms, positions: ChunkPositions | None = None) -> None:
         self.transforms = transforms
+        self.positions = positions
         self._warned: set[str] = set()
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: Any = None) -> int:
         try:
             out = _tensor(dst, "destination").reshape(-1).view(torch.uint8)
-            data = self.transforms(getattr(key, "kv_rank", 0)).serialize(_tensor(src, "source"), out.numel())
+            transform = self.transforms(getattr(key, "kv_rank", None))
+            start = None
+            if transform.needs_positions and self.positions is not None and key is not None:
+                start = self.positions.get(getattr(key, "chunk_hash", None))
+            data = transform.serialize(_tensor(src, "source"), out.numel(), start=start)
         except Exception as exc:
             raise ValueError(f"kvtc serde cannot store {describe(key)}: {exc}") from exc
         out[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -85,7 +167,7 @@ class KVTCDeserializer(Deserializer):
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: Any = None) -> None:
         try:
-            transform = self.transforms(getattr(key, "kv_rank", 0))
+            transform = self.transforms(getattr(key, "kv_rank", None))
             data = _tensor(src, "source").reshape(-1).view(torch.uint8).cpu().numpy()
             transform.deserialize(memoryview(data), _tensor(dst, "destination"))
         except BlobError as exc:
@@ -97,8 +179,8 @@ class KVTCDeserializer(Deserializer):
 def create_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: kwargs are the "serde" dict, with or without "type"."""
     settings = ChunkSerdeSettings.from_kwargs(dict(kwargs))
-    transforms = RankedChunkTransforms(lambda rank: ChunkTransform.from_settings(settings, rank))
-    return AsyncSerdeProcessor(KVTCSerializer(transforms), KVTCDeserializer(transforms),
+    transforms = RankedChunkTransforms.from_settings(settings, positions=positions_known())
+    return AsyncSerdeProcessor(KVTCSerializer(transforms, POSITIONS), KVTCDeserializer(transforms),
                                max_workers=settings.max_workers)
 
 

@@ -1,14 +1,18 @@
 """`kvtc lmcache-server ARGS` (or `python -m kvtc.kernels.lmcache_server ARGS`): LMCache's own server
-(`lmcache server ARGS`) with the "kvtc" serde registered.
+(`lmcache server ARGS`) with the "kvtc" serde registered and chunk positions recorded.
 
 LMCache has no plugin entry points and builds its L2 adapters before any `--server-module` is
 imported, so a `"serde": {"type": "kvtc", ...}` adapter needs the serde registered in the server's
-process before LMCache parses its configuration. This does exactly that and nothing else: every
+process before LMCache parses its configuration. This does that, records the token position of each
+chunk key the server resolves (for artifacts calibrated with RoPE removed) and nothing else: every
 argument goes to LMCache unchanged, e.g.
 
-    kvtc lmcache-server --host 127.0.0.1 --port 6555 --l1-size-gb 8 \\
+    kvtc lmcache-server --host 127.0.0.1 --port 6555 --l1-size-gb 8 --eviction-policy LRU \\
         --l2-adapter '{"type": "fs", "base_path": "/cache", "serde": {"type": "kvtc",
                        "artifact": "llama-3.1-8b@production", "ratio": 16, "registry": "s3://bucket/kvtc"}}'
+
+Install: pip install 'kvtc-calibration[serve]' (the server's start-up dependencies), then
+pip install --no-deps lmcache==0.5.6 (see the README: LMCache's own pins include CUDA packages).
 """
 from __future__ import annotations
 
@@ -16,27 +20,48 @@ import importlib
 import sys
 from typing import Any
 
-SERVER_MODULES = ("lmcache.v1.distributed.storage_manager", "lmcache.v1.multiprocess.http_server")
+EXTRA = "serve"
+INSTALL = f"pip install 'kvtc-calibration[{EXTRA}]' (from a checkout: pip install -e '.[{EXTRA}]')"
+# What `lmcache server` imports while it starts (module -> pip package), beyond kvtc's own dependencies:
+# the `serve` extra installs them. Measured by starting the server (python -X importtime).
+SERVER_DEPENDENCIES = {
+    "msgspec": "msgspec", "zmq": "pyzmq", "fastapi": "fastapi", "uvicorn": "uvicorn", "httpx": "httpx",
+    "blake3": "blake3", "cryptography": "cryptography", "sortedcontainers": "sortedcontainers", "numba": "numba",
+    "cpuinfo": "py-cpuinfo", "cachetools": "cachetools", "aiofiles": "aiofiles", "aiofile": "aiofile",
+    "prometheus_client": "prometheus_client", "opentelemetry.sdk": "opentelemetry-sdk", "yaml": "pyyaml",
+    "aiohttp": "aiohttp",
+}
+SERVER_MODULES = ("lmcache.v1.distributed.storage_manager", "lmcache.v1.multiprocess.server",
+                  "lmcache.v1.multiprocess.http_server", "lmcache.v1.multiprocess.token_hasher")
 
 
 class LauncherError(RuntimeError):
     """LMCache or its server's dependencies are missing."""
 
 
+def _missing(name: str, exc: ImportError, needed_by: str | None = None) -> LauncherError:
+    missing = getattr(exc, "name", None) or name
+    package = SERVER_DEPENDENCIES.get(missing, SERVER_DEPENDENCIES.get(missing.split(".")[0], missing.split(".")[0]))
+    by = f" (imported by {needed_by})" if needed_by and needed_by != missing else ""
+    return LauncherError(f"LMCache's server needs the module {missing!r}{by}, from the package {package!r}, which is "
+                         f"not installed: {INSTALL}")
+
+
 def check_server() -> None:
-    """Import what `lmcache server` needs; LauncherError naming the missing module otherwise (LMCache's
-    own command only warns and prints its help when its server dependencies are absent)."""
+    """Import everything `lmcache server` imports while starting; LauncherError naming the first missing
+    module and the extra that installs it (LMCache's own command only warns and prints its help)."""
     try:
         import lmcache  # noqa: F401
     except ImportError as exc:
-        raise LauncherError(f"LMCache is not installed ({exc}): pip install 'kvtc-calibration[lmcache]'") from exc
-    for name in SERVER_MODULES:
+        if getattr(exc, "name", None) in (None, "lmcache"):
+            raise LauncherError(f"LMCache is not installed: {INSTALL}, then pip install --no-deps "
+                                "lmcache==0.5.6") from exc
+        raise _missing("lmcache", exc, "lmcache") from exc
+    for name in (*SERVER_DEPENDENCIES, *SERVER_MODULES):
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise LauncherError(f"LMCache's server cannot start here: {name} needs {getattr(exc, 'name', exc)!r}, "
-                                "which is not installed (install LMCache with its dependencies: pip install "
-                                "lmcache)") from exc
+            raise _missing(name, exc, name) from exc
 
 
 def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
@@ -44,7 +69,7 @@ def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
     by LMCache's own calls (its storage-manager argument parser and config, its L1 manager, `create_l2_adapter`
     and, for an adapter with a "serde", `SerdeL2AdapterWrapper` around `create_serde_processor`, as its
     StorageManager does) but without the request transport -> (adapter, l1_manager); close both after use.
-    For checks and benchmarks where LMCache's server cannot start (its transport needs packages not installed)."""
+    For checks and benchmarks of the adapter alone (tests/test_lmcache_live.py runs the whole server)."""
     import argparse
 
     from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
@@ -69,18 +94,26 @@ def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Register the kvtc serde, then run `lmcache server` with argv (default sys.argv[1:])."""
+    """Register the kvtc serde and the position hook, then run `lmcache server` with argv (default
+    sys.argv[1:]). Exit 2 with one line on stderr where LMCache or a server dependency is missing;
+    `--help` prints this help (and that line, if any) and exits 0 even then."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args in (["-h"], ["--help"]):
+    wants_help = any(a in ("-h", "--help") for a in args)
+    if wants_help:
         print(__doc__.strip())
+        sys.stdout.flush()
     try:
-        from kvtc.kernels.lmcache_serde import register
+        check_server()
+        from kvtc.kernels.lmcache_serde import install_position_hook, register
 
         register()
-        check_server()
-    except (ImportError, LauncherError) as exc:
+        install_position_hook()
+    except LauncherError as exc:
         print(f"kvtc lmcache-server: error: {exc}", file=sys.stderr)
-        return 2
+        return 0 if wants_help else 2
+    except ImportError as exc:
+        print(f"kvtc lmcache-server: error: {_missing(getattr(exc, 'name', None) or '?', exc)}", file=sys.stderr)
+        return 0 if wants_help else 2
     from lmcache.cli.main import main as lmcache_main
 
     try:

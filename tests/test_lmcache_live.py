@@ -1,0 +1,244 @@
+"""`kvtc lmcache-server` live: the README's command started on loopback (its values swapped for the test's
+ports, paths and tiny artifacts), a real model's KV stored in vLLM's paged layout through LMCache 0.5.6's
+own multiprocess client in server-driven transfer mode (kvtc.kernels.lmcache_client), L1 cleared, the
+chunks looked up, prefetched from L2 and retrieved, and compared with the offline transform; the bytes on
+disk are the KVTC blobs. At TP 1 (a rope-kept artifact) and TP 2 (a --tp 2 artifact, keys RoPE-removed at
+the positions the server resolves), with bad input that must fail a store or miss, never stop the server.
+Skipped where LMCache's server cannot start (`pip install -e '.[serve]'` and LMCache: see the README)."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtc.kernels.blob import read_blob
+from kvtc.kernels.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms
+from kvtc.kernels.lmcache_client import connect, server_process
+from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 256  # the README's server runs LMCache's default chunk size
+TOKENS = 512
+START_TIMEOUT = 240.0  # seconds for the server to answer (imports and the artifact pull, on a loaded 2-core CPU)
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def live():
+    try:
+        from kvtc.kernels.lmcache_server import check_server
+
+        check_server()
+    except Exception as exc:  # noqa: BLE001 - whatever keeps LMCache's server from starting here
+        pytest.skip(f"LMCache's server cannot start here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory, live):
+    return artifacts(tmp_path_factory.getbasetemp() / "lmcache-artifacts")
+
+
+def readme_command(**values) -> list[str]:
+    """The README's `kvtc lmcache-server ...` arguments, parsed as a shell would, with `values` replacing its
+    flags' values (port, http_port, l1_size_gb) and its L2 adapter's base_path and serde fields."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("kvtc lmcache-server --host")
+    end, quoted = start, False
+    while end < len(text):  # the command ends at a newline outside quotes that no backslash continues
+        c = text[end]
+        if c == "'":
+            quoted = not quoted
+        elif c == "\n" and not quoted and text[end - 1] != "\\":
+            break
+        end += 1
+    argv = shlex.split(text[start:end].replace("\\\n", " "))
+    assert argv[:2] == ["kvtc", "lmcache-server"]
+    flags = {"--port": "port", "--http-port": "http_port", "--l1-size-gb": "l1_size_gb"}
+    for i, arg in enumerate(argv):
+        if arg in flags:
+            argv[i + 1] = str(values[flags[arg]])
+        elif arg == "--l2-adapter":
+            adapter = json.loads(argv[i + 1])
+            adapter["base_path"] = str(values["base_path"])
+            adapter["serde"].update(values["serde"])
+            argv[i + 1] = json.dumps(adapter)
+    assert set(flags) | {"--host", "--l2-adapter"} <= set(argv), "the README's command lost a flag this test sets"
+    return argv[2:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    def __init__(self, proc: subprocess.Popen, url: str, l2: Path, log: Path) -> None:
+        self.proc, self.url, self.l2, self.log = proc, url, l2, log
+
+    def client(self, model: str, *, layers: int = 3, kv_heads: int = 2, tp: int = 1, base: int = 7000):
+        """An MPClient of this server, retried until the server answers (its log if it exits)."""
+        return connect(self.proc, self.url, model, start_timeout=START_TIMEOUT, log=self.log, layers=layers,
+                       kv_heads=kv_heads, head_dim=16, tp=tp, num_blocks=64, block_size=16, instance_base=base)
+
+    def alive(self) -> None:
+        assert self.proc.poll() is None, f"the server exited ({self.proc.returncode}):\n{self.text()[-4000:]}"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def files(self, model: str) -> list[Path]:
+        return sorted(self.l2.glob(f"{model}@*.data"))
+
+    def wait_for(self, predicate, what: str, timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.alive()
+            out = predicate()
+            if out:
+                return out
+            time.sleep(0.1)
+        raise TimeoutError(f"{what} within {timeout:g} s; the server's log ends:\n{self.text()[-4000:]}")
+
+
+@contextmanager
+def running(tmp_path: Path, ref: str, registry: str):
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    port = _free_port()
+    args = readme_command(port=port, http_port=_free_port(), l1_size_gb=0.1, base_path=l2,
+                          serde={"artifact": ref, "ratio": RATIO, "registry": registry})
+    log = tmp_path / "server.log"
+    with server_process(args, log) as proc:
+        yield Live(proc, f"tcp://127.0.0.1:{port}", l2, log)
+
+
+def _blob(data: bytes):
+    return read_blob(data[8:8 + int.from_bytes(data[:8], "little")])[0]
+
+
+def _kv_rank_of(path: Path) -> int:
+    return int(path.name.split("@")[1], 16)
+
+
+def _round_trip(client, live: Live, model: str, ids: list[int], heads: list[slice], keys, values) -> None:
+    """Write each rank's heads into its paged cache, STORE, wait for L2, clear L1 and zero the cache, LOOKUP
+    (prefetch from L2), RETRIEVE."""
+    blocks = list(range(TOKENS // 16))
+    for rank, h in enumerate(heads):
+        client.write(rank, blocks, keys[:, h], values[:, h])
+    assert client.store("store-" + model, ids, blocks) == [True] * len(heads)
+    client.end_session("store-" + model)
+    want = TOKENS // CHUNK * len(heads)
+    live.wait_for(lambda: len(live.files(model)) >= want, f"{want} chunks of {model} on disk")
+    client.clear_l1()
+    for rank in range(len(heads)):
+        client.zero(rank, blocks)
+    assert client.lookup("load-" + model, ids) == TOKENS // CHUNK  # found in L2 and prefetched into L1
+    assert client.retrieve("load-" + model, ids, blocks) == [True] * len(heads)
+    client.end_session("load-" + model)
+
+
+def test_tp1_chunks_round_trip_through_the_live_server_as_kvtc_blobs_and_bad_input_never_stops_it(found, tmp_path):
+    registry, ref = found["registry"], found["kept"]
+    ids, keys, values = model_cache(TOKENS)
+    transform = RankedChunkTransforms.from_settings(
+        ChunkSerdeSettings.from_kwargs({"artifact": ref, "ratio": RATIO, "registry": registry}))(None)
+    chunks = [chunk(keys[:, :, i:i + CHUNK], values[:, :, i:i + CHUNK]) for i in range(0, TOKENS, CHUNK)]
+    expected = [transform.serialize(c) for c in chunks]
+    with running(tmp_path, ref, registry) as live:
+        client = live.client("tiny")
+        try:
+            _round_trip(client, live, "tiny", ids, [slice(None)], keys, values)
+            on_disk = [p.read_bytes() for p in live.files("tiny")]
+            assert sorted(on_disk) == sorted(expected)  # the KVTC bytes, nothing else
+            assert {_blob(d).name for d in on_disk} == {"tiny-kept"} and {_kv_rank_of(p) for p in live.files("tiny")} \
+                == {0x01000100}  # LMCache's packed rank 0 of world size 1
+            got = chunk(*client.read(0, list(range(TOKENS // 16))))
+            offline = []
+            for c, data in zip(chunks, expected):
+                out = torch.empty_like(c)
+                transform.deserialize(memoryview(data), out)
+                offline.append(out)
+            assert torch.equal(got, torch.cat(offline, dim=2))  # exactly the offline transform
+            raw = chunks[0].numel() * chunks[0].element_size()
+            assert len(on_disk[0]) < raw / (RATIO * 0.9)
+
+            # a corrupt chunk on disk is a miss, logged with its key; the server keeps serving the others
+            victim = next(p for p in live.files("tiny") if p.read_bytes() == expected[1])
+            data = bytearray(victim.read_bytes())
+            data[100] ^= 0xFF
+            victim.write_bytes(bytes(data))
+            client.clear_l1()
+            assert client.lookup("corrupt", ids) < 2  # LMCache 0.5.6 fails the prefetch batch it is in: 0
+            client.end_session("corrupt")
+            live.wait_for(lambda: "does not decode" in live.text(), "the corrupt chunk logged")
+            assert victim.name.split("@")[-1][:16] in live.text()
+            assert client.lookup("intact", ids[:CHUNK]) == 1  # the intact first chunk alone
+            client.end_session("intact")
+        finally:
+            client.close()
+
+        # bad input: two ranks of a one-rank artifact (two pipeline stages of a one-basis model), then
+        # another layer count; each store fails with its chunk and the mismatch named, nothing is stored
+        for model, options, says in (
+                ("tiny-pp", dict(kv_heads=2, tp=2), "rank 1 of world size 2 (kv_rank 0x02010201)"),
+                ("tiny-2l", dict(layers=2), "the chunk holds 2 layers, artifact tiny-kept@")):
+            bad = live.client(model, base=8000 if model == "tiny-pp" else 9000, **options)
+            try:
+                blocks = list(range(TOKENS // 16))
+                assert all(bad.store("store-" + model, ids, blocks))  # L1 takes it; L2's serde refuses it
+                bad.end_session("store-" + model)
+                live.wait_for(lambda: f"kvtc serde cannot store chunk {model}/" in live.text(), f"{model} refused")
+                assert says in live.text() and not live.files(model)
+            finally:
+                bad.close()
+        assert "--groups layer" in live.text()
+        live.alive()
+
+
+def test_tp2_ranks_round_trip_with_their_own_bases_and_keys_coded_at_their_positions(found, tmp_path):
+    registry, ref = found["registry"], found["tp2"]
+    ids, keys, values = model_cache(TOKENS)
+    transforms = RankedChunkTransforms.from_settings(
+        ChunkSerdeSettings.from_kwargs({"artifact": ref, "ratio": RATIO, "registry": registry}), positions=True)
+    heads = [slice(0, 1), slice(1, 2)]
+    with running(tmp_path, ref, registry) as live:
+        client = live.client("tiny", kv_heads=1, tp=2)
+        try:
+            _round_trip(client, live, "tiny", ids, heads, keys, values)
+            files = live.files("tiny")
+            assert {_kv_rank_of(p) for p in files} == {0x02000200, 0x02010201}  # ranks 0 and 1 of world size 2
+            for path in files:
+                data = path.read_bytes()
+                header = _blob(data)
+                assert header.start in (0, CHUNK) and header.kv_heads == 1  # the chunk's true position
+                rank = (_kv_rank_of(path) >> 16) & 0xFF
+                h, s = heads[rank], slice(header.start, header.start + CHUNK)
+                t = transforms(_kv_rank_of(path))
+                assert data == t.serialize(chunk(keys[:, h, s], values[:, h, s]), start=header.start)
+            blocks = list(range(TOKENS // 16))
+            for rank, h in enumerate(heads):
+                got = chunk(*client.read(rank, blocks))
+                t = transforms(0x02000200 | (rank << 16) | rank)
+                offline = []
+                for start in range(0, TOKENS, CHUNK):
+                    c = chunk(keys[:, h, start:start + CHUNK], values[:, h, start:start + CHUNK])
+                    out = torch.empty_like(c)
+                    t.deserialize(memoryview(t.serialize(c, start=start)), out)
+                    offline.append(out)
+                assert torch.equal(got, torch.cat(offline, dim=2))
+                assert float((got.float() - chunk(keys[:, h], values[:, h]).float()).norm()
+                             / chunk(keys[:, h], values[:, h]).float().norm()) < 0.5
+        finally:
+            client.close()
+        assert not re.search(r"Traceback|kvtc serde cannot", live.text())
+        live.alive()
