@@ -24,6 +24,7 @@ INTEGRATIONS = frozenset({
     "kvtc_cache.py",  # the transformers cache class
     "lmcache_serde.py",  # LMCache's serde plugin (its chunk format is chunk_serde.py, in the codec)
     "lmcache_server.py",  # the `kvtc lmcache-server` launcher
+    "lmcache_client.py",  # LMCache's multiprocess client, as the live test and bench drive the server
     "vllm_offload.py",  # vLLM's OffloadingSpec (kv_connector_extra_config)
 })
 
