@@ -184,7 +184,7 @@ def _tokens(lm, corpus: str, count: int) -> list[int]:
     raise ValueError(f"corpus {corpus} holds fewer than {count} tokens")
 
 
-def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int) -> list[dict]:
+def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int, model: str | None = None) -> list[dict]:
     """Each ART[:TP] through a live `kvtc lmcache-server` -> one row of figures per artifact."""
     import socket
 
@@ -200,7 +200,7 @@ def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int
             sock.bind(("127.0.0.1", 0))
             return sock.getsockname()[1]
 
-    lm = load_model(device="cpu")
+    lm = load_model(model, device="cpu") if model else load_model(device="cpu")
     n = chunks * 256
     ids = _tokens(lm, corpus, n)
     keys, values = (x.to(torch.bfloat16) for x in raw_cache(lm, torch.tensor([ids])))
@@ -219,7 +219,7 @@ def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int
                     "--l2-adapter", json.dumps({"type": "fs", "base_path": str(l2), "serde": serde})]
             log = Path(tmp) / "server.log"
             with server_process(args, log) as proc:
-                client = connect(proc, f"tcp://127.0.0.1:{rpc}", "smollm2", log=log, layers=L, kv_heads=H // tp,
+                client = connect(proc, f"tcp://127.0.0.1:{rpc}", "bench", log=log, layers=L, kv_heads=H // tp,
                                  head_dim=D, tp=tp, num_blocks=len(blocks) + 16, block_size=16, timeout=1200.0)
                 try:
                     per = H // tp
@@ -357,6 +357,7 @@ def main() -> None:
     ap.add_argument("--prefix-chunks", type=int, default=4, help="--ppl: 256-token chunks of prefix per sequence")
     ap.add_argument("--continuation", type=int, default=64, help="--ppl: tokens scored after the prefix")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    ap.add_argument("--model", default=None, help="--live: the model whose KV is stored (default: the embedded SmolLM2)")
     args = ap.parse_args()
     if args.live or args.ppl:
         import torch
@@ -364,7 +365,7 @@ def main() -> None:
         torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
         if args.live:
             print(f"live: {args.chunks} chunks of 256 tokens of {args.corpus} per artifact, CR {args.ratio:g}")
-            print_live(live(args.registry, args.live, args.ratio, args.corpus, args.chunks))
+            print_live(live(args.registry, args.live, args.ratio, args.corpus, args.chunks, args.model))
         if args.ppl:
             ppl(args.registry, args.ppl[0], args.ppl[1], [float(r) for r in args.ratios.split(",")], args.corpus,
                 args.sequences, args.prefix_chunks, args.continuation)
