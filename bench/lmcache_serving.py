@@ -50,15 +50,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
 
-def chunks_of_model(corpus: str, count: int, tokens: int = 256):
-    """-> list of (2, L, tokens, H * D) bf16 chunks of the embedded model's cache, and the model's config dir."""
+def chunks_of_model(corpus: str, count: int, tokens: int = 256, model: str | None = None):
+    """-> list of (2, L, tokens, H * D) bf16 chunks of one sequence of `model`'s cache (default: the
+    embedded model), and the loaded model."""
     import torch
 
     from kvtc.pipeline.job.corpus import iter_documents
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 
-    lm = load_model(device="cpu")
+    lm = load_model(model, device="cpu") if model else load_model(device="cpu")
     ids: list[int] = []
     for doc in iter_documents(corpus):
         ids += lm.tokenizer(doc.text).input_ids

@@ -31,6 +31,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the chunk reader of lmcache_serving
+
+from lmcache_serving import chunks_of_model  # noqa: E402
 
 
 def sglang(registry: str, names: list[str], ratios: list[float]) -> None:
@@ -128,26 +131,6 @@ def vllm_tier(registry: str, name: str, ratios: list[float], chunks) -> None:
                   f"rel. error keys {(num[0] / den[0]) ** 0.5:.4f} values {(num[1] / den[1]) ** 0.5:.4f}")
 
 
-def model_chunks(model: str | None, corpus: str, count: int, tokens: int = 256):
-    """-> `count` consecutive (2, layers, tokens, kv_heads x head_dim) bf16 chunks of one sequence of `model`'s cache."""
-    import torch
-
-    from kvtc.pipeline.job.corpus import iter_documents
-    from kvtc.workers.capture import raw_cache
-    from kvtc.workers.models import load_model
-
-    lm = load_model(model, device="cpu") if model else load_model(device="cpu")
-    ids: list[int] = []
-    for doc in iter_documents(corpus):
-        ids += lm.tokenizer(doc.text).input_ids
-        if len(ids) >= count * tokens:
-            break
-    keys, values = raw_cache(lm, torch.tensor([ids[:count * tokens]]))
-    L, H, T, D = keys.shape
-    kv = torch.stack([x.permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)]).to(torch.bfloat16)
-    return [kv[:, :, i * tokens:(i + 1) * tokens].contiguous() for i in range(count)]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--registry", required=True)
@@ -163,7 +146,7 @@ def main() -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     if args.sglang:
         sglang(args.registry, args.sglang.split(","), ratios)
-    chunks = model_chunks(args.model, args.corpus, args.chunks)
+    chunks = chunks_of_model(args.corpus, args.chunks, model=args.model)[0]
     if args.dynamo:
         dynamo(args.registry, args.dynamo, ratios, chunks)
     if args.vllm:
