@@ -91,6 +91,8 @@ class Artifact:
 
     basis(stream, group) -> (mean (p,), eigenvalues (k,), components (p, k)) float32, components as
     columns, features ordered layer, kv head, head_dim; keys in RoPE-removed space.
+    decoder(stream, group) -> decoder (p, k) float32 of a basis that is not orthonormal (reconstruct
+    mean + z @ decoder.T), or None: decode with the components.
     allocation(ratio, stream, group) -> [Block(start, size, qtype, bits)] in component order.
     """
 
@@ -109,6 +111,7 @@ class Artifact:
         self.name: str = manifest["name"]
         self.version: str = manifest["version"]
         self._bases: dict = {}
+        self._decoders: dict = {}
         self._allocations: dict | None = None
         self._ecsq: dict | None = None
         self.damaged: list[str] = []
@@ -145,17 +148,39 @@ class Artifact:
         allocations = self.manifest.get("allocations") or {}
         return list(allocations.get("ratios", []))
 
+    def _entry(self, stream: str, group: int) -> dict:
+        entries = self.manifest["bases"]["entries"]
+        entry = next((e for e in entries if e["stream"] == stream and e["group"] == group), None)
+        if entry is None:
+            have = ", ".join(f"({e['stream']}, {e['group']})" for e in entries)
+            raise ValueError(f"{self.name}@{self.version} has no basis for stream {stream!r} group {group}; "
+                             f"streams are {STREAMS}, available: {have}")
+        return entry
+
     def basis(self, stream: str, group: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if (stream, group) not in self._bases:
-            entries = self.manifest["bases"]["entries"]
-            entry = next((e for e in entries if e["stream"] == stream and e["group"] == group), None)
-            if entry is None:
-                have = ", ".join(f"({e['stream']}, {e['group']})" for e in entries)
-                raise ValueError(f"{self.name}@{self.version} has no basis for stream {stream!r} group {group}; "
-                                 f"streams are {STREAMS}, available: {have}")
+            entry = self._entry(stream, group)
             mean, eig, comp = tables.decode_basis(str(self.file(entry["components"])), str(self.file(entry["mean"])))
             self._bases[(stream, group)] = (mean, eig, comp.astype(np.float32, copy=False))
         return self._bases[(stream, group)]
+
+    def decoder(self, stream: str, group: int = 0) -> np.ndarray | None:
+        """The basis' decoder (p, k) float32, the components' shape; None for an orthonormal basis (its
+        entry names no decoder file). ValueError for a decoder file that is not one of that shape or
+        holds non-finite values."""
+        if (stream, group) not in self._decoders:
+            entry = self._entry(stream, group)
+            decoder = None
+            if "decoder" in entry:
+                shape = self.basis(stream, group)[2].shape
+                try:
+                    decoder = tables.decode_decoder(str(self.file(entry["decoder"])), shape)
+                except ValueError as exc:
+                    raise ValueError(f"{self.name}@{self.version}: decoder file {entry['decoder']} of basis "
+                                     f"({stream}, {group}) is unusable: {exc}; republish the version with a "
+                                     "decoder of its components' shape") from None
+            self._decoders[(stream, group)] = decoder
+        return self._decoders[(stream, group)]
 
     def allocations(self) -> dict:
         """{(ratio, stream, group): {"budget_bits", "cost_bits", "kept", "blocks": [(start, size, type, bits, scale_bits)], ...}}."""

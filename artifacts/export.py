@@ -49,6 +49,14 @@ What this export does about Dynamo's kernels:
 For each stream and group, in DIR:
   <stream>-g<group>.mean.f32        float32 little-endian, shape (features,)
   <stream>-g<group>.projection.f32  float32 little-endian, row-major (features, pca_components)
+  <stem>.decoder.f32                only for a basis that is not orthonormal (a whitened one): the
+                                    reconstruction matrix, float32, laid out exactly as the projection
+                                    (same columns, same zero padding); the config's "decoder" names it.
+                                    Such a basis decodes x_hat = c_hat @ D.T + mean with D this file,
+                                    not the projection: Dynamo's stock kvtc_decompress uses P.T, so a
+                                    consumer must pass D to its decompress GEMM. An export with any
+                                    decoder is written as format "kvtc-dynamo/5" (FORMAT_DECODER) so a
+                                    reader of "kvtc-dynamo/4" that knows no decoders refuses it
   dynamo_kvtc.json                  shapes, sha256 of each array file, the ordered ranges
                                     {"start_idx", "end_idx", "quant_type": "IntX", "int_bits"},
                                     the row layout, the ranks, bits per row and the real ratio
@@ -70,6 +78,7 @@ from kvtc.artifacts.local_files import Outputs
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 
 FORMAT = "kvtc-dynamo/4"
+FORMAT_DECODER = "kvtc-dynamo/5"  # FORMAT plus per-config "decoder" files (bases that are not orthonormal)
 DYNAMO_INT_BITS = (1, 2, 4, 8)
 DYNAMO_RANGE_METADATA_BITS = 64  # float32 min and max per row per IntX range
 DYNAMO_RANGE_HEADER_BYTES = 40  # KvtcRangeHeader (i32, i32, 4 x u64), once per range per compress call
@@ -301,6 +310,7 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
         per_call = per_row * options.batch + DYNAMO_RANGE_HEADER_BYTES * len(ranges)
         assert buffer_bytes(ranges, options.batch) == per_call  # padded: Dynamo's sizing matches its kernel
         projection = _projection(components, columns, tokens)
+        decoder = artifact.decoder(stream, group)
         info = artifact.allocation_info(ratio, stream, group)
         configs.append({
             "stream": stream, "group": group, "layers": entry["layers"], "ranks": users.get(group, []),
@@ -315,6 +325,8 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
             "mean": _write(out, f"{stem}.mean.f32", np.tile(mean, tokens)),
             "projection": _write(out, f"{stem}.projection.f32", projection),
             "ranges": ranges,
+            **({} if decoder is None else
+               {"decoder": _write(out, f"{stem}.decoder.f32", _projection(decoder, columns, tokens))}),
         })
     model = artifact.manifest["model"]
     # bytes per token of one rank (ranks code their own heads; replicas repeat the same bytes)
@@ -325,7 +337,7 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
                      "tokens_per_block": tokens, "columns": "range by range; within a range token by token"},
            "token": {"row": "one (token, layer, K or V)", "order": ["kv_head", "head_dim"]},
            "token-major": {"row": "one token over the group's layers", "order": ["layer", "kv_head", "head_dim"]}}
-    doc = {"format": FORMAT, "artifact": artifact.name, "version": artifact.version, "ratio": float(ratio),
+    doc = {"format": FORMAT_DECODER if any("decoder" in c for c in configs) else FORMAT, "artifact": artifact.name, "version": artifact.version, "ratio": float(ratio),
            "batch": options.batch, "layout": options.layout, "row_layout": row[options.layout],
            "dynamo_bytes_per_token": round(rank_bytes / (options.batch * tokens), 3) if rank0 else None,
            "dynamo_ratio": round(2 * rank_features * options.batch / rank_bytes, 3) if rank_bytes else None,

@@ -30,6 +30,11 @@ itself at each token's position, and re-applies it after decoding).
 - refused: keys calibrated with RoPE kept (SGLang removes RoPE before projecting), a RoPE that is
   not NeoX-style over the full head, a ratio that is not an integer.
 
+A basis that is not orthonormal (the artifact carries a decoder for it, `Artifact.decoder`) reconstructs
+x = mu + z @ decoder.T rather than z @ basis.T: its worker entry then also holds `decoder` (float32,
+(p, rank), the same shape and columns as `basis`), and its JSON stream rows say "decoder": true. A
+loader that reads only `basis` would decode such an entry wrongly; it must use `decoder` when present.
+
 The file is a torch archive because that is what the loader reads; this project never reads it
 back except through the same restricted loader (`weights_only=True`). Beside it, a JSON summary.
 """
@@ -173,17 +178,21 @@ def export_sglang(artifact: Artifact, ratio: float, directory: str | Path, *, tp
             where = f"{artifact.name}@{artifact.version} ratio {ratio:g} {stream} group {group}"
             schema = sglang_schema(artifact.allocation(ratio, stream, group), where)
             mean, _, components = artifact.basis(stream, group)
+            decoder = artifact.decoder(stream, group)
             kept = sum(size for size, _ in schema)
             tensors[(stream, group)] = (torch.from_numpy(np.ascontiguousarray(mean, dtype=np.float32)),
                                         torch.from_numpy(np.ascontiguousarray(components[:, :kept], dtype=np.float32)),
-                                        schema)
+                                        schema,
+                                        None if decoder is None else
+                                        torch.from_numpy(np.ascontiguousarray(decoder[:, :kept], dtype=np.float32)))
     payload: dict = {"version": SGLANG_FILE_VERSION}
     summary = []
     for stream in STREAMS:
         payload[stream] = {}
         for worker, rank, s, group in plan:
-            mu, basis, schema = tensors[(stream, group)]
-            payload[stream][worker] = {"mu": mu, "basis": basis, "quant": {str(key): schema}}
+            mu, basis, schema, decoder = tensors[(stream, group)]
+            payload[stream][worker] = {"mu": mu, "basis": basis, "quant": {str(key): schema},
+                                       **({} if decoder is None else {"decoder": decoder})}
             bits = sum(group_bits(size, dtype) for size, dtype in schema)
             features = int(mu.shape[0])
             summary.append({"stream": stream, "worker": worker, "tp_rank": rank, "pp_rank": s,
@@ -191,7 +200,8 @@ def export_sglang(artifact: Artifact, ratio: float, directory: str | Path, *, tp
                                                                      (0, artifact.manifest["model"]["num_kv_heads"])),
                             "group": group, "features": features, "retained": int(basis.shape[1]),
                             "schema": [list(g) for g in schema], "bits_per_token": bits,
-                            "sglang_ratio": round(16 * features / bits, 3)})
+                            "sglang_ratio": round(16 * features / bits, 3),
+                            **({} if decoder is None else {"decoder": True})})
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()

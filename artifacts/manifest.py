@@ -72,9 +72,14 @@ def build_files(content: ArtifactContent, kernels_dir: Path | None = None) -> tu
         stem = f"bases/{stream}-g{int(group)}"
         files[f"{stem}.components.parquet"], files[f"{stem}.mean.parquet"] = tables.encode_basis(
             mean, eig[:k], comp[:, :k], content.bases_dtype)
-        entries.append({"stream": stream, "group": int(group), "layers": layers[int(group)].to_json(),
-                        "p": int(mean.shape[0]), "k": int(k), "components": f"{stem}.components.parquet",
-                        "mean": f"{stem}.mean.parquet"})
+        entry = {"stream": stream, "group": int(group), "layers": layers[int(group)].to_json(),
+                 "p": int(mean.shape[0]), "k": int(k), "components": f"{stem}.components.parquet",
+                 "mean": f"{stem}.mean.parquet"}
+        if (stream, group) in content.decoders:  # not orthonormal: decoded with its own matrix
+            decoder = np.asarray(content.decoders[(stream, group)])
+            files[f"{stem}.decoder.parquet"] = tables.encode_decoder(decoder[:, :k], content.bases_dtype)
+            entry["decoder"] = f"{stem}.decoder.parquet"
+        entries.append(entry)
     parts: dict = {"bases": {"dtype": content.bases_dtype, "mean_dtype": "float32", "eigenvalue_dtype": "float32",
                              "entries": entries}}
     parts["allocations"] = None
@@ -168,12 +173,26 @@ def _shape_errors(m: dict) -> list[str]:
             errors.append(f"section {key!r} is missing or not an object")
     if isinstance(m.get("bases"), dict) and not isinstance(m["bases"].get("entries"), list):
         errors.append("bases.entries is not a list")
+    elif isinstance(m.get("bases"), dict):
+        errors += _entry_errors(m["bases"]["entries"], files if isinstance(files, dict) else {})
     for key in ("allocations", "kernels"):
         if m.get(key) is not None and not isinstance(m[key], dict):
             errors.append(f"section {key!r} is not an object")
     if not isinstance(m.get("curves", {}), dict) or not isinstance(m.get("extras", []), list):
         errors.append("curves must be an object and extras a list")
     return errors
+
+
+def _entry_errors(entries: list, files: dict) -> list[str]:
+    """Basis entries must be objects naming their files; an optional "decoder" must be a listed file."""
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            return [f"bases.entries[{i}] is not an object"]
+        decoder = entry.get("decoder")
+        if "decoder" in entry and not (isinstance(decoder, str) and decoder in files):
+            return [f"bases.entries[{i}] ({entry.get('stream')!r}, group {entry.get('group')!r}) names decoder "
+                    f"{decoder!r}, which is not a file the manifest lists"]
+    return []
 
 
 def decode_manifest(data: bytes, where: str, name: str | None = None, version: str | None = None) -> dict:

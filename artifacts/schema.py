@@ -3,6 +3,9 @@
 Feature layout of a group (the unit with one basis, kvtc.artifacts.groups): its layers in order,
 each layer's KV heads [h0, h1), then head_dim, so p = layers * (h1 - h0) * head_dim.
 Keys are in RoPE-removed space. Components are columns: components (p, k), k <= p.
+A basis may carry a decoder (p, k) distinct from its components (the encoder): coefficients are
+z = (x - mean) @ components and the reconstruction is mean + z @ decoder.T (a whitened basis,
+decoder.T @ components = I_k); without one the basis is orthonormal and decodes with the components.
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ class ArtifactContent:
     extra_files: {relative path: bytes}, e.g. charts PNG and "report.md".
     parent: version id (same name) or "name@version" this recalibrates; code_version defaults to the package's.
     ecsq: {(ratio, stream, group): table} of the entropy-coded codec mode (artifacts/ecsq_tables.py).
+    decoders: {(stream, group): decoder (p, k)}, numpy, the same shape as that basis' components, for a
+      basis that is not orthonormal (decode x = mean + z @ decoder.T); stored and trimmed as its components.
     """
 
     name: str
@@ -81,6 +86,7 @@ class ArtifactContent:
     code_version: str | None = None
     bases_dtype: str = "float32"
     ecsq: dict = field(default_factory=dict)
+    decoders: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_name("artifact name", self.name)
@@ -96,6 +102,8 @@ class ArtifactContent:
             raise ValueError("corpus fingerprint must be a dict with at least 'spec'")
         to_json(self.corpus, "corpus")
         self._check_bases()
+        for key, decoder in self.decoders.items():
+            self._check_decoder(key, decoder)
         for key, alloc in self.allocations.items():
             self._check_allocation(key, alloc)
         for key, table in self.ecsq.items():  # ECSQ mode hook
@@ -132,6 +140,18 @@ class ArtifactContent:
             if mean.shape != (p,) or comp.ndim != 2 or comp.shape[0] != p or eig.shape != (comp.shape[1],):
                 raise ValueError(f"basis {key!r}: expected mean ({p},), eigenvalues (k,), components ({p}, k); "
                                  f"got {mean.shape}, {eig.shape}, {comp.shape}")
+
+    def _check_decoder(self, key: tuple, decoder: Any) -> None:
+        if key not in self.bases:
+            raise ValueError(f"decoder {key!r} has no basis: key decoders by an existing basis (stream, group), "
+                             f"one of {sorted(self.bases)}")
+        comp = np.asarray(self.bases[key][2])
+        dec = np.asarray(decoder)
+        if dec.shape != comp.shape:
+            raise ValueError(f"decoder of basis {key!r} has shape {dec.shape}; it must be the components' shape "
+                             f"{comp.shape} (p, k), column j decoding component j")
+        if not np.issubdtype(dec.dtype, np.floating) or not np.isfinite(dec).all():
+            raise ValueError(f"decoder of basis {key!r} must hold finite floating-point numbers; fix the fit that made it")
 
     def _check_ecsq(self, key: tuple, table: dict) -> None:
         ratio, stream, group = key

@@ -3,6 +3,8 @@
 bases/<stream>-g<group>.components.parquet: k rows in component order, columns
   index int32, eigenvalue float32, component fixed_shape_tensor(float32|float16, [p]) (column j of (p, k)).
 bases/<stream>-g<group>.mean.parquet: one row, column mean fixed_shape_tensor(float32, [p]).
+bases/<stream>-g<group>.decoder.parquet (only a basis that is not orthonormal): k rows in component order,
+  columns index int32, decoder fixed_shape_tensor(float32|float16, [p]) (column j of the decoder (p, k)).
 allocations.parquet: one row per (ratio, stream, group): ratio float64, stream, group int32, budget_bits,
   cost_bits, kept int64, extra (JSON of other scalar fields), blocks list<struct<start, size, type, bits,
   scale_bits>> in component order.
@@ -68,6 +70,35 @@ def decode_basis(components_file: bytes | str, mean_file: bytes | str) -> tuple[
     else:
         comp = np.ascontiguousarray(column.to_numpy_ndarray().T)
     return means[0].copy(), np.ascontiguousarray(eig), comp
+
+
+def encode_decoder(decoder: np.ndarray, dtype: str) -> bytes:
+    """decoder (p, k) -> its file, stored as `dtype` like the components."""
+    p, k = decoder.shape
+    table = pa.table({"index": pa.array(np.arange(k, dtype=np.int32)),
+                      "decoder": _tensor(np.asarray(decoder).T.astype(dtype))})
+    if k == 0:
+        table = table.replace_schema_metadata({"kvtc.p": str(p)})
+    return to_parquet(table, "none")
+
+
+def decode_decoder(decoder_file: bytes | str, shape: tuple[int, int]) -> np.ndarray:
+    """-> decoder (p, k) float32; ValueError when the file is not a decoder of `shape` (its components')
+    or holds non-finite values."""
+    try:
+        table = from_parquet(decoder_file)
+        column = table.column("decoder").combine_chunks()
+        if len(column) == 0:
+            dec = np.zeros((shape[0], 0), dtype=np.float32)
+        else:
+            dec = np.ascontiguousarray(column.to_numpy_ndarray().T, dtype=np.float32)
+    except (KeyError, AttributeError, TypeError, pa.ArrowException) as exc:
+        raise ValueError(f"not a decoder table ({type(exc).__name__}: {exc})") from None
+    if dec.shape != tuple(shape):
+        raise ValueError(f"decoder has shape {dec.shape}, its basis' components {tuple(shape)}")
+    if not np.isfinite(dec).all():
+        raise ValueError("decoder holds non-finite values")
+    return dec
 
 
 def _integer(value: object, where: str) -> int | None:

@@ -146,10 +146,14 @@ class KVTCCodec:
             return self.basis_dtype
         return cache_dtype if device.type == "cuda" else torch.float32
 
-    def _params(self, stream: str, device: torch.device, mode: str = "fixed", dtype: torch.dtype = torch.float32
-                ) -> tuple[torch.Tensor, list]:
+    def _params(self, stream: str, device: torch.device, mode: str = "fixed", dtype: torch.dtype = torch.float32,
+                decode: bool = False) -> tuple[torch.Tensor, list]:
         """(mean (p,) float32, per group (feature slice, components (p_g, kept) in `dtype`, group)) for one
-        mode on one device: only the columns that mode's code uses, and only that mode's basis."""
+        mode on one device: only the columns that mode's code uses, and only that mode's basis.
+        decode: the matrices that reconstruct instead (each group's `decoding`); a group without a decoder
+        shares its components' tensor, so an orthonormal basis is held once."""
+        if decode:
+            return self._decoding_params(stream, device, mode, dtype)
         key = (stream, str(device), mode, str(dtype))
         if key not in self._on_device:
             groups = self.spec.streams[stream]
@@ -161,6 +165,19 @@ class KVTCCodec:
             parts = [(c, g.components[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g)
                      for c, g in zip(cols, codes)]
             self._on_device[key] = (mean, parts)
+        return self._on_device[key]
+
+    def _decoding_params(self, stream: str, device: torch.device, mode: str, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, list]:
+        """_params with each group's decoding matrix (p_g, kept) in place of its components."""
+        mean, parts = self._params(stream, device, mode, dtype)
+        if all(g.decoder is None for _, _, g in parts):
+            return mean, parts
+        key = ("decoding", stream, str(device), mode, str(dtype))
+        if key not in self._on_device:
+            self._on_device[key] = (mean, [(c, comps if g.decoder is None else
+                                            g.decoding[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g)
+                                           for c, comps, g in parts])
         return self._on_device[key]
 
     def _columns(self, device: torch.device, stream: str = "keys") -> list[slice | torch.Tensor]:
@@ -318,7 +335,7 @@ class KVTCCodec:
 
     def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
                      fmt: str, on_dev: bool, parts: list) -> None:
-        """Fill feat (mid, p) with one stream's reconstructed centred features."""
+        """Fill feat (mid, p) with one stream's reconstructed centred features; parts: _params(decode=True)."""
         for gi, (cols, comps, g) in enumerate(parts):
             off = self._offsets(stream, gi, dev)
             with self._stage("entropy_decode", dev):
@@ -446,7 +463,7 @@ class KVTCCodec:
             positions = torch.arange(header.start + head, header.start + head + mid, device=dev)
             for si, stream in enumerate(STREAMS):
                 D = widths[si]
-                mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype))
+                mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype), decode=True)
                 feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
                 if header.mode == "ecsq":
                     self._decode_ecsq(data, si, stream, mid, feat, dev, header.ecsq_format,
@@ -460,7 +477,7 @@ class KVTCCodec:
                                 params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
                                 ops.unpack_dequantize(packed, params, b.qtype, zhat, b.start, b.size)
                     with self._stage("project", dev):
-                        feat[:, cols] = zhat.to(comps.dtype) @ comps.T
+                        feat[:, cols] = zhat.to(comps.dtype) @ comps.T  # comps: the group's decoding matrix
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
                     if stream == self.spec.rope_stream and self._per_layer_rope:

@@ -120,6 +120,19 @@ class CoefficientCoder:
             self._on_device[key] = (g.mean.to(device), comps.to(device=device, dtype=dt).contiguous())
         return self._on_device[key]
 
+    def _decoding(self, stream: str, gi: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The mode's kept decoding matrix (the decoder, or the components of an orthonormal basis) as `_group`
+        holds the components; an orthonormal basis shares the components' tensor."""
+        mean, comps = self._group(stream, gi, device, dtype)
+        code = self.spec.ecsq[stream][gi] if self.mode == "ecsq" else self.spec.streams[stream][gi]
+        if code.decoder is None:
+            return comps
+        key = ("decoding", stream, str(device), gi, str(comps.dtype))
+        if key not in self._on_device:
+            self._on_device[key] = (mean, code.decoder[:, : comps.shape[1]].to(device=device, dtype=comps.dtype)
+                                    .contiguous())
+        return self._on_device[key][1]
+
     def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
         key = ("offsets", stream, str(device), gi)
         if key not in self._on_device:
@@ -215,9 +228,10 @@ class CoefficientCoder:
         cos, sin, layout = self._cos_sin(stream, coded.start, n, B, dev, self.layer_ropes[layer])
         for gi, _, (h0, h1) in parts:
             row = self.spec.streams[stream][gi].group.layer_offset(layer, self.spec.kv_heads, D)
-            mean, comps = self._group(stream, gi, dev, dtype)
+            mean, _ = self._group(stream, gi, dev, dtype)
+            decoding = self._decoding(stream, gi, dev, dtype)
             rows = slice(row, row + (h1 - h0) * D)
-            feat = (zs[gi].to(comps.dtype) @ comps[rows].T).float()  # (B*n, heads*D): this layer's rows only
+            feat = (zs[gi].to(decoding.dtype) @ decoding[rows].T).float()  # (B*n, heads*D): this layer's rows only
             self._ops(dev).rope_restore(feat, cos, sin, mean[rows].contiguous(), out[:, h0:h1], layout)
         return out[0].reshape(-1, B, n, D).transpose(0, 1)
 

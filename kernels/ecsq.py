@@ -44,6 +44,18 @@ _STATE_BITS = 32   # constriction's num_valid_bits() of that state; a well-forme
 _MAX_SYMBOL_BITS = 25  # a symbol costs at most 24 bits (+ rounding) under a 24-bit-precision model
 
 
+def check_decoder(group: FeatureGroup, components: torch.Tensor, decoder: torch.Tensor | None) -> None:
+    """ValueError unless `decoder` is None or a finite float tensor of the components' shape (p, k)."""
+    if decoder is None:
+        return
+    if not isinstance(decoder, torch.Tensor) or decoder.shape != components.shape:
+        got = tuple(decoder.shape) if isinstance(decoder, torch.Tensor) else type(decoder).__name__
+        raise ValueError(f"group {group.label}: decoder {got} must be a tensor of the components' shape "
+                         f"{tuple(components.shape)}")
+    if not decoder.is_floating_point() or not bool(torch.isfinite(decoder).all()):
+        raise ValueError(f"group {group.label}: decoder must hold finite floating-point values")
+
+
 class SymbolModel(NamedTuple):
     """Symbols [-radius, radius] then one escape: counts (2 radius + 2,) int64, each >= 1."""
 
@@ -54,7 +66,8 @@ class SymbolModel(NamedTuple):
 @dataclass(frozen=True, eq=False)
 class EcsqGroup:
     """One basis at one ratio: its group (layers x KV heads); mean (p,), components (p, kept) float32; step; model
-    (kept,) int index into `models` per component; offsets (kept, C) float32 centroid offsets in steps."""
+    (kept,) int index into `models` per component; offsets (kept, C) float32 centroid offsets in steps;
+    decoder (p, kept) float32 of a basis that is not orthonormal, None otherwise (see `decoding`)."""
 
     group: FeatureGroup
     mean: torch.Tensor
@@ -63,12 +76,14 @@ class EcsqGroup:
     model: np.ndarray
     offsets: torch.Tensor
     models: tuple[SymbolModel, ...]
+    decoder: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         p, kept = self.components.shape if self.components.ndim == 2 else (-1, -1)
         if self.mean.ndim != 1 or p != self.mean.shape[0]:
             raise ValueError(f"ECSQ group {self.group.label}: mean {tuple(self.mean.shape)} and components "
                              f"{tuple(self.components.shape)} must be (p,) and (p, kept)")
+        check_decoder(self.group, self.components, self.decoder)
         if not (self.step > 0 and np.isfinite(self.step)):
             raise ValueError(f"ECSQ group {self.group.label}: step must be a positive finite number, got {self.step}")
         if self.model.shape != (kept,) or self.offsets.ndim != 2 or self.offsets.shape[0] != kept \
@@ -84,6 +99,11 @@ class EcsqGroup:
     @property
     def kept(self) -> int:
         return int(self.components.shape[1])
+
+    @property
+    def decoding(self) -> torch.Tensor:
+        """The matrix (p, kept) that reconstructs: the decoder, or the components of an orthonormal basis."""
+        return self.decoder if self.decoder is not None else self.components
 
     @functools.cached_property
     def columns(self) -> tuple[np.ndarray, ...]:

@@ -21,7 +21,7 @@ from kvtc.kernels.layers import LayerSpec, cached_layers, is_mla, layers_from_js
 from kvtc.kernels.rope import RopeSpec
 from kvtc.artifacts.schema import STREAMS
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
+from kvtc.kernels.ecsq import EcsqGroup, SymbolModel, check_decoder
 
 
 CodedBlock = Block  # the allocation block of kvtc.artifacts.blocks, under the runtime's name
@@ -30,18 +30,21 @@ CodedBlock = Block  # the allocation block of kvtc.artifacts.blocks, under the r
 @dataclass(frozen=True, eq=False)
 class GroupCode:
     """One basis: its group (layers x KV heads); mean (p_g,) and components (p_g, k) float32; blocks
-    sorted, disjoint (components in gaps are coded as "none")."""
+    sorted, disjoint (components in gaps are coded as "none"); decoder (p_g, k) float32 of a basis that
+    is not orthonormal, None otherwise: encode z = (x - mean) @ components, decode mean + z @ decoding.T."""
 
     group: FeatureGroup
     mean: torch.Tensor
     components: torch.Tensor
     blocks: tuple[CodedBlock, ...]
+    decoder: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         p = self.mean.shape[0]
         if self.mean.ndim != 1 or self.components.ndim != 2 or self.components.shape[0] != p:
             raise ValueError(f"group {self.group.label}: mean {tuple(self.mean.shape)} and components "
                              f"{tuple(self.components.shape)} must be (p,) and (p, k)")
+        check_decoder(self.group, self.components, self.decoder)
         pos = 0
         for b in self.blocks:
             if b.start < pos or b.size < 1:
@@ -56,6 +59,11 @@ class GroupCode:
     def kept(self) -> int:
         """Components actually used (end of the last block that has bits)."""
         return max((b.start + b.size for b in self.blocks if b.bits), default=0)
+
+    @property
+    def decoding(self) -> torch.Tensor:
+        """The matrix (p_g, k) that reconstructs: the decoder, or the components of an orthonormal basis."""
+        return self.decoder if self.decoder is not None else self.components
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,7 +215,7 @@ class CodecSpec:
                 kept = max((b.start + b.size for b in blocks if b.bits), default=0)
                 blocks = tuple(b for b in blocks if b.start < kept)
                 codes.append(GroupCode(group, torch.as_tensor(mean, dtype=torch.float32).contiguous(),
-                                       torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(), blocks))
+                                       _columns(comps, kept), blocks, _decoder(artifact, stream, gi, kept)))
             streams[stream] = tuple(codes)
         return cls(name=str(m["name"]), version=str(m["version"]), ratio=float(ratio), model_id=model_id(fp),
                    num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
@@ -216,6 +224,18 @@ class CodecSpec:
                    ecsq=_ecsq_groups(artifact, ratio, groups), layers=_schema(fp, cal.get("keys") == "rope-kept"),
                    tensor_parallel=TensorParallelLayout.from_dict(cal.get("tensor_parallel"), groups),
                    value_dim=None if fp.get("value_dim") is None else int(fp["value_dim"]))
+
+
+def _columns(matrix: np.ndarray, kept: int) -> torch.Tensor:
+    """The first `kept` columns of a (p, k) basis matrix as a contiguous float32 tensor."""
+    return torch.as_tensor(matrix[:, :kept], dtype=torch.float32).contiguous()
+
+
+def _decoder(artifact: Any, stream: str, group: int, kept: int) -> torch.Tensor | None:
+    """The basis' decoder's first `kept` columns, or None for an orthonormal basis (or an artifact-like
+    object without decoders)."""
+    decoder = artifact.decoder(stream, group) if hasattr(artifact, "decoder") else None
+    return None if decoder is None else _columns(decoder, kept)
 
 
 def _schema(fingerprint: dict, rope_kept: bool) -> tuple[LayerSpec, ...] | None:
@@ -240,9 +260,10 @@ def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[E
             mean, _eig, comps = artifact.basis(stream, gi)
             kept = int(table["kept"])
             codes.append(EcsqGroup(group, torch.as_tensor(mean, dtype=torch.float32).contiguous(),
-                                   torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(),
+                                   _columns(comps, kept),
                                    float(table["step"]), np.asarray(table["model"], dtype=np.int64),
                                    torch.as_tensor(table["offsets"], dtype=torch.float32),
-                                   tuple(SymbolModel(int(r), np.asarray(c, dtype=np.int64)) for r, c in table["models"])))
+                                   tuple(SymbolModel(int(r), np.asarray(c, dtype=np.int64)) for r, c in table["models"]),
+                                   _decoder(artifact, stream, gi, kept)))
         out[stream] = tuple(codes)
     return out

@@ -223,8 +223,9 @@ def pca_uniform_codec(artifact, ratio: float):
             mean, eig, comps = artifact.basis(stream, gi)
             blocks = tuple(CodedBlock(*b) for b in uniform_blocks(eig, mean.shape[0], ratio))
             kept = blocks[-1].start + blocks[-1].size
+            decoder = artifact.decoder(stream, gi)
             codes.append(GroupCode(g.group, g.mean, torch.as_tensor(comps[:, :kept], dtype=torch.float32).contiguous(),
-                                   blocks))
+                                   blocks, None if decoder is None else torch.as_tensor(decoder[:, :kept]).contiguous()))
         groups[stream] = tuple(codes)
     uniform = CodecSpec(spec.name, spec.version, float(ratio), spec.model_id, spec.num_layers, spec.kv_heads,
                         spec.head_dim, spec.sinks, spec.window, spec.rope, groups, layers=spec.layers,
