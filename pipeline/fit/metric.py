@@ -19,9 +19,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvtc.artifacts.groups import FeatureGroup, layer_slots
-from kvtc.workers.triangle import row_offset
 
 BALANCES = ("layer", "head", "model")
+
+
+def row_offset(p: int, i: int) -> int:
+    """Index of entry (i, i) in a packed upper triangle (kvtc.workers.triangle's layout)."""
+    return i * p - i * (i - 1) // 2
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.layers import layers_of, layers_to_json, stream_dims
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows
-from kvtc.pipeline.fit.metric import AttentionMetric
 from kvtc.pipeline.fit.pca import cores
 from kvtc.pipeline.job.basis_solver import max_components
 from kvtc.pipeline.job.error_by_tokens import error_by_tokens
@@ -141,7 +140,7 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
             p = group.dim(*dims[stream])
             tasks.append(GroupTask(len(tasks), stream, g, p, tuple(names), tuple(red.ratios), alloc.to_dict(), cap.sinks,
                                    cap.window, threads, "cuda" if placement.gpu else "cpu", free,
-                                   AttentionMetric().to_json() if cap.objective == "attention" else None))
+                                   red.attention_metric.to_json() if cap.objective == "attention" else None))
             rows.append(held.group(stream, columns[g], evals, cap.sinks, cap.window))
             n_rows = rows[-1].rows.shape[0] + (0 if evals is None else rows[-1].evals.shape[0])
             memory.append(group_task_bytes(p, max_components(p, red.ratios, alloc), n_rows))
@@ -225,7 +224,7 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
         dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
         heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
         settings=cfg.computational(), objective=cap.objective,
-        attention_metric=AttentionMetric().to_json() if cap.objective == "attention" else None,
+        attention_metric=cfg.reduce.attention_metric.to_json() if cap.objective == "attention" else None,
         tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
     )
 
