@@ -198,3 +198,13 @@ def test_calibration_end_to_end_with_the_attention_objective(tmp_path):
                          quality.EvalSettings(ratios=(4.0,), baselines=(), sequences=1, continuation=8), "stdlib")
     row = next(r for r in result["rows"] if r["ratio"] == 4.0)
     assert 0 < row["key_attn_error"] < 1 and 0 < row["value_attn_error"] < 1
+    # drift measures in the artifact's own metric (its whitening is stored beside the bases)
+    from kvtc.pipeline.operations.drift_meter import measure_rows, metric_whitenings
+
+    assert set(metric_whitenings(art)) == {("keys", 0), ("values", 0)}
+    cap = capture_kv(lm, torch.randint(0, 1000, (2, 96), generator=torch.Generator().manual_seed(4)), ATTN)
+    drift = measure_rows(art, cap.keys.numpy(), cap.values.numpy())
+    recorded = {m["stream"]: m["value"] for m in art.metrics()
+                if m["ratio"] == 4.0 and m["group"] is None and m["split"] == "heldout" and m["metric"] == "rel_error"}
+    for stream in ("keys", "values"):
+        assert 0.3 * recorded[stream] < drift[(4.0, stream)] < 3 * recorded[stream]

@@ -65,6 +65,40 @@ class AttentionMetric:
         return m.reshape(-1, d, d)
 
 
+def metric_file(stream: str, group: int) -> str:
+    """Where an artifact keeps a group's whitening S (an extra file: decoding never needs it; drift does)."""
+    return f"metric/{stream}-g{int(group)}.parquet"
+
+
+def encode_root(root: np.ndarray) -> bytes:
+    """S blocks (blocks, d, d) -> Parquet bytes: one row per block, a float32 (d, d) tensor."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"root": pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(root, dtype=np.float32))})
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="none", use_dictionary=False)
+    return sink.getvalue()
+
+
+def decode_root(path: str, p: int) -> "Whitening":
+    """A stored S of a group of p features -> its Whitening; ValueError naming the file when malformed."""
+    import pyarrow.parquet as pq
+
+    try:
+        column = pq.read_table(path).column("root").combine_chunks()
+        root = np.asarray(column.to_numpy_ndarray(), dtype=np.float64)
+    except Exception as exc:  # any malformed Parquet: one clear error
+        raise ValueError(f"attention metric file {path}: unreadable ({type(exc).__name__}: {exc})") from None
+    if root.ndim != 3 or root.shape[1] != root.shape[2] or root.shape[0] * root.shape[1] != p \
+            or not np.isfinite(root).all():
+        raise ValueError(f"attention metric file {path}: expected finite (blocks, d, d) with blocks x d = {p}, got "
+                         f"{root.shape}; recalibrate")
+    return Whitening.of(root @ root)  # S is symmetric positive definite: S S = M
+
+
 @dataclass(frozen=True)
 class Whitening:
     """S = M^(1/2) and S^-1 per block: (blocks, d, d) float64 each."""

@@ -91,6 +91,7 @@ class GroupResult:
     solves: list[Solved] = field(default_factory=list)
     fit_s: float = 0.0
     decoder: np.ndarray | None = None
+    metric_root: np.ndarray | None = None  # the attention metric's S blocks (blocks, d, d) float32
 
     @property
     def solve_s(self) -> float:
@@ -100,6 +101,8 @@ class GroupResult:
         arrays = {"mean": self.basis[0], "eigenvalues": self.basis[1], "components": self.basis[2]}
         if self.decoder is not None:
             arrays["decoder"] = self.decoder
+        if self.metric_root is not None:
+            arrays["metric_root"] = self.metric_root
         tables = []
         for i, ((ratio, _, _), t) in enumerate(self.ecsq.items()):
             arrays.update({f"ecsq{i}.scales": t["scales"], f"ecsq{i}.model": t["model"], f"ecsq{i}.offsets": t["offsets"]})
@@ -132,7 +135,7 @@ class GroupResult:
                                ecsq_partials={tuple(k): v for k, v in meta["ecsq_partials"]}, seconds=meta["measure_s"])
         return cls(stream, group, (arrays["mean"], arrays["eigenvalues"], arrays["components"]), allocations, ecsq,
                    measure, list(meta["notes"]), int(meta["train_rows"]), [Solved(**s) for s in meta["solves"]],
-                   float(meta["fit_s"]), arrays.get("decoder"))
+                   float(meta["fit_s"]), arrays.get("decoder"), arrays.get("metric_root"))
 
 
 def whitened_rows(rows: GroupRows, whitening: Whitening) -> GroupRows:
@@ -178,4 +181,5 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
         task.stream, task.group,
         (mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32), encoder.astype(np.float32)),
         allocations, {(f.ratio, task.stream, task.group): f.to_table() for f in fitted.fits}, measured,
-        list(dict.fromkeys(w for a in fitted.allocs for w in a.warnings)), basis.n, solves, fitted.seconds, decoder)
+        list(dict.fromkeys(w for a in fitted.allocs for w in a.warnings)), basis.n, solves, fitted.seconds, decoder,
+        None if whitening is None else whitening.root.astype(np.float32))

@@ -26,6 +26,7 @@ from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.layers import layers_of, layers_to_json, stream_dims
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows
+from kvtc.pipeline.fit.metric import encode_root, metric_file
 from kvtc.pipeline.fit.pca import cores
 from kvtc.pipeline.job.basis_solver import max_components
 from kvtc.pipeline.job.error_by_tokens import error_by_tokens
@@ -197,6 +198,7 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
             curves[name] += rows
     allocations = {key: value for r in results for key, value in r.allocations.items()}
     extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}")
+    extra.update({metric_file(r.stream, r.group): encode_root(r.metric_root) for r in results if r.metric_root is not None})
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus,
         bases={(r.stream, r.group): r.basis for r in results}, allocations=allocations, metrics=metrics,

@@ -16,6 +16,7 @@ from kvtc.artifacts.groups import group_columns
 from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.metrics import evaluate
 from kvtc.pipeline.fit.allocator import Allocation
+from kvtc.pipeline.fit.metric import Whitening, decode_root, metric_file
 from kvtc.pipeline.fit.pca import Basis
 from kvtc.pipeline.job.shards import make_shards
 from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
@@ -31,18 +32,31 @@ def total_variances(art) -> dict[tuple[str, int], float]:
     return out
 
 
+def metric_whitenings(art) -> dict[tuple[str, int], Whitening]:
+    """An --objective attention artifact's whitening per (stream, group) ({} for the cache's own error)."""
+    if art.manifest["calibration"].get("objective") != "attention":
+        return {}
+    return {(stream, g): decode_root(str(art.file(metric_file(stream, g))), int(art.basis(stream, g)[0].shape[0]))
+            for stream in STREAMS for g in range(len(art.groups()))}
+
+
 def artifact_models(art) -> dict[tuple[str, int], tuple[Basis, list[Allocation]]]:
-    """{(stream, group): (Basis, allocations in ratio order)} rebuilt from a pulled Artifact."""
+    """{(stream, group): (Basis, allocations in ratio order)} rebuilt from a pulled Artifact; an attention
+    artifact's bases in its metric's space (orthonormal there: rows are whitened before they meet them)."""
     tv = total_variances(art)
     rec = CalibrationRecord.from_manifest(art.manifest)
     n = rec.train_rows
+    whitenings = metric_whitenings(art)
     out = {}
     for stream in STREAMS:
         for g in range(len(art.groups())):
             mean, eig, comp = art.basis(stream, g)
             eig64 = eig.astype(np.float64)
-            basis = Basis(mean.astype(np.float64), eig64, comp.astype(np.float64),
-                          max(tv.get((stream, g), 0.0), float(eig64.sum())), n)
+            mean, comp = mean.astype(np.float64), comp.astype(np.float64)
+            if (stream, g) in whitenings:  # E = S U: back to U, and the mean to S mean
+                w = whitenings[(stream, g)]
+                mean, comp = w.apply(mean[None])[0], w.columns(comp, inverse=True)
+            basis = Basis(mean, eig64, comp, max(tv.get((stream, g), 0.0), float(eig64.sum())), n)
             allocs = []
             for ratio in sorted(art.ratios()):
                 info = art.allocation_info(ratio, stream, g)
@@ -60,6 +74,7 @@ class Meter:
 
     def __init__(self, art) -> None:
         self.models = artifact_models(art)
+        self.whitenings = metric_whitenings(art)
         model = art.manifest["model"]
         self.cols = group_columns(art.groups(), int(model["num_kv_heads"]), int(model["head_dim"]))
         self.sums: dict[tuple[float, str, int], np.ndarray] = {}
@@ -72,6 +87,8 @@ class Meter:
         for g, sl in enumerate(self.cols):
             basis, allocs = self.models[(stream, g)]
             xg = np.ascontiguousarray(x[:, sl], dtype=np.float32)
+            if (stream, g) in self.whitenings:
+                xg = np.ascontiguousarray(self.whitenings[(stream, g)].apply(xg), dtype=np.float32)
             norm = float(np.square(xg, dtype=np.float64).sum())
             centered = float(np.square(xg.astype(np.float64) - basis.mean).sum())
             for a, ev in zip(allocs, evaluate(basis, allocs, xg)):
@@ -94,8 +111,8 @@ def sample_rows(lm, manifest: dict, corpus: str, tokens: int, exclude: set[str],
     yields (keys (n, p), values (n, p), tokens) float32 rows at positions [sinks, seq_len - window)."""
     rec = CalibrationRecord.from_manifest(manifest)
     seq_len = rec.seq_len
-    settings = CaptureSettings(**rec.capture())
-    check_seq_len(lm, seq_len, settings)
+    settings = CaptureSettings(**{**rec.capture(), "objective": "mse"})  # the rows only: an attention artifact's
+    check_seq_len(lm, seq_len, settings)                                  # metric is its stored one
     used = 0
     for shard in make_shards(corpus, lm.tokenizer, seq_len=seq_len, seqs_per_shard=rec.seqs_per_shard,
                              seed=rec.seed, text_column=text_column, holdout_fraction=0.0,
