@@ -405,3 +405,23 @@ def test_without_decoders_decode_uses_the_very_tensors_encode_does(pulled):
     whitened.decode(whitened.encode(*_cache(12)))
     # decoding adds only the decoders: three whitened bases of P x P float32 (values g1 shares its components)
     assert whitened.basis_bytes() - held == 3 * P * P * 4
+
+
+def test_kvtc_cache_update_returns_the_decoded_cache(pulled):
+    """KVTCCache itself (a transformers Cache): tokens past the window come back decoded with the decoder."""
+    transformers = pytest.importorskip("transformers")
+    from kvtc.kernels import KVTCCache
+
+    config = transformers.LlamaConfig(num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=H,
+                                      hidden_size=H * D, head_dim=D, intermediate_size=32, vocab_size=64)
+    art, _, _ = pulled
+    keys, values = _cache(60)  # a long coded span: ECSQ's rate control coarsens the step of short ones
+    for mode in ("fixed", "ecsq"):
+        cache = KVTCCache(KVTCCodec(art, FULL, mode=mode), config=config, chunk=4)
+        for layer in range(L):
+            cache.update(keys[layer].unsqueeze(0), values[layer].unsqueeze(0), layer)  # prefill: returned as given
+        assert cache.coded_tokens > 0
+        out = [cache.update(keys[l, :, :0].unsqueeze(0), values[l, :, :0].unsqueeze(0), l) for l in range(L)]
+        for layer, (k, v) in enumerate(out):
+            assert _rel(k[0], keys[layer]) < (0.02 if mode == "fixed" else 0.1), mode
+            assert _rel(v[0], values[layer]) < (0.02 if mode == "fixed" else 0.1), mode
