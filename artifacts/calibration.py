@@ -15,6 +15,9 @@ from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 
 RELATIVE_ERROR = "||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector, keys RoPE-removed"
 KEY_FORMS = ("rope-removed", "rope-kept")
+OBJECTIVES = ("mse", "attention")
+ATTENTION_ERROR = ("sqrt(sum e^T M e / sum x^T M x) over held-out tokens, M the attention metric (keys: the queries' "
+                   "scaled second moments per RoPE pair; values: sum_h W_O,h^T W_O,h; see attention_metric)")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class CalibrationRecord:
     or "rope-kept" (keys calibrated as the model caches them, for consumers without positions).
     tensor_parallel: the TP layout the bases were cut for (kvtc.artifacts.tensor_parallel: TP size, each
     rank's KV heads and groups); None for a single-rank artifact.
+    objective: "mse" (bases and allocations minimize the cache's squared error) or "attention" (the error the
+    attention feels, in the metric `attention_metric` describes: the stored errors are in that metric, and
+    the bases have distinct encode and decode matrices).
     settings: the job's computational settings verbatim, group by group (kvtc.pipeline.settings;
     None in versions published before they were recorded): what recalibration repeats.
     Results: tokens (train + held-out), train/heldout/eval rows, notes (warnings of the run),
@@ -52,6 +58,8 @@ class CalibrationRecord:
     model_dtype: str = "float32"
     keys: str = "rope-removed"
     tensor_parallel: dict[str, Any] | None = None
+    objective: str = "mse"
+    attention_metric: dict[str, Any] | None = None
     tokens: int = 0
     train_rows: int = 0
     heldout_rows: int = 0
@@ -76,6 +84,9 @@ class CalibrationRecord:
             raise ValueError(f"calibration record: holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
         if self.keys not in KEY_FORMS:
             raise ValueError(f"calibration record: keys must be one of {KEY_FORMS}, got {self.keys!r}")
+        if self.objective not in OBJECTIVES or (self.objective == "attention") != isinstance(self.attention_metric, dict):
+            raise ValueError(f"calibration record: objective must be one of {OBJECTIVES} (attention with its "
+                             f"attention_metric), got {self.objective!r}")
         if self.settings is not None and not (isinstance(self.settings, dict)
                                               and all(isinstance(v, dict) for v in self.settings.values())):
             raise ValueError("calibration record: settings must map each group to its fields")
@@ -101,6 +112,8 @@ class CalibrationRecord:
                "seed": self.seed}
         if self.tp > 1:
             out["tp"] = self.tp
+        if self.objective != "mse":
+            out["objective"] = self.objective
         return out if self.keys == "rope-removed" else {**out, "keys": self.keys}
 
     def to_manifest(self) -> dict[str, Any]:
@@ -109,8 +122,12 @@ class CalibrationRecord:
         out["ratios"], out["groups"], out["notes"] = list(self.ratios), groups_json(self.groups), list(self.notes)
         if self.tensor_parallel is None:
             del out["tensor_parallel"]  # single-rank artifacts read as before
+        if self.objective == "mse":
+            del out["objective"], out["attention_metric"]  # likewise
         out["relative_error"] = RELATIVE_ERROR if self.keys == "rope-removed" else \
             RELATIVE_ERROR.replace("RoPE-removed", "with RoPE (as cached)")
+        if self.objective == "attention":
+            out["relative_error"] = ATTENTION_ERROR
         return out
 
     @classmethod

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
 from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.pipeline.fit.metric import BALANCES, AttentionMetric
 from kvtc.workers.options import Option, joined, option
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -110,8 +111,14 @@ class ReduceSettings:
     accumulators: int = option(4, "running statistics totals kept in the store: the store holds this many Grams per "
                                   "stream and group whatever --tokens is; results are bit-identical for any --workers, "
                                   "not across values", kind=int)
+    attention_balance: str = option("layer", "--objective attention: the unit whose metric is scaled to mean 1 "
+                                              "(layer: the squared error's balance between layers kept; head; model: "
+                                              "as measured)", choices=BALANCES)
+    attention_floor: float = option(0.05, "--objective attention: share of each block's mean weight added to every "
+                                          "direction (no direction is free)", kind=float)
 
     def __post_init__(self) -> None:
+        AttentionMetric(self.attention_balance, self.attention_floor)  # validated where it is defined
         ratios = tuple(float(r) for r in self.ratios)
         bad = [r for r in ratios if not (math.isfinite(r) and r > 1)]
         if not ratios or bad:
@@ -122,6 +129,10 @@ class ReduceSettings:
         _count(self.heldout_rows, "--heldout-rows")
         _count(self.accumulators, "--accumulators")
         _count(self.tokens_curve_points, "--tokens-curve-points", minimum=0)
+
+    @property
+    def attention_metric(self) -> AttentionMetric:
+        return AttentionMetric(self.attention_balance, self.attention_floor)
 
     @property
     def curve_ratio(self) -> float:

@@ -21,7 +21,9 @@ basis, sliding layers another, chunked layers a third; "model" for models of one
 """
 from __future__ import annotations
 
+import weakref
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -45,6 +47,8 @@ class CapturedKV:
     """keys, values (N, p) float32 (keys RoPE-removed unless settings.keys is "rope-kept"); positions, sequence (N,) int64 (row in the batch).
 
     source_dtype: the dtype the model computed in ("float32", "bfloat16", ...).
+    metric: with settings.objective "attention", the batch's attention-metric sums over `metric_tokens` query
+    tokens (kvtc.workers.attention_metric): {"keys": (layers, kv_heads, head_dim), "values": (..., head_dim)}.
     """
 
     keys: torch.Tensor
@@ -52,6 +56,21 @@ class CapturedKV:
     positions: torch.Tensor
     sequence: torch.Tensor
     source_dtype: str = "float32"
+    metric: dict[str, torch.Tensor] | None = None
+    metric_tokens: int = 0
+
+
+_METRIC_CAPTURES: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def metric_capture(lm: LoadedModel) -> Any:
+    """The model's attention-metric hooks (kvtc.workers.attention_metric.MetricCapture), built once per model."""
+    from kvtc.workers.attention_metric import MetricCapture
+
+    if lm.model not in _METRIC_CAPTURES:
+        base = lm.base
+        _METRIC_CAPTURES[lm.model] = MetricCapture(getattr(base, "language_model", base), tuple(lm.layers))
+    return _METRIC_CAPTURES[lm.model]
 
 
 def check_seq_len(lm: LoadedModel, seq_len: int, settings: CaptureSettings) -> None:
@@ -94,9 +113,11 @@ def full_cache(lm: LoadedModel) -> Any:
     return cache
 
 
-def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """-> keys, values of each coded layer (ascending), each (B, H, T, D) with every position."""
-    with torch.inference_mode():
+def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor, metric: Any = None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """-> keys, values of each coded layer (ascending), each (B, H, T, D) with every position; `metric`: a
+    MetricCapture collecting this forward's query statistics."""
+    with torch.inference_mode(), (metric.during() if metric is not None else nullcontext()):
         out = lm.base(input_ids=input_ids.to(lm.device), past_key_values=full_cache(lm), use_cache=True)
     cache = out.cache if "cache" in out else out.past_key_values  # renamed in transformers 5.x
     coded = cached_layers(lm.layers)
@@ -117,7 +138,8 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     b, t = input_ids.shape
     check_seq_len(lm, t, settings)
-    keys, values = _forward_cache(lm, input_ids)
+    metric = metric_capture(lm) if settings.objective == "attention" else None
+    keys, values = _forward_cache(lm, input_ids, metric)
     pos = _select_positions(input_ids, settings).to(lm.device)
     k = pos.shape[1]
     bi = torch.arange(b, device=lm.device)[:, None].expand(b, k)
@@ -143,15 +165,18 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
         positions=flat_pos.to(torch.int64),
         sequence=bi.reshape(-1).to(torch.int64),
         source_dtype=str(lm.dtype).removeprefix("torch."),
+        metric=None if metric is None else metric.sums(),
+        metric_tokens=0 if metric is None else metric.tokens,
     )
 
 
-def raw_cache(lm: LoadedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def raw_cache(lm: LoadedModel, input_ids: torch.Tensor, metric: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids (1, T) -> (keys, values) each (coded layers, kv_heads, T, head_dim), keys WITH RoPE, model
-    dtype, every position of every coded layer (layers without a KV cache left out)."""
+    dtype, every position of every coded layer (layers without a KV cache left out). metric: a MetricCapture
+    (`metric_capture`) that collects this forward's attention-metric sums."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"raw_cache takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
     if input_ids.shape[1] > lm.max_positions:
         raise ValueError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's limit of {lm.max_positions}")
-    keys, values = _forward_cache(lm, input_ids)
+    keys, values = _forward_cache(lm, input_ids, metric)
     return torch.stack([x[0].to(lm.device) for x in keys]), torch.stack([x[0].to(lm.device) for x in values])

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 KEY_FORMS = ("rope-removed", "rope-kept")
 GROUP_FORMS = ("auto", "model", "layer")
+OBJECTIVES = ("mse", "attention")
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,18 @@ class CaptureSettings:
     keys: str = option("rope-removed", "rope-removed: keys calibrated and coded without RoPE; rope-kept: as servers store "
                                        "them, for consumers that cannot remove RoPE (Dynamo, chunk stores without "
                                        "positions)", choices=KEY_FORMS)
+    objective: str = option("mse", "mse: bases and allocations minimize the cache's own squared error; attention: the "
+                                   "error the attention feels (keys weighted by the queries' second moments, values "
+                                   "by the output projection), with distinct encode and decode matrices",
+                            choices=OBJECTIVES)
     tp: int = option(1, "tensor-parallel ranks the model is served at: one basis per rank's KV heads (and per layer "
                         "group), as vLLM and SGLang shard them; ranks holding the same heads share one", kind=int)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.keys not in KEY_FORMS:
             raise ValueError(f"keys must be one of {KEY_FORMS}, got {self.keys!r}")
         if self.sinks < 0 or self.window < 0:
@@ -86,6 +93,8 @@ class CaptureSettings:
             del d["keys"]  # the default stays out, so shard-store keys written before the option still match
         if self.tp == 1:
             del d["tp"]  # likewise
+        if self.objective == "mse":
+            del d["objective"]  # likewise
         return d
 
     @classmethod

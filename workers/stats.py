@@ -62,6 +62,8 @@ class CalibrationStats:
     dims: list[int]
     shard_ids: tuple[str, ...] = ()
     moments: dict[tuple[str, int], _Moments] = field(default_factory=dict)
+    metric: dict[str, torch.Tensor] = field(default_factory=dict)  # attention objective: see attention_metric
+    metric_tokens: int = 0
 
     @classmethod
     def new(cls, fingerprint: dict[str, Any], settings: CaptureSettings, shard_ids: tuple[str, ...] = ()) -> "CalibrationStats":
@@ -105,6 +107,18 @@ class CalibrationStats:
                 m.n += x.shape[0]
                 m.sum += xg.sum(0, dtype=torch.float64)
                 _upper_gram_update(m.gram, xg.contiguous(), tf32)
+        if captured.metric is not None:
+            self._add_metric(captured.metric, captured.metric_tokens)
+
+    def _add_metric(self, metric: dict[str, torch.Tensor], tokens: int) -> None:
+        """Add attention-metric sums (kvtc.workers.attention_metric) over `tokens` query tokens."""
+        for name, t in metric.items():
+            t = t.detach().to(device="cpu", dtype=torch.float64)
+            if name in self.metric and self.metric[name].shape != t.shape:
+                raise ValueError(f"attention-metric {name} sums of shape {tuple(t.shape)} do not add to "
+                                 f"{tuple(self.metric[name].shape)}")
+            self.metric[name] = self.metric[name] + t if name in self.metric else t.clone()
+        self.metric_tokens += int(tokens)
 
     def _columns(self, stream: str = "keys") -> list:
         """Each group's columns in a captured row of `stream` (coded layers ascending, KV head, head_dim)."""
@@ -146,6 +160,8 @@ class CalibrationStats:
             dst.n += src.n
             dst.sum += src.sum.to(dst.sum.device)
             dst.gram += src.gram.to(dst.gram.device)
+        if other.metric:
+            self._add_metric(other.metric, other.metric_tokens)
         self.shard_ids = self.shard_ids + other.shard_ids
 
     def merge(self, other: "CalibrationStats") -> "CalibrationStats":
@@ -165,6 +181,7 @@ class CalibrationStats:
             "dims": self.dims,
             "shard_ids": list(self.shard_ids),
             "counts": {f"{s}/{g}": m.n for (s, g), m in sorted(self.moments.items())},
+            **({"metric": sorted(self.metric), "metric_tokens": self.metric_tokens} if self.metric else {}),
         }
 
     def write_to(self, f: BinaryIO, hmac_key: bytes | None = None) -> int:
@@ -174,6 +191,8 @@ class CalibrationStats:
         for (s, g), m in sorted(self.moments.items()):
             tensors[f"{s}/{g}/sum"] = m.sum.cpu().numpy()
             tensors[f"{s}/{g}/gram_triu"] = m.gram.cpu().numpy()
+        for name, t in sorted(self.metric.items()):
+            tensors[f"metric/{name}"] = t.cpu().numpy()
         return write_stats(f, tensors, self.metadata(), hmac_key)
 
     def to_bytes(self) -> bytes:
@@ -236,7 +255,28 @@ class CalibrationStats:
                 raise CorruptStats(name, f"{key} sum {tuple(total.shape)} / Gram {tuple(gram.shape)} are not float64 "
                                    f"arrays for p={p}")
             out.moments[(s, int(g))] = _Moments(int(n), total, gram)
+        if meta.get("metric"):
+            out._read_metric(f, footer, name, meta)
         return out
+
+    def _read_metric(self, f: BinaryIO, footer: dict, name: str, meta: dict) -> None:
+        """The attention-metric sums, checked against the model's coded layers, KV heads and head_dim."""
+        from kvtc.kernels.layers import cached_layers
+
+        shape = (len(cached_layers(layers_of(self.fingerprint))), int(self.fingerprint["num_kv_heads"]),
+                 int(self.fingerprint["head_dim"]))
+        want = {"keys": shape, "values": shape + shape[-1:]}
+        if sorted(meta["metric"]) != sorted(want) or not isinstance(meta.get("metric_tokens"), int) \
+                or meta["metric_tokens"] < 1:
+            raise CorruptStats(name, f"attention-metric entries {meta['metric']} / tokens {meta.get('metric_tokens')!r} "
+                               f"are not {sorted(want)} over >= 1 token")
+        for key, shp in want.items():
+            t = torch.from_numpy(read_tensor(f, footer, f"metric/{key}", name))
+            if t.shape != shp or t.dtype != torch.float64 or not bool(torch.isfinite(t).all()):
+                raise CorruptStats(name, f"attention-metric {key} is {tuple(t.shape)} {t.dtype}, expected finite "
+                                   f"float64 {shp}")
+            self.metric[key] = t
+        self.metric_tokens = int(meta["metric_tokens"])
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str = "<bytes>") -> "CalibrationStats":

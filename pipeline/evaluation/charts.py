@@ -6,6 +6,21 @@ never load it.
 from __future__ import annotations
 
 import io
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+_CAPTION: ContextVar[str | None] = ContextVar("kvtc_chart_caption", default=None)
+
+
+@contextmanager
+def caption(text: str | None) -> Iterator[None]:
+    """Every chart finished inside the block carries `text` under its panels (e.g. which metric its errors are in)."""
+    token = _CAPTION.set(text)
+    try:
+        yield
+    finally:
+        _CAPTION.reset(token)
 
 
 def figure(ncols: int):
@@ -22,7 +37,12 @@ def figure(ncols: int):
 def png(plt, fig) -> bytes:
     """A finished figure -> PNG bytes (closes it)."""
     buf = io.BytesIO()
-    fig.tight_layout()
+    text = _CAPTION.get()
+    if text:
+        fig.text(0.01, 0.01, text, fontsize=7, color="dimgray", ha="left", va="bottom")
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+    else:
+        fig.tight_layout()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     return buf.getvalue()

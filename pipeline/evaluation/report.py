@@ -18,7 +18,7 @@ from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.pull import pull
 from kvtc.artifacts.local_files import write_outputs
 from kvtc.artifacts.schema import STREAMS, check_name
-from kvtc.pipeline.evaluation.charts import figure, png
+from kvtc.pipeline.evaluation.charts import caption, figure, png
 
 SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
 
@@ -84,10 +84,12 @@ def error_table(metrics: list[dict]) -> str:
                 "Gaussian bound", "fixed-rate bits/token"], rows)
 
 
-def chart_error_by_tokens(rows: list[dict], ratio: float | None = None, run_tokens: int | None = None) -> bytes | None:
+def chart_error_by_tokens(rows: list[dict], ratio: float | None = None, run_tokens: int | None = None,
+                          attention: bool = False) -> bytes | None:
     """rows {tokens, stream, split, rel_error} measured at compression ratio `ratio`; the x-axis runs
     to `run_tokens` (every token the calibration ran, held-out shards, sinks and window included),
-    marked by a dotted line. None when there are no rows."""
+    marked by a dotted line. None when there are no rows. attention: the artifact's objective is the
+    attention metric, while this curve's prefixes are solved without it (the cache's own error)."""
     if not rows:
         return None
     plt, fig, axes = figure(1)
@@ -105,7 +107,7 @@ def chart_error_by_tokens(rows: list[dict], ratio: float | None = None, run_toke
     ax.set_xlim(0, right * 1.04)
     at = f" at CR {ratio:g}" if ratio else ""
     ax.set(xlabel="calibration tokens (rows that built the basis)", ylabel="relative error (%)",
-           title=f"Error vs calibration tokens{at}")
+           title=f"Error vs calibration tokens{at}" + (" (unweighted PCA: the cache's own error)" if attention else ""))
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     return png(plt, fig)
@@ -191,21 +193,12 @@ def chart_allocation(allocations: dict, features: int | None = None) -> bytes | 
     return png(plt, fig)
 
 
-def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
-          model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
-    """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
+def _charts(curves: dict, allocations: dict, cal: dict, curve: dict, features: int | None) -> dict[str, bytes | None]:
     from kvtc.pipeline.evaluation import basis_size, rate_distortion  # deferred: they load torch, `kvtc` start-up does not
 
-    files: dict[str, bytes] = {}
-    cal = calibration or {}
-    curve = cal.get("tokens_curve") or {}
-    groups = cal.get("groups") or []
-    features = None
-    if model and groups:
-        features = FeatureGroup.from_json(groups[0]).dim(int(model["num_kv_heads"]), int(model["head_dim"]))
-    charts = {
+    return {
         "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", []), curve.get("ratio"),
-                                                            cal.get("tokens")),
+                                                            cal.get("tokens"), cal.get("objective") == "attention"),
         "charts/error_by_position.png": chart_error_by_position(curves.get("error_by_position", []),
                                                                 curves.get("error_by_position_pca"),
                                                                 sinks=cal.get("sinks"), window=cal.get("window"),
@@ -214,6 +207,22 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
         "charts/rate_distortion.png": rate_distortion.chart(curves.get("rate_distortion", [])),
         "charts/basis_size.png": basis_size.chart(curves.get("basis_size", [])),
     }
+
+
+def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dict | None = None,
+          model: dict | None = None, title: str = "KVTC calibration report", quality: dict | None = None) -> dict[str, bytes]:
+    """{"report.md": ..., "charts/*.png": ...} from what a calibration stores. quality: a `kvtc eval` result."""
+    files: dict[str, bytes] = {}
+    cal = calibration or {}
+    curve = cal.get("tokens_curve") or {}
+    groups = cal.get("groups") or []
+    features = None
+    if model and groups:
+        features = FeatureGroup.from_json(groups[0]).dim(int(model["num_kv_heads"]), int(model["head_dim"]))
+    attention = cal.get("objective") == "attention"
+    with caption("errors in the attention metric (keys: query-weighted; values: W_O-weighted), the metric this "
+                 "artifact was calibrated in" if attention else "errors: the cache's own squared error (--objective mse)"):
+        charts = _charts(curves, allocations, cal, curve, features)
     md = [f"# {title}", ""]
     if model:
         md.append(f"Model: {model.get('spec')} ({model.get('architecture')}, {model.get('num_layers')} layers, "
@@ -221,8 +230,12 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
     if calibration:
         md.append(f"Calibration: {calibration.get('tokens')} tokens, seq_len {calibration.get('seq_len')}, sinks "
                   f"{calibration.get('sinks')}, window {calibration.get('window')}, groups {calibration.get('groups')}.")
-    md += ["", "Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens (positions [sinks, T - window)), "
-           "whole p-vector, keys RoPE-removed.", "", "## Reconstruction error", "", error_table(metrics), "",
+    metric = ("Relative error in the attention metric (calibrated with --objective attention): sqrt(sum e^T M e / "
+              "sum x^T M x), M per layer and KV head: keys, the queries' scaled second moments per RoPE pair; values, "
+              f"sum_h W_O,h^T W_O,h ({json.dumps(cal.get('attention_metric'))}); positions [sinks, T - window)."
+              if attention else "Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens (positions "
+              "[sinks, T - window)), whole p-vector, keys RoPE-removed.")
+    md += ["", metric, "", "## Reconstruction error", "", error_table(metrics), "",
            "## Gap to the Gaussian reverse water-filling bound", "", limit_table(limit_rows(metrics)), ""]
     for rel, data in charts.items():
         if data is None:

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from kvtc.pipeline.fit.allocator import AllocatorSettings
+from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
 from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, pca_from_packed
 from kvtc.pipeline.job.store import ShardStore
 
@@ -73,11 +74,32 @@ def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: in
     return n, total, packed
 
 
+def metric_whitening(store: ShardStore, names: list[str], stream: str, group: int, metric: AttentionMetric) -> Whitening:
+    """The attention metric's whitening of (stream, group), from the metric sums of the accumulators `names`."""
+    sums: dict[str, np.ndarray] = {}
+    tokens, stats = 0, None
+    for name in names:
+        stats = store.get_acc(name, keys=[])
+        if not stats.metric:
+            raise ValueError(f"statistics object {name} holds no attention metric; it was captured with --objective "
+                             "mse: recalibrate with a fresh --store or with --objective mse")
+        for key, t in stats.metric.items():
+            sums[key] = sums[key] + t.numpy() if key in sums else t.numpy().copy()
+        tokens += stats.metric_tokens
+    if stats is None:
+        raise ValueError("no training statistics to reduce; the corpus gave no training shard")
+    blocks = metric.blocks(sums, tokens, stream, stats.groups[group], stats.groups, int(stats.fingerprint["num_kv_heads"]))
+    return Whitening.of(blocks)
+
+
 def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, device: str = "cpu",
-          method: str = "auto") -> tuple[Basis, dict]:
-    """Basis of (stream, group) from the stored accumulators -> (basis, timings {sum_s, eig_s})."""
+          method: str = "auto", whitening: Whitening | None = None) -> tuple[Basis, dict]:
+    """Basis of (stream, group) from the stored accumulators -> (basis, timings {sum_s, eig_s}); with a
+    whitening, the basis of the whitened features (orthonormal in the metric's space)."""
     t0 = time.perf_counter()
     n, total, packed = sum_accumulators(store, names, stream, group)
+    if whitening is not None:
+        whitening.whiten_packed(total, packed)
     t1 = time.perf_counter()
     p = total.shape[0]
     k = min(k, p)

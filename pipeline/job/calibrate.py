@@ -115,6 +115,10 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     capture = replace(capture, groups=resolve_groups(capture.groups, info.layers))  # "auto" on one layer kind: "model"
     cfg = replace(cfg, capture=capture)
     check_seq_len(info, cfg.plan.seq_len, capture)
+    if capture.objective == "attention":  # every coded layer's query and output projections, from a meta-device model
+        from kvtc.workers.attention_metric import check_readable
+
+        check_readable(info.config, info.layers)
     width = info.num_kv_heads * info.head_dim
     text_config = getattr(info.config, "text_config", None) or info.config
     TensorParallelLayout(capture.tp, info.num_kv_heads, int(getattr(text_config, "num_attention_heads", 0) or 0))

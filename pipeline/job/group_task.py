@@ -20,8 +20,9 @@ from kvtc.pipeline.evaluation.measure import CURVES, GroupMeasure, measure_group
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.fit.group_fit import fit_group
 from kvtc.pipeline.fit.heldout_rows import GroupRows
+from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
 from kvtc.pipeline.fit.pca import cpu_threads
-from kvtc.pipeline.job.basis_solver import choose_solver, max_components, next_solve, solve
+from kvtc.pipeline.job.basis_solver import choose_solver, max_components, metric_whitening, next_solve, solve
 from kvtc.pipeline.job.store import ShardStore
 
 KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer than this share of it
@@ -46,6 +47,7 @@ class GroupTask:
     threads: int
     device: str = "cpu"
     free_bytes: int = 0
+    metric: dict | None = None  # the attention objective's AttentionMetric (None: the cache's own squared error)
 
     def __post_init__(self) -> None:
         if self.stream not in ("keys", "values") or self.p < 1 or self.threads < 1 or not self.accumulators:
@@ -75,7 +77,8 @@ class Solved:
 class GroupResult:
     """Everything one stream and group contributes to the artifact: its basis (mean (p,), eigenvalues
     (kept,), components (p, kept), float32), the DP allocations and ECSQ tables per (ratio, stream,
-    group), the measurement, warnings, the rows that built the basis, and each stage's seconds."""
+    group), the measurement, warnings, the rows that built the basis, and each stage's seconds.
+    decoder (p, kept) float32: the attention objective's decode matrix (basis[2] is then the encoder)."""
 
     stream: str
     group: int
@@ -87,6 +90,7 @@ class GroupResult:
     train_rows: int
     solves: list[Solved] = field(default_factory=list)
     fit_s: float = 0.0
+    decoder: np.ndarray | None = None
 
     @property
     def solve_s(self) -> float:
@@ -94,6 +98,8 @@ class GroupResult:
 
     def arrays_and_meta(self) -> tuple[dict[str, np.ndarray], dict]:
         arrays = {"mean": self.basis[0], "eigenvalues": self.basis[1], "components": self.basis[2]}
+        if self.decoder is not None:
+            arrays["decoder"] = self.decoder
         tables = []
         for i, ((ratio, _, _), t) in enumerate(self.ecsq.items()):
             arrays.update({f"ecsq{i}.scales": t["scales"], f"ecsq{i}.model": t["model"], f"ecsq{i}.offsets": t["offsets"]})
@@ -126,7 +132,15 @@ class GroupResult:
                                ecsq_partials={tuple(k): v for k, v in meta["ecsq_partials"]}, seconds=meta["measure_s"])
         return cls(stream, group, (arrays["mean"], arrays["eigenvalues"], arrays["components"]), allocations, ecsq,
                    measure, list(meta["notes"]), int(meta["train_rows"]), [Solved(**s) for s in meta["solves"]],
-                   float(meta["fit_s"]))
+                   float(meta["fit_s"]), arrays.get("decoder"))
+
+
+def whitened_rows(rows: GroupRows, whitening: Whitening) -> GroupRows:
+    """The held-out rows in the metric's space (x S), where the fit and the measurement run unchanged."""
+    def w(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(whitening.apply(x), dtype=np.float32)
+
+    return GroupRows(w(rows.rows), rows.positions, rows.seq_len, None if rows.evals is None else w(rows.evals))
 
 
 def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResult:
@@ -137,8 +151,13 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
     method, k = choose_solver(task.p, bound, on_gpu, task.free_bytes)
     solves: list[Solved] = []
     with cpu_threads(task.threads):
+        whitening = None
+        if task.metric is not None:
+            whitening = metric_whitening(store, list(task.accumulators), task.stream, task.group,
+                                         AttentionMetric(**task.metric))
+            rows = whitened_rows(rows, whitening)
         while True:
-            basis, t = solve(store, list(task.accumulators), task.stream, task.group, k, task.device, method)
+            basis, t = solve(store, list(task.accumulators), task.stream, task.group, k, task.device, method, whitening)
             solves.append(Solved(t["method"], basis.k, task.device, t["sum_s"], t["eig_s"]))
             fitted = fit_group(task.stream, task.group, basis, task.ratios, alloc, rows, task.sinks, task.window)
             if t["method"] == "exact" or k >= bound or fitted.kept < KEEP_MARGIN * k:
@@ -147,13 +166,16 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
             method, k = next_solve(task.p, k, bound, task.free_bytes)
         measured = measure_group(fitted, task.sinks, task.window)
     kept = fitted.kept
+    mean, encoder, decoder = basis.mean, basis.components[:, :kept], None
+    if whitening is not None:  # back from the metric's space: x_hat = mean + z_hat D^T with z = (x - mean) E
+        mean = whitening.apply(basis.mean[None, :], inverse=True)[0]
+        encoder, decoder = whitening.columns(encoder), whitening.columns(encoder, inverse=True).astype(np.float32)
     allocations = {(a.ratio, task.stream, task.group): {
         "budget_bits": a.budget_bits, "cost_bits": a.cost_bits, "kept": a.kept,
         "blocks": [(b.start, b.size, b.qtype, b.bits, b.scale_bits) for b in a.blocks],
         "expected_error": a.expected_error, "heldout_rows": a.heldout_rows} for a in fitted.allocs}
     return GroupResult(
         task.stream, task.group,
-        (basis.mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32),
-         basis.components[:, :kept].astype(np.float32)),
+        (mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32), encoder.astype(np.float32)),
         allocations, {(f.ratio, task.stream, task.group): f.to_table() for f in fitted.fits}, measured,
-        list(dict.fromkeys(w for a in fitted.allocs for w in a.warnings)), basis.n, solves, fitted.seconds)
+        list(dict.fromkeys(w for a in fitted.allocs for w in a.warnings)), basis.n, solves, fitted.seconds, decoder)

@@ -139,7 +139,8 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
         for g, group in enumerate(groups):
             p = group.dim(*dims[stream])
             tasks.append(GroupTask(len(tasks), stream, g, p, tuple(names), tuple(red.ratios), alloc.to_dict(), cap.sinks,
-                                   cap.window, threads, "cuda" if placement.gpu else "cpu", free))
+                                   cap.window, threads, "cuda" if placement.gpu else "cpu", free,
+                                   red.attention_metric.to_json() if cap.objective == "attention" else None))
             rows.append(held.group(stream, columns[g], evals, cap.sinks, cap.window))
             n_rows = rows[-1].rows.shape[0] + (0 if evals is None else rows[-1].evals.shape[0])
             memory.append(group_task_bytes(p, max_components(p, red.ratios, alloc), n_rows))
@@ -201,6 +202,7 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
         bases={(r.stream, r.group): r.basis for r in results}, allocations=allocations, metrics=metrics,
         curves=curves, extra_files=extra, parent=cfg.runtime.parent,
         ecsq={key: table for r in results for key, table in r.ecsq.items()},
+        decoders={(r.stream, r.group): r.decoder for r in results if r.decoder is not None},
     )
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
     return Published(summarize(ref, metrics, reduced.notes), time.perf_counter() - t0)
@@ -221,7 +223,8 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
         holdout_fraction=plan.holdout_fraction, heldout_rows_cap=cfg.reduce.heldout_rows, text_column=plan.text_column,
         dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
         heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
-        settings=cfg.computational(),
+        settings=cfg.computational(), objective=cap.objective,
+        attention_metric=cfg.reduce.attention_metric.to_json() if cap.objective == "attention" else None,
         tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
     )
 

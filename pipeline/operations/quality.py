@@ -63,6 +63,10 @@ class _Tally:
     k_norm: float = 0.0
     v_err: float = 0.0
     v_norm: float = 0.0
+    k_attn: float = 0.0
+    k_attn_norm: float = 0.0
+    v_attn: float = 0.0
+    v_attn_norm: float = 0.0
     stored: int = 0
     mid: int = 0
     features: int = 0
@@ -141,7 +145,9 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
 def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None) -> list[dict]:
     """sequences: iterable of (T,) token arrays. Returns one row per method: method, ratio (target,
     or None for fixed-rate methods), bytes_per_token, cr, key_rel_error, value_rel_error,
-    ppl_ratio, kl, tokens, sequences; for a multi-head latent attention model (keys: its latent, values: its
+    ppl_ratio, kl, tokens, sequences; key_attn_error, value_attn_error: the same errors in the attention
+    objective's metric (kvtc.pipeline.fit.metric, measured on each sequence's own queries), where the model's
+    query and output projections can be read; for a multi-head latent attention model (keys: its latent, values: its
     RoPE key) also key_up_error, value_up_error: the per-head keys and values after kv_b_proj (workers.mla)."""
     import torch
 
@@ -154,6 +160,7 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
 
     record = CalibrationRecord.from_manifest(artifact.manifest)
     projections = mla.up_projections(lm.model, lm.layers) if is_mla(lm.layers) else None
+    metric = _metric_capture(lm)
     sinks, window = record.sinks, record.window
     tallies: dict[str, _Tally] = {}
     count = 0
@@ -163,8 +170,9 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
         if ids.shape[1] < n + 2:
             raise ValueError(f"a sequence of {ids.shape[1]} tokens is too short for --continuation {n}")
         prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
-        keys, values = raw_cache(lm, prefix)
+        keys, values = raw_cache(lm, prefix, metric)
         keys, values = keys.float(), values.float()
+        blocks = None if metric is None else _metric_blocks(metric, keys.shape[0], keys.shape[1])
         state = {}
         if lm.layers and not is_uniform(lm.layers):  # sliding / no-KV layers: continue from the model's own cache
             from transformers import DynamicCache
@@ -185,6 +193,11 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
                 err, norm = bl.rel_error(x[:, :, head:head + mid], xh[:, :, head:head + mid])
                 setattr(t, f"{stream}_err", getattr(t, f"{stream}_err") + err)
                 setattr(t, f"{stream}_norm", getattr(t, f"{stream}_norm") + norm)
+                if blocks is not None:
+                    err, norm = _attention_error(x[:, :, head:head + mid], xh[:, :, head:head + mid],
+                                                 blocks["keys" if stream == "k" else "values"])
+                    setattr(t, f"{stream}_attn", getattr(t, f"{stream}_attn") + err)
+                    setattr(t, f"{stream}_attn_norm", getattr(t, f"{stream}_attn_norm") + norm)
             if projections is not None:
                 window_ = slice(head, head + mid)
                 up = mla.upprojected_sums(projections, cached_layers(lm.layers), keys[:, :, window_],
@@ -208,10 +221,49 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             "value_rel_error": math.sqrt(t.v_err / max(t.v_norm, 1e-300)),
             "ppl_ratio": math.exp(t.nll / t.tokens), "kl": t.kl / t.tokens, "tokens": t.tokens, "sequences": count,
         })
+        if t.k_attn_norm > 0:
+            rows[-1].update(key_attn_error=math.sqrt(t.k_attn / t.k_attn_norm),
+                            value_attn_error=math.sqrt(t.v_attn / max(t.v_attn_norm, 1e-300)))
         if projections is not None:
             up = mla.relative(t.extra)
             rows[-1].update(key_up_error=up["keys"], value_up_error=up["values"])
     return rows
+
+
+def _metric_capture(lm):
+    """The model's attention-metric hooks, or None where its projections cannot be read (MLA, unknown layouts)."""
+    from kvtc.workers.capture import metric_capture
+
+    try:
+        return metric_capture(lm)
+    except ValueError:
+        return None
+
+
+def _metric_blocks(metric, layers: int, heads: int) -> dict:
+    """{stream: (layers, heads, d, d) float64}: the attention objective's metric of the last forward's queries."""
+    import torch
+
+    from kvtc.artifacts.groups import FeatureGroup
+    from kvtc.pipeline.fit.metric import AttentionMetric
+
+    group = FeatureGroup(tuple(range(layers)))
+    sums = {k: v.numpy() for k, v in metric.sums().items()}
+    out = {}
+    for stream in ("keys", "values"):
+        m = AttentionMetric().blocks(sums, metric.tokens, stream, group, [group], heads)
+        out[stream] = torch.from_numpy(m.reshape(layers, heads, *m.shape[-2:]))
+    return out
+
+
+def _attention_error(x, x_hat, blocks) -> tuple[float, float]:
+    """(sum e^T M e, sum x^T M x) over (layers, heads, tokens, d) caches, M (layers, heads, d, d) per head."""
+    import torch
+
+    x64 = x.double()
+    e = x64 - x_hat.double()
+    return (float(torch.einsum("lhtd,lhde,lhte->", e, blocks, e)),
+            float(torch.einsum("lhtd,lhde,lhte->", x64, blocks, x64)))
 
 
 def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None = None):

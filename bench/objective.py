@@ -1,0 +1,152 @@
+"""`--objective mse` against `--objective attention`, side by side: perplexity ratio, KL and the held-out
+errors in both metrics (the cache's own squared error and the attention's), per CR, on domains the
+calibration did not see; and what the extra statistics cost (model-work seconds, store bytes).
+
+    # calibrate both (fresh stores; same settings otherwise), then evaluate them
+    python bench/objective.py --calibrate "--tokens 81920" --root runs/objective --domains stdlib,licenses=DIR
+    # or evaluate artifacts already published
+    python bench/objective.py --registry REG --names mse=NAME1,attention=NAME2 --domains stdlib,DIR
+
+--domains: corpus specs (`kvtc eval --corpus`), each optionally labelled LABEL=SPEC. Scoring is `kvtc eval`'s:
+each sequence's prefix is compressed and restored, the last --continuation tokens are scored on it.
+Writes objective.json and objective.png (perplexity ratio against CR per domain) under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = Path(sys.executable).parent
+OBJECTIVES = ("mse", "attention")
+
+
+def calibrate(objective: str, extra: list[str], root: Path, name: str) -> dict:
+    cmd = [str(BIN / "python"), "-m", "kvtc.pipeline.cli", "calibrate", "--objective", objective,
+           "--registry", str(root / "reg"), "--store", str(root / f"store-{objective}"), "--name", name, "--json", *extra]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"kvtc calibrate --objective {objective} failed:\n{out.stderr[-3000:]}")
+    summary = json.loads(out.stdout)
+    summary["outer_wall_s"] = time.perf_counter() - t0
+    return summary
+
+
+def cost_row(objective: str, summary: dict) -> dict:
+    run = summary.get("run", {})
+    return {"objective": objective, "model_work_s": run.get("stages", {}).get("fold"),
+            "capture_s": run.get("capture_seconds"), "store_bytes": run.get("stats_bytes"),
+            "reduce_s": run.get("stages", {}).get("reduce"), "wall_s": run.get("wall_seconds")}
+
+
+def evaluate(names: dict[str, str], registry: str, domains: dict[str, str], args) -> list[dict]:
+    from kvtc.pipeline.operations import quality
+
+    ratios = tuple(float(r) for r in args.ratios.split(","))
+    settings = quality.EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences,
+                                    baselines=(), mode=args.mode)
+    rows = []
+    for label, spec in domains.items():
+        for objective, name in names.items():
+            t0 = time.perf_counter()
+            result = quality.run(f"{name}@latest", registry, settings, spec)
+            for r in result["rows"]:
+                if r["ratio"] is None:
+                    continue
+                rows.append({"domain": label, "objective": objective, "ratio": r["ratio"], "cr": r["cr"],
+                             "ppl_ratio": r["ppl_ratio"], "kl": r["kl"], "key_mse": r["key_rel_error"],
+                             "value_mse": r["value_rel_error"], "key_attn": r.get("key_attn_error"),
+                             "value_attn": r.get("value_attn_error"), "sequences": r["sequences"]})
+            print(f"  {label} {objective}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| domain | CR | objective | stored CR | ppl ratio | KL | keys err (mse / attn) | values err (mse / attn) |\n"
+            "|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in sorted(rows, key=lambda r: (r["domain"], r["ratio"], OBJECTIVES.index(r["objective"]))):
+        lines.append(f"| {r['domain']} | {r['ratio']:g} | {r['objective']} | {r['cr']:.1f} | {r['ppl_ratio']:.4f} | "
+                     f"{r['kl']:.4f} | {100 * r['key_mse']:.1f}% / {100 * (r['key_attn'] or 0):.1f}% | "
+                     f"{100 * r['value_mse']:.1f}% / {100 * (r['value_attn'] or 0):.1f}% |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict]) -> bytes:
+    from kvtc.pipeline.evaluation.charts import figure, png
+
+    domains = sorted({r["domain"] for r in rows})
+    plt, fig, axes = figure(len(domains))
+    for ax, domain in zip(axes, domains):
+        for objective, style in zip(OBJECTIVES, ("o-", "s--")):
+            pts = sorted((r["ratio"], r["ppl_ratio"]) for r in rows if r["domain"] == domain and r["objective"] == objective)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=objective)
+        ax.axhline(1.01, color="grey", lw=0.8, ls=":")
+        ax.axhline(1.02, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("compression ratio")
+        ax.set_ylabel("perplexity ratio (compressed / uncompressed)")
+        ax.set_title(f"unseen text: {domain}")
+        ax.legend()
+    return png(plt, fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calibrate", default=None, help="run both calibrations with these extra `kvtc calibrate` args")
+    ap.add_argument("--root", default="objective-runs", help="with --calibrate: stores and registry go here")
+    ap.add_argument("--registry", default=None)
+    ap.add_argument("--names", default=None, help="mse=NAME,attention=NAME of published artifacts")
+    ap.add_argument("--costs", default=None, help="mse=SUMMARY.json,attention=SUMMARY.json: `kvtc calibrate --json` "
+                                                  "summaries of those artifacts, for the cost table")
+    ap.add_argument("--domains", default="stdlib")
+    ap.add_argument("--ratios", default="8,16,32")
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--continuation", type=int, default=128)
+    ap.add_argument("--mode", default=None, choices=("ecsq", "fixed"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    domains = dict(d.split("=", 1) if "=" in d else (Path(d).name or d, d) for d in args.domains.split(","))
+    costs: list[dict] = []
+    if args.calibrate is not None:
+        root = Path(args.root)
+        registry, names = str(root / "reg"), {o: f"objective-{o}" for o in OBJECTIVES}
+        for objective in OBJECTIVES:
+            summary = calibrate(objective, shlex.split(args.calibrate), root, names[objective])
+            costs.append(cost_row(objective, summary))
+    else:
+        if not (args.registry and args.names):
+            sys.exit("pass --calibrate ARGS, or --registry and --names mse=NAME,attention=NAME")
+        registry, names = args.registry, dict(x.split("=", 1) for x in args.names.split(","))
+        for x in (args.costs.split(",") if args.costs else []):
+            objective, path = x.split("=", 1)
+            costs.append(cost_row(objective, json.loads(Path(path).read_text())))
+    rows = evaluate(names, registry, domains, args)
+    print(table(rows))
+    if costs:
+        print("\n| objective | model work s | capture s | store bytes | reduce s | wall s |\n|---|---|---|---|---|---|")
+        for c in costs:
+            print(f"| {c['objective']} | {c['model_work_s']} | {c['capture_s']} | {c['store_bytes']:,} | {c['reduce_s']} | "
+                  f"{c['wall_s']} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "objective.json").write_text(json.dumps({"rows": rows, "costs": costs, "domains": domains}, indent=2))
+    (out / "objective.png").write_bytes(chart(rows))
+    print(f"wrote {out / 'objective.json'} and {out / 'objective.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

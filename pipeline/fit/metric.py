@@ -1,0 +1,116 @@
+"""The attention objective's metric: PCA and allocation in the error the attention feels.
+
+A group's features are (layer, KV head, head_dim) blocks; the metric M is block diagonal, one (d, d) block
+per layer and KV head: diag of the queries' scaled second moments for keys, sum_h W_O,h^T W_O,h for values
+(kvtc.workers.attention_metric). With S = M^(1/2) (symmetric, per block), the error e costs e^T M e =
+|S e|^2, so the statistics are whitened (sum -> S sum, Gram -> S Gram S), the PCA and both allocators run
+unchanged on the whitened rows, and the artifact stores encode E = S U and decode D = S^-1 U (p, k):
+z = (x - mean) @ E, x_hat = mean + z_hat @ D^T.
+
+balance: "layer" scales each layer's blocks to mean diagonal 1 (the squared error's balance between layers
+is kept, the metric reshapes the error within a layer), "head" likewise per (layer, KV head), "model" keeps
+the measured scale. floor: added to each block's diagonal, times the block's mean diagonal, so that no
+direction is free and S^-1 stays bounded.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvtc.artifacts.groups import FeatureGroup, layer_slots
+
+BALANCES = ("layer", "head", "model")
+
+
+def row_offset(p: int, i: int) -> int:
+    """Index of entry (i, i) in a packed upper triangle (kvtc.workers.triangle's layout)."""
+    return i * p - i * (i - 1) // 2
+
+
+@dataclass(frozen=True)
+class AttentionMetric:
+    balance: str = "layer"
+    floor: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.balance not in BALANCES:
+            raise ValueError(f"attention metric balance must be one of {BALANCES}, got {self.balance!r}")
+        if not 0.0 < self.floor < 1e3:
+            raise ValueError(f"attention metric floor must be in (0, 1000), got {self.floor}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def blocks(self, metric: dict[str, np.ndarray], tokens: int, stream: str, group: FeatureGroup,
+               groups: list[FeatureGroup], kv_heads: int) -> np.ndarray:
+        """The group's metric blocks (layers x its heads, d, d) float64 in its feature order, balanced and floored."""
+        if tokens < 1 or stream not in metric:
+            raise ValueError(f"the statistics hold no attention metric for {stream}; recalibrate with --objective attention")
+        raw = np.asarray(metric[stream], dtype=np.float64) / tokens
+        if stream == "keys":  # (layers, heads, d): a diagonal per block
+            raw = raw[..., :, None] * np.eye(raw.shape[-1])
+        slots = layer_slots(groups)
+        h0, h1 = group.head_range(kv_heads)
+        m = np.stack([raw[slots[layer], h0:h1] for layer in group.layers])  # (layers, heads, d, d)
+        m = (m + np.swapaxes(m, -1, -2)) / 2
+        diag = np.einsum("lhii->lhi", m)
+        if self.balance == "layer":
+            m = m / np.maximum(diag.mean(axis=(1, 2)), 1e-300)[:, None, None, None]
+        elif self.balance == "head":
+            m = m / np.maximum(diag.mean(axis=2), 1e-300)[:, :, None, None]
+        d = m.shape[-1]
+        scale = np.maximum(np.einsum("lhii->lh", m) / d, 1e-300)
+        m = m + self.floor * scale[..., None, None] * np.eye(d)
+        return m.reshape(-1, d, d)
+
+
+@dataclass(frozen=True)
+class Whitening:
+    """S = M^(1/2) and S^-1 per block: (blocks, d, d) float64 each."""
+
+    root: np.ndarray
+    inverse: np.ndarray
+
+    @classmethod
+    def of(cls, blocks: np.ndarray) -> "Whitening":
+        if not np.isfinite(blocks).all():
+            raise ValueError("the attention metric holds NaN or inf; check the captured queries")
+        w, v = np.linalg.eigh(blocks)
+        w = np.maximum(w, w.max(axis=-1, keepdims=True) * 1e-12)
+        root = (v * np.sqrt(w)[..., None, :]) @ np.swapaxes(v, -1, -2)
+        inverse = (v / np.sqrt(w)[..., None, :]) @ np.swapaxes(v, -1, -2)
+        return cls(root, inverse)
+
+    @property
+    def p(self) -> int:
+        return self.root.shape[0] * self.root.shape[1]
+
+    def apply(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
+        """x (N, p) -> x S (= (S x^T)^T, S symmetric), or x S^-1."""
+        s = self.inverse if inverse else self.root
+        n, d = x.shape[0], s.shape[1]
+        return np.einsum("nbi,bij->nbj", np.asarray(x, dtype=np.float64).reshape(n, -1, d), s).reshape(n, -1)
+
+    def columns(self, u: np.ndarray, inverse: bool = False) -> np.ndarray:
+        """u (p, k) -> S u, or S^-1 u."""
+        return self.apply(np.ascontiguousarray(u.T), inverse).T
+
+    def whiten_packed(self, total: np.ndarray, packed: np.ndarray) -> None:
+        """In place: sum -> S sum, packed upper Gram -> packed upper S Gram S (one block row at a time)."""
+        s, d = self.root, self.root.shape[1]
+        p = self.p
+        total[:] = self.apply(total[None, :])[0]
+        for b in range(s.shape[0]):
+            a = b * d
+            rows = np.empty((d, p - a))
+            for i in range(d):
+                o = row_offset(p, a + i)
+                rows[i, i:] = packed[o: o + p - a - i]
+            diag = rows[:, :d]
+            diag[np.tril_indices(d, -1)] = diag.T[np.tril_indices(d, -1)]
+            out = s[b] @ rows  # (d, p - a)
+            out = np.einsum("rbi,bij->rbj", out.reshape(d, -1, d), s[b:]).reshape(d, -1)
+            for i in range(d):
+                o = row_offset(p, a + i)
+                packed[o: o + p - a - i] = out[i, i:]

@@ -1,0 +1,158 @@
+"""What the attention objective needs from the model, captured in the same forward as the KV cache.
+
+A key error e is felt in the logits as q . e (times the attention's scaling), a value error through the
+output projection W_O. Per coded layer and KV head this module gathers, in the captured rows' feature order:
+- "keys" (layers, kv_heads, head_dim) float64: sum over query tokens of scaling^2 q_h[d]^2, the query heads
+  that share the KV head summed onto it; each RoPE rotation pair gets the mean of its two dims (the relative
+  rotation between query and key positions averages the pair's 2 x 2 block to a multiple of the identity,
+  in the RoPE-removed frame and in the cached one alike);
+- "values" (layers, kv_heads, head_dim, head_dim) float64: sum over query tokens of sum_h W_O,h^T W_O,h
+  (from the weights: the same every batch, weighted by the tokens so the sums stay additive);
+and `tokens`, the query tokens counted. Divided by `tokens` these are each KV head's metric block.
+Queries are taken after the query norm where the layer has one (Qwen3, Gemma 3, OLMo 2).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from kvtc.kernels.layers import LayerSpec, cached_layers
+
+_ATTENTION = ("self_attn", "attention", "attn", "self_attention")
+_QUERY = ("q_proj", "qkv_proj", "query")
+_OUTPUT = ("o_proj", "dense", "out_proj")
+
+
+@dataclass(frozen=True)
+class AttentionModules:
+    """One coded layer's attention: the module whose output is its queries, the output projection, the
+    query heads, and the scaling of its logits."""
+
+    layer: int
+    query: torch.nn.Module
+    fused: bool  # qkv_proj: the queries are the first heads * head_dim outputs
+    output: torch.nn.Module
+    heads: int
+    scaling: float
+
+
+def decoder_layers(base: torch.nn.Module) -> torch.nn.ModuleList:
+    for name in ("layers", "h", "blocks"):
+        found = getattr(base, name, None)
+        if isinstance(found, torch.nn.ModuleList):
+            return found
+    raise ValueError(f"--objective attention: cannot find the decoder layers of {type(base).__name__} "
+                     "(no layers / h / blocks list); use --objective mse")
+
+
+def attention_modules(base: torch.nn.Module, layers: tuple[LayerSpec, ...]) -> list[AttentionModules]:
+    """Each coded layer's query and output projections; ValueError naming the first layer without them."""
+    if any(l.kind == "mla" for l in layers):
+        raise ValueError("--objective attention does not support multi-head latent attention (its latent's error is "
+                         "felt after kv_b_proj, which the metric does not model); use --objective mse")
+    blocks = decoder_layers(base)
+    out = []
+    for i in cached_layers(layers):
+        spec = layers[i]
+        attn = next((getattr(blocks[i], n) for n in _ATTENTION if hasattr(blocks[i], n)), None) if i < len(blocks) else None
+        query = next((n for n in _QUERY if attn is not None and isinstance(getattr(attn, n, None), torch.nn.Linear)), None)
+        output = next((n for n in _OUTPUT if attn is not None and isinstance(getattr(attn, n, None), torch.nn.Linear)), None)
+        if query is None or output is None:
+            raise ValueError(f"--objective attention: layer {i} ({type(attn).__name__ if attn is not None else 'no attention'}) "
+                             f"has no readable query projection ({'/'.join(_QUERY)}) or output projection "
+                             f"({'/'.join(_OUTPUT)}) Linear; use --objective mse for this model")
+        o_proj = getattr(attn, output)
+        heads = o_proj.in_features // spec.head_dim
+        if heads < spec.kv_heads or heads % spec.kv_heads or heads * spec.head_dim != o_proj.in_features:
+            raise ValueError(f"--objective attention: layer {i}'s output projection takes {o_proj.in_features} features, "
+                             f"not a multiple of {spec.kv_heads} KV heads x head_dim {spec.head_dim}; use --objective mse")
+        norm = getattr(attn, "q_norm", None)
+        fused = query == "qkv_proj"
+        module = norm if isinstance(norm, torch.nn.Module) and not fused else getattr(attn, query)
+        scaling = float(getattr(attn, "scaling", spec.head_dim ** -0.5))
+        out.append(AttentionModules(i, module, fused and module is getattr(attn, query), o_proj, heads, scaling))
+    return out
+
+
+def check_readable(config: Any, layers: tuple[LayerSpec, ...]) -> None:
+    """Before any model work: build the model on the meta device and find every coded layer's projections."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    base = getattr(model, "model", model)
+    attention_modules(getattr(base, "language_model", base), layers)
+
+
+def pair_mean(energy: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """energy (..., head_dim) -> each RoPE rotation pair's two dims replaced by their mean (dims past the
+    rotary ones, and layers without RoPE, unchanged)."""
+    rope = spec.rope
+    if rope is None:
+        return energy
+    out = energy.clone()
+    r = rope.rotary_dim
+    if rope.layout == "half":
+        a, b = energy[..., : r // 2], energy[..., r // 2: r]
+        out[..., : r // 2] = out[..., r // 2: r] = (a + b) / 2
+    else:
+        a, b = energy[..., 0:r:2], energy[..., 1:r:2]
+        out[..., 0:r:2] = out[..., 1:r:2] = (a + b) / 2
+    return out
+
+
+def output_grams(mods: list[AttentionModules], layers: tuple[LayerSpec, ...]) -> torch.Tensor:
+    """(coded layers, kv_heads, head_dim, head_dim) float64: per KV head, sum over its query heads of W_O,h^T W_O,h."""
+    grams = []
+    for m in mods:
+        spec = layers[m.layer]
+        w = m.output.weight.detach().to(torch.float64)  # (hidden, heads * head_dim)
+        per_head = w.reshape(w.shape[0], m.heads, spec.head_dim).permute(1, 2, 0)  # (heads, head_dim, hidden)
+        g = per_head @ per_head.transpose(1, 2)  # (heads, d, d)
+        grams.append(g.reshape(spec.kv_heads, m.heads // spec.kv_heads, spec.head_dim, spec.head_dim).sum(1))
+    return torch.stack(grams).cpu()
+
+
+class MetricCapture:
+    """Hooks on the query projections of a loaded model; `during(batch)` collects one forward's sums."""
+
+    def __init__(self, base: torch.nn.Module, layers: tuple[LayerSpec, ...]) -> None:
+        self.layers = layers
+        self.mods = attention_modules(base, layers)
+        self.grams = output_grams(self.mods, layers)
+        self.keys: torch.Tensor | None = None
+        self.tokens = 0
+
+    @contextmanager
+    def during(self) -> Iterator[None]:
+        spec0 = self.layers[self.mods[0].layer] if self.mods else None
+        self.keys = torch.zeros(len(self.mods), spec0.kv_heads if spec0 else 0, spec0.head_dim if spec0 else 0,
+                                dtype=torch.float64)
+        self.tokens = 0
+        handles = [m.query.register_forward_hook(self._hook(slot, m)) for slot, m in enumerate(self.mods)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, slot: int, m: AttentionModules):
+        spec = self.layers[m.layer]
+
+        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            q = output[0] if isinstance(output, tuple) else output
+            if m.fused:
+                q = q[..., : m.heads * spec.head_dim]
+            q = q.detach().reshape(-1, m.heads, spec.head_dim).to(torch.float32)
+            if slot == 0:
+                self.tokens += q.shape[0]
+            energy = (q * q).sum(0, dtype=torch.float64).reshape(spec.kv_heads, -1, spec.head_dim).sum(1)
+            self.keys[slot] += pair_mean(energy, spec).cpu() * (m.scaling ** 2)
+        return hook
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        """The last forward's {"keys", "values"} sums (module docstring) over `tokens` query tokens."""
+        return {"keys": self.keys.clone(), "values": self.grams * self.tokens}
