@@ -142,6 +142,14 @@ def test_a_float16_artifact_stores_its_decoder_in_float16_and_reads_it_as_float3
     np.testing.assert_array_equal(dec, want.astype(np.float16).astype(np.float32))
 
 
+def test_a_float16_artifact_refuses_a_decoder_beyond_float16s_range():
+    content = whitened_content(ecsq=False)
+    big = {**content.decoders, ("keys", 0): content.decoders[("keys", 0)] * 1e5}
+    with pytest.raises(ValueError, match="float16"):
+        dataclasses.replace(content, bases_dtype="float16", decoders=big)
+    dataclasses.replace(content, decoders=big)  # float32 holds it
+
+
 def test_an_artifact_without_decoders_has_the_same_files_as_before():
     content = toy_content()
     assert content.decoders == {}
