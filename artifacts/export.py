@@ -337,7 +337,8 @@ def export_dynamo(artifact: Artifact, ratio: float, directory: str | Path,
                      "tokens_per_block": tokens, "columns": "range by range; within a range token by token"},
            "token": {"row": "one (token, layer, K or V)", "order": ["kv_head", "head_dim"]},
            "token-major": {"row": "one token over the group's layers", "order": ["layer", "kv_head", "head_dim"]}}
-    doc = {"format": FORMAT_DECODER if any("decoder" in c for c in configs) else FORMAT, "artifact": artifact.name, "version": artifact.version, "ratio": float(ratio),
+    fmt = FORMAT_DECODER if any("decoder" in c for c in configs) else FORMAT
+    doc = {"format": fmt, "artifact": artifact.name, "version": artifact.version, "ratio": float(ratio),
            "batch": options.batch, "layout": options.layout, "row_layout": row[options.layout],
            "dynamo_bytes_per_token": round(rank_bytes / (options.batch * tokens), 3) if rank0 else None,
            "dynamo_ratio": round(2 * rank_features * options.batch / rank_bytes, 3) if rank_bytes else None,

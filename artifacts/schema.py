@@ -152,6 +152,10 @@ class ArtifactContent:
                              f"{comp.shape} (p, k), column j decoding component j")
         if not np.issubdtype(dec.dtype, np.floating) or not np.isfinite(dec).all():
             raise ValueError(f"decoder of basis {key!r} must hold finite floating-point numbers; fix the fit that made it")
+        limit = float(np.finfo(np.float16).max)
+        if self.bases_dtype == "float16" and max(np.abs(dec).max(initial=0.0), np.abs(comp).max(initial=0.0)) > limit:
+            raise ValueError(f"basis {key!r}: its encoder or decoder holds values beyond float16's range ({limit:g}), "
+                             "which bases_dtype='float16' would store as inf; publish it with bases_dtype='float32'")
 
     def _check_ecsq(self, key: tuple, table: dict) -> None:
         ratio, stream, group = key

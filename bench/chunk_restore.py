@@ -101,10 +101,11 @@ def stages(transform: ChunkTransform, kv: torch.Tensor, repeats: int) -> dict[st
 
     for si, stream in enumerate(STREAMS):
         mean, parts = codec._params(stream, CPU, "ecsq", codec.basis_dtype_on(CPU, kv.dtype))
+        _, decoding = codec._params(stream, CPU, "ecsq", codec.basis_dtype_on(CPU, kv.dtype), decode=True)
         cos, sin, layout = codec._cos_sin(stream, positions)
         feat = add("enc rope/centre", lambda: ops.rope_center(x[si], cos, sin, mean, layout))
         back = torch.empty(T, feat.shape[1], dtype=torch.float32)
-        for gi, (cols, comps, g) in enumerate(parts):
+        for gi, ((cols, comps, g), (_, dec, _)) in enumerate(zip(parts, decoding)):
             tables = rans.group_tables(g)
             z = add("enc projection", lambda: (feat[:, cols].to(comps.dtype) @ comps).float())
             q = add("enc quantize", lambda: ecsq.quantize(z, g.step).numpy())
@@ -114,7 +115,7 @@ def stages(transform: ChunkTransform, kv: torch.Tensor, repeats: int) -> dict[st
             add("dec entropy (numpy reference)", lambda: rans.decode(*coded, T, tables, reference=True), 1)
             off = codec._offsets(stream, gi, CPU)
             zhat = add("dec dequantize", lambda: ecsq.dequantize(torch.from_numpy(sym), g.step, off))
-            add("dec projection", lambda: back.__setitem__((slice(None), cols), zhat.to(comps.dtype) @ comps.T))
+            add("dec projection", lambda: back.__setitem__((slice(None), cols), zhat.to(dec.dtype) @ dec.T))
         out = torch.empty(L, s.kv_heads, T, s.head_dim, dtype=kv.dtype)
         add("dec restore", lambda: ops.rope_restore(back, cos, sin, mean, out, layout))
     data = transform.serialize(kv)

@@ -72,6 +72,8 @@ def dynamo(registry: str, name: str, ratios: list[float], chunks) -> None:
                     mean = np.fromfile(Path(tmp) / config["mean"]["file"], dtype="<f4")
                     P = np.fromfile(Path(tmp) / config["projection"]["file"], dtype="<f4").reshape(
                         config["features"], config["pca_components"])
+                    dec = P if "decoder" not in config else np.fromfile(  # a basis that is not orthonormal
+                        Path(tmp) / config["decoder"]["file"], dtype="<f4").reshape(P.shape)
                     layer = config["layers"][0] if isinstance(config["layers"], list) and \
                         isinstance(config["layers"][0], int) else config["layers"]["layers"][0]
                     si = 0 if config["stream"] == "keys" else 1
@@ -80,7 +82,7 @@ def dynamo(registry: str, name: str, ratios: list[float], chunks) -> None:
                         c = (x - mean) @ P
                         c_hat = np.concatenate([_intx(c[:, r["start_idx"]:r["end_idx"]], r["int_bits"])
                                                 for r in config["ranges"]], axis=1)
-                        x_hat = c_hat @ P.T + mean
+                        x_hat = c_hat @ dec.T + mean
                         err[config["stream"]][0] += float(((x - x_hat) ** 2).sum())
                         err[config["stream"]][1] += float((x ** 2).sum())
                 proj = sum(c["projection_bytes"] for c in doc["configs"])

@@ -170,9 +170,10 @@ class KVTCCodec:
     def _decoding_params(self, stream: str, device: torch.device, mode: str, dtype: torch.dtype
                          ) -> tuple[torch.Tensor, list]:
         """_params with each group's decoding matrix (p_g, kept) in place of its components."""
-        mean, parts = self._params(stream, device, mode, dtype)
+        encoding = self._params(stream, device, mode, dtype)
+        mean, parts = encoding
         if all(g.decoder is None for _, _, g in parts):
-            return mean, parts
+            return encoding
         key = ("decoding", stream, str(device), mode, str(dtype))
         if key not in self._on_device:
             self._on_device[key] = (mean, [(c, comps if g.decoder is None else

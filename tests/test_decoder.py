@@ -132,6 +132,24 @@ def test_decoder_is_trimmed_with_its_components():
     np.testing.assert_array_equal(dec, content.decoders[("keys", 0)][:, :k])
 
 
+def test_a_float16_artifact_stores_its_decoder_in_float16_and_reads_it_as_float32():
+    content = dataclasses.replace(whitened_content(ecsq=False), bases_dtype="float16")
+    files, parts = build_files(content)
+    entry = next(e for e in parts["bases"]["entries"] if (e["stream"], e["group"]) == ("values", 0))
+    dec = tables.decode_decoder(files[entry["decoder"]], (P, entry["k"]))
+    want = content.decoders[("values", 0)][:, :entry["k"]]
+    assert dec.dtype == np.float32
+    np.testing.assert_array_equal(dec, want.astype(np.float16).astype(np.float32))
+
+
+def test_a_float16_artifact_refuses_a_decoder_beyond_float16s_range():
+    content = whitened_content(ecsq=False)
+    big = {**content.decoders, ("keys", 0): content.decoders[("keys", 0)] * 1e5}
+    with pytest.raises(ValueError, match="float16"):
+        dataclasses.replace(content, bases_dtype="float16", decoders=big)
+    dataclasses.replace(content, decoders=big)  # float32 holds it
+
+
 def test_an_artifact_without_decoders_has_the_same_files_as_before():
     content = toy_content()
     assert content.decoders == {}
@@ -168,6 +186,19 @@ def test_a_hostile_decoder_file_is_a_clear_error(tmp_path, monkeypatch, payload,
         art.decoder("keys", 0)
     with pytest.raises(ValueError, match="unusable"):
         KVTCCodec(art, FULL)
+
+
+def test_a_missing_decoder_file_is_refused_naming_it(pulled, tmp_path):
+    import shutil
+
+    from kvtc.artifacts import Artifact
+
+    art, _, _ = pulled
+    copy = tmp_path / "copy"
+    shutil.copytree(art.path, copy)
+    (copy / "bases/keys-g1.decoder.parquet").unlink()
+    with pytest.raises(IntegrityError, match="bases/keys-g1.decoder.parquet is missing"):
+        Artifact(copy)
 
 
 def test_a_manifest_naming_an_unlisted_decoder_is_refused(tmp_path, monkeypatch):
@@ -363,3 +394,42 @@ def test_sglang_export_carries_the_decoder(tmp_path):
     assert "decoder" not in payload["values"]["tp_0_pp_0"]
     doc = json.loads(path.with_suffix(".json").read_text())
     assert [r.get("decoder") for r in doc["streams"]] == [True, None]
+
+
+def test_without_decoders_decode_uses_the_very_tensors_encode_does(pulled):
+    """An orthonormal artifact decodes as before: the decode path gets the encode path's tensors, not copies."""
+    _, plain, _ = pulled
+    for mode in ("fixed", "ecsq"):
+        codec = KVTCCodec(plain, FULL, mode=mode)
+        for stream in STREAMS:
+            assert codec._params(stream, torch.device("cpu"), mode, decode=True) is \
+                codec._params(stream, torch.device("cpu"), mode)
+        coder = CoefficientCoder(codec.spec, "torch", mode)
+        assert coder._decoding("keys", 0, torch.device("cpu"), torch.float32) is \
+            coder._group("keys", 0, torch.device("cpu"), torch.float32)[1]
+    whitened = KVTCCodec(pulled[0], FULL, mode="fixed")
+    whitened.encode(*_cache(12))
+    held = whitened.basis_bytes()
+    whitened.decode(whitened.encode(*_cache(12)))
+    # decoding adds only the decoders: three whitened bases of P x P float32 (values g1 shares its components)
+    assert whitened.basis_bytes() - held == 3 * P * P * 4
+
+
+def test_kvtc_cache_update_returns_the_decoded_cache(pulled):
+    """KVTCCache itself (a transformers Cache): tokens past the window come back decoded with the decoder."""
+    transformers = pytest.importorskip("transformers")
+    from kvtc.kernels import KVTCCache
+
+    config = transformers.LlamaConfig(num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=H,
+                                      hidden_size=H * D, head_dim=D, intermediate_size=32, vocab_size=64)
+    art, _, _ = pulled
+    keys, values = _cache(60)  # a long coded span: ECSQ's rate control coarsens the step of short ones
+    for mode in ("fixed", "ecsq"):
+        cache = KVTCCache(KVTCCodec(art, FULL, mode=mode), config=config, chunk=4)
+        for layer in range(L):
+            cache.update(keys[layer].unsqueeze(0), values[layer].unsqueeze(0), layer)  # prefill: returned as given
+        assert cache.coded_tokens > 0
+        out = [cache.update(keys[l, :, :0].unsqueeze(0), values[l, :, :0].unsqueeze(0), l) for l in range(L)]
+        for layer, (k, v) in enumerate(out):
+            assert _rel(k[0], keys[layer]) < (0.02 if mode == "fixed" else 0.1), mode
+            assert _rel(v[0], values[layer]) < (0.02 if mode == "fixed" else 0.1), mode
