@@ -105,7 +105,8 @@ PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", 
                 "--window", "32", "--groups", "layers:2", "--sample", "0.5", "--seed", "7", "--keys", "rope-kept",
                 "--block-sizes", "1,32", "--types", "none,int4", "--error-model", "analytic", "--heldout-rows", "999",
                 "--tokens-curve-points", "0", "--accumulators", "2", "--tp", "2",
-                "--basis-budget", "3%", "--max-components", "24"]
+                "--basis-budget", "3%", "--max-components", "24", "--objective", "attention",
+                "--attention-balance", "head", "--attention-floor", "0.2"]
 
 
 def _parsed(command: str, flags: list[str]) -> dict:
