@@ -23,6 +23,11 @@
    into other blocks: the blobs decode on the CPU to the same cache (fp tolerance), the restored
    pages equal the CUDA decode, and store / load milliseconds per chunk and bytes per chunk print.
 
+8. The attention objective on CUDA: the query and W_O statistics captured from a bf16 model on the GPU
+   against the CPU fp32 capture (relative difference), and a whitened artifact (encoder and decoder
+   distinct) coded on CUDA with the Triton kernels, fixed and ECSQ: decoded caches against the CPU
+   torch path (fp tolerance).
+
     python bench/gpu_check.py [--skip-overhead] [--only-offload]
 """
 from __future__ import annotations
@@ -253,6 +258,45 @@ def check_vllm_offload(chunks: int = 8, block: int = 16, chunk_tokens: int = 256
     return ok
 
 
+def check_attention_objective() -> bool:
+    from kvtc.kernels.codec import KVTCCodec
+    from kvtc.workers.capture import CaptureSettings, capture_kv
+    from kvtc.workers.models import load_model
+
+    settings = CaptureSettings(sinks=4, window=16, objective="attention")
+    ids = torch.randint(0, 49152, (2, 160), generator=torch.Generator().manual_seed(0))
+    sums = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        lm = load_model("tiny:llama", device=device, dtype=dtype)
+        cap = capture_kv(lm, ids.to(device), settings)
+        sums[device] = {k: v.double() / cap.metric_tokens for k, v in cap.metric.items()}
+    ok = True
+    for key in ("keys", "values"):
+        rel = float((sums["cuda"][key] - sums["cpu"][key]).abs().max() / sums["cpu"][key].abs().max())
+        print(f"attention metric {key}: cuda bf16 vs cpu fp32 max rel. difference {rel:.2e}")
+        ok &= rel < 5e-2
+    import tempfile
+
+    from kvtc.artifacts import publish, pull
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_decoder import FULL, PARTIAL, _cache, whitened_content  # the decoder tests' pair E = S U, D = S^-1 U
+
+    root = Path(tempfile.mkdtemp()) / "reg"
+    art = pull(publish(whitened_content(), root).name, registry=str(root))
+    keys, values = _cache(300)
+    for mode, ratio in (("fixed", PARTIAL), ("ecsq", FULL)):  # the toy's ECSQ tables are at FULL
+        cpu = KVTCCodec(art, ratio, backend="torch", mode=mode)
+        gpu = KVTCCodec(art, ratio, backend="triton", mode=mode)
+        k_ref, v_ref = cpu.decode(cpu.encode(keys, values))
+        k_gpu, v_gpu = gpu.decode(gpu.encode(keys.cuda(), values.cuda()), device="cuda")
+        diff = max(float((k_gpu.cpu() - k_ref).abs().max()), float((v_gpu.cpu() - v_ref).abs().max()))
+        scale = float(keys.abs().max())
+        print(f"whitened artifact, {mode}: triton on CUDA vs torch on CPU max |diff| {diff:.2e} (cache max {scale:.1f})")
+        ok &= diff < 0.05 * scale
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-overhead", action="store_true")
@@ -272,6 +316,7 @@ def main() -> int:
     ok &= gpu_rans.check_identity() & gpu_rans.check_geometry(32768, 4096)
     ok &= check_multi_gpu()
     ok &= check_vllm_offload()
+    ok &= check_attention_objective()
     if not args.skip_overhead:
         subprocess.run([sys.executable, str(ROOT / "bench" / "worker_overhead.py"), "--device", "cuda",
                         "--sequences", "32", "--batch", "8"], check=False, env=os.environ.copy())
