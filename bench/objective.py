@@ -46,6 +46,39 @@ def cost_row(objective: str, summary: dict) -> dict:
             "reduce_s": run.get("stages", {}).get("reduce"), "wall_s": run.get("wall_seconds")}
 
 
+def capture_cost(model: str, sequences: int, seq_len: int) -> list[dict]:
+    """Model work of the shard worker's fold (capture + statistics update) per sequence, mse against attention,
+    interleaved on the same sequences (ABAB, so load drift cancels), and the statistics' bytes of each."""
+    import numpy as np
+    import torch
+
+    from kvtc.pipeline.job.shards import make_shards
+    from kvtc.workers.capture import CaptureSettings, capture_kv
+    from kvtc.workers.models import load_model
+    from kvtc.workers.stats import CalibrationStats
+
+    lm = load_model(model)
+    shard = next(iter(make_shards("pydoc", lm.tokenizer, seq_len=seq_len, seqs_per_shard=sequences, seed=0,
+                                  holdout_fraction=0.0, min_holdout_shards=0, max_seq_len=lm.max_positions)))
+    seqs = [torch.from_numpy(np.ascontiguousarray(s[None])) for s in shard.input_ids[:sequences]]
+    out = {}
+    for objective in OBJECTIVES:  # warm-up, and the statistics' sizes
+        settings = CaptureSettings(objective=objective)
+        stats = CalibrationStats.new(lm.fingerprint, settings)
+        stats.update(capture_kv(lm, seqs[0], settings))
+        out[objective] = {"objective": objective, "seconds": 0.0, "stats_bytes": len(stats.to_bytes())}
+    for seq in seqs:
+        for objective in OBJECTIVES:
+            settings = CaptureSettings(objective=objective)
+            stats = CalibrationStats.new(lm.fingerprint, settings)
+            t0 = time.perf_counter()
+            stats.update(capture_kv(lm, seq, settings))
+            out[objective]["seconds"] += time.perf_counter() - t0
+    for row in out.values():
+        row["seconds_per_sequence"] = row.pop("seconds") / len(seqs)
+    return list(out.values())
+
+
 def evaluate(names: dict[str, str], registry: str, domains: dict[str, str], args) -> list[dict]:
     from kvtc.pipeline.operations import quality
 
@@ -112,6 +145,10 @@ def main() -> int:
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--mode", default=None, choices=("ecsq", "fixed"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--capture-cost", type=int, default=0, metavar="N",
+                    help="also time the fold's model work on N sequences, mse vs attention, interleaved")
+    ap.add_argument("--model", default="smollm2-135m", help="the model of --capture-cost")
+    ap.add_argument("--seq-len", type=int, default=1024, help="the sequences of --capture-cost")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
 
@@ -126,24 +163,37 @@ def main() -> int:
         for objective in OBJECTIVES:
             summary = calibrate(objective, shlex.split(args.calibrate), root, names[objective])
             costs.append(cost_row(objective, summary))
-    else:
-        if not (args.registry and args.names):
-            sys.exit("pass --calibrate ARGS, or --registry and --names mse=NAME,attention=NAME")
+    elif args.registry and args.names:
         registry, names = args.registry, dict(x.split("=", 1) for x in args.names.split(","))
         for x in (args.costs.split(",") if args.costs else []):
             objective, path = x.split("=", 1)
             costs.append(cost_row(objective, json.loads(Path(path).read_text())))
-    rows = evaluate(names, registry, domains, args)
-    print(table(rows))
+    elif not args.capture_cost:
+        sys.exit("pass --calibrate ARGS, or --registry and --names mse=NAME,attention=NAME, or --capture-cost N")
+    else:
+        registry, names = "", {}
+    rows = evaluate(names, registry, domains, args) if names else []
+    if rows:
+        print(table(rows))
     if costs:
         print("\n| objective | model work s | capture s | store bytes | reduce s | wall s |\n|---|---|---|---|---|---|")
         for c in costs:
             print(f"| {c['objective']} | {c['model_work_s']} | {c['capture_s']} | {c['store_bytes']:,} | {c['reduce_s']} | "
                   f"{c['wall_s']} |")
+    capture = capture_cost(args.model, args.capture_cost, args.seq_len) if args.capture_cost else []
+    if capture:
+        base = capture[0]
+        print(f"\nfold model work per {args.seq_len}-token sequence ({args.model}, {args.capture_cost} sequences, "
+              "interleaved):\n| objective | s / sequence | ratio | statistics bytes | ratio |\n|---|---|---|---|---|")
+        for c in capture:
+            print(f"| {c['objective']} | {c['seconds_per_sequence']:.3f} | {c['seconds_per_sequence'] / base['seconds_per_sequence']:.3f} | "
+                  f"{c['stats_bytes']:,} | {c['stats_bytes'] / base['stats_bytes']:.5f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "objective.json").write_text(json.dumps({"rows": rows, "costs": costs, "domains": domains}, indent=2))
-    (out / "objective.png").write_bytes(chart(rows))
+    (out / "objective.json").write_text(json.dumps({"rows": rows, "costs": costs, "capture": capture,
+                                                    "domains": domains}, indent=2))
+    if rows:
+        (out / "objective.png").write_bytes(chart(rows))
     print(f"wrote {out / 'objective.json'} and {out / 'objective.png'}")
     return 0
 
