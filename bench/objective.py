@@ -113,21 +113,24 @@ def table(rows: list[dict]) -> str:
 
 
 def chart(rows: list[dict]) -> bytes:
+    """Per domain, perplexity ratio and KL against CR, one line per objective."""
     from kvtc.pipeline.evaluation.charts import figure, png
 
     domains = sorted({r["domain"] for r in rows})
-    plt, fig, axes = figure(len(domains))
-    for ax, domain in zip(axes, domains):
-        for objective, style in zip(OBJECTIVES, ("o-", "s--")):
-            pts = sorted((r["ratio"], r["ppl_ratio"]) for r in rows if r["domain"] == domain and r["objective"] == objective)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=objective)
-        ax.axhline(1.01, color="grey", lw=0.8, ls=":")
-        ax.axhline(1.02, color="grey", lw=0.8, ls=":")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("compression ratio")
-        ax.set_ylabel("perplexity ratio (compressed / uncompressed)")
-        ax.set_title(f"unseen text: {domain}")
-        ax.legend()
+    objectives = [o for o in dict.fromkeys(r["objective"] for r in rows)]
+    plt, fig, axes = figure(2 * len(domains))
+    for i, domain in enumerate(domains):
+        for ax, key, label in ((axes[2 * i], "ppl_ratio", "perplexity ratio (compressed / uncompressed)"),
+                               (axes[2 * i + 1], "kl", "KL(uncompressed || compressed), nats/token")):
+            for objective, style in zip(objectives, ("o-", "s--", "^:", "d-.")):
+                pts = sorted((r["ratio"], r[key]) for r in rows if r["domain"] == domain and r["objective"] == objective)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=objective)
+            if key == "ppl_ratio":
+                for goal in (1.01, 1.02):
+                    ax.axhline(goal, color="grey", lw=0.8, ls=":")
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="compression ratio", ylabel=label, title=f"unseen text: {domain}")
+            ax.legend(fontsize=8)
     return png(plt, fig)
 
 
