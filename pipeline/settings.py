@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
 from kvtc.workers.capture_settings import CaptureSettings
-from kvtc.pipeline.fit.metric import BALANCES, AttentionMetric
+from kvtc.pipeline.fit.metric import BALANCES, WEIGHTINGS, AttentionMetric
 from kvtc.workers.options import Option, joined, option
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -116,9 +116,13 @@ class ReduceSettings:
                                               "as measured)", choices=BALANCES)
     attention_floor: float = option(0.05, "--objective attention: share of each block's mean weight added to every "
                                           "direction (no direction is free)", kind=float)
+    attention_weighting: str = option("concentration", "--objective attention: concentration weighs each KV head by "
+                                                       "how much of one position's error reaches a query (its mean "
+                                                       "sum of squared attention weights); none: heads alike",
+                                      choices=WEIGHTINGS)
 
     def __post_init__(self) -> None:
-        AttentionMetric(self.attention_balance, self.attention_floor)  # validated where it is defined
+        AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)  # validated there
         ratios = tuple(float(r) for r in self.ratios)
         bad = [r for r in ratios if not (math.isfinite(r) and r > 1)]
         if not ratios or bad:
@@ -132,7 +136,7 @@ class ReduceSettings:
 
     @property
     def attention_metric(self) -> AttentionMetric:
-        return AttentionMetric(self.attention_balance, self.attention_floor)
+        return AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)
 
     @property
     def curve_ratio(self) -> float:

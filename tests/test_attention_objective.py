@@ -73,15 +73,24 @@ def test_metric_blocks_balance_and_floor():
     values = rng.normal(size=(3, 2, 4, 4))
     values = values @ values.transpose(0, 1, 3, 2) * 10
     sums, group = {"keys": keys, "values": values}, FeatureGroup((0, 2))
-    blocks = AttentionMetric("layer", 0.05).blocks(sums, 10, "keys", group, [FeatureGroup((0, 1, 2))], 2)
+    blocks = AttentionMetric("layer", 0.05, "none").blocks(sums, 10, "keys", group, [FeatureGroup((0, 1, 2))], 2)
     assert blocks.shape == (4, 4, 4)  # layers 0 and 2, 2 heads each
     diag = np.einsum("bii->bi", blocks).reshape(2, 2, 4)
     np.testing.assert_allclose(diag.mean(axis=(1, 2)), 1.05)  # mean 1 per layer, plus the floor
     np.testing.assert_allclose(blocks[0] - np.diag(np.diag(blocks[0])), 0)  # keys: diagonal
-    model = AttentionMetric("model", 0.05).blocks(sums, 10, "values", group, [FeatureGroup((0, 1, 2))], 2)
+    model = AttentionMetric("model", 0.05, "none").blocks(sums, 10, "values", group, [FeatureGroup((0, 1, 2))], 2)
     np.testing.assert_allclose(model[2], values[2, 0] / 10 + 0.05 * np.trace(values[2, 0] / 10) / 4 * np.eye(4))
+    with pytest.raises(ValueError, match="concentration"):
+        AttentionMetric().blocks(sums, 10, "keys", group, [FeatureGroup((0, 1, 2))], 2)
+    sums["concentration"] = np.array([[10.0, 30.0], [5.0, 5.0], [20.0, 10.0]])  # layer 0: head 1 three times sharper
+    weighted = AttentionMetric("layer", 0.05).blocks(sums, 10, "values", group, [FeatureGroup((0, 1, 2))], 2)
+    plain = AttentionMetric("layer", 0.05, "none").blocks(sums, 10, "values", group, [FeatureGroup((0, 1, 2))], 2)
+    ratio = (np.trace(weighted[1]) / np.trace(weighted[0])) / (np.trace(plain[1]) / np.trace(plain[0]))
+    assert ratio == pytest.approx(3.0, rel=0.05)  # the floor is a share of each block's own mean
     with pytest.raises(ValueError, match="balance"):
         AttentionMetric("tokens")
+    with pytest.raises(ValueError, match="weighting"):
+        AttentionMetric(weighting="max")
     with pytest.raises(ValueError, match="floor"):
         AttentionMetric(floor=0.0)
 
@@ -109,6 +118,26 @@ def test_query_moments_match_the_queries_the_attention_computes(llama):
         w = attn.o_proj.weight.double().reshape(-1, attn.o_proj.in_features // d, d)
         gram = torch.einsum("ohi,ohj->hij", w, w).reshape(kv, -1, d, d).sum(1)
         torch.testing.assert_close(cap.metric["values"][i], gram * 48)
+
+
+def test_attention_concentration_matches_the_models_own_attention_weights():
+    lm = load_model("tiny:llama")
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    cap = capture_kv(lm, ids, ATTN)
+    lm.model.config._attn_implementation = "eager"
+    for layer in lm.base.layers:
+        layer.self_attn.config._attn_implementation = "eager"
+    weights = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, i=i: weights.__setitem__(i, out[1]))
+             for i, layer in enumerate(lm.base.layers)]
+    with torch.inference_mode():
+        lm.base(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    for i, a in weights.items():  # (B, heads, T, T)
+        per_head = a[..., ATTN.sinks:].double().square().sum((0, 2, 3))
+        expected = per_head.reshape(lm.num_kv_heads, -1).sum(1)
+        torch.testing.assert_close(cap.metric["concentration"][i], expected, rtol=1e-4, atol=1e-6)
 
 
 def test_metric_statistics_add_round_trip_and_refuse_corruption(llama):
@@ -159,7 +188,7 @@ def test_record_repeats_the_objective():
     rec = CalibrationRecord(sinks=4, window=8, seq_len=64, seed=0, ratios=(8.0,), groups=(FeatureGroup((0, 1)),),
                             allocator={}, objective="attention", attention_metric=AttentionMetric().to_json())
     back = CalibrationRecord.from_manifest({"calibration": rec.to_manifest()})
-    assert back.capture()["objective"] == "attention" and back.attention_metric == {"balance": "layer", "floor": 0.05}
+    assert back.capture()["objective"] == "attention" and back.attention_metric == {"balance": "layer", "floor": 0.05, "weighting": "concentration"}
     plain = CalibrationRecord(sinks=4, window=8, seq_len=64, seed=0, ratios=(8.0,), groups=(FeatureGroup((0, 1)),),
                               allocator={}).to_manifest()
     assert "objective" not in plain and "attention_metric" not in plain
@@ -182,7 +211,7 @@ def test_calibration_end_to_end_with_the_attention_objective(tmp_path):
     run(cfg, in_process=True)
     art = artifacts.pull("att@latest", registry=str(tmp_path / "reg"))
     cal = art.manifest["calibration"]
-    assert cal["objective"] == "attention" and cal["attention_metric"] == {"balance": "layer", "floor": 0.05}
+    assert cal["objective"] == "attention" and cal["attention_metric"] == {"balance": "layer", "floor": 0.05, "weighting": "concentration"}
     assert "attention" in cal["relative_error"]
     for stream in ("keys", "values"):
         _, _, enc = art.basis(stream)

@@ -106,7 +106,7 @@ PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", 
                 "--block-sizes", "1,32", "--types", "none,int4", "--error-model", "analytic", "--heldout-rows", "999",
                 "--tokens-curve-points", "0", "--accumulators", "2", "--tp", "2",
                 "--basis-budget", "3%", "--max-components", "24", "--objective", "attention",
-                "--attention-balance", "head", "--attention-floor", "0.2"]
+                "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none"]
 
 
 def _parsed(command: str, flags: list[str]) -> dict:

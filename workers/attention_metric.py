@@ -8,6 +8,10 @@ output projection W_O. Per coded layer and KV head this module gathers, in the c
   in the RoPE-removed frame and in the cached one alike);
 - "values" (layers, kv_heads, head_dim, head_dim) float64: sum over query tokens of sum_h W_O,h^T W_O,h
   (from the weights: the same every batch, weighted by the tokens so the sums stay additive);
+- "concentration" (layers, kv_heads) float64 (after `attend`): sum over query tokens and the KV head's query heads
+  of sum_{j >= sinks} a_ij^2, how much of one coded position's error reaches a query's output (1 for a
+  head that attends to one position, about 1/n for one spread over n); softmax of q k^T times the scaling,
+  causal, within the window of sliding layers (softcapping and learned sinks are not modelled);
 and `tokens`, the query tokens counted. Divided by `tokens` these are each KV head's metric block.
 Queries are taken after the query norm where the layer has one (Qwen3, Gemma 3, OLMo 2).
 """
@@ -124,6 +128,8 @@ class MetricCapture:
         self.mods = attention_modules(base, layers)
         self.grams = output_grams(self.mods, layers)
         self.keys: torch.Tensor | None = None
+        self.concentration: torch.Tensor | None = None
+        self.queries: dict[int, torch.Tensor] = {}
         self.tokens = 0
 
     @contextmanager
@@ -132,6 +138,8 @@ class MetricCapture:
         self.keys = torch.zeros(len(self.mods), spec0.kv_heads if spec0 else 0, spec0.head_dim if spec0 else 0,
                                 dtype=torch.float64)
         self.tokens = 0
+        self.concentration = None
+        self.queries = {}
         handles = [m.query.register_forward_hook(self._hook(slot, m)) for slot, m in enumerate(self.mods)]
         try:
             yield
@@ -146,13 +154,44 @@ class MetricCapture:
             q = output[0] if isinstance(output, tuple) else output
             if m.fused:
                 q = q[..., : m.heads * spec.head_dim]
+            batch, steps = q.shape[0], q.shape[1]
             q = q.detach().reshape(-1, m.heads, spec.head_dim).to(torch.float32)
+            self.queries[slot] = q.reshape(batch, steps, m.heads, spec.head_dim)
             if slot == 0:
                 self.tokens += q.shape[0]
             energy = (q * q).sum(0, dtype=torch.float64).reshape(spec.kv_heads, -1, spec.head_dim).sum(1)
             self.keys[slot] += pair_mean(energy, spec).cpu() * (m.scaling ** 2)
         return hook
 
+    def attend(self, keys: list[torch.Tensor], sinks: int) -> None:
+        """The last forward's attention concentration, from its queries and the cached `keys` of each coded
+        layer ((B, kv_heads, T, head_dim), RoPE applied as cached)."""
+        out = torch.zeros(len(self.mods), self.keys.shape[1], dtype=torch.float64)
+        for slot, m in enumerate(self.mods):
+            spec, q = self.layers[m.layer], self.queries.pop(slot)  # (B, T, heads, d), RoPE not applied
+            k = keys[slot].to(torch.float32)
+            t = q.shape[1]
+            positions = torch.arange(t, device=q.device)
+            q = q.permute(0, 2, 1, 3)
+            if spec.rope is not None:
+                q = spec.rope.apply(q, positions)
+            group = m.heads // spec.kv_heads
+            k = k.to(q.device).repeat_interleave(group, dim=1)  # (B, heads, T, d)
+            allowed = positions[None, :] <= positions[:, None]
+            if spec.kind == "sliding":
+                allowed &= positions[:, None] - positions[None, :] < spec.span
+            elif spec.kind == "chunked":
+                allowed &= positions[:, None] // spec.span == positions[None, :] // spec.span
+            for h0 in range(0, m.heads, max(1, group)):
+                scores = (q[:, h0:h0 + group] @ k[:, h0:h0 + group].transpose(-1, -2)) * m.scaling
+                a = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+                out[slot, h0 // group] += float(a[..., sinks:].square().sum(dtype=torch.float64))
+        self.concentration = out
+        self.queries = {}
+
     def sums(self) -> dict[str, torch.Tensor]:
-        """The last forward's {"keys", "values"} sums (module docstring) over `tokens` query tokens."""
-        return {"keys": self.keys.clone(), "values": self.grams * self.tokens}
+        """The last forward's {"keys", "values"[, "concentration"]} sums (module docstring) over `tokens` query tokens."""
+        out = {"keys": self.keys.clone(), "values": self.grams * self.tokens}
+        if self.concentration is not None:
+            out["concentration"] = self.concentration.clone()
+        return out

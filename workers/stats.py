@@ -265,7 +265,9 @@ class CalibrationStats:
 
         shape = (len(cached_layers(layers_of(self.fingerprint))), int(self.fingerprint["num_kv_heads"]),
                  int(self.fingerprint["head_dim"]))
-        want = {"keys": shape, "values": shape + shape[-1:]}
+        want = {"keys": shape, "values": shape + shape[-1:], "concentration": shape[:2]}
+        if "concentration" not in meta["metric"]:
+            del want["concentration"]  # captured before the attention concentration was
         if sorted(meta["metric"]) != sorted(want) or not isinstance(meta.get("metric_tokens"), int) \
                 or meta["metric_tokens"] < 1:
             raise CorruptStats(name, f"attention-metric entries {meta['metric']} / tokens {meta.get('metric_tokens')!r} "

@@ -10,7 +10,9 @@ z = (x - mean) @ E, x_hat = mean + z_hat @ D^T.
 balance: "layer" scales each layer's blocks to mean diagonal 1 (the squared error's balance between layers
 is kept, the metric reshapes the error within a layer), "head" likewise per (layer, KV head), "model" keeps
 the measured scale. floor: added to each block's diagonal, times the block's mean diagonal, so that no
-direction is free and S^-1 stays bounded.
+direction is free and S^-1 stays bounded. weighting: "concentration" multiplies each KV head's blocks by how
+much of one position's error reaches a query (its mean sum of squared attention weights past the sinks:
+sharp heads pass an error whole, diffuse ones average it away), "none" leaves heads alike.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import numpy as np
 from kvtc.artifacts.groups import FeatureGroup, layer_slots
 
 BALANCES = ("layer", "head", "model")
+WEIGHTINGS = ("concentration", "none")
 
 
 def row_offset(p: int, i: int) -> int:
@@ -32,8 +35,11 @@ def row_offset(p: int, i: int) -> int:
 class AttentionMetric:
     balance: str = "layer"
     floor: float = 0.05
+    weighting: str = "concentration"
 
     def __post_init__(self) -> None:
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"attention metric weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
         if self.balance not in BALANCES:
             raise ValueError(f"attention metric balance must be one of {BALANCES}, got {self.balance!r}")
         if not 0.0 < self.floor < 1e3:
@@ -53,6 +59,12 @@ class AttentionMetric:
         slots = layer_slots(groups)
         h0, h1 = group.head_range(kv_heads)
         m = np.stack([raw[slots[layer], h0:h1] for layer in group.layers])  # (layers, heads, d, d)
+        if self.weighting == "concentration":
+            if "concentration" not in metric:
+                raise ValueError("the statistics hold no attention concentration (captured by an earlier release); "
+                                 "recalibrate with a fresh --store, or pass --attention-weighting none")
+            c = np.asarray(metric["concentration"], dtype=np.float64) / tokens
+            m = m * np.stack([c[slots[layer], h0:h1] for layer in group.layers])[..., None, None]
         m = (m + np.swapaxes(m, -1, -2)) / 2
         diag = np.einsum("lhii->lhi", m)
         if self.balance == "layer":

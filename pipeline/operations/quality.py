@@ -172,6 +172,8 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
         prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
         keys, values = raw_cache(lm, prefix, metric)
         keys, values = keys.float(), values.float()
+        if metric is not None:
+            metric.attend([k[None] for k in keys], sinks)
         blocks = None if metric is None else _metric_blocks(metric, keys.shape[0], keys.shape[1])
         state = {}
         if lm.layers and not is_uniform(lm.layers):  # sliding / no-KV layers: continue from the model's own cache
