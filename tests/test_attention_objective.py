@@ -100,8 +100,9 @@ def llama():
     return load_model("tiny:llama")
 
 
-def test_query_moments_match_the_queries_the_attention_computes(llama):
-    lm = llama
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])  # plain, query norm, query norm after the heads move
+def test_query_moments_match_the_queries_the_attention_computes(arch):
+    lm = load_model(f"tiny:{arch}")
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     cap = capture_kv(lm, ids, ATTN)
     assert cap.metric_tokens == 48
@@ -110,18 +111,23 @@ def test_query_moments_match_the_queries_the_attention_computes(llama):
     d, kv = lm.head_dim, lm.num_kv_heads
     for i, layer in enumerate(lm.base.layers):
         attn = layer.self_attn
+        heads = attn.o_proj.in_features // d
         with torch.inference_mode():
-            q = attn.q_proj(layer.input_layernorm(hidden[i])).reshape(-1, attn.o_proj.in_features // d, d).double()
+            q = attn.q_proj(layer.input_layernorm(hidden[i])).reshape(2, 24, heads, d)
+            if hasattr(attn, "q_norm"):
+                q = attn.q_norm(q)
+        q = q.reshape(-1, heads, d).double()
         energy = q.square().sum(0).reshape(kv, -1, d).sum(1) * attn.scaling ** 2
         paired = (energy[:, : d // 2] + energy[:, d // 2:]) / 2  # RoPE half layout: dim j pairs with j + d/2
         torch.testing.assert_close(cap.metric["keys"][i], torch.cat([paired, paired], 1), rtol=1e-4, atol=1e-6)
-        w = attn.o_proj.weight.double().reshape(-1, attn.o_proj.in_features // d, d)
+        w = attn.o_proj.weight.double().reshape(-1, heads, d)
         gram = torch.einsum("ohi,ohj->hij", w, w).reshape(kv, -1, d, d).sum(1)
         torch.testing.assert_close(cap.metric["values"][i], gram * 48)
 
 
-def test_attention_concentration_matches_the_models_own_attention_weights():
-    lm = load_model("tiny:llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding-window layers
+def test_attention_concentration_matches_the_models_own_attention_weights(arch):
+    lm = load_model(f"tiny:{arch}")
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     cap = capture_kv(lm, ids, ATTN)
     lm.model.config._attn_implementation = "eager"
@@ -134,6 +140,7 @@ def test_attention_concentration_matches_the_models_own_attention_weights():
         lm.base(input_ids=ids)
     for h in hooks:
         h.remove()
+    assert len(weights) == len(lm.base.layers)
     for i, a in weights.items():  # (B, heads, T, T)
         per_head = a[..., ATTN.sinks:].double().square().sum((0, 2, 3))
         expected = per_head.reshape(lm.num_kv_heads, -1).sum(1)

@@ -131,9 +131,12 @@ class MetricCapture:
         self.concentration: torch.Tensor | None = None
         self.queries: dict[int, torch.Tensor] = {}
         self.tokens = 0
+        self.shape = (0, 0)
 
     @contextmanager
-    def during(self) -> Iterator[None]:
+    def during(self, shape: tuple[int, int]) -> Iterator[None]:
+        """Hooks on while a forward of input ids of `shape` (B, T) runs."""
+        self.shape = (int(shape[0]), int(shape[1]))
         spec0 = self.layers[self.mods[0].layer] if self.mods else None
         self.keys = torch.zeros(len(self.mods), spec0.kv_heads if spec0 else 0, spec0.head_dim if spec0 else 0,
                                 dtype=torch.float64)
@@ -154,9 +157,13 @@ class MetricCapture:
             q = output[0] if isinstance(output, tuple) else output
             if m.fused:
                 q = q[..., : m.heads * spec.head_dim]
-            batch, steps = q.shape[0], q.shape[1]
-            q = q.detach().reshape(-1, m.heads, spec.head_dim).to(torch.float32)
-            self.queries[slot] = q.reshape(batch, steps, m.heads, spec.head_dim)
+            batch, steps = self.shape
+            q = q.detach()
+            if q.ndim == 4 and tuple(q.shape[:3]) == (batch, m.heads, steps) and steps != m.heads:
+                q = q.transpose(1, 2)  # a query norm applied after the heads were moved first (Gemma 3)
+            q = q.reshape(batch, steps, m.heads, spec.head_dim).to(torch.float32)
+            self.queries[slot] = q
+            q = q.reshape(-1, m.heads, spec.head_dim)
             if slot == 0:
                 self.tokens += q.shape[0]
             energy = (q * q).sum(0, dtype=torch.float64).reshape(spec.kv_heads, -1, spec.head_dim).sum(1)

@@ -117,7 +117,7 @@ def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor, metric: Any = None
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """-> keys, values of each coded layer (ascending), each (B, H, T, D) with every position; `metric`: a
     MetricCapture collecting this forward's query statistics."""
-    with torch.inference_mode(), (metric.during() if metric is not None else nullcontext()):
+    with torch.inference_mode(), (metric.during(tuple(input_ids.shape)) if metric is not None else nullcontext()):
         out = lm.base(input_ids=input_ids.to(lm.device), past_key_values=full_cache(lm), use_cache=True)
     cache = out.cache if "cache" in out else out.past_key_values  # renamed in transformers 5.x
     coded = cached_layers(lm.layers)
