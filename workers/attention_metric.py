@@ -11,7 +11,8 @@ output projection W_O. Per coded layer and KV head this module gathers, in the c
 - "concentration" (layers, kv_heads) float64 (after `attend`): sum over query tokens and the KV head's query heads
   of sum_{j >= sinks} a_ij^2, how much of one coded position's error reaches a query's output (1 for a
   head that attends to one position, about 1/n for one spread over n); softmax of q k^T times the scaling,
-  causal, within the window of sliding layers (softcapping and learned sinks are not modelled);
+  causal, within the window of sliding layers (softcapping and learned sinks are not modelled), on an even
+  sample of about QUERY_ROWS queries per sequence (every query up to that length);
 and `tokens`, the query tokens counted. Divided by `tokens` these are each KV head's metric block.
 Queries are taken after the query norm where the layer has one (Qwen3, Gemma 3, OLMo 2).
 """
@@ -28,6 +29,7 @@ from kvtc.kernels.layers import LayerSpec, cached_layers
 _ATTENTION = ("self_attn", "attention", "attn", "self_attention")
 _QUERY = ("q_proj", "qkv_proj", "query")
 _OUTPUT = ("o_proj", "dense", "out_proj")
+QUERY_ROWS = 256  # attention concentration: at most about this many query rows per sequence are scored
 
 
 @dataclass(frozen=True)
@@ -179,20 +181,21 @@ class MetricCapture:
             k = keys[slot].to(torch.float32)
             t = q.shape[1]
             positions = torch.arange(t, device=q.device)
-            q = q.permute(0, 2, 1, 3)
+            rows = positions[::max(1, t // QUERY_ROWS)]  # an even sample of the queries: the sum scales by t / rows
+            q = q.permute(0, 2, 1, 3)[:, :, rows]
             if spec.rope is not None:
-                q = spec.rope.apply(q, positions)
+                q = spec.rope.apply(q, rows)
             group = m.heads // spec.kv_heads
             k = k.to(q.device).repeat_interleave(group, dim=1)  # (B, heads, T, d)
-            allowed = positions[None, :] <= positions[:, None]
+            allowed = positions[None, :] <= rows[:, None]
             if spec.kind == "sliding":
-                allowed &= positions[:, None] - positions[None, :] < spec.span
+                allowed &= rows[:, None] - positions[None, :] < spec.span
             elif spec.kind == "chunked":
-                allowed &= positions[:, None] // spec.span == positions[None, :] // spec.span
+                allowed &= rows[:, None] // spec.span == positions[None, :] // spec.span
             for h0 in range(0, m.heads, max(1, group)):
                 scores = (q[:, h0:h0 + group] @ k[:, h0:h0 + group].transpose(-1, -2)) * m.scaling
                 a = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-                out[slot, h0 // group] += float(a[..., sinks:].square().sum(dtype=torch.float64))
+                out[slot, h0 // group] += float(a[..., sinks:].square().sum(dtype=torch.float64)) * t / len(rows)
         self.concentration = out
         self.queries = {}
 
