@@ -48,7 +48,7 @@ def cost_row(objective: str, summary: dict) -> dict:
 
 def capture_cost(model: str, sequences: int, seq_len: int) -> list[dict]:
     """Model work of the shard worker's fold (capture + statistics update) per sequence, mse against attention,
-    interleaved on the same sequences (ABAB, so load drift cancels), and the statistics' bytes of each."""
+    interleaved on the same sequences (ABBA, so load drift and order cancel), and the statistics' bytes of each."""
     import numpy as np
     import torch
 
@@ -67,8 +67,8 @@ def capture_cost(model: str, sequences: int, seq_len: int) -> list[dict]:
         stats = CalibrationStats.new(lm.fingerprint, settings)
         stats.update(capture_kv(lm, seqs[0], settings))
         out[objective] = {"objective": objective, "seconds": 0.0, "stats_bytes": len(stats.to_bytes())}
-    for seq in seqs:
-        for objective in OBJECTIVES:
+    for i, seq in enumerate(seqs):
+        for objective in OBJECTIVES if i % 2 == 0 else OBJECTIVES[::-1]:  # ABBA: the order's effect cancels
             settings = CaptureSettings(objective=objective)
             stats = CalibrationStats.new(lm.fingerprint, settings)
             t0 = time.perf_counter()
