@@ -79,7 +79,7 @@ def attention_modules(base: torch.nn.Module, layers: tuple[LayerSpec, ...]) -> l
         fused = query == "qkv_proj"
         module = norm if isinstance(norm, torch.nn.Module) and not fused else getattr(attn, query)
         scaling = float(getattr(attn, "scaling", spec.head_dim ** -0.5))
-        out.append(AttentionModules(i, module, fused and module is getattr(attn, query), o_proj, heads, scaling))
+        out.append(AttentionModules(i, module, fused, o_proj, heads, scaling))
     return out
 
 

@@ -84,24 +84,20 @@ def metric_file(stream: str, group: int) -> str:
 
 def encode_root(root: np.ndarray) -> bytes:
     """S blocks (blocks, d, d) -> Parquet bytes: one row per block, a float32 (d, d) tensor."""
-    import io
-
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    table = pa.table({"root": pa.FixedShapeTensorArray.from_numpy_ndarray(np.ascontiguousarray(root, dtype=np.float32))})
-    sink = io.BytesIO()
-    pq.write_table(table, sink, compression="none", use_dictionary=False)
-    return sink.getvalue()
+    from kvtc.artifacts.tables import to_parquet
+
+    return to_parquet(pa.table({"root": pa.FixedShapeTensorArray.from_numpy_ndarray(
+        np.ascontiguousarray(root, dtype=np.float32))}), "none")
 
 
 def decode_root(path: str, p: int) -> "Whitening":
     """A stored S of a group of p features -> its Whitening; ValueError naming the file when malformed."""
-    import pyarrow.parquet as pq
+    from kvtc.artifacts.tables import from_parquet
 
     try:
-        column = pq.read_table(path).column("root").combine_chunks()
-        root = np.asarray(column.to_numpy_ndarray(), dtype=np.float64)
+        root = np.asarray(from_parquet(path).column("root").combine_chunks().to_numpy_ndarray(), dtype=np.float64)
     except Exception as exc:  # any malformed Parquet: one clear error
         raise ValueError(f"attention metric file {path}: unreadable ({type(exc).__name__}: {exc})") from None
     if root.ndim != 3 or root.shape[1] != root.shape[2] or root.shape[0] * root.shape[1] != p \
@@ -133,10 +129,14 @@ class Whitening:
         return self.root.shape[0] * self.root.shape[1]
 
     def apply(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
-        """x (N, p) -> x S (= (S x^T)^T, S symmetric), or x S^-1."""
-        s = self.inverse if inverse else self.root
+        """x (N, p) -> x S (= (S x^T)^T, S symmetric), or x S^-1; float32 rows stay float32 (held-out rows:
+        no float64 copy), anything else is computed in float64. One batched GEMM per block."""
+        x = np.asarray(x)
+        dtype = np.float32 if x.dtype == np.float32 else np.float64
+        s = (self.inverse if inverse else self.root).astype(dtype, copy=False)
         n, d = x.shape[0], s.shape[1]
-        return np.einsum("nbi,bij->nbj", np.asarray(x, dtype=np.float64).reshape(n, -1, d), s).reshape(n, -1)
+        blocks = x.astype(dtype, copy=False).reshape(n, -1, d).transpose(1, 0, 2)  # (blocks, N, d)
+        return np.matmul(blocks, s).transpose(1, 0, 2).reshape(n, -1)
 
     def columns(self, u: np.ndarray, inverse: bool = False) -> np.ndarray:
         """u (p, k) -> S u, or S^-1 u."""
