@@ -1,13 +1,25 @@
 """KV chunks as a storage layer hands them (LMCache: (2, layers, tokens, kv_heads * head_dim)) <->
 bounded-size KVTC bytes. The pure transform behind kernels/lmcache_serde.py; imports no LMCache.
 
-A chunk is coded whole: no sinks, no recent window.
+Sinks and window: a chunk is never the end of a sequence, so no recent window is kept raw. A chunk
+that starts before position `sinks` (the artifact's; the first chunk of every sequence) keeps those
+first tokens raw inside its blob, as the main job's protocol keeps them: the attention sinks' error is
+above 100% (the seed's second chart) and every later query attends to them. That needs positions: a
+transform built with `positions=False` (a store that hands chunks by content hash alone) cannot tell
+the first chunk from the others and codes every token (README, "Serving": what that costs).
 
 Keys and RoPE: an artifact calibrated with `--keys rope-kept` codes keys as cached, whatever their
 position. One calibrated with RoPE removed (the default) needs each chunk's position: the caller
 passes `start` (the absolute position of the chunk's first token; in a prefix cache chunk i starts at
 i x chunk size), the blob records it and decode re-applies RoPE there. A caller that cannot know
 positions builds its transforms with `positions=False`, and a RoPE-removed artifact is then refused.
+With `positions=True` every chunk's position is required, for either kind of artifact.
+
+Binding: a blob records the artifact (name, version), ratio, placement (the model id names the
+rank's KV heads and the stage's layers) and start position it was coded for, and the frame carries a
+digest of the storage key it was stored under (`binding`). `deserialize` compares them with the
+transform and with what the caller knows of the key (its position, its digest): any disagreement is a
+BlobError, which a storage layer counts as a miss; nothing is written to the destination then.
 
 Placement: a storage layer keys chunks by a rank (LMCache packs world size, global rank, local world
 size and local rank into `ObjectKey.kv_rank`: `KVRank.decode`). With an artifact calibrated for T
@@ -19,18 +31,21 @@ stage is coded with the bases of its layers alone, which needs every basis group
 
 Mode: the artifact's default (ECSQ where it carries ECSQ tables for the ratio, else fixed-rate), or
 `mode=` explicitly. Size bound (`serialized_size`): ECSQ's rate control coarsens the step of any
-(stream, group) whose bytes would exceed the ratio's budget, so an ECSQ blob is at most its header
-plus the budgets; a chunk that no step can fit (values thousands of times the calibration's) is
-coded fixed-rate instead, whose size is exact. The bound is the larger of the two, and every chunk
-is stored. Sections are stored plain (no DEFLATE). The bound of a chunk shape is the same for every
-rank and stage that can hold it (a storage layer sizes a chunk by its shape alone, before its key).
+(stream, group) whose bytes would exceed the ratio's budget, so an ECSQ blob is at most its header,
+its raw sinks and the budgets; a finite chunk that ECSQ cannot code within that (values thousands of
+times the calibration's, a 1e10 spike) is coded fixed-rate instead, whose size is exact. The bound is
+the largest of these over a first chunk (raw sinks) and any other, and every finite chunk is stored.
+Sections are stored plain (no DEFLATE). The bound of a chunk shape is the same for every rank and
+stage that can hold it (a storage layer sizes a chunk by its shape alone, before its key).
 
-Bytes: "<Q" blob length, then the blob (kernels/blob.py); with `pad` (the default), zero padding up
-to the bound, for storage layers that read back exactly the bound (LMCache's filesystem adapter);
-without it, exactly the blob, for layers that keep variable-size objects.
+Bytes: the frame "<8s16sQ" (magic b"KVTCCHK1", the key's binding digest or zeros, blob length), then
+the blob (kernels/blob.py); with `pad` (the default), zero padding up to the bound, for storage layers
+that read back exactly the bound (LMCache's filesystem adapter); without it, exactly the blob, for
+layers that keep variable-size objects.
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 from dataclasses import dataclass, replace
@@ -39,14 +54,38 @@ from typing import Any
 import torch
 
 from kvtc.artifacts.blocks import ecsq_budget_bytes
-from kvtc.kernels.blob import BlobError, BlobHeader, Section, write_blob
+from kvtc.kernels.blob import BlobError, BlobHeader, Section, read_blob, write_blob
 from kvtc.kernels.codec import KVTCCodec
 from kvtc.kernels.spec import CodecSpec
 
-_LENGTH = struct.Struct("<Q")
+_FRAME = struct.Struct("<8s16sQ")
+FRAME_MAGIC = b"KVTCCHK1"
+FRAME_BYTES = _FRAME.size
+UNBOUND = bytes(16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition")
 MODES = ("ecsq", "fixed")
+
+
+def binding(*parts: object) -> bytes:
+    """16-byte digest of a storage key's fields (bytes as they are, anything else by its repr), which a
+    chunk's frame carries so that bytes stored under one key never decode for another."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        b = bytes(part) if isinstance(part, (bytes, bytearray, memoryview)) else repr(part).encode()
+        h.update(struct.pack("<Q", len(b)) + b)
+    return h.digest()
+
+
+def nonfinite_where(kv: torch.Tensor) -> str | None:
+    """None if every value of the chunk (2, L, T, F) is finite, else where the first non-finite one is."""
+    bad = ~torch.isfinite(kv)
+    if not bool(bad.any()):
+        return None
+    flat = int(bad.reshape(-1).to(torch.uint8).argmax())
+    i = [int(n) for n in torch.unravel_index(torch.tensor(flat), tuple(kv.shape))]
+    return (f"{int(bad.sum())} NaN or infinite value(s), the first in the {('keys', 'values')[i[0]]} of layer {i[1]}, "
+            f"token {i[2]} of the chunk, feature {i[3]}")
 
 
 def _partition(value: Any) -> tuple[int, ...] | None:
@@ -225,11 +264,26 @@ def placement_spec(spec: CodecSpec, placement: Placement) -> CodecSpec:
 # ------------------------------------------------------------------ one placement's transform
 
 
+def unframe(data: bytes | bytearray | memoryview) -> tuple[bytes, memoryview]:
+    """A stored chunk's bytes -> (its key binding, its blob); BlobError if the frame is not kvtc's."""
+    view = memoryview(data).cast("B")
+    if len(view) < _FRAME.size:
+        raise BlobError(f"kvtc chunk of {len(view)} bytes is too short")
+    magic, bound, n = _FRAME.unpack(view[:_FRAME.size])
+    if magic != FRAME_MAGIC:
+        raise BlobError(f"not a kvtc chunk (frame magic {bytes(magic)!r}, expected {FRAME_MAGIC!r}): written by "
+                        "another serde or an older kvtc release")
+    if n > len(view) - _FRAME.size:
+        raise BlobError(f"kvtc chunk declares {n} blob bytes, holds {len(view) - _FRAME.size}")
+    return bytes(bound), view[_FRAME.size:_FRAME.size + n]
+
+
 class ChunkTransform:
     """One placement's transform. codec: a KVTCCodec whose spec is the placement's (`placement_spec`);
     model_config: checked if given (a whole-model spec only); mode: None keeps the codec's mode; pad:
-    see the module docstring; positions: whether callers pass each chunk's position (`start`), which
-    an artifact calibrated with RoPE removed needs; label: how errors name what this transform codes."""
+    see the module docstring; positions: whether callers pass each chunk's position (`start`): an
+    artifact calibrated with RoPE removed needs it, and only then are a first chunk's sinks kept raw;
+    label: how errors name what this transform codes."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
                  pad: bool = True, positions: bool = False, label: str | None = None) -> None:
@@ -248,7 +302,10 @@ class ChunkTransform:
             from kvtc.kernels.kvtc_cache import check_config
 
             check_config(spec, model_config)
-        self.spec = replace(spec, sinks=0, window=0)
+        self.positions = positions
+        self.sinks = spec.sinks if positions else 0  # raw in a first chunk; unknowable without positions
+        self.positional = self.needs_positions or self.sinks > 0  # whether a chunk's bytes depend on its start
+        self.spec = replace(spec, sinks=self.sinks, window=0)
         self.label = label or f"artifact {spec.name}@{spec.version}"
         if mode is None:  # the codec's mode where this serde knows its size bound
             mode = codec.mode if codec.mode in MODES else ("ecsq" if spec.ecsq is not None else "fixed")
@@ -285,82 +342,111 @@ class ChunkTransform:
             raise ValueError(f"chunk dtype {dtype} is not supported; use float16, bfloat16 or float32")
         return int(shape[2])
 
-    def _header_bytes(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype) -> tuple[int, list]:
+    def _sizes(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype, start: int) -> tuple[int, int, int]:
+        """(header bytes, exact section bytes (fixed: all; ECSQ: the raw sinks), coded tokens) of a chunk."""
         s = self.spec
+        head, mid, tail = codec.split(tokens, start)
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPE_NAMES[dtype], s.num_layers, s.kv_heads,
-                            tokens, s.head_dim, 0, 0, 0, 0, 0, mode=codec.mode)  # fixed-width fields: any start
+                            tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode)  # fixed-width fields
         expected = codec.expected_sections(header)
-        return len(write_blob(header, [Section(key, 0, 0, b"") for key, _ in expected])), expected
+        frame = len(write_blob(header, [Section(key, 0, 0, b"") for key, _ in expected]))
+        return frame, sum(n or 0 for _, n in expected), mid
 
-    def fixed_size(self, tokens: int, dtype: torch.dtype) -> int:
-        """Exact blob bytes of a fixed-rate chunk of `tokens` tokens."""
-        head, expected = self._header_bytes(self.fixed, tokens, dtype)
-        return head + sum(n or 0 for _, n in expected)
+    def _starts(self) -> tuple[int, ...]:
+        """Starts whose blobs differ in size: a first chunk (raw sinks) and any later one."""
+        return (0, self.sinks) if self.sinks else (0,)
 
-    def ecsq_bound(self, tokens: int, dtype: torch.dtype) -> int:
-        """Largest ECSQ blob of `tokens` tokens rate control lets through: header plus each (stream,
-        group)'s budget (the codec's: floor(16 p / ratio) bits per token, in bytes over the chunk)."""
-        head, _ = self._header_bytes(self.codec, tokens, dtype)
-        budget = sum(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, tokens)
-                     for groups in self.spec.ecsq.values() for g in groups) if tokens else 0
-        return head + budget
+    def fixed_size(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
+        """Blob bytes of a fixed-rate chunk of `tokens` tokens at `start` (exact), or the largest over starts."""
+        starts = self._starts() if start is None else (start,)
+        return max(head + exact for head, exact, _ in (self._sizes(self.fixed, tokens, dtype, a) for a in starts))
+
+    def ecsq_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
+        """Largest ECSQ blob of `tokens` tokens at `start` (None: any) rate control lets through: header, raw
+        sinks, and each (stream, group)'s budget (floor(16 p / ratio) bits per coded token, in bytes)."""
+        out = 0
+        for a in self._starts() if start is None else (start,):
+            head, raw, mid = self._sizes(self.codec, tokens, dtype, a)
+            budget = sum(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, mid)
+                         for groups in self.spec.ecsq.values() for g in groups) if mid else 0
+            out = max(out, head + raw + budget)
+        return out
 
     def blob_bound(self, tokens: int, dtype: torch.dtype) -> int:
         fixed = self.fixed_size(tokens, dtype)
         return fixed if self.mode == "fixed" else max(fixed, self.ecsq_bound(tokens, dtype))
 
     def serialized_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        """Upper bound on `serialize`'s output for a chunk of this shape (what LMCache allocates), exact
-        for every chunk when padding."""
-        return _LENGTH.size + self.blob_bound(self.check(shape, dtype), dtype)
+        """Upper bound on `serialize`'s output for a chunk of this shape at any position (what LMCache
+        allocates), exact for every chunk when padding."""
+        return _FRAME.size + self.blob_bound(self.check(shape, dtype), dtype)
 
     def _start(self, start: int | None) -> int:
-        if not self.needs_positions:
-            return 0  # RoPE kept: the bytes do not depend on the position
-        if start is None:
-            raise ValueError(f"the chunk's position is unknown, and {self.label} codes keys with RoPE removed at "
-                             "their positions; it is not stored")
-        if not isinstance(start, int) or start < 0:
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
             raise ValueError(f"a chunk's start position must be an integer >= 0, got {start!r}")
+        if not self.positional:
+            return 0  # RoPE kept and no sinks: the bytes do not depend on the position
+        if start is None:
+            why = "codes keys with RoPE removed at their positions" if self.needs_positions else \
+                "keeps a first chunk's attention sinks raw"
+            raise ValueError(f"the chunk's position is unknown, and {self.label} {why}; it is not stored")
         return start
 
     def encode(self, kv: torch.Tensor, start: int | None = None) -> bytes:
-        """kv (2, L, T, H * D) -> blob: the transform's mode, or fixed-rate where ECSQ cannot meet its bound.
-        start: the absolute position of the chunk's first token (needed with RoPE removed, else ignored)."""
+        """kv (2, L, T, H * D) -> blob: the transform's mode, or fixed-rate where ECSQ cannot code the chunk
+        within its bound. start: the absolute position of the chunk's first token (required with positions)."""
         tokens = self.check(tuple(kv.shape), kv.dtype)
         start = self._start(start)
-        if not bool(torch.isfinite(kv).all()):
-            raise ValueError("the chunk holds NaN or infinite values; it is not stored (check the model's numerics)")
+        where = nonfinite_where(kv)
+        if where is not None:
+            raise ValueError(f"the chunk at position {start} holds {where}; it is not stored (check the model's "
+                             "numerics)" if self.positional else
+                             f"the chunk holds {where}; it is not stored (check the model's numerics)")
         s = self.spec
         x = kv.reshape(2, s.num_layers, tokens, s.kv_heads, s.head_dim).permute(0, 1, 3, 2, 4)
         if self.mode == "ecsq":
-            blob = self.codec.encode(x[0], x[1], start=start)
-            if len(blob) <= self.ecsq_bound(tokens, kv.dtype):
+            try:
+                blob = self.codec.encode(x[0], x[1], start=start)
+            except (ValueError, OverflowError, RuntimeError):
+                blob = None  # beyond any ECSQ step or symbol range: coded fixed-rate below
+            if blob is not None and len(blob) <= self.ecsq_bound(tokens, kv.dtype, start):
                 return blob
         return self.fixed.encode(x[0], x[1], start=start)
 
-    def serialize(self, kv: torch.Tensor, size: int | None = None, start: int | None = None) -> bytes:
+    def serialize(self, kv: torch.Tensor, size: int | None = None, start: int | None = None,
+                  key: bytes = UNBOUND) -> bytes:
         """kv (2, L, T, H * D) -> bytes: at most `size` (default serialized_size(kv.shape, kv.dtype)),
-        padded to exactly `size` when padding; start: see `encode`."""
+        padded to exactly `size` when padding; start: see `encode`; key: the storage key's `binding`."""
+        if len(key) != 16:
+            raise ValueError(f"a chunk's key binding is 16 bytes (chunk_serde.binding), got {len(key)}")
         blob = self.encode(kv, start)
         size = self.serialized_size(tuple(kv.shape), kv.dtype) if size is None else size
-        out = _LENGTH.pack(len(blob)) + blob
+        out = _FRAME.pack(FRAME_MAGIC, bytes(key), len(blob)) + blob
         if len(out) > size:
             raise RuntimeError(f"kvtc serde wrote {len(out)} bytes, above its bound {size}")
         return out + bytes(size - len(out)) if self.pad else out
 
-    def deserialize(self, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
+    def deserialize(self, data: bytes | bytearray | memoryview, out: torch.Tensor, start: int | None = None,
+                    key: bytes | None = None) -> None:
         """Bytes from `serialize` (trailing bytes ignored) -> written into out (2, L, T, H * D) in its
-        dtype (RoPE re-applied at the positions the blob records); BlobError if corrupt or not this
-        placement's, and `out` is left untouched then."""
+        dtype (RoPE re-applied at the positions the blob records). start: the position the storage layer
+        knows for the key (required with positions and RoPE removed); key: the key's `binding` (None: not
+        checked). BlobError if corrupt, not this placement's, or bound to another key or position; `out`
+        is left untouched then."""
         tokens = self.check(tuple(out.shape), out.dtype)
-        view = memoryview(data).cast("B")
-        if len(view) < _LENGTH.size:
-            raise BlobError(f"kvtc chunk of {len(view)} bytes is too short")
-        (n,) = _LENGTH.unpack(view[:_LENGTH.size])
-        if n > len(view) - _LENGTH.size:
-            raise BlobError(f"kvtc chunk declares {n} blob bytes, holds {len(view) - _LENGTH.size}")
-        keys, values = self.codec.decode(view[_LENGTH.size:_LENGTH.size + n], device=out.device, max_tokens=tokens)
+        bound, blob = unframe(data)
+        if key is not None and bound != bytes(key):
+            raise BlobError("the stored chunk was written under another key (its key binding differs): a file "
+                            "copied or moved between keys; not loaded")
+        header, _ = read_blob(blob)
+        if self.positional:
+            if start is None and self.needs_positions:
+                raise BlobError(f"the chunk's position is unknown, and {self.label} re-applies RoPE at it; "
+                                "not loaded")
+            if start is not None and header.start != start:
+                raise BlobError(f"the stored chunk was coded for position {header.start}, its key is at position "
+                                f"{start}; not loaded")
+        keys, values = self.codec.decode(blob, device=out.device, max_tokens=tokens)
         if keys.shape[2] != tokens:
             raise BlobError(f"kvtc chunk holds {keys.shape[2]} tokens, the destination expects {tokens}")
         s = self.spec

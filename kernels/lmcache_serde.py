@@ -37,7 +37,7 @@ from lmcache.v1.distributed.serde.factory import get_registered_serde_types, reg
 from lmcache.v1.memory_management import MemoryObj
 
 from kvtc.kernels.blob import BlobError
-from kvtc.kernels.chunk_serde import ChunkSerdeSettings, KVRank, RankedChunkTransforms
+from kvtc.kernels.chunk_serde import UNBOUND, ChunkSerdeSettings, KVRank, RankedChunkTransforms, binding
 
 SERDE_TYPE = "kvtc"
 TESTED_LMCACHE = ">=0.5.6,<0.6"  # the LMCache releases this plugin is tested with (0.5.6)
@@ -112,6 +112,15 @@ def _tensor(obj: MemoryObj, what: str) -> torch.Tensor:
     return t
 
 
+def key_binding(key: Any) -> bytes:
+    """The binding digest of an LMCache ObjectKey: every field that names the object (content hash, model,
+    packed rank, object group, cache salt), so a chunk stored under one key never loads for another."""
+    if key is None:
+        return UNBOUND
+    return binding(getattr(key, "chunk_hash", b""), getattr(key, "model_name", ""), getattr(key, "kv_rank", None),
+                   getattr(key, "object_group_id", 0), getattr(key, "cache_salt", ""))
+
+
 def describe(key: Any) -> str:
     """A key as the logs name it: model, rank (decoded) and chunk hash."""
     if key is None:
@@ -137,9 +146,9 @@ class KVTCSerializer(Serializer):
             out = _tensor(dst, "destination").reshape(-1).view(torch.uint8)
             transform = self.transforms(getattr(key, "kv_rank", None))
             start = None
-            if transform.needs_positions and self.positions is not None and key is not None:
+            if transform.positional and self.positions is not None and key is not None:
                 start = self.positions.get(getattr(key, "chunk_hash", None))
-            data = transform.serialize(_tensor(src, "source"), out.numel(), start=start)
+            data = transform.serialize(_tensor(src, "source"), out.numel(), start=start, key=key_binding(key))
         except Exception as exc:
             raise ValueError(f"kvtc serde cannot store {describe(key)}: {exc}") from exc
         out[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -162,14 +171,23 @@ class KVTCSerializer(Serializer):
 
 
 class KVTCDeserializer(Deserializer):
-    def __init__(self, transforms: RankedChunkTransforms) -> None:
+    """Loads a chunk only where its frame and blob agree with the key asked for: the key's binding, its
+    rank's artifact, ratio, heads and layers, and the position the server resolved for it (a mismatch is a
+    BlobError: LMCache logs it once, with the key, and counts a miss)."""
+
+    def __init__(self, transforms: RankedChunkTransforms, positions: ChunkPositions | None = None) -> None:
         self.transforms = transforms
+        self.positions = positions
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: Any = None) -> None:
         try:
             transform = self.transforms(getattr(key, "kv_rank", None))
+            start = None
+            if transform.positional and self.positions is not None and key is not None:
+                start = self.positions.get(getattr(key, "chunk_hash", None))
             data = _tensor(src, "source").reshape(-1).view(torch.uint8).cpu().numpy()
-            transform.deserialize(memoryview(data), _tensor(dst, "destination"))
+            transform.deserialize(memoryview(data), _tensor(dst, "destination"), start=start,
+                                  key=None if key is None else key_binding(key))
         except BlobError as exc:
             raise BlobError(f"kvtc serde: stored {describe(key)} does not decode: {exc}") from exc
         except Exception as exc:
@@ -180,7 +198,7 @@ def create_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: kwargs are the "serde" dict, with or without "type"."""
     settings = ChunkSerdeSettings.from_kwargs(dict(kwargs))
     transforms = RankedChunkTransforms.from_settings(settings, positions=positions_known())
-    return AsyncSerdeProcessor(KVTCSerializer(transforms, POSITIONS), KVTCDeserializer(transforms),
+    return AsyncSerdeProcessor(KVTCSerializer(transforms, POSITIONS), KVTCDeserializer(transforms, POSITIONS),
                                max_workers=settings.max_workers)
 
 

@@ -8,17 +8,25 @@
         "block_size": 256}}'
 
 Scheduler side, `KVTCOffloadingManager` tracks which offload keys (one per chunk of
-`blocks_per_chunk` GPU blocks) are stored, in slots of a fixed count sized from `cpu_bytes_to_use`
-at the ratio's bytes, least recently used evicted first. vLLM records each key's end-token position
-in the request context; the manager hands every stored chunk's first position to the workers with
-the slots, so keys are coded with RoPE removed at their true positions (the default artifacts), and
-the first `sinks` tokens of a request stay raw, as the codec keeps them.
+`blocks_per_chunk` GPU blocks) are stored, in at most a slot count sized from `cpu_bytes_to_use` at
+the ratio's bytes (slots are numbered as chunks arrive, nothing is reserved up front), least recently
+used evicted first. vLLM records each key's end-token position in the request context; the manager
+checks every new key's position before it evicts anything (a store it refuses loses nothing stored),
+and hands every stored chunk's first position and key binding to the workers with the slots, so keys
+are coded with RoPE removed at their true positions (the default artifacts), the first `sinks` tokens
+of a request stay raw, as the codec keeps them, and a load decodes only the blob stored for its key
+at its position.
 
 Worker side, `KVTCOffloadingWorker` reads each layer's pages from the KV cache tensors vLLM
 registers (one (num_blocks, page bytes) view per layer: page = [tokens, kv heads, K|V] or [kv heads,
 tokens, K|V] by the cache layout), codes a chunk as one blob with the rank's codec (`KVTCCodec`,
 this rank's bases of a `--tp N` artifact), keeps the blob in host memory under its slot, and on a
-load decodes it back into the GPU blocks vLLM names. Transfers run synchronously when submitted.
+load decodes it back into the GPU blocks vLLM names. Transfers are asynchronous: `submit_store` and
+`submit_load` queue the job on a thread pool (`kvtc_transfer_threads`, default 1) and return, so the
+engine's forward pass does not wait for a chunk's encode; `get_finished` reports the jobs done (vLLM's
+connector then frees the fenced blocks or resumes the request) and `wait` blocks on the ones named. A
+job that fails is logged with its reason and reported as failed (vLLM 0.33's connector does not
+support failed jobs and stops on one: loud, never wrong data in the cache).
 
 Supported: one full-attention KV cache group (no sliding-window, Mamba or MLA groups), K and V of
 equal head size, float16 / bfloat16 / float32 caches (no fp8 KV cache), cache layouts LBNHC, BLNHC,
@@ -31,22 +39,30 @@ are defined when vLLM is importable.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from kvtc.kernels.blob import BlobError, read_blob
+from kvtc.kernels.chunk_serde import UNBOUND, binding
 from kvtc.kernels.codec import KVTCCodec
 from kvtc.kernels.layered import restrict
 
 PAGE_ORDERS = {"LBNHC": "NHC", "BLNHC": "NHC", "LBHNC": "HNC", "BLHNC": "HNC"}
 CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SLOT_SLACK = 1.05  # a chunk's blob: the ratio's budget plus header and raw sinks
+MAX_POSITION = 1 << 62
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,7 +126,7 @@ def layer_index(name: str) -> int:
 class ChunkCodec:
     """A rank's codec for offload chunks: no recent window (a chunk is not the end of the sequence),
     sinks kept raw where a chunk starts at position 0, and only the `layers` this worker holds (a
-    pipeline stage), in the order vLLM lists them."""
+    pipeline stage), in the order vLLM lists them. A finite chunk ECSQ cannot code is coded fixed-rate."""
 
     def __init__(self, codec: KVTCCodec, layers: Sequence[int]) -> None:
         spec = replace(codec.spec, window=0)
@@ -122,27 +138,49 @@ class ChunkCodec:
         if list(layers) != coded:
             spec = restrict(spec, list(layers))
         self.spec = spec
-        self.codec = KVTCCodec(spec, mode=codec.mode, backend=codec.backend, level=codec.level, coder=codec.coder,
-                               ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype)
+        options = dict(backend=codec.backend, level=codec.level, coder=codec.coder, ecsq_format=codec.ecsq_format,
+                       basis_dtype=codec.basis_dtype)
+        self.codec = KVTCCodec(spec, mode=codec.mode, **options)
+        self.fixed = self.codec if self.codec.mode == "fixed" else KVTCCodec(spec, mode="fixed", **options)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> bytes:
-        """keys, values (layers, kv_heads, tokens, head_dim), first token at absolute position `start`."""
-        return self.codec.encode(keys, values, start=start)
+        """keys, values (layers, kv_heads, tokens, head_dim), first token at absolute position `start`;
+        ValueError naming where a non-finite value is."""
+        for name, x in (("keys", keys), ("values", values)):
+            bad = ~torch.isfinite(x)
+            if bool(bad.any()):
+                layer, head, token, _ = (int(n) for n in torch.unravel_index(
+                    torch.tensor(int(bad.reshape(-1).to(torch.uint8).argmax())), tuple(x.shape)))
+                raise ValueError(f"the chunk at position {start} holds {int(bad.sum())} NaN or infinite value(s) in "
+                                 f"its {name}, the first at layer {layer}, KV head {head}, position {start + token}; "
+                                 "it is not stored")
+        if self.codec.mode == "ecsq":
+            try:
+                return self.codec.encode(keys, values, start=start)
+            except ValueError:
+                pass  # beyond any ECSQ step: fixed-rate below
+        return self.fixed.encode(keys, values, start=start)
 
     def decode(self, blob: bytes, device: torch.device, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from kvtc.kernels.blob import BlobError, read_blob
-
         header, _ = read_blob(blob)
         if header.start != start:
             raise BlobError(f"stored chunk starts at position {header.start}, the load expects {start}")
         return self.codec.decode(blob, device=device)
 
 
+def _number(extra: dict[str, Any], name: str, default: Any = None) -> Any:
+    value = extra.get(name, default)
+    if isinstance(value, float) and value.is_integer() and name in ("cpu_bytes_to_use", "kvtc_transfer_threads"):
+        return int(value)
+    return value
+
+
 @dataclass(frozen=True)
 class OffloadSettings:
     """kv_connector_extra_config keys of this spec: kvtc_artifact "NAME[@VERSION|ALIAS]", kvtc_ratio,
     kvtc_registry (URI; default $KVTC_REGISTRY), kvtc_mode ("ecsq" | "fixed"; default the artifact's),
-    kvtc_backend (codec backend), cpu_bytes_to_use (host bytes for stored chunks, all workers)."""
+    kvtc_backend (codec backend), kvtc_transfer_threads (threads coding chunks, default 1),
+    cpu_bytes_to_use (host bytes for stored chunks, all workers). A bad value is a ValueError naming its key."""
 
     artifact: str
     ratio: float
@@ -150,26 +188,31 @@ class OffloadSettings:
     registry: str | None = None
     mode: str | None = None
     backend: str = "auto"
+    transfer_threads: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifact, str) or not self.artifact:
             raise ValueError('the kvtc offloading spec needs "kvtc_artifact": "NAME[@VERSION|ALIAS]" in '
                              "kv_connector_extra_config")
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not self.ratio > 1:
-            raise ValueError(f'the kvtc offloading spec needs "kvtc_ratio": a ratio > 1 the artifact was allocated '
-                             f"for, got {self.ratio!r}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 1 < self.ratio < math.inf:
+            raise ValueError(f'the kvtc offloading spec needs "kvtc_ratio": a finite ratio > 1 the artifact was '
+                             f"allocated for, got {self.ratio!r}")
         if isinstance(self.cpu_bytes_to_use, bool) or not isinstance(self.cpu_bytes_to_use, int) \
                 or self.cpu_bytes_to_use <= 0:
-            raise ValueError(f'the kvtc offloading spec needs "cpu_bytes_to_use": host bytes > 0, got '
-                             f"{self.cpu_bytes_to_use!r}")
+            raise ValueError(f'the kvtc offloading spec needs "cpu_bytes_to_use": a whole number of host bytes > 0, '
+                             f"got {self.cpu_bytes_to_use!r}")
+        if self.mode not in (None, "ecsq", "fixed"):
+            raise ValueError(f'"kvtc_mode" must be "ecsq" or "fixed" (or absent: the artifact\'s), got {self.mode!r}')
+        if isinstance(self.transfer_threads, bool) or not isinstance(self.transfer_threads, int) \
+                or not 1 <= self.transfer_threads <= 256:
+            raise ValueError(f'"kvtc_transfer_threads" must be an integer in 1..256, got {self.transfer_threads!r}')
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "OffloadSettings":
-        cpu = extra.get("cpu_bytes_to_use")
         return cls(artifact=extra.get("kvtc_artifact"), ratio=extra.get("kvtc_ratio"),  # type: ignore[arg-type]
-                   cpu_bytes_to_use=int(cpu) if isinstance(cpu, (int, float)) and not isinstance(cpu, bool) else cpu,
-                   registry=extra.get("kvtc_registry"), mode=extra.get("kvtc_mode"),
-                   backend=extra.get("kvtc_backend", "auto"))
+                   cpu_bytes_to_use=_number(extra, "cpu_bytes_to_use"), registry=extra.get("kvtc_registry"),
+                   mode=extra.get("kvtc_mode"), backend=extra.get("kvtc_backend", "auto"),
+                   transfer_threads=_number(extra, "kvtc_transfer_threads", 1))
 
 
 def slot_count(settings: OffloadSettings, worker_kv_bytes_per_block: int, blocks_per_chunk: int,
@@ -194,11 +237,12 @@ if VLLM:
     class KVTCLoadStoreSpec(LoadStoreSpec):
         """Where chunks live (slot per chunk) and each chunk's first token position."""
 
-        def __init__(self, slots: Sequence[int], starts: Sequence[int]) -> None:
+        def __init__(self, slots: Sequence[int], starts: Sequence[int], bindings: Sequence[bytes] | None = None) -> None:
             self.slots = np.asarray(slots, dtype=np.int64)
             self.starts = np.asarray(starts, dtype=np.int64)
-            if self.slots.shape != self.starts.shape:
-                raise ValueError("a kvtc load/store spec needs one start position per slot")
+            self.bindings = list(bindings) if bindings is not None else [UNBOUND] * len(self.slots)
+            if self.slots.shape != self.starts.shape or len(self.bindings) != len(self.slots):
+                raise ValueError("a kvtc load/store spec needs one start position and one key binding per slot")
 
         def __repr__(self) -> str:
             return f"KVTCLoadStoreSpec(slots={self.slots.tolist()}, starts={self.starts.tolist()})"
@@ -210,16 +254,32 @@ if VLLM:
         ready: bool = False
         pins: int = 0
 
+    def key_binding(key: Any) -> bytes:
+        """The binding digest of a vLLM offload key (bytes), stored beside its blob and checked on load."""
+        return binding(b"vllm-offload", key)
+
     class KVTCOffloadingManager(OffloadingManager):
-        """Slots for stored chunks, least recently used evicted first; entered from one thread."""
+        """At most `num_slots` stored chunks, least recently used evicted first; entered from one thread.
+        Slots are numbered as chunks arrive (nothing is allocated per slot up front)."""
 
         def __init__(self, num_slots: int, tokens_per_chunk: int, enable_events: bool = False) -> None:
             if num_slots < 1:
                 raise ValueError(f"the kvtc offloading tier has room for {num_slots} chunks; raise cpu_bytes_to_use")
             self.num_slots, self.tokens_per_chunk = num_slots, tokens_per_chunk
-            self._free = list(range(num_slots - 1, -1, -1))
+            self._free: list[int] = []  # slots freed by evictions and failed stores, reused first
+            self._next = 0  # slots [0, _next) have been handed out
             self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
             self._events: list[OffloadingEvent] = [] if enable_events else None  # type: ignore[assignment]
+            self._warned: set[str] = set()
+
+        def _available(self) -> int:
+            return len(self._free) + self.num_slots - self._next
+
+        def _slot(self) -> int:
+            if self._free:
+                return self._free.pop()
+            self._next += 1
+            return self._next - 1
 
         def lookup(self, key, req_context) -> LookupResult:
             entry = self._entries.get(key)
@@ -229,7 +289,8 @@ if VLLM:
             entries = [self._entries[k] for k in keys]
             for e in entries:
                 e.pins += 1
-            return KVTCLoadStoreSpec([e.slot for e in entries], [e.start for e in entries])
+            return KVTCLoadStoreSpec([e.slot for e in entries], [e.start for e in entries],
+                                     [key_binding(k) for k in keys])
 
         def touch(self, keys, req_context) -> None:
             for k in keys:
@@ -242,16 +303,31 @@ if VLLM:
                     self._entries[k].pins = max(0, self._entries[k].pins - 1)
 
         def _start(self, key, req_context) -> int:
+            """The chunk's first position from vLLM's end position; ValueError when absent or out of range."""
             end = req_context.get_offload_key_position(key)
             if end is None:
                 raise ValueError("vLLM gave no token position for an offloaded chunk; the kvtc tier codes keys at "
                                  "their positions and cannot store it")
-            return max(0, int(end) - self.tokens_per_chunk)
+            if isinstance(end, bool) or not isinstance(end, (int, np.integer)) \
+                    or not self.tokens_per_chunk <= int(end) < MAX_POSITION:
+                raise ValueError(f"vLLM gave end position {end!r} for a chunk of {self.tokens_per_chunk} tokens: a "
+                                 f"chunk ends at a position in [{self.tokens_per_chunk}, 2^62); it is not stored")
+            return int(end) - self.tokens_per_chunk
+
+        def _warn(self, message: str) -> None:
+            if message not in self._warned:
+                self._warned.add(message)
+                _log.warning("kvtc offloading tier: %s", message)
 
         def prepare_store(self, keys, req_context) -> PrepareStoreOutput | None:
             new = [k for k in dict.fromkeys(keys) if k not in self._entries]
+            try:  # every new key's position first: a refused store evicts nothing
+                starts = [self._start(k, req_context) for k in new]
+            except ValueError as exc:
+                self._warn(str(exc))
+                return None
             wanted = set(keys)
-            short = len(new) - len(self._free)
+            short = len(new) - self._available()
             victims = []
             if short > 0:
                 victims = [k for k, e in self._entries.items() if e.ready and not e.pins and k not in wanted][:short]
@@ -261,12 +337,11 @@ if VLLM:
                 self._free.append(self._entries.pop(k).slot)
             if victims and self._events is not None:
                 self._events.append(OffloadingEvent(victims, Medium.CPU, removed=True))
-            starts = [self._start(k, req_context) for k in new]
-            slots = [self._free.pop() for _ in new]
+            slots = [self._slot() for _ in new]
             for k, slot, start in zip(new, slots, starts):
                 self._entries[k] = _Entry(slot, start)
-            return PrepareStoreOutput(keys_to_store=new, store_spec=KVTCLoadStoreSpec(slots, starts),
-                                      evicted_keys=victims)
+            return PrepareStoreOutput(keys_to_store=new, store_spec=KVTCLoadStoreSpec(
+                slots, starts, [key_binding(k) for k in new]), evicted_keys=victims)
 
         def complete_store(self, keys, req_context, success: bool = True) -> None:
             stored = []
@@ -290,15 +365,15 @@ if VLLM:
             return events
 
         def reset_cache(self) -> None:
-            for e in self._entries.values():
-                self._free.append(e.slot)
             self._entries.clear()
+            self._free, self._next = [], 0
 
     class KVTCOffloadingWorker(OffloadingWorker):
-        """Codes chunks of GPU blocks into host-memory blobs and back, on the worker that owns the blocks."""
+        """Codes chunks of GPU blocks into host-memory blobs and back, on the worker that owns the blocks,
+        on a pool of `threads` threads (submit returns at once; get_finished / wait report the jobs)."""
 
         def __init__(self, kv_caches: CanonicalKVCaches, chunk_codec: ChunkCodec, page: PageFormat,
-                     blocks_per_chunk: int) -> None:
+                     blocks_per_chunk: int, threads: int = 1) -> None:
             if len(kv_caches.group_data_refs) != 1:
                 raise ValueError(f"the kvtc offloading tier codes one KV cache group, vLLM registered "
                                  f"{len(kv_caches.group_data_refs)}")
@@ -313,8 +388,10 @@ if VLLM:
                                      f"{page.dtype} = {page.page_bytes}: is it this model's, at this TP size?")
             self.pages = [kv_caches.tensors[ref.tensor_idx].tensor for ref in refs]
             self.codec, self.page, self.blocks_per_chunk = chunk_codec, page, blocks_per_chunk
-            self.blobs: dict[int, bytes] = {}
-            self._finished: list[TransferResult] = []
+            self.blobs: dict[int, tuple[bytes, bytes]] = {}  # slot -> (key binding, blob)
+            self._lock = threading.Lock()
+            self._jobs: dict[int, Future] = {}
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtc-offload")
 
         def _ids(self, ids: Any) -> torch.Tensor:
             return torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.pages[0].device)
@@ -324,47 +401,84 @@ if VLLM:
             read = [self.page.read(p, block_ids) for p in self.pages]
             return torch.stack([k for k, _ in read]), torch.stack([v for _, v in read])
 
+        def blob(self, slot: int) -> bytes:
+            """The blob stored in `slot` (KeyError if none)."""
+            with self._lock:
+                return self.blobs[slot][1]
+
+        def _run(self, job_id: int, what: str, work: Any) -> TransferResult:
+            t0 = time.perf_counter()
+            try:
+                size = work()
+            except Exception:  # noqa: BLE001 - a failed job is reported, never raised into vLLM's step
+                _log.exception("kvtc offloading tier: %s job %d failed", what, job_id)
+                return TransferResult(job_id, False, None, time.perf_counter() - t0)
+            return TransferResult(job_id, True, size, time.perf_counter() - t0)
+
+        def _submit(self, job_id: int, what: str, work: Any) -> bool:
+            with self._lock:
+                self._jobs[job_id] = self._pool.submit(self._run, job_id, what, work)
+            return True
+
         def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KVTCLoadStoreSpec) -> bool:
-            t0, size = time.perf_counter(), 0
             ids, n = self._ids(src_spec.block_ids), self.blocks_per_chunk
             if len(ids) != n * len(dst_spec.slots):
                 raise ValueError(f"store of {len(dst_spec.slots)} chunks got {len(ids)} GPU blocks, not "
                                  f"{n} per chunk")
-            for i, (slot, start) in enumerate(zip(dst_spec.slots.tolist(), dst_spec.starts.tolist())):
-                keys, values = self.gather(ids[i * n:(i + 1) * n])
-                blob = self.codec.encode(keys, values, start)
-                self.blobs[slot] = blob
-                size += len(blob)
-            self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - t0))
-            return True
+
+            def store() -> int:
+                size = 0
+                for i, (slot, start) in enumerate(zip(dst_spec.slots.tolist(), dst_spec.starts.tolist())):
+                    keys, values = self.gather(ids[i * n:(i + 1) * n])
+                    blob = self.codec.encode(keys, values, start)
+                    with self._lock:
+                        self.blobs[slot] = (dst_spec.bindings[i], blob)
+                    size += len(blob)
+                return size
+
+            return self._submit(job_id, "store", store)
 
         def submit_load(self, job_id: int, src_spec: KVTCLoadStoreSpec, dst_spec: GPULoadStoreSpec,
                         expedited: bool = False) -> bool:
-            t0, size = time.perf_counter(), 0
             ids, n, N = self._ids(dst_spec.block_ids), self.blocks_per_chunk, self.page.tokens
             skip = int(dst_spec.block_indices[0]) % n if len(dst_spec.block_indices) else 0
-            done = 0
-            for slot, start in zip(src_spec.slots.tolist(), src_spec.starts.tolist()):
-                blob = self.blobs[slot]
-                size += len(blob)
-                keys, values = self.codec.decode(blob, self.pages[0].device, start)
-                first = skip if done == 0 else 0
-                count = min(keys.shape[2] // N - first, len(ids) - done)
-                tokens = slice(first * N, (first + count) * N)
-                for layer, p in enumerate(self.pages):
-                    self.page.write(p, ids[done:done + count], keys[layer, :, tokens], values[layer, :, tokens])
-                done += count
-            if done != len(ids):
-                raise ValueError(f"load of {len(src_spec.slots)} chunks filled {done} of {len(ids)} GPU blocks")
-            self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - t0))
-            return True
+
+            def load() -> int:
+                decoded, size = [], 0
+                for slot, start, bound in zip(src_spec.slots.tolist(), src_spec.starts.tolist(), src_spec.bindings):
+                    with self._lock:
+                        stored_binding, blob = self.blobs[slot]
+                    if bound != UNBOUND and stored_binding != bound:
+                        raise BlobError(f"slot {slot} holds the chunk of another key (its binding differs); not loaded")
+                    decoded.append(self.codec.decode(blob, self.pages[0].device, start))  # all checked first
+                    size += len(blob)
+                done = 0
+                for i, (keys, values) in enumerate(decoded):
+                    first = skip if i == 0 else 0
+                    count = min(keys.shape[2] // N - first, len(ids) - done)
+                    tokens = slice(first * N, (first + count) * N)
+                    for layer, p in enumerate(self.pages):
+                        self.page.write(p, ids[done:done + count], keys[layer, :, tokens], values[layer, :, tokens])
+                    done += count
+                if done != len(ids):
+                    raise ValueError(f"load of {len(src_spec.slots)} chunks filled {done} of {len(ids)} GPU blocks")
+                return size
+
+            return self._submit(job_id, "load", load)
 
         def get_finished(self) -> list[TransferResult]:
-            out, self._finished = self._finished, []
-            return out
+            with self._lock:
+                done = [j for j, f in self._jobs.items() if f.done()]
+                futures = [self._jobs.pop(j) for j in done]
+            return [f.result() for f in futures]
 
         def wait(self, job_ids: set[int]) -> None:
-            return  # transfers finish when submitted
+            with self._lock:
+                futures = [self._jobs[j] for j in job_ids if j in self._jobs]
+            wait_futures(futures)
+
+        def shutdown(self) -> None:
+            self._pool.shutdown(wait=True)
 
     class KVTCOffloadingSpec(OffloadingSpec):
         """vLLM's OffloadingConnector spec: `spec_name` "KVTCOffloadingSpec", `spec_module_path`
@@ -416,5 +530,6 @@ if VLLM:
                 page = PageFormat.for_layout(self.config.kv_cache_layout, kv_heads=codec.spec.kv_heads,
                                              tokens=self.config.groups[0].tokens_per_block,
                                              head_dim=codec.spec.head_dim, dtype=dtype)
-                self._worker = KVTCOffloadingWorker(kv_caches, chunk_codec, page, self.blocks_per_chunk)
+                self._worker = KVTCOffloadingWorker(kv_caches, chunk_codec, page, self.blocks_per_chunk,
+                                                    self.settings.transfer_threads)
             return self._worker

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvtc.kernels.blob import read_blob
-from kvtc.kernels.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms
+from kvtc.kernels.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms, unframe
 from kvtc.kernels.lmcache_client import connect, server_process
 from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
 
@@ -122,7 +122,7 @@ def running(tmp_path: Path, ref: str, registry: str):
 
 
 def _blob(data: bytes):
-    return read_blob(data[8:8 + int.from_bytes(data[:8], "little")])[0]
+    return read_blob(unframe(data)[1])[0]
 
 
 def _kv_rank_of(path: Path) -> int:

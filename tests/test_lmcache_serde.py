@@ -4,6 +4,7 @@ through LMCache's own argument parsing, serde factory, serde wrapper, L1 manager
 The whole server, started as the README shows, is tests/test_lmcache_live.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -15,8 +16,8 @@ import torch
 
 from kvtc.kernels import KVTCCodec
 from kvtc.kernels.blob import BlobError, read_blob
-from kvtc.kernels.chunk_serde import (ChunkSerdeSettings, ChunkTransform, KVRank, Placement, RankedChunkTransforms,
-                                      load_rank_codec, place, stage_layers)
+from kvtc.kernels.chunk_serde import (FRAME_BYTES, ChunkSerdeSettings, ChunkTransform, KVRank, Placement, RankedChunkTransforms,
+                                      load_rank_codec, place, stage_layers, unframe)
 from helpers.synthetic import synthetic_spec
 from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
 
@@ -118,7 +119,7 @@ def test_mode_is_an_option_and_unpadded_chunks_are_exactly_the_blob(calibrated):
     assert len(fixed.serialize(kv)) == fixed.serialized_size(tuple(kv.shape), kv.dtype)
     exact = _transform(calibrated, pad=False)
     data = exact.serialize(kv)
-    assert len(data) == 8 + len(exact.encode(kv)) < exact.serialized_size(tuple(kv.shape), kv.dtype)
+    assert len(data) == FRAME_BYTES + len(exact.encode(kv)) < exact.serialized_size(tuple(kv.shape), kv.dtype)
     with pytest.raises(ValueError, match="mode"):
         ChunkSerdeSettings.from_kwargs({"artifact": "x", "ratio": 8, "mode": "zip"})
 
@@ -205,9 +206,9 @@ def test_per_rank_artifact_serves_each_rank_its_heads_and_stages_their_layers(tp
         assert t.spec.rank == rank and t.spec.heads == (rank, rank + 1) and t.needs_positions
         local = chunk(keys[:, rank:rank + 1], values[:, rank:rank + 1])
         data = t.serialize(local, start=256)
-        assert read_blob(data[8:8 + int.from_bytes(data[:8], "little")])[0].start == 256
+        assert read_blob(unframe(data)[1])[0].start == 256
         out = torch.empty_like(local)
-        t.deserialize(memoryview(data), out)
+        t.deserialize(memoryview(data), out, start=256)
         # the offline transform: the rank's codec (its own bases, RoPE removed at positions 256..) on its heads
         offline = KVTCCodec(full.spec.for_rank(rank))
         k, v = offline.decode(offline.encode(keys[:, rank:rank + 1], values[:, rank:rank + 1], start=256))
@@ -224,13 +225,13 @@ def test_per_rank_artifact_serves_each_rank_its_heads_and_stages_their_layers(tp
     whole = transforms(_kv_rank(2, 1))
     local = chunk(keys[:, 1:2], values[:, 1:2])
     reference = torch.empty_like(local)
-    whole.deserialize(memoryview(whole.serialize(local, start=256)), reference)
+    whole.deserialize(memoryview(whole.serialize(local, start=256)), reference, start=256)
     for global_rank, layers in ((1, slice(0, 2)), (3, slice(2, 3))):
         t = transforms(_kv_rank(4, global_rank))
         assert t.label.endswith(f"layers {layers.start}-{layers.stop - 1} of 3") and t.spec.rank == 1
         piece = local[:, layers].contiguous()
         out = torch.empty_like(piece)
-        t.deserialize(memoryview(t.serialize(piece, start=256)), out)
+        t.deserialize(memoryview(t.serialize(piece, start=256)), out, start=256)
         assert torch.equal(out, reference[:, layers])
         with pytest.raises(ValueError, match=f"holds 3 layers.*codes {layers.stop - layers.start}"):
             t.serialize(local, start=256)
@@ -299,6 +300,7 @@ def _server_argv(l2: str, serde: dict) -> list[str]:
 
 def test_lmcache_server_path_stores_every_chunk_and_disk_holds_the_kvtc_blob(calibrated, tmp_path, capfd):
     pytest.importorskip("lmcache.v1.distributed.l2_adapters.serde_wrapper", reason="LMCache does not import here")
+    from kvtc.kernels.lmcache_serde import key_binding
     from kvtc.kernels.lmcache_server import main as launcher
     from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.distributed.serde import get_registered_serde_types
@@ -317,8 +319,8 @@ def test_lmcache_server_path_stores_every_chunk_and_disk_holds_the_kvtc_blob(cal
             assert server.store(key, x), name
             files = [p for p in (tmp_path / "l2").rglob("*.data")]
             data = max(files, key=lambda p: p.stat().st_mtime_ns).read_bytes()
-            assert data == transform.serialize(x), name  # the KVTC bytes, nothing else
-            assert read_blob(data[8:8 + int.from_bytes(data[:8], "little")])[0].name == "tiny-kept"
+            assert data == transform.serialize(x, key=key_binding(key)), name  # the KVTC bytes, nothing else
+            assert read_blob(unframe(data)[1])[0].name == "tiny-kept"
             out = server.load(key, x)
             assert out is not None and torch.equal(out, _decoded(transform, data, x)), name
         assert len(list((tmp_path / "l2").rglob("*.data"))) == len(cases)  # every chunk offered is stored
@@ -336,13 +338,19 @@ def test_lmcache_server_path_stores_every_chunk_and_disk_holds_the_kvtc_blob(cal
         raw[200] ^= 0xFF
         victim.write_bytes(bytes(raw))
         assert server.load(ObjectKey(_hash_of(victim), "tiny", one), kv) is None
+        # a chunk's file copied over another key's: a miss naming the key, never the other chunk's data
+        first, second = sorted(p for p in (tmp_path / "l2").rglob("*.data") if p != victim)[:2]
+        second.write_bytes(first.read_bytes())
+        assert server.load(ObjectKey(_hash_of(second), "tiny", one), kv) is None
+        assert server.load(ObjectKey(_hash_of(first), "tiny", one), kv) is not None
         logged = capfd.readouterr().err + "\n".join(records.detach())
+        assert "written under another key" in logged and _hash_of(second).hex()[:16] in logged
         assert "kvtc serde cannot store chunk tiny/rank 0 of world size 1 (kv_rank 0x01000100)/0909" in logged
         assert "rows hold 8 features" in logged and "float64 is not supported" in logged
         assert "chunk tiny/rank 1 of world size 2 (kv_rank 0x02010201)/0a0a" in logged
         assert "kv_rank 1 (0x00000001) is not LMCache's packed rank" in logged
         assert "does not decode" in logged and _hash_of(victim).hex()[:16] in logged
-        intact = next(bytes([i + 1]) * 32 for i in range(len(cases)) if bytes([i + 1]) * 32 != _hash_of(victim))
+        intact = _hash_of(first)
         assert server.load(ObjectKey(intact, "tiny", one), kv) is not None
     finally:
         server.close()
@@ -403,3 +411,65 @@ def test_launcher_names_a_missing_server_dependency_and_the_extra_in_one_line(tm
     if missing != "zmq":  # --help works whatever is missing
         helped = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=300, env=env)
         assert helped.returncode == 0 and "kvtc lmcache-server ARGS" in helped.stdout and says in helped.stderr
+
+
+def _synthetic_chunk(spec, tokens: int, start: int) -> torch.Tensor:
+    from helpers.synthetic import synthetic_cache
+
+    k, v = synthetic_cache(spec, tokens, torch.float32, start=start)
+    return chunk(k, v)
+
+
+def test_a_first_chunk_keeps_its_sinks_raw_within_the_bound_and_every_chunk_is_bound_to_its_key_and_position():
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+    from kvtc.kernels.chunk_serde import binding
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    t = ChunkTransform(KVTCCodec(spec), positions=True)
+    assert t.sinks == 2 and t.spec.window == 0
+    size = t.serialized_size((2, 2, 16, 16), torch.float32)
+    assert size == FRAME_BYTES + max(t.ecsq_bound(16, torch.float32, 0), t.fixed_size(16, torch.float32, 0))
+    assert t.ecsq_bound(16, torch.float32, 0) > t.ecsq_bound(16, torch.float32, 16)  # the raw sinks are counted
+    for start in (0, 16):
+        kv = _synthetic_chunk(spec, 16, start)
+        data = t.serialize(kv, start=start, key=binding(b"chunk", start))
+        assert len(data) == size
+        header = read_blob(unframe(data)[1])[0]
+        assert (header.start, header.head_raw, header.mode) == (start, 2 if start == 0 else 0, "ecsq")
+        out = torch.empty_like(kv)
+        t.deserialize(data, out, start=start, key=binding(b"chunk", start))
+        if start == 0:
+            assert torch.equal(out[:, :, :2], kv[:, :, :2])  # the sinks, exactly
+        assert _rel(out, kv) < 0.2
+        # bound to its key and its position: any other is a BlobError (a miss), the destination untouched
+        untouched = torch.zeros_like(kv)
+        for kwargs, message in ((dict(start=start + 16, key=binding(b"chunk", start)), "coded for position"),
+                                (dict(start=start, key=binding(b"other", start)), "another key"),
+                                (dict(start=None, key=None), "position is unknown")):
+            with pytest.raises(BlobError, match=message):
+                t.deserialize(data, untouched, **kwargs)
+            assert not untouched.any()
+    with pytest.raises(ValueError, match="position is unknown"):
+        t.serialize(kv)
+    # without positions (a content-hash store) a rope-kept artifact's sinks cannot be known: every token coded
+    kept = ChunkTransform(KVTCCodec(dataclasses.replace(spec, rope=None)))
+    assert kept.sinks == 0 and not kept.positional
+    assert read_blob(kept.encode(_synthetic_chunk(spec, 16, 0)))[0].head_raw == 0
+
+
+def test_a_finite_chunk_ecsq_cannot_code_is_stored_fixed_rate_and_non_finite_ones_are_named():
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    t = ChunkTransform(KVTCCodec(spec), positions=True)
+    kv = _synthetic_chunk(spec, 16, 16)
+    kv[1, 0, 5, 3] = 1e10  # a spike far beyond any ECSQ step
+    data = t.serialize(kv, start=16)
+    assert len(data) == t.serialized_size(tuple(kv.shape), kv.dtype)
+    assert read_blob(unframe(data)[1])[0].mode == "fixed"
+    out = torch.empty_like(kv)
+    t.deserialize(data, out, start=16)
+    assert torch.isfinite(out).all()
+    kv[0, 1, 7, 2] = float("inf")
+    with pytest.raises(ValueError, match="position 16 holds 1 NaN or infinite value.*keys of layer 1, token 7"):
+        t.serialize(kv, start=16)

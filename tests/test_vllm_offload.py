@@ -128,6 +128,7 @@ def test_vllm_loads_the_spec_by_module_path_and_a_chunk_round_trips(tmp_path):
     assert out.keys_to_store == keys and out.store_spec.starts.tolist() == [0, 8, 16]
     src = [5, 2, 7, 9, 1, 3]  # GPU blocks of the request's 3 chunks, 2 blocks each
     assert worker.submit_store(1, base.GPULoadStoreSpec(src, group_sizes=[6], block_indices=[0]), out.store_spec)
+    worker.wait({1})
     (result,) = worker.get_finished()
     assert result.job_id == 1 and result.success and 0 < result.transfer_size < 3 * 2 * L * PAGE
     manager.complete_store(keys, ctx)
@@ -137,6 +138,8 @@ def test_vllm_loads_the_spec_by_module_path_and_a_chunk_round_trips(tmp_path):
     load = manager.prepare_load(keys[1:], ctx)
     dst = [10, 11, 0]
     assert worker.submit_load(2, load, base.GPULoadStoreSpec(dst, group_sizes=[3], block_indices=[3]))
+    worker.wait({2})
+    assert [r.success for r in worker.get_finished()] == [True]
     manager.complete_load(keys[1:], ctx)
     codec = KVTCCodec(art, 4, mode="fixed")
     chunk = ChunkCodec(codec, [0, 1])
@@ -153,7 +156,7 @@ def test_vllm_loads_the_spec_by_module_path_and_a_chunk_round_trips(tmp_path):
         assert not torch.equal(other_k, want_k)
     # chunk 0 starts at position 0: its first `sinks` tokens stay raw
     raw_k, _ = _cache_of(tensors, src[:2])
-    blob = worker.blobs[int(out.store_spec.slots[0])]
+    blob = worker.blob(int(out.store_spec.slots[0]))
     k0, _ = chunk.codec.decode(blob)
     assert torch.equal(k0[:, :, :2], raw_k[:, :, :2])
 
@@ -191,8 +194,10 @@ def test_each_tensor_parallel_rank_codes_its_own_heads(tmp_path):
         ctx, keys = _request(N, 1)
         out = manager.prepare_store(keys, ctx)
         worker.submit_store(1, base.GPULoadStoreSpec([2], group_sizes=[1], block_indices=[0]), out.store_spec)
+        worker.wait({1})
         manager.complete_store(keys, ctx)
         worker.submit_load(2, manager.prepare_load(keys, ctx), base.GPULoadStoreSpec([3], [1], [0]))
+        worker.wait({2})
         k, v = _cache_of(tensors, [2])
         want = KVTCCodec(art, 4, mode="fixed", rank=rank)
         wk, wv = ChunkCodec(want, [0, 1]).codec.decode(ChunkCodec(want, [0, 1]).encode(k, v, 0))
@@ -218,3 +223,87 @@ def test_bad_settings_name_the_key(tmp_path):
     bad = OffloadingConfig(**{**bad.__dict__, "groups": bad.groups * 2})
     with pytest.raises(ValueError, match="one full-attention KV cache group"):
         OffloadingSpecFactory.create_spec(bad)
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use"), ({"cpu_bytes_to_use": float("inf")}, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": -5}, "cpu_bytes_to_use"), ({"cpu_bytes_to_use": float("nan")}, "cpu_bytes_to_use"),
+    ({"kvtc_ratio": float("inf")}, "kvtc_ratio"), ({"kvtc_ratio": 0}, "kvtc_ratio"), ({"kvtc_ratio": -4}, "kvtc_ratio"),
+    ({"kvtc_transfer_threads": 0}, "kvtc_transfer_threads"), ({"kvtc_mode": "zip"}, "kvtc_mode"),
+])
+def test_bad_numbers_in_the_extra_config_are_a_value_error_naming_the_key(tmp_path, extra, key):
+    _, registry = _artifact(tmp_path)
+    with pytest.raises(ValueError, match=key):
+        OffloadingSpecFactory.create_spec(_config(registry, **extra))
+
+
+def test_slots_grow_with_what_is_stored_not_with_the_host_bytes(tmp_path):
+    import tracemalloc
+
+    _, registry = _artifact(tmp_path)
+    tracemalloc.start()
+    spec = OffloadingSpecFactory.create_spec(_config(registry, cpu_bytes_to_use=10 ** 12))
+    manager = spec.get_manager()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert spec.num_slots > 10 ** 7 and peak < 4 << 20  # a terabyte of room costs nothing up front
+    ctx, keys = _request(2 * N, 3)
+    out = manager.prepare_store(keys, ctx)
+    assert out.store_spec.slots.tolist() == [0, 1, 2]
+
+
+def test_a_refused_store_loses_nothing_and_positions_are_never_clamped(tmp_path, caplog):
+    from kvtc.kernels.vllm_offload import KVTCOffloadingManager
+
+    manager = KVTCOffloadingManager(2, N)
+    ctx, keys = _request(N, 4)
+    out = manager.prepare_store(keys[:2], ctx)
+    manager.complete_store(out.keys_to_store, ctx)
+    bad = base.make_offload_key(b"z" * 8, 0)
+    ctx.set_offload_key_position(bad, N - 1)  # ends before a whole chunk: no position to code it at
+    with caplog.at_level("WARNING"):
+        assert manager.prepare_store([keys[2], bad], ctx) is None
+        assert manager.prepare_store([bad], ctx) is None
+    assert all(manager.lookup(k, ctx) == base.LookupResult.HIT for k in keys[:2])  # nothing evicted
+    assert sum("end position 3" in r.message for r in caplog.records) == 1  # named once
+    unknown = base.make_offload_key(b"u" * 8, 0)
+    assert manager.prepare_store([unknown], ctx) is None
+    assert all(manager.lookup(k, ctx) == base.LookupResult.HIT for k in keys[:2])
+
+
+def test_transfers_run_off_the_engine_thread_and_a_swapped_blob_is_never_loaded(tmp_path, monkeypatch):
+    import threading
+
+    _, registry = _artifact(tmp_path)
+    spec = OffloadingSpecFactory.create_spec(_config(registry, blocks_per_chunk=1))
+    manager = spec.get_manager()
+    caches, tensors = _kv_caches(8)
+    worker = spec.get_worker(caches)
+    gate, threads = threading.Event(), []
+    encode = worker.codec.encode
+
+    def slow_encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        gate.wait(30)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(worker.codec, "encode", slow_encode)
+    ctx, keys = _request(N, 2)
+    out = manager.prepare_store(keys, ctx)
+    t0 = __import__("time").perf_counter()
+    assert worker.submit_store(1, base.GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0]), out.store_spec)
+    assert __import__("time").perf_counter() - t0 < 1.0 and worker.get_finished() == []  # submit did not wait
+    gate.set()
+    worker.wait({1})
+    (result,) = worker.get_finished()
+    assert result.success and threads and all(t.startswith("kvtc-offload") for t in threads)
+    manager.complete_store(keys, ctx)
+    # chunk 1's blob copied into chunk 0's slot: the load is refused (failed job), the GPU blocks untouched
+    s0, s1 = out.store_spec.slots.tolist()
+    worker.blobs[s0] = worker.blobs[s1]
+    before = tensors[0][5].clone()
+    worker.submit_load(2, manager.prepare_load(keys[:1], ctx), base.GPULoadStoreSpec([5], [1], [0]))
+    worker.wait({2})
+    (result,) = worker.get_finished()
+    assert not result.success and torch.equal(tensors[0][5], before)
+    worker.shutdown()
