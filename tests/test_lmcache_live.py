@@ -129,6 +129,14 @@ def _kv_rank_of(path: Path) -> int:
     return int(path.name.split("@")[1], 16)
 
 
+def _binding_of(path: Path) -> bytes:
+    """The key binding a chunk stored in this file must carry: its LMCache key's (from the file name)."""
+    from kvtc.kernels.lmcache_serde import key_binding
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _filename_to_object_key
+
+    return key_binding(_filename_to_object_key(path.name))
+
+
 def _round_trip(client, live: Live, model: str, ids: list[int], heads: list[slice], keys, values) -> None:
     """Write each rank's heads into its paged cache, STORE, wait for L2, clear L1 and zero the cache, LOOKUP
     (prefetch from L2), RETRIEVE."""
@@ -159,7 +167,9 @@ def test_tp1_chunks_round_trip_through_the_live_server_as_kvtc_blobs_and_bad_inp
         try:
             _round_trip(client, live, "tiny", ids, [slice(None)], keys, values)
             on_disk = [p.read_bytes() for p in live.files("tiny")]
-            assert sorted(on_disk) == sorted(expected)  # the KVTC bytes, nothing else
+            # the KVTC bytes, nothing else, each bound to the key it is stored under
+            assert sorted(bytes(unframe(d)[1]) for d in on_disk) == sorted(bytes(unframe(e)[1]) for e in expected)
+            assert all(unframe(p.read_bytes())[0] == _binding_of(p) for p in live.files("tiny"))
             assert {_blob(d).name for d in on_disk} == {"tiny-kept"} and {_kv_rank_of(p) for p in live.files("tiny")} \
                 == {0x01000100}  # LMCache's packed rank 0 of world size 1
             got = chunk(*client.read(0, list(range(TOKENS // 16))))
@@ -173,7 +183,7 @@ def test_tp1_chunks_round_trip_through_the_live_server_as_kvtc_blobs_and_bad_inp
             assert len(on_disk[0]) < raw / (RATIO * 0.9)
 
             # a corrupt chunk on disk is a miss, logged with its key; the server keeps serving the others
-            victim = next(p for p in live.files("tiny") if p.read_bytes() == expected[1])
+            victim = next(p for p in live.files("tiny") if unframe(p.read_bytes())[1] == unframe(expected[1])[1])
             data = bytearray(victim.read_bytes())
             data[100] ^= 0xFF
             victim.write_bytes(bytes(data))
@@ -224,7 +234,8 @@ def test_tp2_ranks_round_trip_with_their_own_bases_and_keys_coded_at_their_posit
                 rank = (_kv_rank_of(path) >> 16) & 0xFF
                 h, s = heads[rank], slice(header.start, header.start + CHUNK)
                 t = transforms(_kv_rank_of(path))
-                assert data == t.serialize(chunk(keys[:, h, s], values[:, h, s]), start=header.start)
+                assert data == t.serialize(chunk(keys[:, h, s], values[:, h, s]), start=header.start,
+                                           key=_binding_of(path))
             blocks = list(range(TOKENS // 16))
             for rank, h in enumerate(heads):
                 got = chunk(*client.read(rank, blocks))
@@ -233,7 +244,7 @@ def test_tp2_ranks_round_trip_with_their_own_bases_and_keys_coded_at_their_posit
                 for start in range(0, TOKENS, CHUNK):
                     c = chunk(keys[:, h, start:start + CHUNK], values[:, h, start:start + CHUNK])
                     out = torch.empty_like(c)
-                    t.deserialize(memoryview(t.serialize(c, start=start)), out)
+                    t.deserialize(memoryview(t.serialize(c, start=start)), out, start=start)
                     offline.append(out)
                 assert torch.equal(got, torch.cat(offline, dim=2))
                 assert float((got.float() - chunk(keys[:, h], values[:, h]).float()).norm()
@@ -241,4 +252,38 @@ def test_tp2_ranks_round_trip_with_their_own_bases_and_keys_coded_at_their_posit
         finally:
             client.close()
         assert not re.search(r"Traceback|kvtc serde cannot", live.text())
+        live.alive()
+
+
+def test_attention_artifact_served_live_keeps_the_sinks_raw_and_a_chunk_copied_between_keys_is_a_miss(found, tmp_path):
+    registry, ref = found["registry"], found["attn"]
+    ids, keys, values = model_cache(TOKENS)
+    transform = RankedChunkTransforms.from_settings(
+        ChunkSerdeSettings.from_kwargs({"artifact": ref, "ratio": RATIO, "registry": registry}), positions=True)(None)
+    assert transform.sinks == 4 and any(g.decoder is not None for g in transform.spec.streams["values"])
+    with running(tmp_path, ref, registry) as live:
+        client = live.client("tiny")
+        try:
+            _round_trip(client, live, "tiny", ids, [slice(None)], keys, values)
+            files = live.files("tiny")
+            heads = {_blob(p.read_bytes()).start: _blob(p.read_bytes()) for p in files}
+            assert sorted(heads) == [0, CHUNK] and heads[0].head_raw == 4 and heads[CHUNK].head_raw == 0
+            got = chunk(*client.read(0, list(range(TOKENS // 16))))
+            offline = []
+            for start in range(0, TOKENS, CHUNK):
+                c = chunk(keys[:, :, start:start + CHUNK], values[:, :, start:start + CHUNK])
+                out = torch.empty_like(c)
+                transform.deserialize(transform.serialize(c, start=start), out, start=start)
+                offline.append(out)
+            assert torch.equal(got, torch.cat(offline, dim=2))  # exactly the offline chunk transform
+            assert torch.equal(got[:, :, :4], chunk(keys, values)[:, :, :4])  # the sinks, exactly
+            # the chunk at 256 copied over the chunk at 0: not loaded (its key and position differ)
+            by_start = {_blob(p.read_bytes()).start: p for p in files}
+            by_start[0].write_bytes(by_start[CHUNK].read_bytes())
+            client.clear_l1()
+            assert client.lookup("swapped", ids) == 0
+            client.end_session("swapped")
+            live.wait_for(lambda: "written under another key" in live.text(), "the swapped chunk logged")
+        finally:
+            client.close()
         live.alive()

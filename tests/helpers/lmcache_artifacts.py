@@ -4,7 +4,9 @@ that asks calibrates; tests/test_lmcache_serde.py and tests/test_lmcache_live.py
 - "tiny-kept": tiny:llama (3 layers x 2 KV heads x head_dim 16), keys RoPE-kept, one basis for the
   model (--groups auto), ECSQ tables at CR 4;
 - "tiny-tp2": the same model calibrated the default way (keys RoPE-removed) for --tp 2 with one basis
-  per layer (--groups layer), so it serves two tensor-parallel ranks and pipeline stages.
+  per layer (--groups layer), so it serves two tensor-parallel ranks and pipeline stages;
+- "tiny-attn": the same model with `--objective attention` (separate encode and decode matrices), keys
+  RoPE-removed and 4 sinks, the way the README serves it: a first chunk keeps its sinks raw.
 """
 from __future__ import annotations
 
@@ -18,17 +20,18 @@ _cached: dict[str, object] = {}
 
 
 def artifacts(root: Path) -> dict[str, str]:
-    """-> {"registry": path, "kept": ref, "tp2": ref}, calibrated under `root` on first use."""
+    """-> {"registry": path, "kept": ref, "tp2": ref, "attn": ref}, calibrated under `root` on first use."""
     if "artifacts" not in _cached:
         from kvtc.pipeline.job.calibrate import run
         from kvtc.pipeline.settings import JobSettings
 
         out = {"registry": str(root / "reg")}
-        for key, name, options in (("kept", "tiny-kept", dict(keys="rope-kept")),
-                                   ("tp2", "tiny-tp2", dict(tp=2, groups="layer"))):
+        for key, name, options in (("kept", "tiny-kept", dict(keys="rope-kept", sinks=0)),
+                                   ("tp2", "tiny-tp2", dict(tp=2, groups="layer", sinks=0)),
+                                   ("attn", "tiny-attn", dict(objective="attention", sinks=4))):
             cfg = JobSettings.of(model=MODEL, corpus="pydoc", eval_corpus=None, seq_len=64, tokens=1024,
                                  seqs_per_shard=4, heldout_rows=512, ratios=(float(RATIO),), tokens_curve_points=1,
-                                 sinks=0, window=0, registry=out["registry"], store=str(root / "store"), name=name,
+                                 window=0, registry=out["registry"], store=str(root / "store"), name=name,
                                  **options)
             out[key] = f"{name}@{run(cfg, in_process=True)['version']}"
         _cached["artifacts"] = out
