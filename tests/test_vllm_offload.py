@@ -307,3 +307,49 @@ def test_transfers_run_off_the_engine_thread_and_a_swapped_blob_is_never_loaded(
     (result,) = worker.get_finished()
     assert not result.success and torch.equal(tensors[0][5], before)
     worker.shutdown()
+
+
+def test_an_attention_artifact_through_the_tier_decodes_with_its_decoder_and_keeps_the_sinks_raw(tmp_path_factory):
+    from helpers.lmcache_artifacts import artifacts, model_cache
+
+    found = artifacts(tmp_path_factory.getbasetemp() / "lmcache-artifacts")
+    _, keys, values = model_cache(256)
+    layers, heads, tokens, dim = keys.shape
+    block, per_chunk = 16, 4
+    config = _config(found["registry"], blocks_per_chunk=per_chunk, kvtc_artifact=found["attn"], kvtc_mode=None,
+                     cpu_bytes_to_use=1 << 24, kvtc_transfer_threads=2)
+    page_bytes = block * heads * 2 * dim * 2
+    config = OffloadingConfig(**{**config.__dict__, "worker_kv_bytes_per_block": page_bytes * layers, "groups": (
+        OffloadingGroupConfig(tokens_per_block=block, layer_names=tuple(f"model.layers.{i}.self_attn.attn"
+                                                                        for i in range(layers)), group_id=0),)})
+    spec = OffloadingSpecFactory.create_spec(config)
+    blocks = tokens // block
+    pages = [torch.zeros(2 * blocks, block, heads, 2 * dim, dtype=torch.bfloat16) for _ in range(layers)]
+    for i in range(layers):  # the prefix in blocks 0.., logical [B, N, H, K|V]
+        pages[i][:blocks] = torch.cat([keys[i], values[i]], -1).permute(1, 0, 2).reshape(blocks, block, heads, 2 * dim)
+    views = [t.view(torch.int8).reshape(2 * blocks, -1) for t in pages]
+    caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(v, v.shape[1]) for v in views],
+                                    group_data_refs=[[base.CanonicalKVCacheRef(i, views[i].shape[1])
+                                                      for i in range(layers)]])
+    worker, manager = spec.get_worker(caches), spec.get_manager()
+    assert any(g.decoder is not None for g in worker.codec.spec.streams["keys"])
+    ctx, chunk_keys = _request(block * per_chunk, tokens // (block * per_chunk))
+    out = manager.prepare_store(chunk_keys, ctx)
+    worker.submit_store(1, base.GPULoadStoreSpec(list(range(blocks)), [blocks], [0]), out.store_spec)
+    worker.wait({1})
+    manager.complete_store(chunk_keys, ctx)
+    worker.submit_load(2, manager.prepare_load(chunk_keys, ctx),
+                       base.GPULoadStoreSpec(list(range(blocks, 2 * blocks)), [blocks], [0]))
+    worker.wait({2})
+    assert [r.success for r in worker.get_finished()] == [True, True]
+    got = torch.stack([p[blocks:].reshape(tokens, heads, 2 * dim).permute(1, 0, 2) for p in pages])
+    codec = KVTCCodec.from_registry(found["attn"], 4, registry=found["registry"])
+    chunk = ChunkCodec(codec, list(range(layers)))
+    n = block * per_chunk
+    for start in range(0, tokens, n):
+        k, v = chunk.codec.decode(chunk.encode(keys[:, :, start:start + n], values[:, :, start:start + n], start))
+        assert torch.equal(got[:, :, start:start + n, :dim], k) and torch.equal(got[:, :, start:start + n, dim:], v)
+    assert torch.equal(got[:, :, :4, :dim], keys[:, :, :4])  # the sinks, exactly
+    rel = float((got[..., :dim].float() - keys.float()).norm() / keys.float().norm())
+    assert rel < 0.5
+    worker.shutdown()
