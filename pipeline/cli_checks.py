@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 COUNTS = ("workers", "threads_per_worker", "gpus_per_worker", "tp", "tokens", "eval_tokens", "seq_len", "seqs_per_shard",
           "drift_tokens", "max_runs", "heldout_rows", "accumulators", "continuation", "sequences")
-NON_NEGATIVE_INTS = ("sinks", "window", "seed", "tokens_curve_points")
+NON_NEGATIVE_INTS = ("sinks", "window", "seed", "tokens_curve_points", "served_sequences")
 NON_NEGATIVE_FLOATS = ("threshold", "if_drift", "tolerance")
 POSITIVE_FLOATS = ("every", "timeout")
 NON_EMPTY = ("registry", "store", "cache_dir", "to", "out")

@@ -86,8 +86,26 @@ def test_cli_prints_json_and_rejects_bad_input(calibrated):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         assert args.func(args) == 0
     data = json.loads(out.getvalue())
-    assert [r["method"] for r in data["rows"]] == ["uncompressed", "kvtc-8x", "fp8-e4m3"]
+    assert [r["method"] for r in data["rows"]] == ["uncompressed", "kvtc-8x", "kvtc-chunk-8x", "fp8-e4m3"]
     with pytest.raises(ValueError, match="unknown baselines"):
         quality.EvalSettings(baselines=("gzip",))
     with pytest.raises(ValueError, match="ratios must be > 1"):
         quality.EvalSettings(ratios=(1.0,))
+
+
+def test_the_chunk_path_is_scored_beside_the_codec_and_the_job_publishes_what_serving_costs(result, calibrated):
+    rows = {r["method"]: r for r in result["rows"]}
+    for ratio in (4.0, 8.0):
+        served = rows[f"kvtc-chunk-{ratio:g}x"]
+        assert math.isfinite(served["ppl_ratio"]) and served["kl"] >= 0
+        assert 0.5 * ratio < served["cr"] <= 1.01 * ratio  # every stored byte counted, the raw sinks included
+    # the job scored its own held-out sequences through both paths before publishing: summary, metrics, report
+    by_ratio = {row["ratio"]: row for row in calibrated["ratios"]}
+    for ratio in (4.0, 8.0):
+        served = by_ratio[ratio]["served"]
+        assert set(served) == {"chunk", "offline"} and served["chunk"]["ppl_ratio"] > 0 and served["chunk"]["kl"] >= 0
+    art = artifacts.pull("tiny@latest", registry=calibrated["registry"])
+    splits = {(m["split"], m["metric"]) for m in art.metrics() if m["split"].startswith("served")}
+    assert {("served-chunk", "ppl_ratio"), ("served-chunk", "kl"), ("served-offline", "ppl_ratio")} <= splits
+    report = art.file("report.md").read_text()
+    assert "kvtc-chunk-8x" in report and "Model quality with compressed caches" in report

@@ -230,7 +230,8 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
             if gpus >= 1:  # before any model work: refuse a model the workers' GPUs cannot hold
                 gpu_plan = _gpu_plan(planned, gpus, *ray_pool.gpu_inventory())
         folded = fold_shards(planned, in_process, gpus, started, gpu_plan)
-        inp = ReduceInput(cfg, planned.fingerprint, folded.store, folded.shards, folded.accumulators, folded.model_dtype)
+        inp = ReduceInput(cfg, planned.fingerprint, folded.store, folded.shards, folded.accumulators, folded.model_dtype,
+                          planned.model_config)
         # the reduce runs on the fold's workers (their actors are gone: the model's memory is free), one group per worker
         placement = Placement(0 if in_process else folded.workers, rt.threads_per_worker, folded.on_cluster_gpu)
         reduced = reduce(inp, placement)

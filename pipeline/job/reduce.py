@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import psutil
 
@@ -45,7 +46,7 @@ MIN_HELDOUT_ROWS = 16
 class ReduceInput:
     """What the fold hands the reduce: the settings as run, the model fingerprint, the shard store,
     every planned shard ({id, index, role, tokens, cached}), the accumulators (name, shard ids) in
-    order, and the workers' model dtype."""
+    order, the workers' model dtype and the model's transformers config (no weights)."""
 
     settings: JobSettings
     fingerprint: dict
@@ -53,6 +54,7 @@ class ReduceInput:
     shards: list[dict]
     accumulators: list[tuple[str, list[str]]]
     model_dtype: str = "float32"
+    model_config: Any = None
 
 
 @dataclass
@@ -197,17 +199,35 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
         for name, rows in r.measure.curves.items():
             curves[name] += rows
     allocations = {key: value for r in results for key, value in r.allocations.items()}
-    extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}")
-    extra.update({metric_file(r.stream, r.group): encode_root(r.metric_root) for r in results if r.metric_root is not None})
+    metric_files = {metric_file(r.stream, r.group): encode_root(r.metric_root) for r in results
+                    if r.metric_root is not None}
     content = artifacts.ArtifactContent(
         name=cfg.artifact_name, model=fingerprint, calibration=calibration, corpus=corpus,
         bases={(r.stream, r.group): r.basis for r in results}, allocations=allocations, metrics=metrics,
-        curves=curves, extra_files=extra, parent=cfg.runtime.parent,
+        curves=curves, extra_files=dict(metric_files), parent=cfg.runtime.parent,
         ecsq={key: table for r in results for key, table in r.ecsq.items()},
         decoders={(r.stream, r.group): r.decoder for r in results if r.decoder is not None},
     )
+    quality, notes, served_s = None, list(reduced.notes), 0.0
+    if cfg.reduce.served_sequences:  # what serving will cost: held-out text through the chunk path, before publishing
+        from kvtc.pipeline.evaluation.served import metric_rows, served_quality
+
+        t_served = time.perf_counter()
+        continuation = max(1, min(64, cfg.plan.seq_len // 4))
+        quality, skipped = served_quality(content, cfg.model.model, cfg.model.dtype, cfg.reduce.served_sequences,
+                                          continuation, inp.model_config, cfg.runtime.cache_dir)
+        served_s = time.perf_counter() - t_served
+        if skipped:
+            notes.append(skipped)
+        else:
+            metrics = metrics + metric_rows(quality["rows"])
+    extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}",
+                         quality)
+    content = replace(content, metrics=metrics, extra_files={**extra, **metric_files})
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
-    return Published(summarize(ref, metrics, reduced.notes), time.perf_counter() - t0)
+    summary = summarize(ref, metrics, notes)
+    summary["served_seconds"] = round(served_s, 2)
+    return Published(summary, time.perf_counter() - t0)
 
 
 def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype: str, tokens: int,
@@ -249,10 +269,16 @@ def summarize(ref, metrics: list[dict], notes: list[str]) -> dict:
                 entry["kept"] = entry.get("kept", 0) + int(m["value"])
         elif m["group"] is None:
             entry[name] = m["value"]
+    served: dict = {}
+    for m in metrics:
+        if m["split"] in ("served-chunk", "served-offline"):
+            served.setdefault(m["ratio"], {}).setdefault(m["split"][7:], {})[m["metric"]] = m["value"]
     rows = []
     for ratio, streams in sorted(modes.items()):
         default = "ecsq" if all("rel_error" in s.get("ecsq", {}) for s in streams.values()) else "fixed"
         row: dict = {"ratio": ratio, "mode": default}
+        if ratio in served:  # the model's perplexity ratio and KL on held-out text: offline codec, chunk path
+            row["served"] = served[ratio]
         for stream, by_mode in streams.items():
             first = by_mode.get(default, {})
             row[stream] = {**{k: first[k] for k in ("rel_error", "eval_rel_error", "kept") if k in first},

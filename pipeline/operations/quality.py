@@ -30,7 +30,9 @@ KIVI_CONFIGS = ((2, 32), (2, 128), (4, 32), (4, 128))
 class EvalSettings:
     """ratios: codec ratios (also the budgets of pca_uniform and evict); continuation: tokens scored
     per sequence; sequences: how many held-out sequences; baselines: subset of BASELINES; mode: the
-    codec's mode, "ecsq" or "fixed" (None: the codec's default, ECSQ where the artifact has its tables)."""
+    codec's mode, "ecsq" or "fixed" (None: the codec's default, ECSQ where the artifact has its tables);
+    served: also each ratio through the chunk path the serving integrations use (`kvtc-chunk-{r}x` rows:
+    kvtc.pipeline.evaluation.served), for artifacts the chunk path serves."""
 
     ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
     continuation: int = 64
@@ -38,6 +40,7 @@ class EvalSettings:
     baselines: tuple[str, ...] = BASELINES
     kivi_configs: tuple[tuple[int, int], ...] = KIVI_CONFIGS
     mode: str | None = None
+    served: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in (None, "ecsq", "fixed"):
@@ -125,6 +128,13 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
                                                   bl.split(keys.shape[2], sinks, window)[1], p)
     for r in settings.ratios:
         yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r, mode=settings.mode), keys, values)
+    if settings.served:
+        from kvtc.pipeline.evaluation.served import chunk_path
+
+        for r in settings.ratios:
+            rec = chunk_path(artifact, r, keys, values, mode=settings.mode)
+            if rec is not None:
+                yield rec.method, r, rec
     if "pca_uniform" in settings.baselines:
         for r in settings.ratios:
             yield f"pca-uniform-{r:g}x", r, bl.run_codec(bl.pca_uniform_codec(artifact, r), keys, values,

@@ -1,0 +1,351 @@
+"""Served quality: the model's perplexity through every serving path, beside the offline codec's.
+
+    kvtc calibrate --registry REG --name smollm2-mse                           # the default job
+    kvtc calibrate --registry REG --name smollm2-attn --objective attention
+    python bench/served_quality.py --registry REG --artifacts smollm2-mse@latest smollm2-attn@latest \
+        --ratios 8,16,32 --domains stdlib,licenses=/usr/share/common-licenses --out bench/figures
+
+For each domain (text the calibration did not see), --sequences sequences of --prefix tokens (256-token
+chunks) and --continuation scored tokens: the embedded model's bf16 prefix cache goes through each path,
+then the continuation is scored against the uncompressed cache (perplexity ratio, KL per token). Paths:
+
+- offline      `kvtc eval`'s protocol: the whole prefix through KVTCCodec (sinks and the last window raw);
+- chunk-coded  the chunk transform coding every token (the chunk path before raw sinks);
+- chunk        the chunk transform as served: a first chunk keeps the artifact's sinks raw;
+- chunk+window the same with the last --window prefix tokens kept raw (what a recent window would add);
+- lmcache      `kvtc lmcache-server` started on loopback (filesystem L2, kvtc serde), the prefix stored
+               and retrieved through LMCache 0.5.6's own MP client in server-driven mode, L1 cleared between;
+- vllm         the vLLM offloading tier (kernels/vllm_offload.py's KVTCOffloadingSpec, built by vLLM's own
+               factory) storing 256-token chunks of GPU-layout pages and loading them back (CPU tensors).
+
+Bytes are the stored bytes against bf16 (the frame and padding of each path included). Prints a table, writes
+served_quality.json and served_quality.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+
+CHUNK = 256
+PATHS = ("offline", "chunk-coded", "chunk", "chunk+window", "lmcache", "vllm")
+
+
+def sequences(lm, corpus: str, count: int, length: int) -> list[list[int]]:
+    from kvtc.pipeline.job.corpus import iter_documents
+
+    ids: list[int] = []
+    for doc in iter_documents(corpus):
+        ids += lm.tokenizer(doc.text).input_ids
+        if len(ids) >= count * length:
+            break
+    if len(ids) < count * length:
+        raise SystemExit(f"corpus {corpus} holds {len(ids)} tokens, fewer than {count} x {length}")
+    return [ids[i * length:(i + 1) * length] for i in range(count)]
+
+
+def as_chunks(keys, values):
+    """(L, H, T, D) -> LMCache chunks (2, L, 256, H * D)."""
+    import torch
+
+    L, H, T, D = keys.shape
+    kv = torch.stack([x.permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)])
+    return [kv[:, :, i:i + CHUNK].contiguous() for i in range(0, T, CHUNK)]
+
+
+def from_chunks(chunks, H: int):
+    import torch
+
+    kv = torch.cat(chunks, dim=2)
+    L, T = kv.shape[1], kv.shape[2]
+    x = kv.reshape(2, L, T, H, -1).permute(0, 1, 3, 2, 4)
+    return x[0], x[1]
+
+
+def through_transform(t, keys, values):
+    import torch
+
+    out, stored = [], 0
+    for i, c in enumerate(as_chunks(keys, values)):
+        data = t.serialize(c, start=i * CHUNK)
+        o = torch.empty_like(c)
+        t.deserialize(data, o, start=i * CHUNK)
+        out.append(o)
+        stored += len(data)
+    k, v = from_chunks(out, keys.shape[1])
+    return k, v, stored
+
+
+class LiveServer:
+    """`kvtc lmcache-server` on loopback for one artifact and ratio, and an MP client of it."""
+
+    def __init__(self, registry: str, ref: str, ratio: float, layers: int, heads: int, dim: int, tokens: int) -> None:
+        from kvtc.kernels.lmcache_client import connect, server_process
+
+        def port() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+
+        self.tmp = tempfile.TemporaryDirectory()
+        self.l2, rpc = Path(self.tmp.name) / "l2", port()
+        self.l2.mkdir()
+        serde = {"type": "kvtc", "artifact": ref, "ratio": ratio, "registry": registry}
+        args = ["--host", "127.0.0.1", "--port", str(rpc), "--http-host", "127.0.0.1", "--http-port", str(port()),
+                "--l1-size-gb", "1", "--eviction-policy", "LRU",
+                "--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.l2), "serde": serde})]
+        self.log = Path(self.tmp.name) / "server.log"
+        self._ctx = server_process(args, self.log)
+        self.proc = self._ctx.__enter__()
+        self.blocks = list(range(tokens // 16))
+        self.client = connect(self.proc, f"tcp://127.0.0.1:{rpc}", "bench", log=self.log, layers=layers,
+                              kv_heads=heads, head_dim=dim, tp=1, num_blocks=len(self.blocks) + 16, block_size=16,
+                              timeout=1200.0)
+        self.n, self._seen = 0, set()
+
+    def round_trip(self, ids: list[int], keys, values):
+        c = self.client
+        self.n += 1
+        c.write(0, self.blocks, keys, values)
+        assert all(c.store(f"s{self.n}", ids, self.blocks)), "the server refused a store"
+        c.end_session(f"s{self.n}")
+        want, t0 = len(ids) // CHUNK, time.perf_counter()
+        while len(set(self.l2.glob("*.data")) - self._seen) < want and time.perf_counter() - t0 < 1800:
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.log.read_text()[-3000:])
+            time.sleep(0.05)
+        files = set(self.l2.glob("*.data")) - self._seen
+        self._seen |= files
+        c.clear_l1()
+        c.zero(0, self.blocks)
+        hits = c.lookup(f"l{self.n}", ids)
+        assert hits == want, f"{hits} of {want} chunks found in L2:\n{self.log.read_text()[-3000:]}"
+        assert all(c.retrieve(f"l{self.n}", ids, self.blocks, hits))
+        c.end_session(f"l{self.n}")
+        k, v = c.read(0, self.blocks)
+        return k, v, sum(p.stat().st_size for p in files)
+
+    def close(self) -> None:
+        self.client.close()
+        self._ctx.__exit__(None, None, None)
+        self.tmp.cleanup()
+
+
+class VllmTier:
+    """The vLLM offloading tier for one artifact and ratio, built by vLLM's own factory on CPU tensors."""
+
+    def __init__(self, registry: str, ref: str, ratio: float, layers: int, heads: int, dim: int, tokens: int) -> None:
+        import torch
+        from vllm.v1.kv_offload import base
+        from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                               OffloadingModelConfig, OffloadingParallelConfig)
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+        self.base, block = base, 16
+        self.blocks, self.per_chunk, self.heads, self.dim = tokens // block, CHUNK // block, heads, dim
+        extra = {"spec_name": "KVTCOffloadingSpec", "spec_module_path": "kvtc.kernels.vllm_offload",
+                 "kvtc_artifact": ref, "kvtc_ratio": ratio, "kvtc_registry": registry, "cpu_bytes_to_use": 1 << 34}
+        config = OffloadingConfig(
+            groups=(OffloadingGroupConfig(tokens_per_block=block, layer_names=tuple(
+                f"model.layers.{i}.self_attn.attn" for i in range(layers)), group_id=0),),
+            worker_kv_bytes_per_block=block * heads * 2 * dim * 2 * layers, enable_kv_cache_events=False,
+            extra_config=extra, engine_id="bench", model=OffloadingModelConfig(name="m", dtype="bfloat16",
+                                                                               max_model_len=1 << 16),
+            cache=OffloadingCacheConfig(tokens_per_hash=block, blocks_per_chunk=self.per_chunk),
+            parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                              data_parallel_index=0, data_parallel_size=1,
+                                              data_parallel_rank_local=None, is_parallelism_agnostic=False),
+            kv_cache_layout="LBNHC")
+        spec = OffloadingSpecFactory.create_spec(config)
+        self.pages = [torch.zeros(2 * self.blocks, block, heads, 2 * dim, dtype=torch.bfloat16) for _ in range(layers)]
+        views = [t.view(torch.int8).reshape(2 * self.blocks, -1) for t in self.pages]
+        caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(v, v.shape[1]) for v in views],
+                                        group_data_refs=[[base.CanonicalKVCacheRef(i, views[i].shape[1])
+                                                          for i in range(layers)]])
+        self.worker, self.manager = spec.get_worker(caches), spec.get_manager()
+        self.n = 0
+
+    def round_trip(self, keys, values):
+        base, B = self.base, self.blocks
+        L, H, T, D = keys.shape
+        for i, p in enumerate(self.pages):
+            p[:B] = torch_cat(keys[i], values[i]).permute(1, 0, 2).reshape(B, -1, H, 2 * D)
+        self.n += 1
+        ctx = base.ReqContext(req_id=f"r{self.n}")
+        chunk_keys = [base.make_offload_key(f"{self.n}-{i}".encode().ljust(8, b"."), 0) for i in range(T // CHUNK)]
+        for i, k in enumerate(chunk_keys):
+            ctx.set_offload_key_position(k, (i + 1) * CHUNK)
+        out = self.manager.prepare_store(chunk_keys, ctx)
+        self.worker.submit_store(2 * self.n, base.GPULoadStoreSpec(list(range(B)), [B], [0]), out.store_spec)
+        self.worker.wait({2 * self.n})
+        self.manager.complete_store(chunk_keys, ctx)
+        self.worker.submit_load(2 * self.n + 1, self.manager.prepare_load(chunk_keys, ctx),
+                                base.GPULoadStoreSpec(list(range(B, 2 * B)), [B], [0]))
+        self.worker.wait({2 * self.n + 1})
+        results = self.worker.get_finished()
+        assert all(r.success for r in results), results
+        stored = sum(len(self.worker.blob(int(s))) for s in out.store_spec.slots)
+        got = __import__("torch").stack([p[B:].reshape(T, H, 2 * D).permute(1, 0, 2) for p in self.pages])
+        self.manager.complete_load(chunk_keys, ctx)
+        return got[..., :D], got[..., D:], stored
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def torch_cat(k, v):
+    import torch
+
+    return torch.cat([k, v], -1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--registry", required=True)
+    ap.add_argument("--artifacts", nargs="+", required=True)
+    ap.add_argument("--ratios", default="8,16,32")
+    ap.add_argument("--domains", default="stdlib,licenses=/usr/share/common-licenses",
+                    help="NAME=CORPUS or CORPUS, comma separated")
+    ap.add_argument("--sequences", type=int, default=4)
+    ap.add_argument("--prefix", type=int, default=1024, help="prefix tokens (a multiple of 256)")
+    ap.add_argument("--continuation", type=int, default=64)
+    ap.add_argument("--window", type=int, default=128, help="chunk+window: last prefix tokens kept raw")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args()
+
+    import torch
+
+    from kvtc.artifacts import pull
+    from kvtc.kernels.chunk_serde import ChunkTransform
+    from kvtc.kernels.codec import KVTCCodec
+    from kvtc.pipeline.operations.quality import continuation_logprobs
+    from kvtc.workers.capture import raw_cache
+    from kvtc.workers.models import load_model
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    paths = a.paths.split(",")
+    ratios = [float(r) for r in a.ratios.split(",")]
+    lm = load_model(device="cpu")
+    P, n = a.prefix, a.continuation
+    data = []  # (domain, ids, keys, values, feed, target, ref_lp, ref_nll)
+    t0 = time.perf_counter()
+    for item in a.domains.split(","):
+        name, _, corpus = item.partition("=")
+        corpus = corpus or name
+        for ids in sequences(lm, corpus, a.sequences, P + n + 1):
+            seq = torch.tensor([ids])
+            keys, values = (x.to(torch.bfloat16) for x in raw_cache(lm, seq[:, :P]))
+            feed, target = seq[:, P:P + n], seq[0, P + 1:P + n + 1]
+            ref_lp = continuation_logprobs(lm.model, keys.float(), values.float(), feed)
+            data.append((name, ids[:P], keys, values, feed, target, ref_lp,
+                         -ref_lp.gather(1, target[:, None]).sum().item()))
+    L, H, _, D = data[0][2].shape
+    raw_bytes = 2 * L * H * P * D * 2
+    print(f"{len(data)} sequences captured in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for ref in a.artifacts:
+        art = pull(ref, registry=a.registry)
+        objective = art.manifest.get("calibration", {}).get("objective", "mse")
+        for ratio in ratios:
+            codec = KVTCCodec(art, ratio)
+            coded = ChunkTransform(KVTCCodec(replace(codec.spec, sinks=0)), positions=True)
+            served = ChunkTransform(codec, positions=True)
+            live = LiveServer(a.registry, ref, ratio, L, H, D, P) if "lmcache" in paths else None
+            tier = VllmTier(a.registry, ref, ratio, L, H, D, P) if "vllm" in paths else None
+            tally: dict = {}
+            try:
+                for name, ids, keys, values, feed, target, ref_lp, ref_nll in data:
+                    for path in paths:
+                        if path == "offline":
+                            blob = codec.encode(keys, values, start=0)
+                            k, v = codec.decode(blob)
+                            stored = len(blob)
+                        elif path == "chunk-coded":
+                            k, v, stored = through_transform(coded, keys, values)
+                        elif path in ("chunk", "chunk+window"):
+                            k, v, stored = through_transform(served, keys, values)
+                            if path == "chunk+window":
+                                k, v = k.clone(), v.clone()
+                                k[:, :, P - a.window:], v[:, :, P - a.window:] = keys[:, :, P - a.window:], \
+                                    values[:, :, P - a.window:]
+                                stored += 2 * L * H * a.window * D * 2
+                        elif path == "lmcache":
+                            k, v, stored = live.round_trip(ids, keys, values)
+                        else:
+                            k, v, stored = tier.round_trip(keys, values)
+                        lp = continuation_logprobs(lm.model, k.float(), v.float(), feed)
+                        t = tally.setdefault((name, path), dict(nll=0.0, kl=0.0, tokens=0, bytes=0, raw=0, k=0.0,
+                                                                kn=0.0, v=0.0, vn=0.0))
+                        t["nll"] += -lp.gather(1, target[:, None]).sum().item() - ref_nll
+                        t["kl"] += float((ref_lp.exp() * (ref_lp - lp)).sum())
+                        t["tokens"] += n
+                        t["bytes"] += stored
+                        t["raw"] += raw_bytes
+                        for key, x, xh in (("k", keys, k), ("v", values, v)):
+                            t[key] += float((xh.float() - x.float()).pow(2).sum())
+                            t[key + "n"] += float(x.float().pow(2).sum())
+            finally:
+                if live is not None:
+                    live.close()
+                if tier is not None:
+                    tier.close()
+            for (name, path), t in tally.items():
+                rows.append({"artifact": ref, "objective": objective, "ratio": ratio, "domain": name, "path": path,
+                             "ppl_ratio": math.exp(t["nll"] / t["tokens"]), "kl": t["kl"] / t["tokens"],
+                             "x_bf16": t["raw"] / t["bytes"], "k_err": math.sqrt(t["k"] / t["kn"]),
+                             "v_err": math.sqrt(t["v"] / t["vn"]), "tokens": t["tokens"]})
+            print(f"{ref} CR {ratio:g}: done at {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\n{'objective':9} {'CR':>3} {'domain':9} {'path':13} {'x bf16':>6} {'K err':>6} {'V err':>6} "
+          f"{'ppl ratio':>9} {'KL':>7}")
+    for r in rows:
+        print(f"{r['objective']:9} {r['ratio']:3g} {r['domain']:9} {r['path']:13} {r['x_bf16']:6.2f} {r['k_err']:6.3f} "
+              f"{r['v_err']:6.3f} {r['ppl_ratio']:9.4f} {r['kl']:7.4f}")
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "served_quality.json").write_text(json.dumps(rows, indent=1))
+        chart(rows, out / "served_quality.png")
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = sorted({r["domain"] for r in rows})
+    fig, axes = plt.subplots(1, len(domains), figsize=(6 * len(domains), 4.2), squeeze=False)
+    for ax, domain in zip(axes[0], domains):
+        for objective in sorted({r["objective"] for r in rows}):
+            for path, style in (("offline", "k:"), ("chunk-coded", "r--"), ("chunk", "b-"), ("lmcache", "go"),
+                                ("vllm", "m+")):
+                pts = sorted((r["ratio"], r["ppl_ratio"]) for r in rows
+                             if r["domain"] == domain and r["objective"] == objective and r["path"] == path)
+                if pts:
+                    alpha = 1.0 if objective == "attention" else 0.45
+                    ax.plot(*zip(*pts), style, alpha=alpha, label=f"{path} ({objective})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("compression ratio (CR)")
+        ax.set_ylabel("perplexity ratio on unseen text")
+        ax.set_title(f"{domain}: the model's perplexity through each serving path")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
