@@ -106,6 +106,7 @@ def run_adapter(serde: dict | None, chunks: list, root: Path, label: str) -> dic
     import torch
     from lmcache.v1.distributed.api import ObjectKey
 
+    from kvtc.kernels.chunk_serde import FRAME_BYTES, unframe
     from kvtc.kernels.lmcache_server import l2_adapter
 
     base = root / label
@@ -135,7 +136,7 @@ def run_adapter(serde: dict | None, chunks: list, root: Path, label: str) -> dic
     files = list(base.rglob("*.data"))
     sizes = [p.stat().st_size for p in files]
     # a kvtc chunk is "<Q" blob length + blob (+ padding up to the bound): what "pad": false would store
-    blobs = [8 + int.from_bytes(p.read_bytes()[:8], "little") if serde and serde.get("type") == "kvtc" else n
+    blobs = [FRAME_BYTES + len(unframe(p.read_bytes())[1]) if serde and serde.get("type") == "kvtc" else n
              for p, n in zip(files, sizes)]
     return {"stored": stored, "offered": len(chunks), "bytes": sum(sizes) / max(1, len(sizes)),
             "blob": sum(blobs) / max(1, len(blobs)),
@@ -192,6 +193,7 @@ def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int
     import torch
 
     from kvtc.kernels.blob import read_blob
+    from kvtc.kernels.chunk_serde import FRAME_BYTES, unframe
     from kvtc.kernels.lmcache_client import connect, server_process
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
@@ -253,8 +255,8 @@ def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int
         k_hat = torch.cat([k for k, _ in got], dim=1)[:, :, :hits * 256].float()
         v_hat = torch.cat([v for _, v in got], dim=1)[:, :, :hits * 256].float()
         k, v = keys[:, :, :hits * 256].float(), values[:, :, :hits * 256].float()
-        blob = [8 + int.from_bytes(d[:8], "little") for d in data]
-        starts = {read_blob(d[8:b])[0].start for d, b in zip(data, blob)}
+        blob = [FRAME_BYTES + len(unframe(d)[1]) for d in data]
+        starts = {read_blob(unframe(d)[1])[0].start for d in data}
         rows.append({"artifact": ref, "tp": tp, "ratio": ratio, "stored": len(files), "offered": want,
                      "store_ok": all(stored), "returned": hits * tp if all(returned) else 0,
                      "positions": sorted(starts),
@@ -285,7 +287,7 @@ def ppl(registry: str, kept: str, removed: str, ratios: list[float], corpus: str
 
     import torch
 
-    from kvtc.kernels.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms
+    from kvtc.kernels.chunk_serde import FRAME_BYTES, ChunkSerdeSettings, RankedChunkTransforms, unframe
     from kvtc.pipeline.operations.quality import continuation_logprobs
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
@@ -314,11 +316,11 @@ def ppl(registry: str, kept: str, removed: str, ratios: list[float], corpus: str
                 c = torch.stack([x[:, :, sl].permute(0, 2, 1, 3).reshape(L, 256, H * D) for x in (keys, values)])
                 data = t.serialize(c, start=i * 256 if positions else 0)
                 out = torch.empty_like(c)
-                t.deserialize(memoryview(data), out)
+                t.deserialize(memoryview(data), out, start=i * 256 if positions else 0)
                 k_hat[:, :, sl] = out[0].reshape(L, 256, H, D).permute(0, 2, 1, 3)
                 v_hat[:, :, sl] = out[1].reshape(L, 256, H, D).permute(0, 2, 1, 3)
                 a = tally[(label, ratio)]
-                a["blob"] += 8 + int.from_bytes(data[:8], "little")
+                a["blob"] += FRAME_BYTES + len(unframe(data)[1])
                 a["raw"] += c.numel() * c.element_size()
             lp = continuation_logprobs(lm.model, k_hat.float(), v_hat.float(), feed)
             a = tally[(label, ratio)]

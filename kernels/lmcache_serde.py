@@ -14,8 +14,13 @@ the tensor-parallel rank's basis and, under pipeline parallelism, the stage's la
 Positions: LMCache's MP server resolves a request's token range [start, end) into one key per chunk,
 chunk i at token start + i x chunk size (`MPCacheServerContext.resolve_obj_keys`). `install_position_hook`
 (called by `kvtc lmcache-server` before the server starts) records each chunk hash's position there,
-so chunks of an artifact calibrated with RoPE removed are coded at their true positions. Without the
-hook (the serde imported into another process) such an artifact is refused when the adapter is built.
+so chunks of an artifact calibrated with RoPE removed are coded at their true positions and a first
+chunk keeps the artifact's sinks raw. Without the hook (the serde imported into another process) such
+an artifact is refused when the adapter is built, and a rope-kept one codes every token.
+
+Binding: each stored chunk's frame carries `key_binding(key)` (every field of the ObjectKey), and its
+blob the artifact, ratio, rank's heads, stage's layers and start position; the deserializer compares
+them with the key asked for and the position the server resolved, and a mismatch is a miss.
 
 Both factory conventions are accepted (the "serde" dict with or without "type"), and the serializers
 take `key` as an optional argument (LMCache revisions differ). A chunk that cannot be coded raises an
