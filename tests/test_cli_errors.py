@@ -42,6 +42,7 @@ def _bad_inputs(reg: str, tmp: Path) -> list[tuple[list[str], int, str]]:
         (["calibrate", "--registry", "", "--model", "tiny:llama"], 2, "--registry is empty"),
         (["calibrate", "--workers", "0", "--model", "tiny:llama"], 2, "--workers must be >= 1"),
         (["calibrate", "--threads-per-worker", "0"], 2, "--threads-per-worker must be >= 1"),
+        (["calibrate", "--served-sequences", "-1"], 2, "--served-sequences must be >= 0"),
         (["calibrate", "--ratios", "1e9"], 2, "leaves no model enough bits"),
         (["calibrate", "--ratios", "16,16"], 2, "lists a ratio twice"),
         (["calibrate", "--ratios", "8,nan"], 2, "must be > 1 and finite"),
