@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtc.artifacts import bundle, ecsq_tables, tables
-from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError
+from kvtc.artifacts.errors import ArtifactNotFoundError, CorruptArtifactError, IntegrityError
 from kvtc.artifacts.blocks import Block
 from kvtc.artifacts.groups import FeatureGroup, parse_groups
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
@@ -57,14 +57,26 @@ def check_kernel_bundle(manifest: dict, where: str) -> None:
                              "(tampered); refusing it")
 
 
-def verify_folder(folder: Path, manifest: dict, where: str) -> list[str]:
+class Damaged(list):
+    """The damaged optional files (a list of their paths), with what is wrong with each (`problems`)."""
+
+    def __init__(self, problems: dict[str, str] | None = None) -> None:
+        super().__init__(problems or {})
+        self.problems: dict[str, str] = dict(problems or {})
+
+    def add(self, rel: str, problem: str) -> None:
+        self.append(rel)
+        self.problems[rel] = problem
+
+
+def verify_folder(folder: Path, manifest: dict, where: str) -> Damaged:
     """Check every file listed in the manifest exists with its size and sha256, and the kernel bundle hash.
 
     Raises IntegrityError naming the first bad file needed to decode; returns the damaged optional
-    files (manifest "extras": charts, report.md), which decoding does not need."""
+    files (manifest "extras": charts, report.md, metric files), which decoding does not need."""
     check_kernel_bundle(manifest, where)
     extras = set(manifest.get("extras") or [])
-    damaged = []
+    damaged = Damaged()
     for rel, expected in manifest["files"].items():
         problem = None
         path = contained(folder, rel)
@@ -82,7 +94,7 @@ def verify_folder(folder: Path, manifest: dict, where: str) -> list[str]:
         if problem and rel not in extras:
             raise IntegrityError(problem)
         if problem:
-            damaged.append(rel)
+            damaged.add(rel, problem)
     return damaged
 
 
@@ -137,7 +149,8 @@ class Artifact:
         if rel not in self.manifest["files"]:
             raise ArtifactNotFoundError(f"{self.name}@{self.version} has no file {rel!r}")
         if rel in self.damaged:
-            raise IntegrityError(f"{self.name}@{self.version}: file {rel} fails its sha256 check; refusing it")
+            problem = getattr(self.damaged, "problems", {}).get(rel)
+            raise IntegrityError(problem or f"{self.name}@{self.version}: file {rel} fails its sha256 check; refusing it")
         return contained(self.path, rel)
 
     def groups(self) -> list[FeatureGroup]:
@@ -160,7 +173,15 @@ class Artifact:
     def basis(self, stream: str, group: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if (stream, group) not in self._bases:
             entry = self._entry(stream, group)
-            mean, eig, comp = tables.decode_basis(str(self.file(entry["components"])), str(self.file(entry["mean"])))
+            declared = tables.basis_declared(int(entry["p"]), int(entry["k"]), self._bases_dtype())
+            try:
+                mean, eig, comp = tables.decode_basis(str(self.file(entry["components"])), str(self.file(entry["mean"])),
+                                                      declared)
+            except CorruptArtifactError:
+                raise  # names the file already
+            except ValueError as exc:
+                raise CorruptArtifactError(f"{self.name}@{self.version}: basis ({stream}, {group}) is unusable: {exc}; "
+                                           "the version was forged or damaged: republish it") from None
             self._bases[(stream, group)] = (mean, eig, comp.astype(np.float32, copy=False))
         return self._bases[(stream, group)]
 
@@ -174,26 +195,35 @@ class Artifact:
             if "decoder" in entry:
                 shape = self.basis(stream, group)[2].shape
                 try:
-                    decoder = tables.decode_decoder(str(self.file(entry["decoder"])), shape)
+                    decoder = tables.decode_decoder(str(self.file(entry["decoder"])), shape,
+                                                    tables.decoder_declared(*shape, self._bases_dtype()))
+                except CorruptArtifactError as exc:
+                    raise CorruptArtifactError(f"{self.name}@{self.version}: decoder file {entry['decoder']} of basis "
+                                               f"({stream}, {group}) is unusable: {exc}") from None
                 except ValueError as exc:
-                    raise ValueError(f"{self.name}@{self.version}: decoder file {entry['decoder']} of basis "
+                    raise CorruptArtifactError(f"{self.name}@{self.version}: decoder file {entry['decoder']} of basis "
                                      f"({stream}, {group}) is unusable: {exc}; republish the version with a "
                                      "decoder of its components' shape") from None
             self._decoders[(stream, group)] = decoder
         return self._decoders[(stream, group)]
 
+    def _bases_dtype(self) -> str:
+        return str((self.manifest.get("bases") or {}).get("dtype", "float32"))
+
     def allocations(self) -> dict:
         """{(ratio, stream, group): {"budget_bits", "cost_bits", "kept", "blocks": [(start, size, type, bits, scale_bits)], ...}}."""
         if self._allocations is None:
             section = self.manifest.get("allocations")
-            self._allocations = tables.decode_allocations(str(self.file(section["file"]))) if section else {}
+            self._allocations = tables.decode_allocations(str(self.file(section["file"])),
+                                                                 tables.rows_declared(self.manifest)) if section else {}
         return self._allocations
 
     def ecsq_tables(self) -> dict:
         """{(ratio, stream, group): ECSQ table} ({} for an artifact calibrated before the ECSQ mode)."""
         if self._ecsq is None:
             section = self.manifest.get("ecsq")
-            self._ecsq = ecsq_tables.decode_ecsq(str(self.file(section["file"]))) if section else {}
+            self._ecsq = ecsq_tables.decode_ecsq(str(self.file(section["file"])),
+                                                          tables.rows_declared(self.manifest)) if section else {}
         return self._ecsq
 
     def ecsq_ratios(self) -> list[float]:
@@ -218,7 +248,7 @@ class Artifact:
 
     def metrics(self) -> list[dict]:
         rel = self.manifest.get("metrics")
-        return tables.decode_rows(str(self.file(rel))) if rel else []
+        return tables.decode_rows(str(self.file(rel)), tables.rows_declared(self.manifest)) if rel else []
 
     def curves(self) -> list[str]:
         return sorted(self.manifest.get("curves", {}))
@@ -227,7 +257,7 @@ class Artifact:
         curves = self.manifest.get("curves", {})
         if name not in curves:
             raise ValueError(f"{self.name}@{self.version} has no curve {name!r}; curves: {', '.join(sorted(curves)) or 'none'}")
-        return tables.decode_rows(str(self.file(curves[name])))
+        return tables.decode_rows(str(self.file(curves[name])), tables.rows_declared(self.manifest))
 
     def kernels_match(self, directory: str | os.PathLike | None = None) -> bool:
         """True when the installed kernels (or those in `directory`) are the bundle this artifact was made for."""

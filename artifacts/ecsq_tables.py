@@ -14,7 +14,8 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from kvtc.artifacts.tables import from_parquet, to_parquet
+from kvtc.artifacts.parquet_bounds import Declared
+from kvtc.artifacts.tables import from_parquet, read_checked, to_parquet
 
 MODEL_TYPE = pa.struct([("radius", pa.int32()), ("counts", pa.list_(pa.int64()))])
 ECSQ_SCHEMA = pa.schema([("ratio", pa.float64()), ("stream", pa.string()), ("group", pa.int32()),
@@ -61,10 +62,12 @@ def encode_ecsq(entries: dict) -> bytes:
     return to_parquet(pa.Table.from_pylist(rows, schema=ECSQ_SCHEMA))
 
 
-def decode_ecsq(data: bytes | str) -> dict:
-    """ecsq.parquet -> {(ratio, stream, group): table} with numpy arrays; validated."""
+def decode_ecsq(data: bytes | str, declared: Declared | None = None) -> dict:
+    """ecsq.parquet -> {(ratio, stream, group): table} with numpy arrays; validated. declared: the bound of a
+    listed file (tables.rows_declared), checked before it is read."""
     out = {}
-    for row in from_parquet(data).to_pylist():
+    table = from_parquet(data) if declared is None or isinstance(data, bytes) else read_checked(data, declared, "ECSQ file")
+    for row in table.to_pylist():
         key = (row["ratio"], row["stream"], row["group"])
         width = max(int(row["offsets_width"]), 1)
         table = {k: row[k] for k in ("budget_bits", "step", "kept", "bits_per_token", "heldout_rows")}

@@ -23,3 +23,8 @@ class VersionExistsError(FileExistsError):
 
 class RegistryNotWritableError(PermissionError):
     """The registry root cannot be written (checked before any model work)."""
+
+
+class CorruptArtifactError(IntegrityError, ValueError):
+    """A listed file that passes its sha256 but does not hold what the manifest declares (a forged or
+    damaged version): exit 6 like any IntegrityError, and a ValueError for callers that catch bad content."""

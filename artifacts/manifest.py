@@ -174,7 +174,8 @@ def _shape_errors(m: dict) -> list[str]:
     if isinstance(m.get("bases"), dict) and not isinstance(m["bases"].get("entries"), list):
         errors.append("bases.entries is not a list")
     elif isinstance(m.get("bases"), dict):
-        errors += _entry_errors(m["bases"]["entries"], files if isinstance(files, dict) else {})
+        objective = m["calibration"].get("objective") if isinstance(m.get("calibration"), dict) else None
+        errors += _entry_errors(m["bases"]["entries"], files if isinstance(files, dict) else {}, objective)
     for key in ("allocations", "kernels"):
         if m.get(key) is not None and not isinstance(m[key], dict):
             errors.append(f"section {key!r} is not an object")
@@ -183,15 +184,25 @@ def _shape_errors(m: dict) -> list[str]:
     return errors
 
 
-def _entry_errors(entries: list, files: dict) -> list[str]:
-    """Basis entries must be objects naming their files; an optional "decoder" must be a listed file."""
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_errors(entries: list, files: dict, objective: object = None) -> list[str]:
+    """Basis entries must be objects naming their files and their shape (p, k ints, k <= p); an optional
+    "decoder" must be a listed file, and an attention artifact (not orthonormal) needs one for every basis."""
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             return [f"bases.entries[{i}] is not an object"]
+        where = f"bases.entries[{i}] ({entry.get('stream')!r}, group {entry.get('group')!r})"
+        if not (_count(entry.get("p")) and _count(entry.get("k")) and entry["k"] <= entry["p"]):
+            return [f"{where} declares p {entry.get('p')!r}, k {entry.get('k')!r}, not integers with 0 <= k <= p"]
         decoder = entry.get("decoder")
         if "decoder" in entry and not (isinstance(decoder, str) and decoder in files):
-            return [f"bases.entries[{i}] ({entry.get('stream')!r}, group {entry.get('group')!r}) names decoder "
-                    f"{decoder!r}, which is not a file the manifest lists"]
+            return [f"{where} names decoder {decoder!r}, which is not a file the manifest lists"]
+        if objective == "attention" and "decoder" not in entry:
+            return [f"{where} has no decoder, but the calibration's objective is attention (its encoder does not "
+                    "reconstruct)"]
     return []
 
 

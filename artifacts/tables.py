@@ -9,6 +9,10 @@ allocations.parquet: one row per (ratio, stream, group): ratio float64, stream, 
   cost_bits, kept int64, extra (JSON of other scalar fields), blocks list<struct<start, size, type, bits,
   scale_bits>> in component order.
 metrics.parquet, curves/<name>.parquet: the rows as given, one column per key.
+
+Reading a file listed by a manifest (`Artifact`) passes the shape the manifest declares: the file is
+checked from its footer and page headers before any data is read (kvtc.artifacts.parquet_bounds), and
+bases and decoders must hold finite values within MAX_ENTRY.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvtc.artifacts.blocks import normalize_block
+from kvtc.artifacts.parquet_bounds import Declared, dense_bytes, is_type, read_checked, tensor_of
 
 BLOCK_TYPE = pa.struct([("start", pa.int32()), ("size", pa.int32()), ("type", pa.string()),
                         ("bits", pa.int32()), ("scale_bits", pa.int32())])
@@ -28,6 +33,9 @@ ALLOCATION_SCHEMA = pa.schema([("ratio", pa.float64()), ("stream", pa.string()),
                                ("extra", pa.string()), ("blocks", pa.list_(BLOCK_TYPE))])
 METRIC_TYPES = {"ratio": pa.float64(), "stream": pa.string(), "group": pa.int64(), "split": pa.string(),
                 "metric": pa.string(), "value": pa.float64()}
+MAX_ENTRY = 2.0 ** 40  # no fit gives a basis entry near it: orthonormal components are <= 1, a whitened encoder or
+# decoder is bounded by its metric's condition number; past it z @ decoder.T leaves float32 for modest coefficients
+_ITEM = {"float32": 4, "float16": 2}
 
 
 def to_parquet(table: pa.Table, compression: str = "zstd") -> bytes:
@@ -58,10 +66,44 @@ def encode_basis(mean: np.ndarray, eigenvalues: np.ndarray, components: np.ndarr
     return to_parquet(table, "none"), to_parquet(means, "none")
 
 
-def decode_basis(components_file: bytes | str, mean_file: bytes | str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> mean (p,) float32, eigenvalues (k,) float32, components (p, k) as stored (float32 or float16)."""
-    means = from_parquet(mean_file).column("mean").combine_chunks().to_numpy_ndarray()
-    table = from_parquet(components_file)
+def _read(source: bytes | str, declared: Declared | None, what: str) -> pa.Table:
+    """A listed file (a path, with its declared shape) read once it fits it; our own bytes read as they are."""
+    if declared is None or isinstance(source, bytes):
+        return from_parquet(source)
+    return read_checked(source, declared, what)
+
+
+def basis_declared(p: int, k: int, dtype: str) -> tuple[Declared, Declared]:
+    """(components file, mean file) shapes of a basis entry of p features and k components stored as `dtype`."""
+    dtypes = ("float32", "float16") if dtype not in _ITEM else (dtype,)
+    item = _ITEM.get(dtype, 4)
+    components = Declared(dense_bytes(k, [4, 4, p * item]), k * (p + 2), rows=k,
+                          columns={"index": is_type(pa.int32()), "eigenvalue": is_type(pa.float32()),
+                                   "component": tensor_of((p,), dtypes)})
+    mean = Declared(dense_bytes(1, [4 * p]), p, rows=1, columns={"mean": tensor_of((p,), ("float32",))})
+    return components, mean
+
+
+def decoder_declared(p: int, k: int, dtype: str) -> Declared:
+    dtypes = ("float32", "float16") if dtype not in _ITEM else (dtype,)
+    return Declared(dense_bytes(k, [4, p * _ITEM.get(dtype, 4)]), k * (p + 1), rows=k,
+                    columns={"index": is_type(pa.int32()), "decoder": tensor_of((p,), dtypes)})
+
+
+def check_entries(what: str, array: np.ndarray, limit: float = MAX_ENTRY) -> None:
+    """ValueError naming `what` unless every value is finite and within +-limit."""
+    if not np.isfinite(array).all():
+        raise ValueError(f"{what} holds non-finite values (NaN or inf)")
+    if array.size and float(np.abs(array).max()) > limit:
+        raise ValueError(f"{what} holds {float(np.abs(array).max()):.3g}, beyond the {limit:.3g} any fit gives")
+
+
+def decode_basis(components_file: bytes | str, mean_file: bytes | str, declared: tuple[Declared, Declared] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> mean (p,) float32, eigenvalues (k,) float32, components (p, k) as stored (float32 or float16).
+    declared: basis_declared(p, k, dtype) of a listed file; ValueError when its values are not finite."""
+    means = _read(mean_file, declared and declared[1], "mean file").column("mean").combine_chunks().to_numpy_ndarray()
+    table = _read(components_file, declared and declared[0], "components file")
     eig = table.column("eigenvalue").to_numpy()
     p = means.shape[1]
     column = table.column("component").combine_chunks()
@@ -69,6 +111,11 @@ def decode_basis(components_file: bytes | str, mean_file: bytes | str) -> tuple[
         comp = np.zeros((p, 0), dtype=column.type.value_type.to_pandas_dtype())
     else:
         comp = np.ascontiguousarray(column.to_numpy_ndarray().T)
+    if means.shape[0] != 1 or comp.shape[0] != means.shape[1]:
+        raise ValueError(f"mean {means.shape} and components {comp.shape} do not describe one basis")
+    check_entries("mean", means, float(np.finfo(np.float32).max))
+    check_entries("eigenvalues", eig, float(np.finfo(np.float32).max))
+    check_entries("components", comp)
     return means[0].copy(), np.ascontiguousarray(eig), comp
 
 
@@ -82,11 +129,11 @@ def encode_decoder(decoder: np.ndarray, dtype: str) -> bytes:
     return to_parquet(table, "none")
 
 
-def decode_decoder(decoder_file: bytes | str, shape: tuple[int, int]) -> np.ndarray:
+def decode_decoder(decoder_file: bytes | str, shape: tuple[int, int], declared: Declared | None = None) -> np.ndarray:
     """-> decoder (p, k) float32; ValueError when the file is not a decoder of `shape` (its components')
-    or holds non-finite values."""
+    or holds non-finite values or values beyond MAX_ENTRY. declared: decoder_declared(...) of a listed file."""
     try:
-        table = from_parquet(decoder_file)
+        table = _read(decoder_file, declared, "decoder file")
         column = table.column("decoder").combine_chunks()
         if len(column) == 0:
             dec = np.zeros((shape[0], 0), dtype=np.float32)
@@ -96,8 +143,7 @@ def decode_decoder(decoder_file: bytes | str, shape: tuple[int, int]) -> np.ndar
         raise ValueError(f"not a decoder table ({type(exc).__name__}: {exc})") from None
     if dec.shape != tuple(shape):
         raise ValueError(f"decoder has shape {dec.shape}, its basis' components {tuple(shape)}")
-    if not np.isfinite(dec).all():
-        raise ValueError("decoder holds non-finite values")
+    check_entries("decoder", dec)
     return dec
 
 
@@ -125,10 +171,10 @@ def encode_allocations(allocations: dict) -> bytes:
     return to_parquet(pa.Table.from_pylist(rows, schema=ALLOCATION_SCHEMA))
 
 
-def decode_allocations(data: bytes | str) -> dict:
+def decode_allocations(data: bytes | str, declared: Declared | None = None) -> dict:
     """allocations.parquet -> {(ratio, stream, group): {..., "blocks": [(start, size, type, bits, scale_bits)]}}."""
     out = {}
-    for row in from_parquet(data).to_pylist():
+    for row in _read(data, declared, "allocations file").to_pylist():
         alloc = {"budget_bits": row["budget_bits"], "cost_bits": row["cost_bits"], "kept": row["kept"]}
         alloc.update(json.loads(row["extra"]))
         alloc["blocks"] = [tuple(b[n] for n in BLOCK_TYPE.names) for b in row["blocks"]]
@@ -151,5 +197,18 @@ def encode_rows(rows: list[dict], known: dict[str, pa.DataType] | None = None) -
     return to_parquet(pa.table(arrays) if arrays else pa.table({}))
 
 
-def decode_rows(data: bytes | str) -> list[dict]:
-    return from_parquet(data).to_pylist()
+def rows_declared(manifest: dict) -> Declared:
+    """The bound on a rows file (metrics, curves, allocations, ECSQ tables) of a manifest: rows and values in
+    proportion to its features, sequence length and ratios (a spectrum has a row per feature, a curve by
+    position one per position and ratio), with a floor for small artifacts."""
+    entries = (manifest.get("bases") or {}).get("entries") or []
+    features = sum(int(e.get("p", 0)) for e in entries if isinstance(e, dict) and isinstance(e.get("p"), int))
+    calibration = manifest.get("calibration") or {}
+    seq_len = calibration.get("seq_len") if isinstance(calibration.get("seq_len"), int) else 0
+    ratios = len(calibration.get("ratios") or []) if isinstance(calibration.get("ratios"), list) else 0
+    rows = 4 * (features + max(0, seq_len)) * (ratios + 1) + (1 << 14)
+    return Declared(max_bytes=64 * rows, max_values=16 * rows, max_rows=rows)
+
+
+def decode_rows(data: bytes | str, declared: Declared | None = None) -> list[dict]:
+    return _read(data, declared, "rows file").to_pylist()

@@ -171,7 +171,7 @@ def test_content_refuses_a_decoder_of_the_wrong_shape_values_or_basis(bad, messa
 @pytest.mark.parametrize("payload, message", [
     (lambda: tables.encode_decoder(np.zeros((P, 3), np.float32), "float32"), "shape"),
     (lambda: tables.encode_decoder(np.full((P, P), np.inf, np.float32), "float32"), "non-finite"),
-    (lambda: tables.encode_basis(np.zeros(P), np.zeros(P), np.eye(P), "float32")[1], "not a decoder table"),
+    (lambda: tables.encode_basis(np.zeros(P), np.zeros(P), np.eye(P), "float32")[1], "not what the manifest declares"),
 ])
 def test_a_hostile_decoder_file_is_a_clear_error(tmp_path, monkeypatch, payload, message):
     from kvtc.artifacts import Registry
