@@ -391,6 +391,7 @@ if VLLM:
             self.blobs: dict[int, tuple[bytes, bytes]] = {}  # slot -> (key binding, blob)
             self._lock = threading.Lock()
             self._jobs: dict[int, Future] = {}
+            self._streams: dict[int, Any] = {}  # CUDA: one stream per transfer thread
             self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtc-offload")
 
         def _ids(self, ids: Any) -> torch.Tensor:
@@ -406,18 +407,32 @@ if VLLM:
             with self._lock:
                 return self.blobs[slot][1]
 
-        def _run(self, job_id: int, what: str, work: Any) -> TransferResult:
+        def _run(self, job_id: int, what: str, work: Any, ready: Any) -> TransferResult:
             t0 = time.perf_counter()
             try:
-                size = work()
+                if ready is None:
+                    size = work()
+                else:  # CUDA: after the engine's kernels that wrote the blocks, on the tier's own stream
+                    stream = self._streams.get(threading.get_ident())
+                    if stream is None:
+                        stream = self._streams[threading.get_ident()] = torch.cuda.Stream(self.pages[0].device)
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        size = work()
+                    stream.synchronize()
             except Exception:  # noqa: BLE001 - a failed job is reported, never raised into vLLM's step
                 _log.exception("kvtc offloading tier: %s job %d failed", what, job_id)
                 return TransferResult(job_id, False, None, time.perf_counter() - t0)
             return TransferResult(job_id, True, size, time.perf_counter() - t0)
 
         def _submit(self, job_id: int, what: str, work: Any) -> bool:
+            ready = None
+            device = self.pages[0].device
+            if device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
             with self._lock:
-                self._jobs[job_id] = self._pool.submit(self._run, job_id, what, work)
+                self._jobs[job_id] = self._pool.submit(self._run, job_id, what, work, ready)
             return True
 
         def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: KVTCLoadStoreSpec) -> bool:
