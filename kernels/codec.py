@@ -162,8 +162,7 @@ class KVTCCodec:
             for c, g in zip(cols, groups):
                 mean[c] = g.mean.to(device)
             codes = self.spec.ecsq[stream] if mode == "ecsq" else groups
-            parts = [(c, g.components[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g)
-                     for c, g in zip(cols, codes)]
+            parts = [(c, _held(g.components[:, : g.kept], device, dtype, g, "components"), g) for c, g in zip(cols, codes)]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
 
@@ -177,7 +176,7 @@ class KVTCCodec:
         key = ("decoding", stream, str(device), mode, str(dtype))
         if key not in self._on_device:
             self._on_device[key] = (mean, [(c, comps if g.decoder is None else
-                                            g.decoding[:, : g.kept].to(device=device, dtype=dtype).contiguous(), g)
+                                            _held(g.decoding[:, : g.kept], device, dtype, g, "decoder"), g)
                                            for c, comps, g in parts])
         return self._on_device[key]
 
@@ -258,7 +257,9 @@ class KVTCCodec:
     def encode(self, keys: torch.Tensor | Sequence[torch.Tensor | None], values: torch.Tensor | Sequence[torch.Tensor | None],
                start: int = 0) -> bytes:
         """keys, values (L, H, T, D) fp16/bf16/fp32 (L: the layers that keep a KV cache), token 0 at absolute
-        position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob."""
+        position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob.
+        ValueError for a cache holding NaN or inf anywhere (raw sinks and window included), naming the first."""
+        start = _position(start)
         if isinstance(keys, (list, tuple)) or isinstance(values, (list, tuple)):
             counts = layer_counts(self.spec, keys, values)
             first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
@@ -271,6 +272,12 @@ class KVTCCodec:
         cache_dtype = keys.dtype
         if cache_dtype in _FP8:  # every float8_e4m3fn value is exact in bfloat16
             keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+        for name, x in (("keys", keys), ("values", values)):
+            where = _first_non_finite(x)
+            if where is not None:
+                raise ValueError(f"{name} hold a non-finite value at (layer, kv head, token, dim) {where} (token "
+                                 f"{where[2]} is position {start + where[2]}); a cache must be finite everywhere, the "
+                                 "raw sinks and window included: check the model's numerics")
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
         ops = resolve_ops(self.backend, dev)
@@ -458,6 +465,12 @@ class KVTCCodec:
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
             for si in range(2) if hi > lo else ():
                 raw = bytes_to_tensor(data[SectionKey(tag, si, 0, 0)], stored, (L, H, hi - lo, widths[si]))
+                where = _first_non_finite(raw)
+                if where is not None:
+                    raise BlobError(f"raw {'sink' if tag == TAG_RAW_HEAD else 'window'} section of the {STREAMS[si]} "
+                                    f"holds a non-finite value at (layer, kv head, token, dim) "
+                                    f"{(where[0], where[1], lo + where[2], where[3])}: encode never stores one, the "
+                                    "blob is corrupt or forged")
                 out[si][:, :, lo:hi] = raw.to(dev).to(dtype)
         if mid:
             ops = resolve_ops(self.backend, dev)
@@ -488,10 +501,37 @@ class KVTCCodec:
                     else:
                         ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
                     finite = torch.finfo(stored).max  # values rounded past the dtype's range stay finite
-                    out[si][:, :, head:head + mid].clamp_(-finite, finite)
+                    middle = out[si][:, :, head:head + mid]
+                    middle.clamp_(-finite, finite)
+                    if bool(torch.isnan(middle).any()):
+                        raise BlobError(f"the coded {stream} decode to NaN: the blob's parameters are corrupt or forged")
         if stored != dtype:
             return out[0].to(stored), out[1].to(stored)
         return out[0], out[1]
+
+
+def _position(start: object) -> int:
+    """An absolute token position: an integer (numpy integers too), never a bool."""
+    if isinstance(start, bool) or not hasattr(start, "__index__"):
+        raise ValueError(f"start must be an integer token position, got {start!r} ({type(start).__name__})")
+    return start.__index__()
+
+
+def _first_non_finite(x: torch.Tensor) -> tuple[int, ...] | None:
+    """Index of the first NaN or inf of `x`, None when every value is finite."""
+    bad = ~torch.isfinite(x)
+    if not bool(bad.any()):
+        return None
+    return tuple(int(i) for i in torch.nonzero(bad)[0])
+
+
+def _held(matrix: torch.Tensor, device: torch.device, dtype: torch.dtype, group: Any, what: str) -> torch.Tensor:
+    """A basis matrix as the codec holds it; ValueError when `dtype` cannot hold its values (inf there)."""
+    held = matrix.to(device=device, dtype=dtype).contiguous()
+    if not bool(torch.isfinite(held).all()):
+        raise ValueError(f"group {group.group.label}: its {what} hold values beyond {dtype}'s range "
+                         f"({float(matrix.abs().max()):.3g}); pass basis_dtype=torch.float32 to KVTCCodec")
+    return held
 
 
 def _usable_device(device: str | torch.device) -> torch.device:

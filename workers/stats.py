@@ -22,8 +22,8 @@ from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, pars
 from kvtc.artifacts.schema import STREAMS
 from kvtc.kernels.layers import layers_of, stream_dims
 from kvtc.workers.capture import CapturedKV, CaptureSettings
-from kvtc.workers.stats_file import CorruptStats, read_footer, read_tensor, write_stats
-from kvtc.workers.triangle import add_upper_rows, packed_len, symmetric
+from kvtc.workers.stats_file import CorruptStats, DegenerateStats, read_footer, read_tensor, write_stats
+from kvtc.workers.triangle import add_upper_rows, packed_len, row_offset, symmetric
 
 FORMAT = "kvtc-stats/2"
 _TILE_ROWS = 1024
@@ -49,6 +49,29 @@ def _upper_gram_update(packed: torch.Tensor, x: torch.Tensor, tf32: bool = False
             add_upper_rows(packed, p, a, xt[a:b] @ x[:, a:])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _check_variances(name: str, tensor: str, packed: np.ndarray, p: int) -> None:
+    """DegenerateStats unless every variance (the packed Gram's diagonal: sums of squares) is >= 0."""
+    diagonal = packed[row_offset(p, np.arange(p))]
+    if diagonal.size and float(diagonal.min()) < 0:
+        raise DegenerateStats(name, tensor, f"holds a negative sum of squares at feature {int(diagonal.argmin())} "
+                              f"({float(diagonal.min()):.3g})")
+
+
+def _degenerate_metric(key: str, t: np.ndarray) -> str | None:
+    """What makes an attention-metric sum unusable, or None: every (layer, KV head) block needs a positive
+    weight (keys: query second moments, values: the output projection's Gram, concentration) and no negative
+    variance; the whitening divides by it."""
+    diagonal = t if key in ("keys", "concentration") else np.diagonal(t, axis1=-2, axis2=-1)
+    weight = diagonal if key == "concentration" else diagonal.sum(axis=-1)
+    if diagonal.size and float(diagonal.min()) < 0:
+        at = np.unravel_index(int(diagonal.argmin()), diagonal.shape)
+        return f"holds a negative variance at (layer slot, KV head, ...) {tuple(int(i) for i in at)}"
+    if weight.size and float(weight.min()) <= 0:
+        at = np.unravel_index(int(weight.argmin()), weight.shape)
+        return f"is zero for (layer slot, KV head) {tuple(int(i) for i in at)}"
+    return None
 
 
 @dataclass
@@ -254,6 +277,7 @@ class CalibrationStats:
                     or gram.dtype != torch.float64 or total.dtype != torch.float64:
                 raise CorruptStats(name, f"{key} sum {tuple(total.shape)} / Gram {tuple(gram.shape)} are not float64 "
                                    f"arrays for p={p}")
+            _check_variances(name, f"{s}/{g}/gram_triu", gram.numpy(), p)
             out.moments[(s, int(g))] = _Moments(int(n), total, gram)
         if meta.get("metric"):
             out._read_metric(f, footer, name, meta)
@@ -277,6 +301,9 @@ class CalibrationStats:
             if t.shape != shp or t.dtype != torch.float64 or not bool(torch.isfinite(t).all()):
                 raise CorruptStats(name, f"attention-metric {key} is {tuple(t.shape)} {t.dtype}, expected finite "
                                    f"float64 {shp}")
+            problem = _degenerate_metric(key, t.numpy())
+            if problem:
+                raise DegenerateStats(name, f"metric/{key}", problem)
             self.metric[key] = t
         self.metric_tokens = int(meta["metric_tokens"])
 

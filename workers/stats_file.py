@@ -39,6 +39,19 @@ class CorruptStats(ValueError):
         self.name = name
 
 
+class DegenerateStats(CorruptStats):
+    """A statistics object that reads back intact but whose math is impossible (a zero or negative variance
+    where the fit needs it positive): handled like a corrupt one (moved aside, recomputed)."""
+
+    def __init__(self, name: str, tensor: str, problem: str) -> None:
+        ValueError.__init__(self, f"statistics object {name} is degenerate: tensor {tensor} {problem}; it was moved "
+                            "aside, so a rerun of the calibration recomputes it (if the recomputed one is degenerate "
+                            "too, the model's attention gives no such weight: pass --attention-weighting none or "
+                            "--objective mse)")
+        self.name = name
+        self.tensor = tensor
+
+
 def _digest(array: np.ndarray) -> str:
     h = hashlib.sha256()
     flat = memoryview(np.ascontiguousarray(array)).cast("B")

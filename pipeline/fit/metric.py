@@ -92,18 +92,56 @@ def encode_root(root: np.ndarray) -> bytes:
         np.ascontiguousarray(root, dtype=np.float32))}), "none")
 
 
-def decode_root(path: str, p: int) -> "Whitening":
-    """A stored S of a group of p features -> its Whitening; ValueError naming the file when malformed."""
+MAX_CONDITION = 1e6  # of a stored S (1e12 of M): the floor keeps a block's near d / floor + 1; past it S^-1 is not usable
+
+
+def root_declared(p: int, d: int):
+    """The shape of a metric file of p features in blocks of d: p / d rows of a float32 (d, d) tensor."""
+    from kvtc.artifacts.parquet_bounds import Declared, dense_bytes, tensor_of
+
+    rows = p // d if d > 0 and p % d == 0 else -1
+    return Declared(dense_bytes(max(rows, 0), [4 * d * d]), max(rows, 0) * d * d, rows=rows,
+                    columns={"root": tensor_of((d, d), ("float32",))})
+
+
+def check_root(root: np.ndarray, where: str) -> None:
+    """ValueError naming `where` unless S is finite, symmetric and positive definite with a condition number
+    (largest over smallest eigenvalue, over all its blocks) within MAX_CONDITION."""
+    if not np.isfinite(root).all():
+        raise ValueError(f"{where}: the whitening holds NaN or inf")
+    scale = float(np.abs(root).max(initial=0.0))
+    if scale == 0.0 or float(np.abs(root - np.swapaxes(root, -1, -2)).max(initial=0.0)) > 1e-4 * scale:
+        raise ValueError(f"{where}: the whitening is {'zero' if scale == 0.0 else 'not symmetric'}")
+    w = np.linalg.eigvalsh(root)
+    if float(w.min()) <= 0.0 or float(w.max()) / float(w.min()) > MAX_CONDITION:
+        cond = float("inf") if float(w.min()) <= 0.0 else float(w.max()) / float(w.min())
+        raise ValueError(f"{where}: the whitening is {'singular' if cond == float('inf') else 'ill-conditioned'} "
+                         f"(condition number {cond:.3g}, at most {MAX_CONDITION:.0e})")
+
+
+def decode_root(path: str, p: int, d: int | None = None) -> "Whitening":
+    """A stored S of a group of p features in blocks of d (its stream's head width) -> its Whitening; the
+    file is checked from its footer against that shape before it is read, and S must pass check_root.
+    CorruptArtifactError naming the file when it does not (d None: any square blocks, read unchecked)."""
+    from kvtc.artifacts.errors import CorruptArtifactError
+    from kvtc.artifacts.parquet_bounds import read_checked
     from kvtc.artifacts.tables import from_parquet
 
     try:
-        root = np.asarray(from_parquet(path).column("root").combine_chunks().to_numpy_ndarray(), dtype=np.float64)
+        table = from_parquet(path) if d is None else read_checked(path, root_declared(p, d), "attention metric file")
+        root = np.asarray(table.column("root").combine_chunks().to_numpy_ndarray(), dtype=np.float64)
+    except CorruptArtifactError:
+        raise
     except Exception as exc:  # any malformed Parquet: one clear error
-        raise ValueError(f"attention metric file {path}: unreadable ({type(exc).__name__}: {exc})") from None
-    if root.ndim != 3 or root.shape[1] != root.shape[2] or root.shape[0] * root.shape[1] != p \
-            or not np.isfinite(root).all():
-        raise ValueError(f"attention metric file {path}: expected finite (blocks, d, d) with blocks x d = {p}, got "
-                         f"{root.shape}; recalibrate")
+        raise CorruptArtifactError(f"attention metric file {path}: unreadable ({type(exc).__name__}: {exc})") from None
+    if root.ndim != 3 or root.shape[1] != root.shape[2] or root.shape[0] * root.shape[1] != p:
+        raise CorruptArtifactError(f"attention metric file {path}: expected (blocks, d, d) with blocks x d = {p}, "
+                                   f"got {root.shape}; recalibrate")
+    try:
+        check_root(root, f"attention metric file {path}")
+    except ValueError as exc:
+        raise CorruptArtifactError(f"{exc}; the version was forged or damaged: recalibrate or pull another version") \
+            from None
     return Whitening.of(root @ root)  # S is symmetric positive definite: S S = M
 
 

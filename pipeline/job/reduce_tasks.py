@@ -60,7 +60,7 @@ def _reported(body):
     return run
 
 
-_KINDS = {"CorruptStats": ValueError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
+_KINDS = {"CorruptStats": ValueError, "DegenerateStats": ValueError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
           "MemoryError": MemoryError, "PermissionError": PermissionError}
 
 
@@ -155,7 +155,7 @@ def _on_ray(tasks, rows, store, placement, memory, tokens_curve, bar) -> tuple[l
         if "error" in curve:
             errors.append(curve["error"])
         if errors:  # tasks sharing a corrupt accumulator: one moved it aside, the others found it missing
-            raise _error(next((e for e in errors if e["kind"] == "CorruptStats"), errors[0]))
+            raise _error(next((e for e in errors if e["kind"] in ("CorruptStats", "DegenerateStats")), errors[0]))
         by_tokens = json.loads(curve["ok"])
     finally:
         for ref in pending:

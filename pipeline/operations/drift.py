@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -74,7 +75,7 @@ class DriftReport:
 
     @property
     def worst(self) -> Comparison | None:
-        return max(self.comparisons, key=lambda c: c.change, default=None)
+        return max(self.comparisons, key=lambda c: math.inf if math.isnan(c.change) else c.change, default=None)
 
     def to_dict(self) -> dict:
         return {"artifact": self.artifact, "corpus": self.corpus, "threshold": self.threshold, "rows": self.rows,
@@ -105,14 +106,24 @@ def recorded_explained(art) -> dict[tuple[float, str], float]:
 
 def compare(recorded: dict, measured: dict, threshold: float, explained: dict | None = None,
             recorded_ev: dict | None = None) -> list[Comparison]:
-    """Every (ratio, stream) in both tables; drifted when measured > recorded * (1 + threshold)."""
+    """Every (ratio, stream) in both tables; drifted when measured > recorded * (1 + threshold), and whenever a
+    figure is NaN (fails closed: a figure that cannot be compared is never "within the threshold")."""
     out = []
     for key in sorted(set(recorded) & set(measured)):
         rec, mea = recorded[key], measured[key]
         change = mea / rec - 1.0 if rec > 0 else (0.0 if mea <= 0 else float("inf"))
-        out.append(Comparison(key[0], key[1], rec, mea, change, change > threshold,
+        if math.isnan(rec) or math.isnan(mea):
+            change = float("nan")
+        out.append(Comparison(key[0], key[1], rec, mea, change, not change <= threshold,
                               (explained or {}).get(key), (recorded_ev or {}).get(key)))
     return out
+
+
+def nan_notes(comparisons: list[Comparison]) -> list[str]:
+    """A note per comparison whose figures are NaN: counted as drifted, never as within the threshold."""
+    return [f"CR {c.ratio:g} {c.stream}: {'recorded' if math.isnan(c.recorded) else 'measured'} error is NaN "
+            "(a corrupt artifact or sample); counted as drifted: recalibrate, or check the artifact with `kvtc verify`"
+            for c in comparisons if math.isnan(c.change)]
 
 
 def check_drift(target: str, corpus: str | None = None, registry: str | None = None, tokens: int | None = None,
@@ -150,6 +161,7 @@ def check_drift(target: str, corpus: str | None = None, registry: str | None = N
     report.comparisons = compare(recorded_errors(art), measured, threshold, explained, recorded_explained(art))
     if not report.comparisons:
         raise ValueError(f"{art.name}@{art.version} records no held-out errors to compare with")
+    report.notes += nan_notes(report.comparisons)
     if used < tokens:
         report.notes.append(f"the corpus held only {used} new tokens of the {tokens} requested")
     return report

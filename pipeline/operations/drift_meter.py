@@ -12,7 +12,7 @@ import torch
 
 from kvtc.artifacts.blocks import Block
 from kvtc.artifacts.calibration import CalibrationRecord
-from kvtc.artifacts.groups import group_columns
+from kvtc.artifacts.groups import group_columns, stream_dims
 from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.metrics import evaluate
 from kvtc.pipeline.fit.allocator import Allocation
@@ -36,7 +36,9 @@ def metric_whitenings(art) -> dict[tuple[str, int], Whitening]:
     """An --objective attention artifact's whitening per (stream, group) ({} for the cache's own error)."""
     if art.manifest["calibration"].get("objective") != "attention":
         return {}
-    return {(stream, g): decode_root(str(art.file(metric_file(stream, g))), int(art.basis(stream, g)[0].shape[0]))
+    dims = stream_dims(art.manifest["model"])
+    return {(stream, g): decode_root(str(art.file(metric_file(stream, g))), int(art.basis(stream, g)[0].shape[0]),
+                                     dims[stream][1])
             for stream in STREAMS for g in range(len(art.groups()))}
 
 
