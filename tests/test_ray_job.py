@@ -2,9 +2,12 @@
 authentication on (Ray's default since 2.52), the submitting client given the head's token."""
 import os
 import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,11 +25,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_port(port: int, head: subprocess.Popen, log: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert head.poll() is None, f"ray start exited with {head.returncode}: {log.read_text()[-3000:]}"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the Ray head's dashboard did not listen on port {port} within {seconds:g} s")
+
+
+def _stop(head: subprocess.Popen) -> None:
+    """Stop the head this test started, and only it: `ray start --block` stops the processes it started when
+    it is terminated (never `ray stop`, which stops every Ray cluster on the host); what survives in its own
+    process group is killed."""
+    if head.poll() is None:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    head.wait(timeout=30)
+
+
 @pytest.fixture()
 def ray_head(tmp_path):
     head_home, client_home = tmp_path / "head-home", tmp_path / "client-home"
     head_home.mkdir()
     client_home.mkdir()
+    # Ray's own folder: sessions, logs and sockets of this head alone (short: unix socket paths are limited)
+    ray_temp = tempfile.mkdtemp(prefix="kvtc-ray-", dir="/tmp")
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_AUTH_MODE": "token", "HOME": str(head_home)}  # the head reads the cluster's token from ~/.ray/auth_token
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
@@ -35,19 +68,23 @@ def ray_head(tmp_path):
     (head_home / ".ray").mkdir(mode=0o700)
     (head_home / ".ray" / "auth_token").write_text(token)
     dash = _free_port()
-    started = subprocess.run(
-        [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", "--include-dashboard=true",
-         "--disable-usage-stats"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    log = tmp_path / "ray-head.log"
+    output = log.open("w")
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={ray_temp}", "--node-ip-address=127.0.0.1",
+         f"--port={_free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
+         "--include-dashboard=true", "--disable-usage-stats"],
+        env=env, cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
     )
-    assert started.returncode == 0, started.stderr[-3000:]
     try:
+        _wait_for_port(dash, head, log, 180)
         # the submitting client: another home (no token file), the head's token in its environment
         client = {**env, "HOME": str(client_home), "RAY_AUTH_TOKEN": token}
         yield f"http://127.0.0.1:{dash}", client
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop(head)
+        output.close()
+        shutil.rmtree(ray_temp, ignore_errors=True)
 
 
 def test_ray_job_submit_publishes_artifact(ray_head, tmp_path):
