@@ -519,7 +519,7 @@ def _position(start: object) -> int:
 
 def _first_non_finite(x: torch.Tensor) -> tuple[int, ...] | None:
     """Index of the first NaN or inf of `x`, None when every value is finite."""
-    bad = ~torch.isfinite(x)
+    bad = ~torch.isfinite(x.to(torch.bfloat16) if x.dtype in _FP8 else x)
     if not bool(bad.any()):
         return None
     return tuple(int(i) for i in torch.nonzero(bad)[0])
