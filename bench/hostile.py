@@ -9,7 +9,11 @@ refusal). Each case must end in a clear error or a correct result, with nothing 
 prints how each family ended, and the cost of the verified pull against hashing the same files (the
 baseline, measured in the same run).
 
-    .venv/bin/python bench/hostile.py [--blobs 20000] [--race-seconds 10] [--round-three] [--geometry 30,3,64]
+    .venv/bin/python bench/hostile.py [--blobs 20000] [--race-seconds 10] [--round-three] [--round-four] [--geometry 30,3,64]
+
+Issue 35's families (run first; --round-four runs only them): Parquet bombs in every file of an artifact,
+NaN and inf bit patterns in raw sections of every cache dtype, non-finite values given to encode, bases and
+decoders out of range, degenerate whitenings, NaN drift figures, degenerate statistics objects.
 """
 from __future__ import annotations
 
@@ -832,6 +836,231 @@ def amplification(geometry: tuple[int, int, int] = (8, 2, 64)) -> list[Ended]:
     return out
 
 
+# ---- issue 35: Parquet bombs, non-finite values, whitening and drift, degenerate statistics ----
+
+def _zero_rows_bomb(column: str, rows: int = 2_000_000, width: int = 1) -> bytes:
+    """A few KB of zstd Parquet declaring `rows` zero rows (float32 fixed-size lists of `width` when > 1)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    values = pa.array(np.zeros(rows * width, np.float32))
+    array = values if width == 1 else pa.FixedSizeListArray.from_arrays(values, width)
+    sink = io.BytesIO()
+    pq.write_table(pa.table({column: array}), sink, compression="zstd")
+    return sink.getvalue()
+
+
+def _refused(read, error: type, words: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """Run `read()`: (how, clean) where clean is a refusal of type `error` naming each of `words`, in one line."""
+    try:
+        read()
+    except error as exc:
+        text = str(exc)
+        ok = all(w in text for w in words) and "\n" not in text
+        return ("refused, named" if ok else f"refused, NOT NAMED ({text[:80]})"), ok
+    return "READ", False
+
+
+def parquet_bombs(tmp: Path) -> list[Ended]:
+    """Every Parquet file of an artifact replaced (digests edited to agree) by 2M zstd zero rows: refused from
+    its footer before a data page is read."""
+    from kvtc.artifacts.errors import CorruptArtifactError
+    from kvtc.pipeline.fit.metric import decode_root
+
+    reg = Registry(str(tmp / f"reg-{uuid.uuid4().hex[:8]}"))
+    decoder = "bases/keys-g0.decoder.parquet"
+    reads = {"bases/keys-g0.components.parquet": ("component", lambda a: a.basis("keys", 0)),
+             "bases/keys-g0.mean.parquet": ("mean", lambda a: a.basis("keys", 0)),
+             decoder: ("decoder", lambda a: a.decoder("keys", 0)),
+             "metrics.parquet": ("value", lambda a: a.metrics()),
+             "allocations.parquet": ("ratio", lambda a: a.allocations()),
+             "curves/error_by_position.parquet": ("position", lambda a: a.curve("error_by_position"))}
+    out = []
+    for rel, (column, read) in reads.items():
+        bomb = _zero_rows_bomb(column)
+        version = publish(toy_content(), reg).version  # a fresh version: one forged file at a time
+
+        def mutate(m, rel=rel):
+            if rel == decoder:
+                m["bases"]["entries"][0]["decoder"] = decoder
+        forge_version(reg, "toy", version, mutate, {rel: bomb})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            art = pull("toy", version, registry=reg)
+        out.append(measured("Parquet bombs", f"{rel}: 2M rows in {len(bomb)} bytes", len(bomb),
+                            lambda art=art, read=read, rel=rel: _refused(lambda: read(art), CorruptArtifactError,
+                                                                         (rel.split("/")[-1],))))
+    path = tmp / "metric-bomb.parquet"
+    path.write_bytes(_zero_rows_bomb("root", 200_000, 64))
+    out.append(measured("Parquet bombs", f"attention metric file: 200k blocks in {path.stat().st_size} bytes",
+                        path.stat().st_size, lambda: _refused(lambda: decode_root(str(path), 32, 8),
+                                                              CorruptArtifactError, ("metric-bomb.parquet",))))
+    return out
+
+
+_NON_FINITE = {"float16": (0x7E00, 0x7C00), "bfloat16": (0x7FC0, 0x7F80), "float32": (0x7FC00000, 0x7F800000),
+               "float8_e4m3fn": (0x7F,)}
+
+
+def non_finite_cases(tmp: Path) -> list[Ended]:
+    """Raw sink and window sections holding NaN or inf bit patterns (CRCs recomputed), in every cache dtype;
+    encode given NaN or inf in a sink, the window or the middle, and start=True; bases and decoders of
+    NaN or float32 max: each refused naming what."""
+    import numpy as np
+
+    from kvtc.artifacts import tables
+    from kvtc.artifacts.errors import CorruptArtifactError
+    from kvtc.kernels.blob import TAG_RAW_HEAD, TAG_RAW_TAIL
+    from kvtc.kernels.entropy import decode_sections
+
+    spec = synthetic_spec(2, 2, 8, 4.0, sinks=2, window=3, kept=6, seed=3, rope_theta=None)
+    codec = KVTCCodec(spec, backend="torch", mode="fixed")
+    keys, values = synthetic_cache(spec, 12, torch.float32, seed=1)
+    out = []
+    for name, patterns in _NON_FINITE.items():
+        dtype = getattr(torch, name)
+        header, sections = read_blob(codec.encode(keys.to(dtype), values.to(dtype)))
+        item = torch.empty(0, dtype=dtype).element_size()
+        for tag, where in ((TAG_RAW_HEAD, "sink"), (TAG_RAW_TAIL, "window")):
+            for pattern in patterns:
+                forged = []
+                for sec in sections:
+                    if sec.key.tag == tag and sec.key.stream == 0:
+                        raw = bytearray(decode_sections([sec], None)[sec.key] if sec.coding != PLAIN else sec.stored)
+                        raw[:item] = pattern.to_bytes(item, "little")
+                        sec = Section(sec.key, PLAIN, len(raw), bytes(raw))
+                    forged.append(sec)
+                blob = write_blob(header, forged)
+                out.append(measured("non-finite values", f"decode: {name} {where} section, bits {pattern:#x}", len(blob),
+                                    lambda blob=blob: _refused(lambda: codec.decode(blob), BlobError, ("non-finite",))))
+    for where, index in (("sink", (0, 0, 0, 1)), ("window", (1, 1, 11, 2)), ("middle", (0, 1, 5, 3))):
+        for bad in (float("nan"), float("inf")):
+            k = keys.to(torch.float16).clone()
+            k[index] = bad
+            out.append(measured("non-finite values", f"encode: {bad} in the {where}", 0,
+                                lambda k=k, index=index: _refused(lambda: codec.encode(k, values.to(torch.float16)),
+                                                                  ValueError, (str(index),))))
+    out.append(measured("non-finite values", "encode: start=True", 0,
+                        lambda: _refused(lambda: codec.encode(keys, values, start=True), ValueError, ("start",))))
+    p, k = 16, 4
+    for label, matrix in (("decoder of float32 max", np.full((p, k), np.finfo(np.float32).max, np.float32)),
+                          ("decoder of NaN", np.full((p, k), np.nan, np.float32))):
+        data = tables.encode_decoder(matrix, "float32")
+        out.append(measured("non-finite values", label, len(data),
+                            lambda data=data: _refused(lambda: tables.decode_decoder(data, (p, k)), ValueError,
+                                                       ("decoder",))))
+    reg = Registry(str(tmp / f"reg-{uuid.uuid4().hex[:8]}"))
+    content = toy_content()
+    mean, eig, comp = content.bases[("keys", 0)]
+    for label, files in (("components of float32 max", (np.full_like(comp, 3e38), mean)),
+                         ("mean of inf", (comp, np.full_like(mean, np.inf)))):
+        ref = publish(content, reg)
+        kept = reg.read_manifest("toy", ref.version)["bases"]["entries"][0]["k"]  # as published: trimmed
+        files = tables.encode_basis(files[1], eig[:kept], files[0][:, :kept], "float32")
+        forged = dict(zip(("bases/keys-g0.components.parquet", "bases/keys-g0.mean.parquet"), files))
+        version = ref.version
+        forge_version(reg, "toy", version, lambda m: None, forged)
+        art = pull("toy", version, registry=reg)
+        out.append(measured("non-finite values", label, sum(map(len, files)),
+                            lambda art=art: _refused(lambda: art.basis("keys", 0), CorruptArtifactError,
+                                                     ("basis (keys, 0)",))))
+    return out
+
+
+def whitening_and_drift(tmp: Path) -> list[Ended]:
+    """Metric files whose whitening is zero, singular, ill-conditioned or asymmetric: refused when read (a
+    corrupt artifact, exit 6); NaN drift figures: drifted (exit 3), never "not drifted"; an attention
+    manifest without its decoders, a deleted metric file."""
+    import numpy as np
+
+    from kvtc.artifacts.errors import CorruptArtifactError
+    from kvtc.pipeline.fit.metric import decode_root, encode_root
+    from kvtc.pipeline.operations.drift import compare
+
+    out = []
+    eye = np.eye(8)
+    for label, root in (("all zero", np.zeros((4, 8, 8))), ("one zero block", np.stack([eye, eye, eye, 0 * eye])),
+                        ("singular", np.stack([eye] * 3 + [np.diag([1.0] * 7 + [0.0])])),
+                        ("condition 1e9", np.stack([eye] * 3 + [eye * 1e-9])),
+                        ("negative definite", np.stack([eye] * 3 + [-eye])),
+                        ("asymmetric", np.stack([eye] * 3 + [np.triu(np.ones((8, 8)))])),
+                        ("NaN", np.full((4, 8, 8), np.nan))):
+        path = tmp / f"metric-{uuid.uuid4().hex[:8]}.parquet"
+        path.write_bytes(encode_root(root))
+        out.append(measured("whitening and drift", f"metric file: {label}", path.stat().st_size,
+                            lambda path=path: _refused(lambda: decode_root(str(path), 32, 8), CorruptArtifactError,
+                                                       (path.name,))))
+    for label, rec, mea in (("measured NaN", 0.1, float("nan")), ("recorded NaN", float("nan"), 0.1),
+                            ("both NaN", float("nan"), float("nan"))):
+        def case(rec=rec, mea=mea):
+            c = compare({(4.0, "keys"): rec}, {(4.0, "keys"): mea}, 0.1)[0]
+            return ("drifted (exit 3)" if c.drifted else "NOT DRIFTED"), c.drifted
+        out.append(measured("whitening and drift", f"drift: {label}", 0, case))
+    reg = Registry(str(tmp / f"reg-{uuid.uuid4().hex[:8]}"))
+    version = publish(toy_content(), reg).version
+    forge_version(reg, "toy", version, lambda m: m["calibration"].update(objective="attention"))
+    out.append(measured("whitening and drift", "attention manifest without decoders", 0,
+                        lambda: _refused(lambda: pull("toy", version, registry=reg), IntegrityError, ("no decoder",))))
+    reg = Registry(str(tmp / f"reg-{uuid.uuid4().hex[:8]}"))
+    version = publish(toy_content(), reg).version
+    reg.fs.rm_file(f"{reg.version_path('toy', version)}/report.md")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        art = pull("toy", version, registry=reg)
+    out.append(measured("whitening and drift", "deleted optional (metric) file", 0,
+                        lambda: _refused(lambda: art.file("report.md"), IntegrityError, ("is missing",))))
+    return out
+
+
+def degenerate_statistics(tmp: Path) -> list[Ended]:
+    """Statistics objects with a valid store key whose metric sums are zero or negative, or whose Gram holds
+    a negative variance: named (object and tensor), moved aside, and absent to the next run (recomputed)."""
+    import numpy as np
+
+    from kvtc.pipeline.job.store import ShardStore
+    from kvtc.workers.stats_file import DegenerateStats
+
+    good = {"keys": np.ones((1, 1, 4)), "values": np.eye(4)[None, None], "concentration": np.ones((1, 1))}
+    bad = {"metric/keys zero": ("keys", np.zeros((1, 1, 4))), "metric/keys negated": ("keys", -np.ones((1, 1, 4))),
+           "metric/values zero": ("values", np.zeros((1, 1, 4, 4))),
+           "metric/values negated": ("values", -np.eye(4)[None, None]),
+           "metric/concentration zero": ("concentration", np.zeros((1, 1))),
+           "keys/0/gram_triu negative variance": ("gram", None)}
+    out = []
+    for label, (key, value) in bad.items():
+        store = ShardStore(str(tmp / f"st-{uuid.uuid4().hex[:8]}"), "m", "c")
+        stats = _toy_stats()
+        stats.metric = {k: torch.from_numpy(value if k == key else v) for k, v in good.items()}
+        stats.metric_tokens = 3
+        if key == "gram":
+            stats._get("keys", 0, torch.device("cpu")).gram[0] = -1.0
+        store.put_acc("a0", stats)
+
+        def case(store=store, tensor=label.split()[0]):
+            how, ok = _refused(lambda: store.get_acc("a0"), DegenerateStats, ("a0.stats", tensor))
+            aside = os.path.exists(store._acc_path("a0") + ".corrupt") and store.acc_shards("a0") is None
+            return (how + (", moved aside" if aside else ", NOT MOVED ASIDE")), ok and aside
+        out.append(measured("degenerate statistics", label, 0, case))
+    return out
+
+
+def round_four_table(ended: list[Ended]) -> str:
+    """Per family: cases refused cleanly / correct / defect, the largest peak RSS and time of a case under 1 MB."""
+    lines = ["| family | cases | refused cleanly | correct | defect | largest peak RSS, < 1 MB | longest, < 1 MB |",
+             "|---|---|---|---|---|---|---|"]
+    for family in dict.fromkeys(e.family for e in ended):
+        cases = [e for e in ended if e.family == family]
+        correct = [e for e in cases if e.clean and e.how.startswith(("drifted", "refetched"))]
+        refused = [e for e in cases if e.clean and e not in correct]
+        small = [e for e in cases if e.input_bytes < 1 << 20]
+        lines.append(f"| {family} | {len(cases)} | {len(refused)} | {len(correct)} | {len(cases) - len(refused) - len(correct)} | "
+                     f"{max((e.peak_bytes for e in small), default=0) / 2**20:.1f} MB | "
+                     f"{max((e.seconds for e in small), default=0.0):.2f} s |")
+    lines += [f"DEFECT: {e.family}: {e.label}: {e.how}" for e in ended if not e.clean]
+    return "\n".join(lines)
+
+
 _ACCEPTED = ("DECODED", "replaced", "refetched")  # correct results, not refusals
 
 
@@ -861,10 +1090,24 @@ def main() -> None:
     parser.add_argument("--race-seconds", type=float, default=10.0)
     parser.add_argument("--round-three", action="store_true", help="only issue 28's families (special files in every "
                         "store and output folder, nested containers, amplification), with their cost table")
+    parser.add_argument("--round-four", action="store_true", help="only issue 35's families (Parquet bombs, "
+                        "non-finite values, whitening and drift, degenerate statistics), with their table")
     parser.add_argument("--geometry", default="30,3,64", help="layers,kv_heads,head_dim of the amplification cases "
                         "(default: the embedded SmolLM2's)")
     args = parser.parse_args()
     geometry = tuple(int(x) for x in args.geometry.split(","))
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        os.environ["KVTC_CACHE"] = str(tmp / "cache")
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fourth = [*parquet_bombs(tmp), *non_finite_cases(tmp), *whitening_and_drift(tmp),
+                      *degenerate_statistics(tmp)]
+        print(round_four_table(fourth))
+        print(f"\nissue 35's families: {len(fourth)} cases in {time.perf_counter() - t0:.1f} s\n")
+    if args.round_four:
+        return
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(scratch)
         os.environ["KVTC_CACHE"] = str(tmp / "cache")
