@@ -9,6 +9,7 @@ and the manifest's metrics say what serving will cost (split "served-chunk", bes
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 from typing import Any
@@ -81,7 +82,8 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
             return None, (f"served quality not measured in the job: the model has {params / 1e9:.1f}B parameters and "
                           "the driver has no GPU; run `kvtc eval NAME` on a GPU node (its kvtc-chunk rows)")
     with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp:
-        ref = artifacts.publish(content, registry=tmp, alias_latest=False)
+        # staged without its parent: the parent lives in the job's registry, not in this one
+        ref = artifacts.publish(dataclasses.replace(content, parent=None), registry=tmp, alias_latest=False)
         art = artifacts.pull(f"{ref.name}@{ref.version}", registry=tmp)
         lm = load_model(model_spec, dtype=dtype, cache_dir=cache_dir)
         seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions)

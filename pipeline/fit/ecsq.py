@@ -20,6 +20,7 @@ from scipy.special import ndtr
 
 from kvtc.artifacts.blocks import budget_bits
 from kvtc.kernels.ecsq import PROBABILITY_TOTAL, SymbolModel, dequantize, quantize
+from kvtc.kernels.rans import MAX_RADIUS
 from kvtc.pipeline.fit.heldout import heldout_variances
 
 ESCAPE_BITS = 32
@@ -82,9 +83,12 @@ class EcsqFit:
 
 def class_model(c: int, settings: EcsqSettings) -> SymbolModel:
     """Symbol model of class c: Gaussian of std 2^(c / classes_per_octave) steps, integer counts
-    summing to about PROBABILITY_TOTAL over [-R, R] plus an escape holding the tails' mass."""
+    summing to about PROBABILITY_TOTAL over [-R, R] plus an escape holding the tails' mass. R is at most
+    the rANS format's table radius (kernels.rans.MAX_RADIUS), which moves any wider model's tails into
+    the escape when the tables are built anyway: a very fine step (a basis budget's freed bits) stores
+    models of thousands of counts, not of millions."""
     std = 2.0 ** (c / settings.classes_per_octave)
-    radius = max(1, math.ceil(settings.radius_sigmas * std))
+    radius = min(max(1, math.ceil(settings.radius_sigmas * std)), MAX_RADIUS)
     edges = (np.arange(-radius, radius + 2) - 0.5) / std
     mass = np.diff(ndtr(edges))
     tails = 2 * ndtr(-(radius + 0.5) / std)
