@@ -18,20 +18,12 @@ from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.pool_run import PoolRun
 from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, reduce
 from kvtc.pipeline.job.reduce_tasks import Placement
-from kvtc.pipeline.job.shards import ShardPlan, plan_shards
+from kvtc.pipeline.job.shards import ShardPlan, plan_shards, shard_plan  # noqa: F401 - shard_plan's old home
 from kvtc.pipeline.job.store import ShardStore
 
 # the settings and their defaults live in kvtc.pipeline.settings; these names stay importable from here
 from kvtc.pipeline.settings import (DEFAULT_CORPUS, DEFAULT_CPU_TOKENS, DEFAULT_EVAL_CORPUS,  # noqa: E402,F401
                                     DEFAULT_GPU_TOKENS, DEFAULT_MODEL, JobSettings)
-
-
-def shard_plan(cfg: JobSettings, tokens: int) -> ShardPlan:
-    """The job's ShardPlan for `tokens` training-corpus tokens."""
-    p = cfg.plan
-    return ShardPlan(corpus=p.corpus, tokens=tokens, eval_corpus=p.eval_corpus, eval_tokens=p.eval_tokens,
-                     seq_len=p.seq_len, seqs_per_shard=p.seqs_per_shard, seed=cfg.capture.seed,
-                     holdout_fraction=p.holdout_fraction, text_column=p.text_column)
 
 
 def run(cfg: JobSettings, alias_latest: bool = True, in_process: bool = False) -> dict:

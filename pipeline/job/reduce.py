@@ -210,7 +210,7 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     )
     quality, notes, served_s = None, list(reduced.notes), 0.0
     if cfg.reduce.served_sequences:  # what serving will cost: held-out text through the chunk path, before publishing
-        from kvtc.pipeline.evaluation.served import metric_rows, served_quality
+        from kvtc.pipeline.job.served_check import metric_rows, served_quality
 
         t_served = time.perf_counter()
         continuation = max(1, min(64, cfg.plan.seq_len // 4))

@@ -20,11 +20,14 @@ import random
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtc.pipeline.job.corpus import ReadCounts, Document, iter_documents
+
+if TYPE_CHECKING:
+    from kvtc.pipeline.settings import JobSettings
 
 ID_HEX_DIGITS = 16
 
@@ -281,3 +284,11 @@ def plan_shards(plan: ShardPlan, tokenizer: Any, max_seq_len: int | None = None,
                 continue
             seen.add(shard.id)
             yield ("eval" if is_eval else "heldout" if shard.holdout else "train"), shard
+
+
+def shard_plan(cfg: JobSettings, tokens: int) -> ShardPlan:
+    """The job's ShardPlan for `tokens` training-corpus tokens."""
+    p = cfg.plan
+    return ShardPlan(corpus=p.corpus, tokens=tokens, eval_corpus=p.eval_corpus, eval_tokens=p.eval_tokens,
+                     seq_len=p.seq_len, seqs_per_shard=p.seqs_per_shard, seed=cfg.capture.seed,
+                     holdout_fraction=p.holdout_fraction, text_column=p.text_column)

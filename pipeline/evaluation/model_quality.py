@@ -1,0 +1,263 @@
+"""Model quality with compressed caches: each method's reconstruction of a prefix cache scored by the
+model's next-token distributions on the continuation (perplexity ratio and KL against the uncompressed
+cache), with key and value errors and the stored bytes. `kvtc eval` (kvtc.pipeline.operations.quality) and
+the main job's served check (kvtc.pipeline.job.served_check) run it; see the former for the protocol."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+BASELINES = ("kivi", "fp8", "pca_uniform", "evict", "deflate")
+KIVI_CONFIGS = ((2, 32), (2, 128), (4, 32), (4, 128))
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """ratios: codec ratios (also the budgets of pca_uniform and evict); continuation: tokens scored
+    per sequence; sequences: how many held-out sequences; baselines: subset of BASELINES; mode: the
+    codec's mode, "ecsq" or "fixed" (None: the codec's default, ECSQ where the artifact has its tables);
+    served: also each ratio through the chunk path the serving integrations use (`kvtc-chunk-{r}x` rows:
+    kvtc.pipeline.evaluation.served), for artifacts the chunk path serves."""
+
+    ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
+    continuation: int = 64
+    sequences: int = 4
+    baselines: tuple[str, ...] = BASELINES
+    kivi_configs: tuple[tuple[int, int], ...] = KIVI_CONFIGS
+    mode: str | None = None
+    served: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in (None, "ecsq", "fixed"):
+            raise ValueError(f"mode must be 'ecsq' or 'fixed', got {self.mode!r}")
+        if not self.ratios or any(not r > 1 for r in self.ratios):
+            raise ValueError(f"ratios must be > 1, got {list(self.ratios)}; pass e.g. --ratios 8,16,32")
+        if self.continuation < 1 or self.sequences < 1:
+            raise ValueError(f"continuation and sequences must be >= 1, got {self.continuation}, {self.sequences}")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise ValueError(f"unknown baselines {bad}; choose from {', '.join(BASELINES)} (or 'none')")
+
+
+@dataclass
+class _Tally:
+    """Sums over sequences for one method."""
+
+    ratio: float | None = None
+    nll: float = 0.0
+    kl: float = 0.0
+    tokens: int = 0
+    k_err: float = 0.0
+    k_norm: float = 0.0
+    v_err: float = 0.0
+    v_norm: float = 0.0
+    k_attn: float = 0.0
+    k_attn_norm: float = 0.0
+    v_attn: float = 0.0
+    v_attn_norm: float = 0.0
+    stored: int = 0
+    mid: int = 0
+    features: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _forward(model, ids, cache, attention_mask=None):
+    import inspect
+
+    import torch
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(ids, use_cache=True, attention_mask=attention_mask, **({name: cache} if cache is not None else {}))
+    return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=None, coded=None):
+    """keys, values (L, H, P, D) prefix cache; feed (1, n) tokens at positions P.. -> (n, V) float64
+    log-probabilities. keep (P,) bool masks evicted prefix positions out of attention.
+
+    Models whose layers differ pass `prefix_cache` (the model's own cache after the prefix) and `coded`
+    (the model layer of each of the L rows): a copy of it gets each coded layer's keys and values (a
+    sliding layer the last positions it holds), so states of layers without a KV cache stay the model's."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    dtype = next(model.parameters()).dtype
+    if prefix_cache is not None:
+        cache = copy.deepcopy(prefix_cache)
+        for j, layer in enumerate(coded):
+            held = cache.layers[layer].keys.shape[-2]
+            cache.layers[layer].keys = keys[j][None, :, keys.shape[2] - held:].to(dtype).contiguous()
+            cache.layers[layer].values = values[j][None, :, values.shape[2] - held:].to(dtype).contiguous()
+    else:
+        cache = DynamicCache(config=model.config)
+        for layer in range(keys.shape[0]):
+            cache.update(keys[layer][None].to(dtype).contiguous(), values[layer][None].to(dtype).contiguous(), layer)
+    mask = None
+    if keep is not None:
+        mask = torch.cat([keep.long().to(feed.device), torch.ones(feed.shape[1], dtype=torch.long, device=feed.device)])[None]
+    logits, _ = _forward(model, feed, cache, mask)
+    return torch.log_softmax(logits[0].double(), dim=-1)
+
+
+def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int):
+    """Yield (method, target ratio or None, Reconstruction) for the codec and every baseline."""
+    from kvtc.kernels import KVTCCodec
+    from kvtc.pipeline.evaluation import baselines as bl
+
+    p = bl.features(keys, values)
+    yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
+                                                  4 * p * bl.split(keys.shape[2], sinks, window)[1],
+                                                  bl.split(keys.shape[2], sinks, window)[1], p)
+    for r in settings.ratios:
+        yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r, mode=settings.mode), keys, values)
+    if settings.served:
+        from kvtc.pipeline.evaluation.served import chunk_path
+
+        for r in settings.ratios:
+            rec = chunk_path(artifact, r, keys, values, mode=settings.mode)
+            if rec is not None:
+                yield rec.method, r, rec
+    if "pca_uniform" in settings.baselines:
+        for r in settings.ratios:
+            yield f"pca-uniform-{r:g}x", r, bl.run_codec(bl.pca_uniform_codec(artifact, r), keys, values,
+                                                          f"pca-uniform-{r:g}x")
+    if "evict" in settings.baselines:
+        for r in settings.ratios:
+            yield f"evict-{r:g}x", r, bl.evict(keys, values, r, sinks, window)
+    if "kivi" in settings.baselines:
+        for bits, group in settings.kivi_configs:
+            rec = bl.kivi(keys, values, bits, group, sinks, window)
+            yield rec.method, None, rec
+    if "fp8" in settings.baselines:
+        yield "fp8-e4m3", None, bl.fp8_cast(keys, values, sinks, window)
+    if "deflate" in settings.baselines:
+        yield "deflate-fp16", None, bl.deflate(keys, values, sinks, window)
+
+
+def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None) -> list[dict]:
+    """sequences: iterable of (T,) token arrays. Returns one row per method: method, ratio (target,
+    or None for fixed-rate methods), bytes_per_token, cr, key_rel_error, value_rel_error,
+    ppl_ratio, kl, tokens, sequences; key_attn_error, value_attn_error: the same errors in the attention
+    objective's metric (kvtc.pipeline.fit.metric, measured on each sequence's own queries), where the model's
+    query and output projections can be read; for a multi-head latent attention model (keys: its latent, values: its
+    RoPE key) also key_up_error, value_up_error: the per-head keys and values after kv_b_proj (workers.mla)."""
+    import torch
+
+    from kvtc.artifacts.calibration import CalibrationRecord
+    from kvtc.pipeline.evaluation import baselines as bl
+    from kvtc.kernels.layers import cached_layers, is_mla, is_uniform
+    from kvtc.workers.capture import raw_cache
+
+    from kvtc.workers import mla
+
+    record = CalibrationRecord.from_manifest(artifact.manifest)
+    projections = mla.up_projections(lm.model, lm.layers) if is_mla(lm.layers) else None
+    metric = _metric_capture(lm)
+    sinks, window = record.sinks, record.window
+    tallies: dict[str, _Tally] = {}
+    count = 0
+    for seq in sequences:
+        ids = torch.as_tensor(seq, dtype=torch.long).reshape(1, -1).to(lm.device)
+        n = settings.continuation
+        if ids.shape[1] < n + 2:
+            raise ValueError(f"a sequence of {ids.shape[1]} tokens is too short for --continuation {n}")
+        prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
+        keys, values = raw_cache(lm, prefix, metric)
+        keys, values = keys.float(), values.float()
+        if metric is not None:
+            metric.attend([k[None] for k in keys], sinks)
+        blocks = None if metric is None else _metric_blocks(metric, keys.shape[0], keys.shape[1])
+        state = {}
+        if lm.layers and not is_uniform(lm.layers):  # sliding / no-KV layers: continue from the model's own cache
+            from transformers import DynamicCache
+
+            _, own = _forward(lm.model, prefix, DynamicCache(config=lm.model.config))
+            state = {"prefix_cache": own, "coded": cached_layers(lm.layers)}
+        ref = continuation_logprobs(lm.model, keys, values, feed, **state)
+        ref_nll = -ref.gather(1, target[:, None]).sum().item()
+        head, mid, _ = bl.split(keys.shape[2], sinks, window)
+        for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window):
+            keep = None if rec.keep is None else rec.keep.to(lm.device)
+            lp = continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep, **state)
+            t = tallies.setdefault(name, _Tally(ratio=ratio))
+            t.nll += -lp.gather(1, target[:, None]).sum().item() - ref_nll
+            t.kl += float((ref.exp() * (ref - lp)).sum())
+            t.tokens += n
+            for stream, x, xh in (("k", keys, rec.keys), ("v", values, rec.values)):
+                err, norm = bl.rel_error(x[:, :, head:head + mid], xh[:, :, head:head + mid])
+                setattr(t, f"{stream}_err", getattr(t, f"{stream}_err") + err)
+                setattr(t, f"{stream}_norm", getattr(t, f"{stream}_norm") + norm)
+                if blocks is not None:
+                    err, norm = _attention_error(x[:, :, head:head + mid], xh[:, :, head:head + mid],
+                                                 blocks["keys" if stream == "k" else "values"])
+                    setattr(t, f"{stream}_attn", getattr(t, f"{stream}_attn") + err)
+                    setattr(t, f"{stream}_attn_norm", getattr(t, f"{stream}_attn_norm") + norm)
+            if projections is not None:
+                window_ = slice(head, head + mid)
+                up = mla.upprojected_sums(projections, cached_layers(lm.layers), keys[:, :, window_],
+                                          rec.keys[:, :, window_], values[:, :, window_], rec.values[:, :, window_])
+                for key, v in up.items():
+                    t.extra[key] = t.extra.get(key, 0.0) + v
+            t.stored += rec.stored_bytes
+            t.mid += rec.mid
+            t.features = rec.features
+        count += 1
+        if progress:
+            progress(f"sequence {count}: {ids.shape[1]} tokens, {mid} middle tokens coded")
+    if not count:
+        raise ValueError("no held-out sequence to evaluate; pass another --corpus or raise --sequences")
+    rows = []
+    for name, t in tallies.items():
+        rows.append({
+            "method": name, "ratio": t.ratio, "bytes_per_token": t.stored / max(t.mid, 1),
+            "cr": 4.0 * t.features * t.mid / max(t.stored, 1),
+            "key_rel_error": math.sqrt(t.k_err / max(t.k_norm, 1e-300)),
+            "value_rel_error": math.sqrt(t.v_err / max(t.v_norm, 1e-300)),
+            "ppl_ratio": math.exp(t.nll / t.tokens), "kl": t.kl / t.tokens, "tokens": t.tokens, "sequences": count,
+        })
+        if t.k_attn_norm > 0:
+            rows[-1].update(key_attn_error=math.sqrt(t.k_attn / t.k_attn_norm),
+                            value_attn_error=math.sqrt(t.v_attn / max(t.v_attn_norm, 1e-300)))
+        if projections is not None:
+            up = mla.relative(t.extra)
+            rows[-1].update(key_up_error=up["keys"], value_up_error=up["values"])
+    return rows
+
+
+def _metric_capture(lm):
+    """The model's attention-metric hooks, or None where its projections cannot be read (MLA, unknown layouts)."""
+    from kvtc.workers.capture import metric_capture
+
+    try:
+        return metric_capture(lm)
+    except ValueError:
+        return None
+
+
+def _metric_blocks(metric, layers: int, heads: int) -> dict:
+    """{stream: (layers, heads, d, d) float64}: the attention objective's metric of the last forward's queries."""
+    import torch
+
+    from kvtc.artifacts.groups import FeatureGroup
+    from kvtc.pipeline.fit.metric import AttentionMetric
+
+    group = FeatureGroup(tuple(range(layers)))
+    sums = {k: v.numpy() for k, v in metric.sums().items()}
+    out = {}
+    for stream in ("keys", "values"):
+        m = AttentionMetric().blocks(sums, metric.tokens, stream, group, [group], heads)
+        out[stream] = torch.from_numpy(m.reshape(layers, heads, *m.shape[-2:]))
+    return out
+
+
+def _attention_error(x, x_hat, blocks) -> tuple[float, float]:
+    """(sum e^T M e, sum x^T M x) over (layers, heads, tokens, d) caches, M (layers, heads, d, d) per head."""
+    import torch
+
+    x64 = x.double()
+    e = x64 - x_hat.double()
+    return (float(torch.einsum("lhtd,lhde,lhte->", e, blocks, e)),
+            float(torch.einsum("lhtd,lhde,lhte->", x64, blocks, x64)))

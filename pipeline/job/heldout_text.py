@@ -1,0 +1,34 @@
+"""Held-out text of a published artifact: the token sequences its calibration held out (rebuilt from its
+recorded corpus and shard plan, matched by id), or the first sequences of another corpus."""
+from __future__ import annotations
+
+from kvtc.pipeline.job.shards import make_shards, plan_shards, shard_plan
+from kvtc.pipeline.settings import settings_from_manifest
+
+
+def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None = None):
+    """Up to `count` (T,) token arrays of held-out text (see the module docstring)."""
+    corpus = artifact.manifest.get("corpus", {})
+    own = spec is None or spec == corpus.get("spec")
+    spec = spec or corpus.get("spec")
+    if not spec:
+        raise ValueError("the artifact names no corpus; pass --corpus")
+    cfg = settings_from_manifest(artifact.manifest).replace(corpus=spec, eval_corpus=None)
+    seq_len = cfg.plan.seq_len
+    out = []
+    if own:
+        held = set(corpus.get("heldout_shards") or [])
+        plan = shard_plan(cfg, cfg.plan.tokens or count * seq_len)
+        for role, shard in plan_shards(plan, tokenizer, max_seq_len):
+            if role == "heldout" and shard.id in held:
+                out.extend(shard.input_ids[: count - len(out)])
+            if len(out) >= count:
+                break
+        if not out:
+            raise ValueError(f"could not rebuild the held-out shards of {artifact.name}@{artifact.version} from "
+                             f"corpus {spec!r}; pass another --corpus (its text is all held out)")
+        return out
+    for shard in make_shards(spec, tokenizer, seq_len=seq_len, seqs_per_shard=1, max_tokens=count * seq_len,
+                             seed=0, holdout_fraction=0.0, min_holdout_shards=0, max_seq_len=max_seq_len):
+        out.extend(shard.input_ids)
+    return out[:count]

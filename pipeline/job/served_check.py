@@ -1,0 +1,62 @@
+"""The main job's served check: before publishing, a few of the calibration's own held-out sequences are
+scored through the offline codec and through the chunk path the servers use (kvtc.pipeline.evaluation.served),
+so the report and the manifest's metrics say what serving will cost (splits "served-offline", "served-chunk":
+perplexity ratio, KL, stored ratio per CR) and the --json summary carries them (`ratios[].served`)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from typing import Any
+
+import torch
+
+from kvtc.pipeline.evaluation.model_quality import EvalSettings, evaluate_sequences
+from kvtc.pipeline.job.heldout_text import heldout_sequences
+
+MAX_DRIVER_PARAMETERS = 2_000_000_000  # the check loads the model in the driver only below this, or with a GPU
+
+
+def metric_rows(rows: list[dict]) -> list[dict]:
+    """`kvtc eval` rows of the codec and the chunk path -> the manifest's metric rows (ratio, split, metric)."""
+    out = []
+    for r in rows:
+        method = str(r.get("method", ""))
+        split = "served-chunk" if method.startswith("kvtc-chunk-") else "served-offline" \
+            if method.startswith("kvtc-") else None
+        if split is None or r.get("ratio") is None:
+            continue
+        for metric in ("ppl_ratio", "kl", "cr"):
+            value = float(r[metric])
+            out.append({"ratio": float(r["ratio"]), "stream": None, "group": None, "split": split, "metric": metric,
+                        "value": value if math.isfinite(value) else None})
+    return out
+
+
+def served_quality(content: Any, model_spec: str, dtype: str | None, count: int, continuation: int,
+                   model_config: Any = None, cache_dir: str | None = None) -> tuple[dict | None, str | None]:
+    """Stage `content` in a temporary registry, load its model, score `count` of its held-out sequences through
+    the offline codec and the chunk path -> (a `kvtc eval` result, None) or (None, why it was skipped)."""
+    from kvtc import artifacts
+    from kvtc.workers.models import load_model
+
+    if model_config is not None and not torch.cuda.is_available():
+        from kvtc.pipeline.fit.basis_budget import model_parameters
+
+        params = model_parameters(model_config)
+        if params > MAX_DRIVER_PARAMETERS:
+            return None, (f"served quality not measured in the job: the model has {params / 1e9:.1f}B parameters and "
+                          "the driver has no GPU; run `kvtc eval NAME` on a GPU node (its kvtc-chunk rows)")
+    with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp:
+        # staged without its parent: the parent lives in the job's registry, not in this one
+        ref = artifacts.publish(dataclasses.replace(content, parent=None), registry=tmp, alias_latest=False)
+        art = artifacts.pull(f"{ref.name}@{ref.version}", registry=tmp)
+        lm = load_model(model_spec, dtype=dtype, cache_dir=cache_dir)
+        seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions)
+        settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count, baselines=())
+        rows = evaluate_sequences(lm, art, seqs, settings)
+    return {"artifact": f"{content.name} (held-out sequences of its own corpus)", "corpus": content.corpus.get("spec"),
+            "settings": {"ratios": list(settings.ratios), "continuation": continuation, "sequences": len(seqs),
+                         "paths": "kvtc-Nx: offline codec (sinks and window raw); kvtc-chunk-Nx: 256-token chunks, "
+                                  "sinks raw, no window, as served"},
+            "rows": rows}, None
