@@ -12,6 +12,8 @@ then the continuation is scored against the uncompressed cache (perplexity ratio
 - offline      `kvtc eval`'s protocol: the whole prefix through KVTCCodec (sinks and the last window raw);
 - chunk-coded  the chunk transform coding every token (the chunk path before raw sinks);
 - chunk        the chunk transform as served: a first chunk keeps the artifact's sinks raw;
+- chunk-shared the same with `"sink_budget": "shared"`: the raw sinks come out of the first chunk's budget,
+               so every padded chunk is a later chunk's size;
 - chunk+window the same with the last --window prefix tokens kept raw (what a recent window would add);
 - lmcache      `kvtc lmcache-server` started on loopback (filesystem L2, kvtc serde), the prefix stored
                and retrieved through LMCache 0.5.6's own MP client in server-driven mode, L1 cleared between;
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
 CHUNK = 256
-PATHS = ("offline", "chunk-coded", "chunk", "chunk+window", "lmcache", "vllm")
+PATHS = ("offline", "chunk-coded", "chunk", "chunk-shared", "chunk+window", "lmcache", "vllm")
 
 
 def sequences(lm, corpus: str, count: int, length: int) -> list[list[int]]:
@@ -263,6 +265,7 @@ def main() -> None:
             codec = KVTCCodec(art, ratio)
             coded = ChunkTransform(KVTCCodec(replace(codec.spec, sinks=0)), positions=True)
             served = ChunkTransform(codec, positions=True)
+            shared = ChunkTransform(codec, positions=True, sink_budget="shared")
             live = LiveServer(a.registry, ref, ratio, L, H, D, P) if "lmcache" in paths else None
             tier = VllmTier(a.registry, ref, ratio, L, H, D, P) if "vllm" in paths else None
             tally: dict = {}
@@ -275,6 +278,8 @@ def main() -> None:
                             stored = len(blob)
                         elif path == "chunk-coded":
                             k, v, stored = through_transform(coded, keys, values)
+                        elif path == "chunk-shared":
+                            k, v, stored = through_transform(shared, keys, values)
                         elif path in ("chunk", "chunk+window"):
                             k, v, stored = through_transform(served, keys, values)
                             if path == "chunk+window":

@@ -6,7 +6,11 @@ that starts before position `sinks` (the artifact's; the first chunk of every se
 first tokens raw inside its blob, as the main job's protocol keeps them: the attention sinks' error is
 above 100% (the seed's second chart) and every later query attends to them. That needs positions: a
 transform built with `positions=False` (a store that hands chunks by content hash alone) cannot tell
-the first chunk from the others and codes every token (README, "Serving": what that costs).
+the first chunk from the others and codes every token (README, "Serving": what that costs). With
+`sink_budget="extra"` (the default) the raw sinks come on top of the first chunk's budget and the size
+bound counts them, so a store that pads every chunk to the bound pays them on every chunk; with "shared"
+they come out of the first chunk's own budget (its other tokens at a coarser ECSQ step; coded whole,
+sinks included, where the budget cannot hold them) and the bound is a later chunk's.
 
 Keys and RoPE: an artifact calibrated with `--keys rope-kept` codes keys as cached, whatever their
 position. One calibrated with RoPE removed (the default) needs each chunk's position: the caller
@@ -63,8 +67,11 @@ FRAME_MAGIC = b"KVTCCHK1"
 FRAME_BYTES = _FRAME.size
 UNBOUND = bytes(16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition")
+_KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition",
+           "sink_budget")
 MODES = ("ecsq", "fixed")
+SINK_BUDGETS = ("extra", "shared")
+MIN_SHARED_SCALE = 0.75  # shared sinks where the first chunk keeps at least this share of its budget, else extra
 
 
 def binding(*parts: object) -> bytes:
@@ -107,7 +114,9 @@ class ChunkSerdeSettings:
     """Serde kwargs: artifact "NAME[@VERSION|ALIAS]", ratio, registry URI, backend, model (hub id or
     local dir whose config is checked against the artifact), max_workers (LMCache's thread pool),
     mode ("ecsq" | "fixed"; default: the artifact's), pad (pad every chunk to the size bound),
-    pp_partition (layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION; default: vLLM's)."""
+    pp_partition (layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION; default: vLLM's),
+    sink_budget ("extra": a first chunk's raw sinks come on top of its budget, and the bound counts them;
+    "shared": they come out of its own budget, so the bound, and every padded chunk, is a later chunk's)."""
 
     artifact: str
     ratio: float
@@ -118,6 +127,7 @@ class ChunkSerdeSettings:
     mode: str | None = None
     pad: bool = True
     pp_partition: tuple[int, ...] | None = None
+    sink_budget: str = "extra"
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifact, str) or not self.artifact:
@@ -132,6 +142,8 @@ class ChunkSerdeSettings:
                              f"got {self.mode!r}")
         if not isinstance(self.pad, bool):
             raise ValueError(f'kvtc serde "pad" must be true or false, got {self.pad!r}')
+        if self.sink_budget not in SINK_BUDGETS:
+            raise ValueError(f'kvtc serde "sink_budget" must be one of {SINK_BUDGETS}, got {self.sink_budget!r}')
         object.__setattr__(self, "pp_partition", _partition(self.pp_partition))
 
     @classmethod
@@ -286,8 +298,11 @@ class ChunkTransform:
     label: how errors name what this transform codes."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
-                 pad: bool = True, positions: bool = False, label: str | None = None) -> None:
+                 pad: bool = True, positions: bool = False, label: str | None = None,
+                 sink_budget: str = "extra") -> None:
         spec = codec.spec
+        if sink_budget not in SINK_BUDGETS:
+            raise ValueError(f"sink_budget must be one of {SINK_BUDGETS}, got {sink_budget!r}")
         if spec.value_dim is not None:
             raise ValueError(f"artifact {spec.name}@{spec.version} is for a multi-head latent attention model "
                              f"({spec.widths}): servers move its cache as one latent plane per token (kv_size 1), "
@@ -316,6 +331,10 @@ class ChunkTransform:
         self.mode = self.codec.mode
         self.fixed = self.codec if self.mode == "fixed" else KVTCCodec(self.spec, mode="fixed", **options)
         self.pad = pad
+        # shared: a first chunk's raw sinks come out of its own budget (ECSQ at a coarser step), or, where they
+        # cannot, it is coded whole, sinks included (fixed-rate, a later chunk's size): the bound is a later chunk's
+        self.shared = sink_budget == "shared" and self.sinks > 0
+        self.whole = KVTCCodec(replace(self.spec, sinks=0), mode="fixed", **options) if self.shared else None
 
     @classmethod
     def from_settings(cls, settings: ChunkSerdeSettings, kv_rank: int | None = None, *,
@@ -352,25 +371,43 @@ class ChunkTransform:
         frame = len(write_blob(header, [Section(key, 0, 0, b"") for key, _ in expected]))
         return frame, sum(n or 0 for _, n in expected), mid
 
-    def _starts(self) -> tuple[int, ...]:
-        """Starts whose blobs differ in size: a first chunk (raw sinks) and any later one."""
+    def _starts(self, tokens: int, dtype: torch.dtype) -> tuple[int, ...]:
+        """Starts whose blobs differ in size and bound a chunk: a first chunk (raw sinks; not with shared sinks,
+        which fits a later chunk's bound) and any later one."""
+        if self._shares(tokens, dtype):
+            return (self.sinks,)
         return (0, self.sinks) if self.sinks else (0,)
+
+    def _shares(self, tokens: int, dtype: torch.dtype) -> bool:
+        """Whether a first chunk of this shape pays its raw sinks from its own budget: shared sinks, the ECSQ
+        mode, and at least MIN_SHARED_SCALE of the budget left for its other tokens (at CR 32 a 256-token
+        chunk would keep about half: too coarse, so its sinks come on top as with "extra")."""
+        return self.shared and self.mode == "ecsq" and self._shared_scale(tokens, dtype, 0) >= MIN_SHARED_SCALE
+
+    def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int) -> float:
+        """The share of its ECSQ budget a first chunk may spend so that it fits a later chunk's bound (0: none)."""
+        head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
+        budget = sum(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, mid)
+                     for groups in self.spec.ecsq.values() for g in groups)
+        room = self._ecsq_bound_at(tokens, dtype, self.sinks) - head - raw
+        return min(1.0, room / budget) if budget and room > 0 else 0.0
 
     def fixed_size(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
         """Blob bytes of a fixed-rate chunk of `tokens` tokens at `start` (exact), or the largest over starts."""
-        starts = self._starts() if start is None else (start,)
+        starts = self._starts(tokens, dtype) if start is None else (start,)
         return max(head + exact for head, exact, _ in (self._sizes(self.fixed, tokens, dtype, a) for a in starts))
 
     def ecsq_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
         """Largest ECSQ blob of `tokens` tokens at `start` (None: any) rate control lets through: header, raw
         sinks, and each (stream, group)'s budget (floor(16 p / ratio) bits per coded token, in bytes)."""
-        out = 0
-        for a in self._starts() if start is None else (start,):
-            head, raw, mid = self._sizes(self.codec, tokens, dtype, a)
-            budget = sum(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, mid)
-                         for groups in self.spec.ecsq.values() for g in groups) if mid else 0
-            out = max(out, head + raw + budget)
-        return out
+        starts = self._starts(tokens, dtype) if start is None else (start,)
+        return max(self._ecsq_bound_at(tokens, dtype, a) for a in starts)
+
+    def _ecsq_bound_at(self, tokens: int, dtype: torch.dtype, start: int) -> int:
+        head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
+        budget = sum(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, mid)
+                     for groups in self.spec.ecsq.values() for g in groups) if mid else 0
+        return head + raw + budget
 
     def blob_bound(self, tokens: int, dtype: torch.dtype) -> int:
         fixed = self.fixed_size(tokens, dtype)
@@ -404,14 +441,19 @@ class ChunkTransform:
                              f"the chunk holds {where}; it is not stored (check the model's numerics)")
         s = self.spec
         x = kv.reshape(2, s.num_layers, tokens, s.kv_heads, s.head_dim).permute(0, 1, 3, 2, 4)
+        first = start < self.sinks and self._shares(tokens, kv.dtype)
         if self.mode == "ecsq":
-            try:
-                blob = self.codec.encode(x[0], x[1], start=start)
-            except (ValueError, OverflowError, RuntimeError):
-                blob = None  # beyond any ECSQ step or symbol range: coded fixed-rate below
-            if blob is not None and len(blob) <= self.ecsq_bound(tokens, kv.dtype, start):
+            scale = self._shared_scale(tokens, kv.dtype, start) if first else 1.0
+            bound = self._ecsq_bound_at(tokens, kv.dtype, self.sinks if first else start)
+            blob = None
+            if scale > 0:
+                try:
+                    blob = self.codec.encode(x[0], x[1], start=start, budget_scale=scale)
+                except (ValueError, OverflowError, RuntimeError):
+                    pass  # beyond any ECSQ step or symbol range: coded fixed-rate below
+            if blob is not None and len(blob) <= bound:
                 return blob
-        return self.fixed.encode(x[0], x[1], start=start)
+        return (self.whole if first else self.fixed).encode(x[0], x[1], start=start)
 
     def serialize(self, kv: torch.Tensor, size: int | None = None, start: int | None = None,
                   key: bytes = UNBOUND) -> bytes:
@@ -439,6 +481,7 @@ class ChunkTransform:
             raise BlobError("the stored chunk was written under another key (its key binding differs): a file "
                             "copied or moved between keys; not loaded")
         header, _ = read_blob(blob)
+        codec = self.whole if self.shared and header.sinks == 0 else self.codec  # a first chunk coded whole
         if self.positional:
             if start is None and self.needs_positions:
                 raise BlobError(f"the chunk's position is unknown, and {self.label} re-applies RoPE at it; "
@@ -446,7 +489,7 @@ class ChunkTransform:
             if start is not None and header.start != start:
                 raise BlobError(f"the stored chunk was coded for position {header.start}, its key is at position "
                                 f"{start}; not loaded")
-        keys, values = self.codec.decode(blob, device=out.device, max_tokens=tokens)
+        keys, values = codec.decode(blob, device=out.device, max_tokens=tokens)
         if keys.shape[2] != tokens:
             raise BlobError(f"kvtc chunk holds {keys.shape[2]} tokens, the destination expects {tokens}")
         s = self.spec
@@ -469,7 +512,7 @@ class RankedChunkTransforms:
     partition: layers per pipeline stage (None: vLLM's default partition)."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None, pad: bool = True,
-                 positions: bool = False, partition: tuple[int, ...] | None = None) -> None:
+                 positions: bool = False, partition: tuple[int, ...] | None = None, sink_budget: str = "extra") -> None:
         self.spec = codec.spec
         if self.spec.rank is not None:
             raise ValueError("RankedChunkTransforms takes the artifact's whole-model codec (rank=None)")
@@ -478,6 +521,7 @@ class RankedChunkTransforms:
 
             check_config(self.spec, model_config)
         self._codec, self._mode, self._pad, self._positions = codec, mode, pad, positions
+        self._sink_budget = sink_budget
         self.partition = _partition(partition)
         self._lock = threading.Lock()
         self._built: dict[Placement, ChunkTransform | ValueError] = {}
@@ -497,7 +541,7 @@ class RankedChunkTransforms:
         codec = load_rank_codec(settings.artifact, settings.ratio, None, registry=settings.registry,
                                 backend=settings.backend)
         return cls(codec, model_config, mode=settings.mode, pad=settings.pad, positions=positions,
-                   partition=settings.pp_partition)
+                   partition=settings.pp_partition, sink_budget=settings.sink_budget)
 
     def transform(self, placement: Placement) -> ChunkTransform:
         with self._lock:
@@ -508,7 +552,8 @@ class RankedChunkTransforms:
                 c = self._codec
                 codec = KVTCCodec(spec, backend=c.backend, ecsq_format=c.ecsq_format, basis_dtype=c.basis_dtype)
                 built = ChunkTransform(codec, mode=self._mode, pad=self._pad, positions=self._positions,
-                                       label=f"artifact {self.spec.name}@{self.spec.version} {placement.describe(self.spec)}")
+                                       label=f"artifact {self.spec.name}@{self.spec.version} {placement.describe(self.spec)}",
+                                       sink_budget=self._sink_budget)
             except ValueError as exc:
                 built = exc
             with self._lock:

@@ -255,11 +255,15 @@ class KVTCCodec:
             out[j] = x[j] if r is None else r.apply(x[j], positions)
 
     def encode(self, keys: torch.Tensor | Sequence[torch.Tensor | None], values: torch.Tensor | Sequence[torch.Tensor | None],
-               start: int = 0) -> bytes:
+               start: int = 0, *, budget_scale: float = 1.0) -> bytes:
         """keys, values (L, H, T, D) fp16/bf16/fp32 (L: the layers that keep a KV cache), token 0 at absolute
         position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob.
-        ValueError for a cache holding NaN or inf anywhere (raw sinks and window included), naming the first."""
+        ValueError for a cache holding NaN or inf anywhere (raw sinks and window included), naming the first.
+        budget_scale (ECSQ, rate control): each (stream, group)'s budget times this share in (0, 1], for a
+        caller whose raw tokens come out of the ratio's budget (kernels/chunk_serde.py's shared sinks)."""
         start = _position(start)
+        if isinstance(budget_scale, bool) or not isinstance(budget_scale, (int, float)) or not 0 < budget_scale <= 1:
+            raise ValueError(f"budget_scale must be a share in (0, 1], got {budget_scale!r}")
         if isinstance(keys, (list, tuple)) or isinstance(values, (list, tuple)):
             counts = layer_counts(self.spec, keys, values)
             first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
@@ -298,7 +302,7 @@ class KVTCCodec:
                         xm = self._remove_rope(xm, positions)
                     feat = ops.rope_center(xm, cos, sin, mean, layout)
                 if self.mode == "ecsq":
-                    sections += self._encode_ecsq(feat, si, stream, dev, ops.name, parts)
+                    sections += self._encode_ecsq(feat, si, stream, dev, ops.name, parts, budget_scale)
                     continue
                 for gi, (cols, comps, code) in enumerate(parts):
                     with self._stage("project", dev):
@@ -322,13 +326,14 @@ class KVTCCodec:
         return dev.type == "cuda" and ops_name == "triton"
 
     def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops_name: str,
-                     parts: list) -> list[Section]:
+                     parts: list, budget_scale: float = 1.0) -> list[Section]:
         """Centred features (mid, p) of one stream -> per group: coded symbols section, escapes section."""
         out, on_dev = [], self.on_device(dev, ops_name)
         for gi, (cols, comps, g) in enumerate(parts):
             with self._stage("project", dev):
                 z = (feat[:, cols].to(comps.dtype) @ comps).float()
-            budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) if self.rate_control else None
+            budget = int(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) * budget_scale) \
+                if self.rate_control else None
             with self._stage("entropy", dev):
                 words, escapes = ecsq.encode_group(z, g, budget, self.ecsq_format, on_dev)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))

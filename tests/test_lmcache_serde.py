@@ -473,3 +473,32 @@ def test_a_finite_chunk_ecsq_cannot_code_is_stored_fixed_rate_and_non_finite_one
     kv[0, 1, 7, 2] = float("inf")
     with pytest.raises(ValueError, match="position 16 holds 1 NaN or infinite value.*keys of layer 1, token 7"):
         t.serialize(kv, start=16)
+
+
+def test_shared_sinks_fit_a_later_chunks_bound_and_still_come_back_raw():
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    extra = ChunkTransform(KVTCCodec(spec), positions=True)
+    shared = ChunkTransform(KVTCCodec(spec), positions=True, sink_budget="shared")
+    shape = (2, 2, 256, 16)
+    size = shared.serialized_size(shape, torch.float32)
+    assert size == FRAME_BYTES + max(shared.ecsq_bound(256, torch.float32, 256), shared.fixed_size(256, torch.float32, 256))
+    assert size < extra.serialized_size(shape, torch.float32)  # padded chunks no longer pay the sinks
+    kv = _synthetic_chunk(spec, 256, 0)
+    data = shared.serialize(kv, start=0)
+    assert len(data) == size
+    header = read_blob(unframe(data)[1])[0]
+    assert (header.mode, header.head_raw) == ("ecsq", 2)
+    out = torch.empty_like(kv)
+    shared.deserialize(data, out, start=0)
+    assert torch.equal(out[:, :, :2], kv[:, :, :2]) and _rel(out, kv) < 0.3
+    # a chunk whose budget cannot hold its raw sinks is coded whole, sinks included, within the same bound
+    tiny = _synthetic_chunk(spec, 3, 0)
+    data = shared.serialize(tiny, start=0)
+    assert len(data) == shared.serialized_size(tuple(tiny.shape), torch.float32)
+    out = torch.empty_like(tiny)
+    shared.deserialize(data, out, start=0)
+    assert read_blob(unframe(data)[1])[0].head_raw in (0, 2) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="sink_budget"):
+        ChunkSerdeSettings.from_kwargs({"artifact": "x", "ratio": 8, "sink_budget": "free"})
