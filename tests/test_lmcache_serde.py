@@ -502,3 +502,7 @@ def test_shared_sinks_fit_a_later_chunks_bound_and_still_come_back_raw():
     assert read_blob(unframe(data)[1])[0].head_raw in (0, 2) and torch.isfinite(out).all()
     with pytest.raises(ValueError, match="sink_budget"):
         ChunkSerdeSettings.from_kwargs({"artifact": "x", "ratio": 8, "sink_budget": "free"})
+    keys, values = kv.reshape(2, 2, 256, 2, 8).permute(0, 1, 3, 2, 4)
+    for bad in (0, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="budget_scale"):
+            shared.codec.encode(keys, values, start=0, budget_scale=bad)
