@@ -53,6 +53,7 @@ from kvtc.kernels.entropy import PLAIN, ZLIB
 from kvtc.pipeline import cli
 
 from helpers.ecsq_synthetic import synthetic_ecsq_spec  # noqa: E402
+from helpers.parquet_bombs import zero_rows_bomb  # noqa: E402
 from helpers.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
 from helpers.toy_artifacts import forge_version, toy_content  # noqa: E402
 
@@ -838,19 +839,6 @@ def amplification(geometry: tuple[int, int, int] = (8, 2, 64)) -> list[Ended]:
 
 # ---- issue 35: Parquet bombs, non-finite values, whitening and drift, degenerate statistics ----
 
-def _zero_rows_bomb(column: str, rows: int = 2_000_000, width: int = 1) -> bytes:
-    """A few KB of zstd Parquet declaring `rows` zero rows (float32 fixed-size lists of `width` when > 1)."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    values = pa.array(np.zeros(rows * width, np.float32))
-    array = values if width == 1 else pa.FixedSizeListArray.from_arrays(values, width)
-    sink = io.BytesIO()
-    pq.write_table(pa.table({column: array}), sink, compression="zstd")
-    return sink.getvalue()
-
-
 def _refused(read, error: type, words: tuple[str, ...] = ()) -> tuple[str, bool]:
     """Run `read()`: (how, clean) where clean is a refusal of type `error` naming each of `words`, in one line."""
     try:
@@ -878,7 +866,7 @@ def parquet_bombs(tmp: Path) -> list[Ended]:
              "curves/error_by_position.parquet": ("position", lambda a: a.curve("error_by_position"))}
     out = []
     for rel, (column, read) in reads.items():
-        bomb = _zero_rows_bomb(column)
+        bomb = zero_rows_bomb(column)
         version = publish(toy_content(), reg).version  # a fresh version: one forged file at a time
 
         def mutate(m, rel=rel):
@@ -892,7 +880,7 @@ def parquet_bombs(tmp: Path) -> list[Ended]:
                             lambda art=art, read=read, rel=rel: _refused(lambda: read(art), CorruptArtifactError,
                                                                          (rel.split("/")[-1],))))
     path = tmp / "metric-bomb.parquet"
-    path.write_bytes(_zero_rows_bomb("root", 200_000, 64))
+    path.write_bytes(zero_rows_bomb("root", 200_000, 64))
     out.append(measured("Parquet bombs", f"attention metric file: 200k blocks in {path.stat().st_size} bytes",
                         path.stat().st_size, lambda: _refused(lambda: decode_root(str(path), 32, 8),
                                                               CorruptArtifactError, ("metric-bomb.parquet",))))

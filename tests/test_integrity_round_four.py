@@ -8,8 +8,6 @@ import os
 import time
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -28,17 +26,9 @@ from kvtc.workers.capture import CaptureSettings
 from kvtc.workers.stats import CalibrationStats
 from kvtc.workers.stats_file import CorruptStats, DegenerateStats
 
+from helpers.parquet_bombs import zero_rows_bomb
 from helpers.synthetic import synthetic_cache, synthetic_spec
 from helpers.toy_artifacts import forge_version, toy_content
-
-
-def zero_rows_bomb(column: str, rows: int = 2_000_000, width: int = 1) -> bytes:
-    """A small zstd Parquet file of `rows` zero rows (a column of float32 fixed-size lists when width > 1)."""
-    values = pa.array(np.zeros(rows * width, np.float32))
-    array = values if width == 1 else pa.FixedSizeListArray.from_arrays(values, width)
-    sink = io.BytesIO()
-    pq.write_table(pa.table({column: array}), sink, compression="zstd")
-    return sink.getvalue()
 
 
 @pytest.fixture()
