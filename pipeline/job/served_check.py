@@ -47,14 +47,18 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
         if params > MAX_DRIVER_PARAMETERS:
             return None, (f"served quality not measured in the job: the model has {params / 1e9:.1f}B parameters and "
                           "the driver has no GPU; run `kvtc eval NAME` on a GPU node (its kvtc-chunk rows)")
-    with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp:
-        # staged without its parent: the parent lives in the job's registry, not in this one
-        ref = artifacts.publish(dataclasses.replace(content, parent=None), registry=tmp, alias_latest=False)
-        art = artifacts.pull(f"{ref.name}@{ref.version}", registry=tmp)
-        lm = load_model(model_spec, dtype=dtype, cache_dir=cache_dir)
-        seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions)
-        settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count, baselines=())
-        rows = evaluate_sequences(lm, art, seqs, settings)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp:
+            # staged without its parent (it lives in the job's registry), read in place (no pull cache)
+            ref = artifacts.publish(dataclasses.replace(content, parent=None), registry=tmp, alias_latest=False)
+            art = artifacts.Artifact(ref.path)
+            lm = load_model(model_spec, dtype=dtype, cache_dir=cache_dir)
+            seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions)
+            settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count,
+                                    baselines=())
+            rows = evaluate_sequences(lm, art, seqs, settings)
+    except (ValueError, RuntimeError, OSError) as exc:  # the artifact itself is sound: publish it without the figure
+        return None, f"served quality not measured in the job ({type(exc).__name__}: {exc}); run `kvtc eval NAME`"
     return {"artifact": f"{content.name} (held-out sequences of its own corpus)", "corpus": content.corpus.get("spec"),
             "settings": {"ratios": list(settings.ratios), "continuation": continuation, "sequences": len(seqs),
                          "paths": "kvtc-Nx: offline codec (sinks and window raw); kvtc-chunk-Nx: 256-token chunks, "
