@@ -109,3 +109,11 @@ def test_the_chunk_path_is_scored_beside_the_codec_and_the_job_publishes_what_se
     assert {("served-chunk", "ppl_ratio"), ("served-chunk", "kl"), ("served-offline", "ppl_ratio")} <= splits
     report = art.file("report.md").read_text()
     assert "kvtc-chunk-8x" in report and "Model quality with compressed caches" in report
+
+
+def test_a_served_check_that_cannot_run_is_a_note_and_the_artifact_is_still_published():
+    from helpers.toy_artifacts import toy_content
+    from kvtc.pipeline.job.served_check import served_quality
+
+    quality_result, note = served_quality(toy_content(), "tiny:no-such-architecture", None, 2, 8)
+    assert quality_result is None and "served quality not measured in the job" in note and "kvtc eval" in note
