@@ -56,38 +56,6 @@ def sequences(lm, corpus: str, count: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(count)]
 
 
-def as_chunks(keys, values):
-    """(L, H, T, D) -> LMCache chunks (2, L, 256, H * D)."""
-    import torch
-
-    L, H, T, D = keys.shape
-    kv = torch.stack([x.permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)])
-    return [kv[:, :, i:i + CHUNK].contiguous() for i in range(0, T, CHUNK)]
-
-
-def from_chunks(chunks, H: int):
-    import torch
-
-    kv = torch.cat(chunks, dim=2)
-    L, T = kv.shape[1], kv.shape[2]
-    x = kv.reshape(2, L, T, H, -1).permute(0, 1, 3, 2, 4)
-    return x[0], x[1]
-
-
-def through_transform(t, keys, values):
-    import torch
-
-    out, stored = [], 0
-    for i, c in enumerate(as_chunks(keys, values)):
-        data = t.serialize(c, start=i * CHUNK)
-        o = torch.empty_like(c)
-        t.deserialize(data, o, start=i * CHUNK)
-        out.append(o)
-        stored += len(data)
-    k, v = from_chunks(out, keys.shape[1])
-    return k, v, stored
-
-
 class LiveServer:
     """`kvtc lmcache-server` on loopback for one artifact and ratio, and an MP client of it."""
 
@@ -232,6 +200,7 @@ def main() -> None:
     from kvtc.artifacts import pull
     from kvtc.kernels.chunk_serde import ChunkTransform
     from kvtc.kernels.codec import KVTCCodec
+    from kvtc.pipeline.evaluation.served import restore_through
     from kvtc.pipeline.operations.quality import continuation_logprobs
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
@@ -277,11 +246,11 @@ def main() -> None:
                             k, v = codec.decode(blob)
                             stored = len(blob)
                         elif path == "chunk-coded":
-                            k, v, stored = through_transform(coded, keys, values)
+                            k, v, stored = restore_through(coded, keys, values)
                         elif path == "chunk-shared":
-                            k, v, stored = through_transform(shared, keys, values)
+                            k, v, stored = restore_through(shared, keys, values)
                         elif path in ("chunk", "chunk+window"):
-                            k, v, stored = through_transform(served, keys, values)
+                            k, v, stored = restore_through(served, keys, values)
                             if path == "chunk+window":
                                 k, v = k.clone(), v.clone()
                                 k[:, :, P - a.window:], v[:, :, P - a.window:] = keys[:, :, P - a.window:], \

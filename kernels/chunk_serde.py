@@ -317,7 +317,6 @@ class ChunkTransform:
             from kvtc.kernels.kvtc_cache import check_config
 
             check_config(spec, model_config)
-        self.positions = positions
         self.sinks = spec.sinks if positions else 0  # raw in a first chunk; unknowable without positions
         self.positional = self.needs_positions or self.sinks > 0  # whether a chunk's bytes depend on its start
         self.spec = replace(spec, sinks=self.sinks, window=0)
@@ -335,6 +334,7 @@ class ChunkTransform:
         # cannot, it is coded whole, sinks included (fixed-rate, a later chunk's size): the bound is a later chunk's
         self.shared = sink_budget == "shared" and self.sinks > 0
         self.whole = KVTCCodec(replace(self.spec, sinks=0), mode="fixed", **options) if self.shared else None
+        self._size_cache: dict[tuple, tuple[int, int, int]] = {}
 
     @classmethod
     def from_settings(cls, settings: ChunkSerdeSettings, kv_rank: int | None = None, *,
@@ -362,14 +362,19 @@ class ChunkTransform:
         return int(shape[2])
 
     def _sizes(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype, start: int) -> tuple[int, int, int]:
-        """(header bytes, exact section bytes (fixed: all; ECSQ: the raw sinks), coded tokens) of a chunk."""
+        """(header bytes, exact section bytes (fixed: all; ECSQ: the raw sinks), coded tokens) of a chunk;
+        computed once per codec, shape and raw head (every store asks for its bound)."""
         s = self.spec
         head, mid, tail = codec.split(tokens, start)
-        header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPE_NAMES[dtype], s.num_layers, s.kv_heads,
-                            tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode)  # fixed-width fields
-        expected = codec.expected_sections(header)
-        frame = len(write_blob(header, [Section(key, 0, 0, b"") for key, _ in expected]))
-        return frame, sum(n or 0 for _, n in expected), mid
+        key = (id(codec), tokens, dtype, head)
+        found = self._size_cache.get(key)
+        if found is None:
+            header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPE_NAMES[dtype], s.num_layers, s.kv_heads,
+                                tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode)  # fixed-width
+            expected = codec.expected_sections(header)
+            frame = len(write_blob(header, [Section(k, 0, 0, b"") for k, _ in expected]))
+            found = self._size_cache.setdefault(key, (frame, sum(n or 0 for _, n in expected), mid))
+        return found
 
     def _starts(self, tokens: int, dtype: torch.dtype) -> tuple[int, ...]:
         """Starts whose blobs differ in size and bound a chunk: a first chunk (raw sinks; not with shared sinks,

@@ -126,6 +126,13 @@ def key_binding(key: Any) -> bytes:
                    getattr(key, "object_group_id", 0), getattr(key, "cache_salt", ""))
 
 
+def _recorded_start(transform: Any, positions: ChunkPositions | None, key: Any) -> int | None:
+    """The position the server resolved for `key`'s chunk, where the transform's bytes depend on it."""
+    if not transform.positional or positions is None or key is None:
+        return None
+    return positions.get(getattr(key, "chunk_hash", None))
+
+
 def describe(key: Any) -> str:
     """A key as the logs name it: model, rank (decoded) and chunk hash."""
     if key is None:
@@ -150,9 +157,7 @@ class KVTCSerializer(Serializer):
         try:
             out = _tensor(dst, "destination").reshape(-1).view(torch.uint8)
             transform = self.transforms(getattr(key, "kv_rank", None))
-            start = None
-            if transform.positional and self.positions is not None and key is not None:
-                start = self.positions.get(getattr(key, "chunk_hash", None))
+            start = _recorded_start(transform, self.positions, key)
             data = transform.serialize(_tensor(src, "source"), out.numel(), start=start, key=key_binding(key))
         except Exception as exc:
             raise ValueError(f"kvtc serde cannot store {describe(key)}: {exc}") from exc
@@ -187,9 +192,7 @@ class KVTCDeserializer(Deserializer):
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: Any = None) -> None:
         try:
             transform = self.transforms(getattr(key, "kv_rank", None))
-            start = None
-            if transform.positional and self.positions is not None and key is not None:
-                start = self.positions.get(getattr(key, "chunk_hash", None))
+            start = _recorded_start(transform, self.positions, key)
             data = _tensor(src, "source").reshape(-1).view(torch.uint8).cpu().numpy()
             transform.deserialize(memoryview(data), _tensor(dst, "destination"), start=start,
                                   key=None if key is None else key_binding(key))

@@ -31,17 +31,22 @@ def chunk_path(artifact: Any, ratio: float, keys: torch.Tensor, values: torch.Te
         transform = ChunkTransform(codec, positions=True)
     except ValueError:
         return None
+    k, v, stored = restore_through(transform, keys, values, chunk)
+    # bytes against every token: each is stored (the raw sinks in the first chunk's blob)
+    return Reconstruction(f"kvtc-chunk-{ratio:g}x", k, v, stored, keys.shape[2], features(keys, values))
+
+
+def restore_through(transform: Any, keys: torch.Tensor, values: torch.Tensor, chunk: int = CHUNK
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """keys, values (L, H, T, D) -> bf16 chunks of `chunk` tokens at their positions through a ChunkTransform's
+    serialize and deserialize -> (keys, values) float32 as restored, and the bytes stored (frames, padding)."""
     L, H, T, D = keys.shape
     kv = torch.stack([x.to(torch.bfloat16).permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)])
     out, stored = torch.empty_like(kv), 0
     for start in range(0, T, chunk):
         piece = kv[:, :, start:start + chunk].contiguous()
         data = transform.serialize(piece, start=start)
-        restored = torch.empty_like(piece)
-        transform.deserialize(data, restored, start=start)
-        out[:, :, start:start + chunk] = restored
+        transform.deserialize(data, out[:, :, start:start + chunk], start=start)
         stored += len(data)
     x = out.float().reshape(2, L, T, H, D).permute(0, 1, 3, 2, 4)
-    # bytes against every token: each is stored (the raw sinks in the first chunk's blob)
-    return Reconstruction(f"kvtc-chunk-{ratio:g}x", x[0].contiguous(), x[1].contiguous(), stored, T,
-                          features(keys, values))
+    return x[0].contiguous(), x[1].contiguous(), stored
