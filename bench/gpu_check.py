@@ -12,6 +12,8 @@
 5. The codec's device path (bench/gpu_rans.py): rANS bit identity against the numpy reference,
    rANS decode/encode GB/s and the restore of a 32K-token cache of an 8B geometry against the
    fixed-rate mode.
+3a. cuSOLVER's float64 `eigh` timed at p = 16384 and 32768, against what the reduce's plan says this
+   device takes (syevd before CUDA 13 stops near n = 25K; the plan solves such groups on the CPU).
 3b. The reduce's unit of work (`group_task.run_group`: solve -> fit -> measure) with its solve on
    CUDA against the same unit on the CPU, on a tiny in-process calibration (held-out errors agree).
 6. Multi-GPU workers (two or more GPUs, else skipped with a message): a model spread over every
@@ -134,6 +136,41 @@ def check_reducer() -> bool:
     print(f"reducer cuda p=16384 k=2048 from the packed Gram: {time.perf_counter() - t0:.1f} s, "
           f"{basis.components.shape[1]} components")
     return ev < 1e-8 and overlap > 0.999
+
+
+def check_eigh_sizes(sizes=(16384, 32768)) -> bool:
+    """torch.linalg.eigh (cuSOLVER syevd, float64) at the production group sizes, and what the reduce's
+    plan (pipeline/job/reduce_plan.GpuSolve) says this device takes: before CUDA 13, syevd's 32-bit
+    workspace query fails above about n = 25K, and the plan sends such groups to the CPU."""
+    from kvtc.pipeline.job.reduce_plan import GpuSolve
+
+    props = torch.cuda.get_device_properties(0)
+    major = int(str(torch.version.cuda or "12").split(".")[0])
+    plan = GpuSolve(int(props.total_memory), major)
+    ok = True
+    for p in sizes:
+        takes = plan.takes(p)
+        try:
+            a = torch.randn(p, p, device="cuda", dtype=torch.float64)
+            a = a @ a.T / p
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            w, v = torch.linalg.eigh(a)
+            torch.cuda.synchronize()
+            took = time.perf_counter() - t0
+            resid = float((a @ v[:, -8:] - v[:, -8:] * w[-8:]).norm() / w[-8:].abs().max())
+            print(f"eigh cuda float64 p={p}: {took:.1f} s, residual {resid:.1e}, peak "
+                  f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; plan: {'GPU' if takes else 'CPU'} "
+                  f"(CUDA {torch.version.cuda})")
+            ok &= resid < 1e-8 or not takes
+            del a, w, v
+        except RuntimeError as exc:  # the 32-bit workspace limit, or memory
+            print(f"eigh cuda float64 p={p}: failed ({str(exc).splitlines()[0][:120]}); plan: "
+                  f"{'GPU (wrong: it should know)' if takes else 'CPU (right)'}")
+            ok &= not takes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return ok
 
 
 def check_reduce_task() -> bool:
@@ -310,7 +347,7 @@ def main() -> int:
         ok = check_vllm_offload()
         print("GPU CHECK", "PASSED" if ok else "FAILED")
         return 0 if ok else 1
-    ok = check_kernels() & check_capture() & check_reducer() & check_reduce_task()
+    ok = check_kernels() & check_capture() & check_reducer() & check_eigh_sizes() & check_reduce_task()
     import gpu_rans
 
     ok &= gpu_rans.check_identity() & gpu_rans.check_geometry(32768, 4096)

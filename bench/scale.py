@@ -71,11 +71,16 @@ def one_run(spec: str, args: argparse.Namespace) -> dict:
     parts = spec.split(":")
     geometry, tokens, seqs = Geometry.parse(parts[0]), int(parts[1]), int(parts[2])
     groups = ":".join(parts[3:]) or "model"
-    root = tempfile.mkdtemp(prefix="kvtc-scale-", dir=args.root)
+    if args.resume:  # one directory per run under --root, reused: a stopped run resumes (fold, then solved bases)
+        root = os.path.join(args.root, spec.replace(":", "_"))
+        os.makedirs(root, exist_ok=True)
+    else:
+        root = tempfile.mkdtemp(prefix="kvtc-scale-", dir=args.root)
     cfg = JobSettings.of(
         model=f"tiny:llama@{parts[0]}", corpus=args.corpus, eval_corpus=None, tokens=tokens, seq_len=args.seq_len,
         seqs_per_shard=seqs, window=args.window, ratios=tuple(float(r) for r in args.ratios.split(",")), groups=groups,
-        accumulators=args.accumulators, workers=args.workers, threads_per_worker=1 if args.ray else os.cpu_count() or 1,
+        accumulators=args.accumulators, workers=args.workers,
+        threads_per_worker=args.threads_per_worker or (1 if args.ray else os.cpu_count() or 1),
         heldout_rows=args.heldout_rows, tokens_curve_points=args.tokens_curve_points,
         registry=os.path.join(root, "registry"), store=os.path.join(root, "store"), name="scale",
     )
@@ -95,7 +100,7 @@ def one_run(spec: str, args: argparse.Namespace) -> dict:
         "stages": r.get("stages", {}),
         "errors": {row["ratio"]: (row["keys"]["rel_error"], row["values"]["rel_error"]) for row in summary["ratios"]},
     }
-    if not args.keep:
+    if not (args.keep or args.resume):
         shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -113,9 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-curve-points", type=int, default=0, help="error-by-tokens chart points (0: off; each refolds the accumulators)")
     ap.add_argument("--root", default=None, help="where the per-run stores and registries go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the stores and registries")
+    ap.add_argument("--resume", action="store_true", help="reuse ROOT/RUN (needs --root): a stopped run resumes where it stopped")
+    ap.add_argument("--threads-per-worker", type=int, default=0, help="CPU threads per worker (default: 1 with --ray, "
+                    "else every core)")
     ap.add_argument("--ray", action="store_true", help="run the shards on a local Ray pool (default: in this process, "
                     "the job's in-process mode: one worker, the same accumulators and reducer)")
     args = ap.parse_args(argv)
+    if args.resume and not args.root:
+        ap.error("--resume needs --root")
     rows = []
     for spec in args.runs:
         print(f"=== {spec}", file=sys.stderr, flush=True)

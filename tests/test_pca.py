@@ -119,18 +119,6 @@ def test_subspace_iteration_matches_the_exact_eigendecomposition_on_a_small_p():
     assert approx.total_variance == pytest.approx(exact.total_variance, rel=1e-12)
 
 
-def test_solver_is_chosen_from_k_over_p_and_memory():
-    from kvtc.pipeline.job.basis_solver import choose_solver, exact_bytes, next_solve
-
-    big = 1 << 50
-    assert choose_solver(5760, 5671, False, big) == ("exact", 5671)  # most components: one exact solve
-    assert choose_solver(5760, 5671, False, exact_bytes(5760) - 1) == ("subspace", 512)  # it does not fit
-    assert choose_solver(32768, 1000, False, big) == ("subspace", 1000)  # few components
-    assert choose_solver(2048, 2000, False, 0) == ("exact", 2000)  # small p: always exact
-    assert next_solve(32768, 2048, 32000, big) == ("exact", 32000)
-    assert next_solve(32768, 2048, 32000, 0) == ("subspace", 4096)
-
-
 def test_exact_eigh_drivers_agree():
     from kvtc.pipeline.fit.pca import exact_eigh, fix_signs
 

@@ -2,7 +2,8 @@
 
 Curve rows "basis_size": {stream, group, ratio, cap, components, basis_elements, rel_error} for the
 ECSQ fit at each ratio with its components capped at p/16, p/8, p/4, p/2 and uncapped (cap 0);
-relative error over the held-out middle rows, whole p-vector (as the rate-distortion curve).
+relative error over a sample of the held-out middle rows, whole p-vector (as the rate-distortion
+curve). Uncapped, and any cap at or above what the stored fit keeps, is the stored fit itself.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import math
 import numpy as np
 import torch
 
-from kvtc.pipeline.evaluation.rate_distortion import split_error
-from kvtc.pipeline.fit.ecsq import EcsqSettings, fit_ecsq, heldout_variances
+from kvtc.pipeline.evaluation.rate_distortion import CURVE_ROWS, sample_rows, split_error
+from kvtc.pipeline.fit.ecsq import EcsqFit, EcsqSettings, fit_ecsq, heldout_variances
 from kvtc.pipeline.evaluation.charts import figure, png
 from kvtc.pipeline.fit.pca import Basis
 
@@ -27,17 +28,23 @@ def caps(p: int) -> list[int]:
 
 
 def curve_rows(basis: Basis, x: np.ndarray, z: torch.Tensor, stream: str, group: int, ratios,
-               settings: EcsqSettings = EcsqSettings(iterations=16), max_rows: int = 2048) -> list[dict]:
-    """Held-out rows x (N, p), projections z (N, k) -> one row per ratio and cap (on at most max_rows rows,
-    evenly strided: a chart, not the stored fits)."""
-    stride = max(1, x.shape[0] // max_rows)
-    x, z = x[::stride][:max_rows], z[::stride][:max_rows]
+               settings: EcsqSettings = EcsqSettings(iterations=16), max_rows: int = CURVE_ROWS,
+               fits: list[EcsqFit] | None = None) -> list[dict]:
+    """Held-out rows x (N, p), projections z (N, k) -> one row per ratio and cap, fitted and measured on at
+    most max_rows rows, evenly strided (a chart, not the stored fits). `fits`: the stored fits by ratio;
+    a cap at or above the components a fit keeps is that fit, measured, not refitted."""
+    x, z = sample_rows(x, z, max_rows)
     sigma = np.sqrt(heldout_variances(torch.as_tensor(z, dtype=torch.float32)))
     norm = float(torch.as_tensor(x, dtype=torch.float32).double().square().sum())
+    stored = {f.ratio: f for f in fits or []}
     rows = []
     for ratio in ratios:
+        uncapped = stored.get(float(ratio))
         for cap in caps(basis.dim):
-            fit = fit_ecsq(ratio, z, basis.dim, dataclasses.replace(settings, max_components=cap), sigma)
+            if uncapped is not None and (cap == 0 or cap >= uncapped.kept):
+                fit = uncapped
+            else:
+                fit = fit_ecsq(ratio, z, basis.dim, dataclasses.replace(settings, max_components=cap), sigma)
             err, _ = split_error(fit, basis, x, z)
             rows.append({"stream": stream, "group": group, "ratio": float(ratio), "cap": int(cap),
                          "components": fit.kept, "basis_elements": basis.dim * (fit.kept + 1),

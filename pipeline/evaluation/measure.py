@@ -72,7 +72,8 @@ def measure_group(fit: GroupFit, sinks: int, window: int, basis_size_curve: bool
                     for m in out.metrics if m["metric"] == "bits_per_token" and m["split"] == "heldout"]
     curves["rate_distortion"] = rate_distortion.curve_rows(basis, x_mid, z_mid, stream, group, fits, fixed_points)
     if basis_size_curve:
-        curves["basis_size"] = basis_size.curve_rows(basis, x_mid, z_mid, stream, group, [a.ratio for a in allocs])
+        curves["basis_size"] = basis_size.curve_rows(basis, x_mid, z_mid, stream, group, [a.ratio for a in allocs],
+                                                     fits=None if fit.max_components else fits)
     out.seconds = time.perf_counter() - t0
     return out
 

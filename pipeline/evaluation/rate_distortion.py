@@ -64,25 +64,38 @@ def stream_metrics(totals: dict) -> list[dict]:
     return rows
 
 
+CURVE_ROWS = 512  # held-out rows (evenly strided) the chart's extra refits are fitted and measured on
+
+
+def sample_rows(x: np.ndarray, z: torch.Tensor, rows: int = CURVE_ROWS) -> tuple[np.ndarray, torch.Tensor]:
+    """At most `rows` of x (N, p) and their projections z (N, k), evenly strided."""
+    stride = max(1, x.shape[0] // rows)
+    return x[::stride][:rows], z[::stride][:rows]
+
+
 def curve_rows(basis: Basis, x: np.ndarray, z: torch.Tensor, stream: str, group: int, fits: list[EcsqFit],
                fixed: list[tuple[float, float]], extra_ratios=(4, 12, 24, 64),
                settings: EcsqSettings = EcsqSettings(iterations=16)) -> list[dict]:
     """Rate-distortion curve rows on held-out rows x (N, p) with projections z (N, k): the fitted
-    ratios plus `extra_ratios` for ECSQ and both bounds; fixed: (bits per token, rel error) points
-    of the fixed-rate allocations."""
+    ratios (measured on every row) plus `extra_ratios` for ECSQ (refitted and measured on a sample of
+    CURVE_ROWS rows: a chart, not the stored fits) and both bounds; fixed: (bits per token, rel error)
+    points of the fixed-rate allocations."""
     norm = float(torch.as_tensor(x, dtype=torch.float32).double().square().sum())
     n = x.shape[0]
     tail = max(basis.total_variance - float(basis.eigenvalues.sum()), 0.0)
     held = heldout_variances(z)
     sigma = np.sqrt(held)
     done = {f.ratio for f in fits}
-    fits = list(fits) + [fit_ecsq(r, z, basis.dim, settings, sigma) for r in extra_ratios
-                         if r not in done and 16 * basis.dim / r >= 1]
+    xs, zs = sample_rows(x, z)
+    norm_s = float(torch.as_tensor(xs, dtype=torch.float32).double().square().sum())
+    extra = [fit_ecsq(r, zs, basis.dim, settings, sigma) for r in extra_ratios
+             if r not in done and 16 * basis.dim / r >= 1 and zs.shape[0] >= 16]
     rows = []
-    for f in fits:
-        err, _ = split_error(f, basis, x, z)
+    for f in list(fits) + extra:
+        sampled = f in extra
+        err, _ = split_error(f, basis, xs, zs) if sampled else split_error(f, basis, x, z)
         bits = float(f.budget_bits)
-        for mode, value in (("ecsq", err / norm),
+        for mode, value in (("ecsq", err / (norm_s if sampled else norm)),
                             ("bound_calibration", waterfilling_distortion(basis.eigenvalues, bits, tail) * n / norm),
                             ("bound_heldout", waterfilling_distortion(held, bits) * n / norm)):
             rows.append({"stream": stream, "group": group, "mode": mode,

@@ -29,6 +29,7 @@ class GroupFit:
     allocs: list[Allocation]
     fits: list[ecsq_fit.EcsqFit]
     seconds: float = 0.0
+    max_components: int = 0  # the basis budget the fits were capped at (0: none)
 
     @property
     def kept(self) -> int:
@@ -44,4 +45,5 @@ def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSet
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
     fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
                                ecsq_fit.EcsqSettings(max_components=alloc.max_components))
-    return GroupFit(stream, group, basis, rows, x_mid, z_mid, allocs, fits, time.perf_counter() - t0)
+    return GroupFit(stream, group, basis, rows, x_mid, z_mid, allocs, fits, time.perf_counter() - t0,
+                    alloc.max_components)

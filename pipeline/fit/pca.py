@@ -154,17 +154,70 @@ def every_core() -> AbstractContextManager[None]:
     return cpu_threads(cores())
 
 
-def exact_eigh(cov: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Leading k eigenpairs of a symmetric (p, p) float64 matrix (upper triangle read; overwritten)
-    -> (eigenvalues (k,) descending, eigenvectors (p, k)); LAPACK driver by k / p (module docstring)."""
+EXACT_DRIVERS = ("evd", "evr")
+
+
+def fix_signs_inplace(components: np.ndarray, chunk: int = 64) -> None:
+    """`fix_signs` in place, a column chunk at a time (no second (p, k) array)."""
+    for a in range(0, components.shape[1], chunk):
+        block = components[:, a:a + chunk]
+        idx = np.abs(block).argmax(axis=0)
+        signs = np.sign(block[idx, np.arange(block.shape[1])])
+        signs[signs == 0] = 1.0
+        block *= signs
+
+
+def exact_eigh(cov: np.ndarray, k: int, driver: str = "evd") -> tuple[np.ndarray, np.ndarray]:
+    """Leading k eigenpairs of a symmetric (p, p) float64 C-ordered matrix (upper triangle read;
+    overwritten, its memory reused) -> (eigenvalues (k,) descending, eigenvectors (p, k), signs fixed).
+
+    LAPACK works in place on the matrix's Fortran-ordered view (no copy), so the peak is the matrix
+    plus the driver's workspace: syevd 2 p^2 doubles, then the (p, k) result beside the matrix;
+    syevr (every pair, "evr") p^2 for its eigenvectors, the result then written into the matrix's own
+    memory. For k <= p / SUBSET_SHARE an index range with syevr whatever `driver`."""
+    if driver not in EXACT_DRIVERS:
+        raise ValueError(f"exact_eigh: driver {driver!r} must be one of {EXACT_DRIVERS}")
     p = cov.shape[0]
+    if not (cov.flags.c_contiguous and cov.flags.owndata and cov.dtype == np.float64):
+        cov = np.array(cov, dtype=np.float64, order="C")
+    lapack_view = cov.T  # Fortran order: the C array's upper triangle is its lower one
     if k * SUBSET_SHARE <= p:
-        evals, evecs = scipy.linalg.eigh(cov, lower=False, driver="evr", subset_by_index=[p - k, p - 1],
+        evals, evecs = scipy.linalg.eigh(lapack_view, lower=True, driver="evr", subset_by_index=[p - k, p - 1],
                                          overwrite_a=True, check_finite=False)
+        out = np.ascontiguousarray(evecs[:, ::-1])
+    elif driver == "evd":
+        evals, evecs = scipy.linalg.eigh(lapack_view, lower=True, driver="evd", overwrite_a=True, check_finite=False)
+        evals = evals[p - k:]
+        out = np.ascontiguousarray(evecs[:, p - k:][:, ::-1])  # evecs is the matrix's memory
     else:
-        evals, evecs = scipy.linalg.eigh(cov, lower=False, driver="evd", overwrite_a=True, check_finite=False)
-        evals, evecs = evals[p - k:], evecs[:, p - k:]
-    return evals[::-1], evecs[:, ::-1]
+        evals, evecs = scipy.linalg.eigh(lapack_view, lower=True, driver="evr", overwrite_a=True, check_finite=False)
+        evals = evals[p - k:]
+        out = np.ndarray((p, k), dtype=np.float64, buffer=cov)  # the matrix is spent: its memory holds the result
+        np.copyto(out, evecs[:, p - k:][:, ::-1])
+        del evecs
+    fix_signs_inplace(out)
+    return evals[::-1].copy(), out
+
+
+def exact_peak_bytes(p: int, k: int, driver: str = "evd") -> int:
+    """Peak bytes of `exact_eigh` on a (p, p) float64 matrix (the matrix included)."""
+    if k * SUBSET_SHARE <= p:
+        return 8 * (p * p + 2 * p * k + 32 * p)
+    if driver == "evd":
+        return 8 * (3 * p * p + 8 * p)
+    return 8 * (2 * p * p + 32 * p)
+
+
+def covariance_upper(n: int, mu: np.ndarray, packed: np.ndarray) -> np.ndarray:
+    """(p, p) float64 whose upper triangle is Gram / n - mu mu^T, from the packed Gram (the lower part zeros)."""
+    p = mu.shape[0]
+    cov = unpack_upper(packed, p)
+    step = 1024
+    for a in range(0, p, step):  # in row blocks
+        b = min(a + step, p)
+        cov[a:b, a:] /= n
+        cov[a:b, a:] -= np.outer(mu[a:b], mu[a:])
+    return cov
 
 
 def covariance_f32(n: int, mu: np.ndarray, packed: np.ndarray) -> torch.Tensor:
@@ -226,7 +279,7 @@ def subspace_eigh(cov: torch.Tensor, k: int, tol: float = 1e-5, max_iters: int =
 
 
 def pca_from_packed(n: int, sum_: np.ndarray, packed: np.ndarray, k: int | None = None,
-                    device: str | torch.device = "cpu", method: str = "auto") -> Basis:
+                    device: str | torch.device = "cpu", method: str = "auto", driver: str = "evd") -> Basis:
     """Merged statistics with the Gram as its packed upper triangle (p(p+1)/2,) f64 -> Basis of the
     leading k components (default all). method: "exact" (`exact_eigh` on CPU, torch eigh on CUDA; the
     packed Gram plus one (p, p) float64 matrix and, for syevd, twice that in workspace), "subspace"
@@ -253,20 +306,22 @@ def pca_from_packed(n: int, sum_: np.ndarray, packed: np.ndarray, k: int | None 
         evals, evecs, _ = subspace_eigh(covariance_f32(n, mu, packed), k)
         return Basis(mean=mu, eigenvalues=np.clip(evals, 0.0, None).copy(),
                      components=np.ascontiguousarray(fix_signs(evecs)), total_variance=total, n=int(n))
-    cov = unpack_upper(packed, p)
-    step = 1024
-    for a in range(0, p, step):  # cov = Gram / n - mu mu^T, upper triangle, in row blocks
-        b = min(a + step, p)
-        cov[a:b, a:] /= n
-        cov[a:b, a:] -= np.outer(mu[a:b], mu[a:])
+    cov = covariance_upper(n, mu, packed)
+    return basis_from_covariance(cov, mu, total, int(n), k, dev, driver)
+
+
+def basis_from_covariance(cov: np.ndarray, mu: np.ndarray, total: float, n: int, k: int,
+                          device: str | torch.device = "cpu", driver: str = "evd") -> Basis:
+    """Basis of the leading k components of `covariance_upper`'s matrix (consumed: pass the last reference
+    to keep the peak at `exact_peak_bytes`)."""
+    dev = torch.device(device)
     if dev.type == "cuda":
         evals_t, evecs_t = torch.linalg.eigh(torch.from_numpy(cov).to(dev), UPLO="U")
         del cov
         evals = evals_t.flip(0)[:k].cpu().numpy()
-        evecs = evecs_t.flip(1)[:, :k].cpu().numpy()
+        evecs = np.ascontiguousarray(fix_signs(evecs_t.flip(1)[:, :k].cpu().numpy()))
         del evals_t, evecs_t
     else:
-        evals, evecs = exact_eigh(cov, k)
+        evals, evecs = exact_eigh(cov, k, driver)
         del cov
-    return Basis(mean=mu, eigenvalues=np.clip(evals, 0.0, None).copy(),
-                 components=np.ascontiguousarray(fix_signs(evecs)), total_variance=total, n=int(n))
+    return Basis(mean=mu, eigenvalues=np.clip(evals, 0.0, None), components=evecs, total_variance=total, n=int(n))

@@ -8,11 +8,11 @@ components the least aggressive ratio could keep are computed (`max_components`)
 Where: the group's reduce task (`group_task.run_group`) calls it, on its device (torch `eigh` in
 float64 on a GPU; LAPACK on the CPU threads the task holds).
 
-How (`choose_solver`, from k / p): exact (one LAPACK solve, pca.exact_eigh) whenever the
-allocation may need most components and the exact solve fits in memory, or p is small; subspace
-iteration only when the allocation can keep few components (k <= p / FEW_SHARE), or the exact
-solve does not fit. A subspace that the allocation fills (keeps > 80% of it) is followed by one
-exact solve if it fits, else a subspace twice as wide.
+How (`reduce_plan.choose`, from k / p and the task's memory): exact (one LAPACK solve in place,
+pca.exact_eigh: syevd, or syevr where only its smaller peak fits) whenever the allocation may need
+most components, or p is small; subspace iteration only when the allocation can keep few components
+(k <= p / FEW_SHARE), or no exact solve fits. A subspace that the allocation fills (keeps > 80% of
+it) is followed by one exact solve if it fits, else a subspace twice as wide (`reduce_plan.widen`).
 """
 from __future__ import annotations
 
@@ -22,38 +22,14 @@ import numpy as np
 
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
-from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, pca_from_packed
+from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, basis_from_covariance, covariance_upper, pca_from_packed
 from kvtc.pipeline.job.store import ShardStore
+from kvtc.workers.triangle import diagonal
 
 
 def max_components(p: int, ratios, settings: AllocatorSettings) -> int:
     """Most components any allocation at `ratios` can keep, within the basis budget (AllocatorSettings.kept_bound)."""
     return settings.kept_bound(p, ratios)
-
-
-FEW_SHARE = 8  # subspace iteration pays when the allocation can keep at most p / FEW_SHARE components
-SUBSPACE_START = 512  # first subspace width: max(SUBSPACE_START, p / 16)
-
-
-def exact_bytes(p: int) -> int:
-    """Peak bytes of an exact CPU solve: the packed Gram, the p x p float64 matrix, syevd's workspace."""
-    return 8 * (p * (p + 1) // 2) + 8 * p * p * 3
-
-
-def choose_solver(p: int, bound: int, on_gpu: bool, free_bytes: int) -> tuple[str, int]:
-    """(method, k) of the first solve of a group of p features whose allocations keep at most `bound`."""
-    if on_gpu or p <= EXACT_MAX_P:
-        return "exact", bound
-    if bound * FEW_SHARE <= p:
-        return "subspace", bound
-    if exact_bytes(p) <= free_bytes:
-        return "exact", bound
-    return "subspace", min(bound, max(SUBSPACE_START, p // 16))
-
-
-def next_solve(p: int, k: int, bound: int, free_bytes: int) -> tuple[str, int]:
-    """(method, k) after a subspace of k components that the allocation filled."""
-    return ("exact", bound) if exact_bytes(p) <= free_bytes else ("subspace", min(bound, 2 * k))
 
 
 def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -93,9 +69,10 @@ def metric_whitening(store: ShardStore, names: list[str], stream: str, group: in
 
 
 def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, device: str = "cpu",
-          method: str = "auto", whitening: Whitening | None = None) -> tuple[Basis, dict]:
+          method: str = "auto", whitening: Whitening | None = None, driver: str = "evd") -> tuple[Basis, dict]:
     """Basis of (stream, group) from the stored accumulators -> (basis, timings {sum_s, eig_s}); with a
-    whitening, the basis of the whitened features (orthonormal in the metric's space)."""
+    whitening, the basis of the whitened features (orthonormal in the metric's space). An exact solve
+    releases the packed Gram once the p x p matrix holds it (reduce_plan.solve_bytes)."""
     t0 = time.perf_counter()
     n, total, packed = sum_accumulators(store, names, stream, group)
     if whitening is not None:
@@ -105,5 +82,12 @@ def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, 
     k = min(k, p)
     if method == "auto" or device.startswith("cuda") or k == p:
         method = "exact" if device.startswith("cuda") or p <= EXACT_MAX_P or k == p else "subspace"
-    basis = pca_from_packed(n, total, packed, k=k, device=device, method=method)
-    return basis, {"sum_s": t1 - t0, "eig_s": time.perf_counter() - t1, "method": method}
+    if method != "exact" or int(n) < 2 or not (np.isfinite(total).all() and np.isfinite(packed).all()):
+        basis = pca_from_packed(n, total, packed, k=k, device=device, method=method)  # its checks name the problem
+    else:
+        mu = total / n
+        variance = float(max((diagonal(packed, p) / n - mu * mu).sum(), 0.0))
+        cov = covariance_upper(n, mu, packed)
+        del packed
+        basis = basis_from_covariance(cov, mu, variance, int(n), k, device, driver)
+    return basis, {"sum_s": t1 - t0, "eig_s": time.perf_counter() - t1, "method": method, "driver": driver}

@@ -17,7 +17,7 @@ from typing import Any
 from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.pool_run import PoolRun
 from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, reduce
-from kvtc.pipeline.job.reduce_tasks import Placement
+from kvtc.pipeline.job.reduce_tasks import Placement, clear
 from kvtc.pipeline.job.shards import ShardPlan, plan_shards, shard_plan  # noqa: F401 - shard_plan's old home
 from kvtc.pipeline.job.store import ShardStore
 
@@ -93,6 +93,7 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     from kvtc.artifacts.tensor_parallel import TensorParallelLayout
     from kvtc.pipeline.fit.allocator import validate_ratios
     from kvtc.pipeline.job.memory_plan import check_fits
+    from kvtc.pipeline.job.reduce_plan import node_budget
     from kvtc.pipeline.job.store import default_store_uri
     from kvtc.workers.capture import check_seq_len, resolve_groups
     from kvtc.workers.models import load_spec
@@ -134,7 +135,8 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
         local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
         kv, hd = info.num_kv_heads, info.head_dim
         est = _memory_estimate(cfg, info.layers, kv, hd, capture.groups, local_workers)
-        check_fits(est, int(psutil.virtual_memory().available), info.num_layers, width, capture.groups,
+        vm = psutil.virtual_memory()  # the line Ray's memory monitor kills at, less what the node already uses
+        check_fits(est, node_budget(int(vm.total), int(vm.total - vm.available)), info.num_layers, width, capture.groups,
                    lambda k: _memory_estimate(cfg, info.layers, kv, hd, f"layers:{k}", local_workers))
     if cfg.plan.tokens is None:
         on_gpu = torch.cuda.is_available()
@@ -225,9 +227,12 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         inp = ReduceInput(cfg, planned.fingerprint, folded.store, folded.shards, folded.accumulators, folded.model_dtype,
                           planned.model_config)
         # the reduce runs on the fold's workers (their actors are gone: the model's memory is free), one group per worker
-        placement = Placement(0 if in_process else folded.workers, rt.threads_per_worker, folded.on_cluster_gpu)
+        placement = Placement(0 if in_process else folded.workers, rt.threads_per_worker, folded.on_cluster_gpu,
+                              gpu_plan.gpu_bytes if gpu_plan is not None else 0,
+                              cluster=not in_process and bool(rt.address or os.environ.get("RAY_ADDRESS")))
         reduced = reduce(inp, placement)
         published = publish(inp, reduced, planned.registry, alias_latest)
+        clear(reduced.tasks, folded.store)  # published: the groups' checkpoints and results go
     finally:
         if started:
             ray.shutdown()
@@ -268,6 +273,7 @@ def run_figures(planned: Planned, folded: Folded, reduced: Reduced, published: P
                                     eig_s=round(s.eig_s, 2)) for s in r.solves],
                     "fit_s": round(r.fit_s, 2), "measure_s": round(r.measure.seconds, 2)} for r in reduced.results],
         "wall_seconds": round(wall_s, 2),
+        "reduce_plan": reduced.plan,
         # plan -> fold (model work, after the actors loaded the model) -> reduce (its wall; solve, fit, measure
         # summed over groups) -> publish
         "stages": {"plan": round(planned.seconds, 2), "startup": round(folded.startup_s, 2), "fold": round(pool_s, 2),

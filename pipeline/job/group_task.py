@@ -22,7 +22,9 @@ from kvtc.pipeline.fit.group_fit import fit_group
 from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
 from kvtc.pipeline.fit.pca import cpu_threads
-from kvtc.pipeline.job.basis_solver import choose_solver, max_components, metric_whitening, next_solve, solve
+from kvtc.pipeline.fit.pca import Basis
+from kvtc.pipeline.job.basis_solver import max_components, metric_whitening, solve
+from kvtc.pipeline.job.reduce_plan import Solver, widen
 from kvtc.pipeline.job.store import ShardStore
 
 KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer than this share of it
@@ -32,8 +34,8 @@ KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer 
 class GroupTask:
     """What one stream and group's reduce needs besides its rows: the accumulators to sum (in order),
     the ratios and allocator settings, sinks and window, the device of the solve, the CPU threads it
-    may use (fixed per job, so the result does not depend on how many workers ran), and the bytes
-    free for an exact solve."""
+    may use (fixed per job, so the result does not depend on how many workers ran), the bytes it may
+    hold (`budget`) and the solver the reduce plan chose within them (`reduce_plan.Solver` as a dict)."""
 
     index: int
     stream: str
@@ -46,8 +48,11 @@ class GroupTask:
     window: int
     threads: int
     device: str = "cpu"
-    free_bytes: int = 0
+    budget: int = 0
     metric: dict | None = None  # the attention objective's AttentionMetric (None: the cache's own squared error)
+    solver: dict | None = None  # None: reduce_plan.choose within `budget`
+
+    PLACEMENT = ("budget", "solver", "device")  # where and how it runs, not what it computes
 
     def __post_init__(self) -> None:
         if self.stream not in ("keys", "values") or self.p < 1 or self.threads < 1 or not self.accumulators:
@@ -56,6 +61,14 @@ class GroupTask:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def key(self) -> str:
+        """What the task computes, for its checkpoints' names (not its memory budget or solver choice)."""
+        import hashlib
+        import json
+
+        what = {k: v for k, v in self.to_json().items() if k not in self.PLACEMENT}
+        return f"{self.stream}-g{self.group}-{hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]}"
 
     @classmethod
     def from_json(cls, d: dict) -> "GroupTask":
@@ -71,6 +84,8 @@ class Solved:
     device: str
     sum_s: float
     eig_s: float
+    driver: str = ""
+    resumed: bool = False  # read back from the task's checkpoint (a retried task), not solved again
 
 
 @dataclass
@@ -146,12 +161,46 @@ def whitened_rows(rows: GroupRows, whitening: Whitening) -> GroupRows:
     return GroupRows(w(rows.rows), rows.positions, rows.seq_len, None if rows.evals is None else w(rows.evals))
 
 
+def _solved_name(task: GroupTask) -> str:
+    return f"solved-{task.key()}"
+
+
+def save_solved(store: ShardStore, task: GroupTask, basis: Basis, solved: Solved) -> None:
+    """The solve's basis, float64, checkpointed before the fit: a retried task resumes after it."""
+    store.put_basis(_solved_name(task), {"mean": basis.mean, "eigenvalues": basis.eigenvalues,
+                                         "components": basis.components},
+                    {"solved": asdict(solved), "total_variance": basis.total_variance, "n": basis.n})
+
+
+def load_solved(store: ShardStore, task: GroupTask) -> tuple[Basis, Solved] | None:
+    """The checkpointed solve of this task, or None (absent; a corrupt one is set aside by the store)."""
+    name = _solved_name(task)
+    if not store.has_basis(name):
+        return None
+    try:
+        arrays, meta = store.get_basis(name)
+    except ValueError:  # CorruptStats: moved aside, solve again
+        return None
+    basis = Basis(arrays["mean"], arrays["eigenvalues"], arrays["components"], float(meta["total_variance"]),
+                  int(meta["n"]))
+    return basis, Solved(**{**meta["solved"], "resumed": True})
+
+
+def drop_solved(store: ShardStore, task: GroupTask) -> None:
+    store.drop_basis(_solved_name(task))
+
+
 def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResult:
-    """solve -> fit -> measure of one stream and group, on `task.threads` CPU threads."""
+    """solve -> fit -> measure of one stream and group, on `task.threads` CPU threads; each solve is
+    checkpointed in the store, and a checkpoint left by an earlier attempt is resumed from."""
+    from kvtc.pipeline.job.reduce_plan import choose
+
     alloc = AllocatorSettings.from_dict(task.allocator)
     bound = max_components(task.p, task.ratios, alloc)
-    on_gpu = task.device.startswith("cuda")
-    method, k = choose_solver(task.p, bound, on_gpu, task.free_bytes)
+    n_rows = rows.rows.shape[0] + (0 if rows.evals is None else rows.evals.shape[0])
+    solver = Solver(**task.solver) if task.solver else choose(task.p, bound, task.budget or (1 << 62), n_rows)
+    if task.device.startswith("cuda") != solver.device.startswith("cuda"):
+        solver = Solver(solver.method, solver.k, solver.driver, task.device if task.device.startswith("cuda") else "cpu")
     solves: list[Solved] = []
     with cpu_threads(task.threads):
         whitening = None
@@ -159,14 +208,22 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
             whitening = metric_whitening(store, list(task.accumulators), task.stream, task.group,
                                          AttentionMetric(**task.metric))
             rows = whitened_rows(rows, whitening)
+        resumed = load_solved(store, task)
         while True:
-            basis, t = solve(store, list(task.accumulators), task.stream, task.group, k, task.device, method, whitening)
-            solves.append(Solved(t["method"], basis.k, task.device, t["sum_s"], t["eig_s"]))
+            if resumed is not None:
+                (basis, solved), resumed = resumed, None
+            else:
+                basis, t = solve(store, list(task.accumulators), task.stream, task.group, solver.k, solver.device,
+                                 solver.method, whitening, solver.driver)
+                solved = Solved(t["method"], basis.k, solver.device, t["sum_s"], t["eig_s"], t["driver"])
+                save_solved(store, task, basis, solved)
+            solves.append(solved)
             fitted = fit_group(task.stream, task.group, basis, task.ratios, alloc, rows, task.sinks, task.window)
-            if t["method"] == "exact" or k >= bound or fitted.kept < KEEP_MARGIN * k:
+            if solved.method == "exact" or basis.k >= bound or fitted.kept < KEEP_MARGIN * basis.k:
                 break
+            k = basis.k
             del basis, fitted
-            method, k = next_solve(task.p, k, bound, task.free_bytes)
+            solver = widen(task.p, k, bound, task.budget or (1 << 62), n_rows)
         measured = measure_group(fitted, task.sinks, task.window)
     kept = fitted.kept
     mean, encoder, decoder = basis.mean, basis.components[:, :kept], None

@@ -2,8 +2,8 @@
 
 Two phases peak apart: the shard pool (each worker holds the running totals of the accumulators
 routed to it: count, sum and packed Gram per stream and group, plus a shard's captured rows) and
-the reduce (one stream and group at a time: about 3 packed Grams of the largest group plus its
-leading eigenvectors, and the held-out rows). Host memory does not count model weights (they
+the reduce (the driver's held-out rows, and the largest group's task running alone with the solver
+of the smallest peak: `reduce_plan.least_bytes`; the reduce itself runs as many at once as fit). Host memory does not count model weights (they
 live on the GPUs on a cluster, and are small for the tiny geometry presets).
 
 On GPU workers `plan_gpus` sizes the worker: the weights spread layer by layer over its GPUs, a
@@ -54,9 +54,11 @@ def estimate(group_dims: list[int], *, accumulators: int, workers: int, rows_per
     per_worker_accs = math.ceil(accumulators / busy)
     tile = 4 * 3 * min(1024, max(group_dims)) * max(group_dims)  # a row tile of x^T x, its selection, float64 copy
     worker = per_worker_accs * 2 * sum(packed_bytes(p) for p in group_dims) + rows_per_batch * p_total * 4 * 2 + tile
+    from kvtc.pipeline.job.reduce_plan import least_bytes
+
     p = max(group_dims)
-    held = 2 * heldout_rows * p_total * 4 * 2  # held-out and second-domain rows, both streams, float32
-    reduce = 3 * packed_bytes(p) + 8 * p * min(p, kept_max) + held
+    held = 2 * heldout_rows * p_total * 4 * 2  # the driver: held-out and second-domain rows, both streams, float32
+    reduce = held + least_bytes(p, min(p, kept_max), 2 * heldout_rows)  # and the largest group's task, alone
     return MemoryEstimate(worker, busy, reduce, p)
 
 
@@ -139,10 +141,3 @@ def plan_gpus(size: ModelSize, gpu_bytes: int, cluster_gpus: int, gpus_per_node:
         raise ValueError(f"the model needs {n} GPUs per worker on one node ({sizes}), and the largest node has "
                          f"{gpus_per_node}; add a node type with {n} or more GPUs (see ray_cluster.yaml)")
     return plan(n)
-
-
-def group_task_bytes(p: int, kept_max: int, rows: int) -> int:
-    """Bytes one stream and group's reduce task holds at its peak: about 3 packed Grams (the sum being
-    added, the running sum, then the p x p matrix), the kept eigenvectors, and its held-out rows
-    (`rows`: held-out plus second-domain rows, float32, with their projections and a working copy)."""
-    return 3 * packed_bytes(p) + 8 * p * min(p, kept_max) + 3 * 4 * rows * p

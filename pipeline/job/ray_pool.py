@@ -87,6 +87,9 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool = True) -
         ray.init(address=address or None, log_to_driver=verbose, runtime_env={"env_vars": job_env()})
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # a task the memory monitor kills comes back to the reduce (one line, a rerun alone from its checkpoint)
+    # instead of Ray retrying it without end beside the tasks that starved it
+    os.environ.setdefault("RAY_task_oom_retries", "0")
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose,
              logging_level=logging.WARNING)
     return True

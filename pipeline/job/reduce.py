@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -33,8 +33,9 @@ from kvtc.pipeline.job.basis_solver import max_components
 from kvtc.pipeline.job.error_by_tokens import error_by_tokens
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask
 from kvtc.pipeline.job.heldout_store import load_rows
-from kvtc.pipeline.job.memory_plan import group_task_bytes
-from kvtc.pipeline.job.reduce_tasks import Placement, run_groups
+from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, Solver, choose, node_budget, refuse_unless_fits, task_bytes
+from kvtc.pipeline.job.progress import ReduceProgress
+from kvtc.pipeline.job.reduce_tasks import Placement, rows_name, run_groups
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
 from kvtc.workers.stats import STREAMS
@@ -71,6 +72,8 @@ class Reduced:
     eval_rows: int
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    tasks: list[GroupTask] = field(default_factory=list)  # their results stay in the store until `clear`
+    plan: dict = field(default_factory=dict)  # the memory plan as run: budget, largest peak, most at once, kills
 
     @property
     def solve_s(self) -> float:
@@ -135,28 +138,71 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
                      k=_curve_k(p_total, red.curve_ratio))
 
     threads = placement.threads if placement.workers else cores()
-    free = int(psutil.virtual_memory().available)
-    tasks, rows, memory = [], [], []
+    tasks, peaks = [], []
+    budget = reduce_budget(placement)
+    gpu = gpu_solve(placement)
     for stream in STREAMS:
         columns = columns_of[stream]
         for g, group in enumerate(groups):
             p = group.dim(*dims[stream])
-            tasks.append(GroupTask(len(tasks), stream, g, p, tuple(names), tuple(red.ratios), alloc.to_dict(), cap.sinks,
-                                   cap.window, threads, "cuda" if placement.gpu else "cpu", free,
-                                   red.attention_metric.to_json() if cap.objective == "attention" else None))
-            rows.append(held.group(stream, columns[g], evals, cap.sinks, cap.window))
-            n_rows = rows[-1].rows.shape[0] + (0 if evals is None else rows[-1].evals.shape[0])
-            memory.append(group_task_bytes(p, max_components(p, red.ratios, alloc), n_rows))
+            rows = held.group(stream, columns[g], evals, cap.sinks, cap.window)
+            n_rows = rows.rows.shape[0] + (0 if evals is None else rows.evals.shape[0])
+            bound = max_components(p, red.ratios, alloc)
+            solver = choose(p, bound, budget, n_rows, gpu)
+            task = GroupTask(len(tasks), stream, g, p, tuple(names), tuple(red.ratios), alloc.to_dict(), cap.sinks,
+                             cap.window, threads, solver.device, budget,
+                             red.attention_metric.to_json() if cap.objective == "attention" else None, asdict(solver))
+            store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})  # read by the task, not kept here
+            tasks.append(task)
+            peaks.append(task_bytes(p, bound, n_rows, solver))
+            del rows
+    plans = [Planned(t.index, f"{t.stream} group {t.group}", t.p, Solver(**t.solver), b) for t, b in zip(tasks, peaks)]
+    refuse_unless_fits(plans, budget, *_node_memory_now())
 
     def local_curve() -> list[dict]:
         return error_by_tokens(store, names, held, evals, curve["ratio"], cap.sinks, cap.window, curve["points"],
                                curve["k"])
 
     eval_rows = 0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum())
-    results, by_tokens = run_groups(tasks, rows, store, placement, memory, curve, local_curve)
+    if curve is None:
+        del held, evals
+    progress = ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
+    results, by_tokens = run_groups(tasks, store, placement, peaks, budget, curve, local_curve, progress)
     for r in results:
         notes.extend(w for w in r.notes if w not in notes)
-    return Reduced(groups, results, by_tokens, tokens_in, int(mid.sum()), eval_rows, notes, time.perf_counter() - t0)
+    plan = {"budget_bytes": budget, "peak_bytes": max(peaks, default=0), "at_once": progress.most_at_once,
+            "killed": progress.kills, "solvers": sorted({f"{s.method}/{s.driver}/{s.device}" for s in
+                                                         (Solver(**t.solver) for t in tasks)})}
+    return Reduced(groups, results, by_tokens, tokens_in, int(mid.sum()), eval_rows, notes, time.perf_counter() - t0,
+                   tasks, plan)
+
+
+def _node_memory_now() -> tuple[int, int]:
+    """(total, used) bytes of this node now."""
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.total - vm.available)
+
+
+def reduce_budget(placement: Placement) -> int:
+    """Bytes the group tasks may hold together: this node's (in process, or a Ray started here) below the
+    kill line; on a joined cluster, the largest node's Ray `memory` resource."""
+    import os
+
+    if placement.workers and (placement.cluster or os.environ.get("RAY_ADDRESS")):
+        import ray
+
+        return int(max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0))
+    return node_budget(*_node_memory_now())
+
+
+def gpu_solve(placement: Placement) -> GpuSolve | None:
+    """What the tasks' GPU can solve (None without one)."""
+    if not placement.gpu:
+        return None
+    import torch
+
+    major = int(str(torch.version.cuda or "12").split(".")[0])
+    return GpuSolve(placement.gpu_bytes or (1 << 62), major)
 
 
 def _curve_k(p_total: int, ratio: float) -> int:

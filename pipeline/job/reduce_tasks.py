@@ -1,49 +1,80 @@
 """Where the reduce's per-group work runs: in this process, one group after another, or as Ray tasks
-on the job's workers, at most `workers` at a time.
+on the job's workers, admitted while the memory they need together fits the node (`reduce_plan`).
 
-A Ray task gets its inputs from the shard store (the accumulators, and its group's held-out rows,
+A task gets its inputs from the shard store (the accumulators, and its group's held-out rows,
 written once by the driver as a checksummed object) and writes its `GroupResult` there; only names
 and timings travel through Ray. Each task runs on the same number of CPU threads whatever the
 number of workers, and results are taken in task order, so the artifact is bit-identical for any
-number of workers. A task asks Ray for the memory its group needs (`memory_plan.group_task_bytes`),
-so large groups do not run side by side on a node that cannot hold them. The error-by-tokens
-curve (a refold of the accumulators) is one more task, run beside the groups.
+number of workers.
+
+Nothing solved is lost: a task checkpoints its solve (`group_task.save_solved`) and its result,
+and an attempt that finds them resumes after them; results stay in the store until the artifact is
+published (`clear`), so a job stopped in its reduce resumes at the groups it had not finished. A
+task the node kills for memory is one line on the console naming the group and what it needs, and
+runs again alone, from its checkpoint; killed again alone, the job stops and says so.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from tqdm import tqdm
 
 from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.fit.pca import cpu_threads
 from kvtc.pipeline.job.error_by_tokens import curve_from_store
-from kvtc.pipeline.job.group_task import GroupResult, GroupTask, run_group
+from kvtc.pipeline.job.group_task import GroupResult, GroupTask, drop_solved, run_group
+from kvtc.pipeline.job.progress import ReduceProgress
+from kvtc.pipeline.job.reduce_plan import GIB, admit
 from kvtc.pipeline.job.store import ShardStore
 
 
 @dataclass(frozen=True)
 class Placement:
-    """How the reduce runs: `workers` tasks at a time on Ray (0: in this process), each asking for
-    `threads` CPUs, and one GPU when `gpu`."""
+    """How the reduce runs: at most `workers` tasks at a time on Ray (0: in this process), each asking for
+    `threads` CPUs, and one GPU (of `gpu_bytes`, 0: unknown) when `gpu`; `cluster`: on a joined cluster
+    (its nodes' memory is Ray's to report), else on this node."""
 
     workers: int
     threads: int
     gpu: bool = False
+    gpu_bytes: int = 0
+    cluster: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 0 or self.threads < 1:
             raise ValueError(f"reduce placement: workers must be >= 0 and threads >= 1, got {self.workers}, {self.threads}")
 
 
-def _object_name(kind: str, task: GroupTask) -> str:
-    key = json.dumps(task.to_json(), sort_keys=True).encode()
-    return f"{kind}-{task.stream}-g{task.group}-{hashlib.sha256(key).hexdigest()[:16]}"
+def rows_name(task: GroupTask) -> str:
+    return f"rows-{task.key()}"
+
+
+def result_name(task: GroupTask) -> str:
+    return f"result-{task.key()}"
+
+
+def run_stored(task: GroupTask, store: ShardStore) -> str:
+    """Run one task from the store (its rows written by the driver) into the store: the result's name.
+    A result already there (an earlier attempt, or a stopped job) is taken as it is."""
+    name = result_name(task)
+    if store.has_basis(name):
+        return name
+    arrays, meta = store.get_basis(rows_name(task))
+    result = run_group(task, store, GroupRows.from_arrays(arrays, meta["seq_len"]))
+    del arrays
+    store.put_basis(name, *result.arrays_and_meta())
+    drop_solved(store, task)
+    return name
+
+
+def clear(tasks: list[GroupTask], store: ShardStore) -> None:
+    """Drop the tasks' rows, checkpoints and results (once the artifact is published)."""
+    for task in tasks:
+        for name in (rows_name(task), result_name(task)):
+            store.drop_basis(name)
+        drop_solved(store, task)
 
 
 def _reported(body):
@@ -71,18 +102,13 @@ def _error(err: dict) -> Exception:
 
 @_reported
 def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict) -> str:
-    """Body of a Ray task: read the group's rows, run it, store the result; returns the result's name."""
+    """Body of a Ray task: `run_stored` on the task's worker; returns the result's name."""
     import torch
 
     task = GroupTask.from_json(task_json)
     if task.device == "cuda" and not torch.cuda.is_available():  # Ray's GPU ids say nothing about torch
         task = GroupTask.from_json({**task_json, "device": "cpu"})
-    store = ShardStore(root, model_id, capture_key)
-    arrays, meta = store.get_basis(_object_name("rows", task))
-    result = run_group(task, store, GroupRows.from_arrays(arrays, meta["seq_len"]))
-    name = _object_name("result", task)
-    store.put_basis(name, *result.arrays_and_meta())
-    return name
+    return run_stored(task, ShardStore(root, model_id, capture_key))
 
 
 @_reported
@@ -98,59 +124,99 @@ def _node_memory() -> int:
     return int(max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0))
 
 
-def run_groups(tasks: list[GroupTask], rows: list[GroupRows], store: ShardStore, placement: Placement,
-               memory: list[int], tokens_curve: dict | None = None,
-               local_curve: Callable[[], list[dict]] | None = None) -> tuple[list[GroupResult], list[dict]]:
-    """(results in task order, error-by-tokens rows). `tokens_curve`: curve_from_store's arguments,
-    computed by `local_curve` in this process, or as a task beside the groups on Ray."""
-    bar = tqdm(total=len(tasks), unit="group", desc="reduce", dynamic_ncols=True, disable=None, file=sys.stderr)
+def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, peaks: list[int], budget: int,
+               tokens_curve: dict | None = None, local_curve: Callable[[], list[dict]] | None = None,
+               progress: ReduceProgress | None = None) -> tuple[list[GroupResult], list[dict]]:
+    """(results in task order, error-by-tokens rows). The tasks' rows are in the store (`rows_name`);
+    `peaks`: each task's planned peak bytes; `budget`: bytes the tasks may hold together.
+    `tokens_curve`: curve_from_store's arguments, computed by `local_curve` in this process, or as a
+    task beside the groups on Ray."""
+    progress = progress or ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     try:
         if placement.workers == 0:
             by_tokens = local_curve() if tokens_curve is not None and local_curve is not None else []
-            results = []
-            for task, r in zip(tasks, rows):
-                results.append(run_group(task, store, r))
-                bar.update(1)
-            return results, by_tokens
-        return _on_ray(tasks, rows, store, placement, memory, tokens_curve, bar)
+            names = []
+            for i, task in enumerate(tasks):
+                progress.started(i)
+                names.append(run_stored(task, store))
+                progress.done(i)
+        else:
+            names, by_tokens = _on_ray(tasks, store, placement, peaks, budget, tokens_curve, progress)
     finally:
-        bar.close()
+        progress.close()
+        for task in tasks:
+            store.drop_basis(rows_name(task))
+    results = []
+    for name in names:
+        arrays, meta = store.get_basis(name)
+        results.append(GroupResult.from_stored(arrays, meta))
+    return results, by_tokens
 
 
-def _on_ray(tasks, rows, store, placement, memory, tokens_curve, bar) -> tuple[list[GroupResult], list[dict]]:
+def _killed_for_memory(exc: Exception) -> bool:
+    import ray.exceptions
+
+    return isinstance(exc, ray.exceptions.OutOfMemoryError) or "OutOfMemoryError" in type(exc).__name__
+
+
+def _on_ray(tasks, store, placement, peaks, budget, tokens_curve, progress) -> tuple[list[str], list[dict]]:
     import ray
 
     cap = _node_memory()
-    for task, r in zip(tasks, rows):
-        store.put_basis(_object_name("rows", task), r.arrays(), {"seq_len": r.seq_len})
     where = (store.root, store.model_id, store.capture_key)
-    group_fn = ray.remote(max_retries=2)(_group_task_body)
+    group_fn = ray.remote(max_retries=2)(_group_task_body)  # a lost worker: the retry resumes from the checkpoint
     curve_ref = None
     if tokens_curve is not None:  # the refold holds every group's statistics at once: it asks for what they need
         curve_ref = ray.remote(max_retries=2)(_tokens_curve_body).options(num_cpus=placement.threads).remote(
             *where, placement.threads, tokens_curve)
     pending: dict = {}
     names: dict[int, str] = {}
-    errors: list[Exception] = []
+    errors: list[dict] = []
     queue = list(range(len(tasks)))
+    killed: set[int] = set()
+    alone: int | None = None  # a task killed for memory runs again with nothing beside it
     try:
         while queue or pending:
-            while queue and not errors and len(pending) < placement.workers:
-                i = queue.pop(0)
+            while queue and not errors and len(pending) < placement.workers and alone not in pending.values():
+                i = queue[0]
+                if pending and (i == alone or not admit([peaks[j] for j in pending.values()], peaks[i], budget,
+                                                         placement.workers)):
+                    break
+                queue.pop(0)
                 opts = {"num_cpus": placement.threads, "num_gpus": 1 if placement.gpu else 0}
                 if cap:
-                    opts["memory"] = max(1, min(memory[i], cap))
+                    opts["memory"] = max(1, min(peaks[i], cap))
                 pending[group_fn.options(**opts).remote(*where, tasks[i].to_json())] = i
+                progress.started(i)
             if not pending:
                 break
             done, _ = ray.wait(list(pending), num_returns=1)
             i = pending.pop(done[0])
-            out = ray.get(done[0])
+            try:
+                out = ray.get(done[0])
+            except Exception as exc:
+                if not _killed_for_memory(exc):
+                    raise
+                beside = len(pending)
+                if i in killed and beside == 0:
+                    raise MemoryError(
+                        f"the node killed the reduce task of {progress.names[i]} for memory twice, the second time "
+                        f"running alone (planned peak {peaks[i] / GIB:.1f} GiB, budget {budget / GIB:.1f} GiB): free "
+                        "memory on the node, or split the features into smaller groups (--groups layers:K); its "
+                        "solve is checkpointed in the store, and a rerun resumes from it") from None
+                killed.add(i)
+                alone = i
+                queue.insert(0, i)
+                progress.killed(i, f"the node killed {progress.names[i]} for memory (planned peak {peaks[i] / GIB:.1f} GiB, "
+                              f"{beside} other task(s) running); it runs again alone, from its checkpoint")
+                continue
             if "error" in out:  # let the running tasks end: one may name the cause (a corrupt object)
                 errors.append(out["error"])
             else:
                 names[i] = out["ok"]
-            bar.update(1)
+                if alone == i:
+                    alone = None
+            progress.done(i)
         curve = ray.get(curve_ref) if curve_ref is not None else {"ok": "[]"}
         if "error" in curve:
             errors.append(curve["error"])
@@ -160,11 +226,4 @@ def _on_ray(tasks, rows, store, placement, memory, tokens_curve, bar) -> tuple[l
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
-        for task in tasks:
-            store.drop_basis(_object_name("rows", task))
-    results = []
-    for i in range(len(tasks)):
-        arrays, meta = store.get_basis(names[i])
-        store.drop_basis(names[i])
-        results.append(GroupResult.from_stored(arrays, meta))
-    return results, by_tokens
+    return [names[i] for i in range(len(tasks))], by_tokens

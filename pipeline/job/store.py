@@ -313,6 +313,10 @@ class ShardStore:
             self._move_aside(self._basis_path(name))
             raise
 
+    def has_basis(self, name: str) -> bool:
+        fs, _ = self._fs_and_base
+        return fs.exists(self._basis_path(name))
+
     def drop_basis(self, name: str) -> None:
         fs, _ = self._fs_and_base
         if fs.exists(self._basis_path(name)):

@@ -1,0 +1,81 @@
+"""The reduce's progress on the console: groups done of groups planned, what runs, and an ETA.
+
+On a terminal a tqdm bar (its postfix names the running groups); elsewhere (`ray job submit` logs,
+files) one line per group started and finished, with the time left estimated from the groups done,
+each weighted by p^3 (the solve dominates). Notes (a task killed for memory) are one line either way.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class ReduceProgress:
+    """Progress of `names` (one per group task, p features each), reported to `stream`."""
+
+    def __init__(self, names: list[str], ps: list[int], stream=None, bar: bool | None = None) -> None:
+        self.names, self.stream = names, stream or sys.stderr
+        self.weights = [float(p) ** 3 for p in ps]
+        self.t0 = time.perf_counter()
+        self.begun: dict[int, float] = {}
+        self.finished: set[int] = set()
+        self.most_at_once = 0  # the most tasks that ran side by side
+        self.kills = 0  # tasks the node killed for memory
+        self.bar = None
+        interactive = bar if bar is not None else getattr(self.stream, "isatty", lambda: False)()
+        if interactive and names:
+            self.bar = tqdm(total=len(names), unit="group", desc="reduce", dynamic_ncols=True, file=self.stream)
+
+    def eta(self) -> float | None:
+        """Seconds left, from the weight done per second so far (None before the first group ends)."""
+        done = sum(self.weights[i] for i in self.finished)
+        if not done:
+            return None
+        left = sum(w for i, w in enumerate(self.weights) if i not in self.finished)
+        return (time.perf_counter() - self.t0) * left / done
+
+    def _line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"reduce: {text}", file=self.stream)
+        else:
+            print(f"reduce: {text}", file=self.stream, flush=True)
+
+    def _running(self) -> str:
+        return ", ".join(self.names[i] for i in self.begun if i not in self.finished)
+
+    def started(self, i: int) -> None:
+        self.begun[i] = time.perf_counter()
+        self.finished.discard(i)
+        self.most_at_once = max(self.most_at_once, sum(j not in self.finished for j in self.begun))
+        if self.bar is not None:
+            self.bar.set_postfix_str(self._running(), refresh=True)
+        else:
+            self._line(f"{self.names[i]} started ({len(self.finished)}/{len(self.names)} done; running: {self._running()})")
+
+    def done(self, i: int) -> None:
+        self.finished.add(i)
+        took = time.perf_counter() - self.begun.get(i, self.t0)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(self._running(), refresh=True)
+            return
+        eta = self.eta()
+        left = "" if eta is None or len(self.finished) == len(self.names) else f", about {_clock(eta)} left"
+        self._line(f"{len(self.finished)}/{len(self.names)} groups done ({self.names[i]} in {_clock(took)}){left}")
+
+    def killed(self, i: int, text: str) -> None:
+        """Task i was killed (it will start again): one line."""
+        self.kills += 1
+        self.begun.pop(i, None)
+        self._line(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
