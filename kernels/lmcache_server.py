@@ -12,7 +12,7 @@ argument goes to LMCache unchanged, e.g.
                        "artifact": "llama-3.1-8b@production", "ratio": 16, "registry": "s3://bucket/kvtc"}}'
 
 Install: pip install 'kvtc-calibration[serve]' (the server's start-up dependencies), then
-pip install --no-deps lmcache==0.5.6 (see the README: LMCache's own pins include CUDA packages).
+pip install --no-deps lmcache==0.5.6 (see docs/serving.md, "LMCache's own pins": they include CUDA packages).
 """
 from __future__ import annotations
 

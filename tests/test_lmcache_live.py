@@ -47,9 +47,10 @@ def found(tmp_path_factory, live):
 
 
 def readme_command(**values) -> list[str]:
-    """The README's `kvtc lmcache-server ...` arguments, parsed as a shell would, with `values` replacing its
-    flags' values (port, http_port, l1_size_gb) and its L2 adapter's base_path and serde fields."""
-    text = (ROOT / "README.md").read_text()
+    """docs/serving.md's `kvtc lmcache-server ...` arguments (the README's command, moved there), parsed as a
+    shell would, with `values` replacing its flags' values (port, http_port, l1_size_gb) and its L2 adapter's
+    base_path and serde fields."""
+    text = (ROOT / "docs" / "serving.md").read_text()
     start = text.index("kvtc lmcache-server --host")
     end, quoted = start, False
     while end < len(text):  # the command ends at a newline outside quotes that no backslash continues
@@ -70,7 +71,7 @@ def readme_command(**values) -> list[str]:
             adapter["base_path"] = str(values["base_path"])
             adapter["serde"].update(values["serde"])
             argv[i + 1] = json.dumps(adapter)
-    assert set(flags) | {"--host", "--l2-adapter"} <= set(argv), "the README's command lost a flag this test sets"
+    assert set(flags) | {"--host", "--l2-adapter"} <= set(argv), "docs/serving.md's command lost a flag this test sets"
     return argv[2:]
 
 

@@ -1,4 +1,4 @@
-"""`ray job submit` against a Ray head started on loopback, as the README shows for clusters: token
+"""`ray job submit` against a Ray head started on loopback, as docs/calibrate.md shows for clusters: token
 authentication on (Ray's default since 2.52), the submitting client given the head's token."""
 import os
 import secrets

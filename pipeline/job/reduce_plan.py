@@ -15,7 +15,7 @@ The node's budget (`node_budget`) is what Ray's memory monitor allows (`RAY_memo
 of the node's memory, 0.95 by default) minus what the node already uses (the driver, Ray's own
 processes, anything else) and a margin. `schedule` admits tasks while their sum fits, so large groups
 run one at a time and small ones side by side; a group that cannot fit alone is refused, before any
-model work when the plan runs at `kvtc calibrate`'s start (`check_reduce_fits`).
+model work when `kvtc calibrate` plans (`memory_plan.check_fits`, the largest group at `least_bytes`).
 
 cuSOLVER's `syevd` before CUDA 13 queries its workspace in 32 bits and fails above about n = 25K
 (`CUSOLVER_SYEVD_MAX_P`): such groups, and groups whose solve does not fit the GPU, solve on the CPU.

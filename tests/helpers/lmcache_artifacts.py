@@ -6,7 +6,7 @@ that asks calibrates; tests/test_lmcache_serde.py and tests/test_lmcache_live.py
 - "tiny-tp2": the same model calibrated the default way (keys RoPE-removed) for --tp 2 with one basis
   per layer (--groups layer), so it serves two tensor-parallel ranks and pipeline stages;
 - "tiny-attn": the same model with `--objective attention` (separate encode and decode matrices), keys
-  RoPE-removed and 4 sinks, the way the README serves it: a first chunk keeps its sinks raw.
+  RoPE-removed and 4 sinks, the way docs/serving.md serves it: a first chunk keeps its sinks raw.
 """
 from __future__ import annotations
 
