@@ -39,11 +39,11 @@ _ITEM = {"float32": 4, "float16": 2}
 
 
 def to_parquet(table: pa.Table, compression: str = "zstd") -> bytes:
-    sink = io.BytesIO()
+    sink = pa.BufferOutputStream()  # grows in place; one copy out (BytesIO held two, then a third)
     dense = compression == "none"  # bases: float data that dictionaries and codecs do not shrink
     pq.write_table(table, sink, compression=compression, use_dictionary=not dense,
                    row_group_size=4096 if dense else None)
-    return sink.getvalue()
+    return sink.getvalue().to_pybytes()
 
 
 def from_parquet(data: bytes | str) -> pa.Table:
@@ -51,7 +51,11 @@ def from_parquet(data: bytes | str) -> pa.Table:
 
 
 def _tensor(rows: np.ndarray) -> pa.ExtensionArray:
-    return pa.FixedShapeTensorArray.from_numpy_ndarray(np.array(rows, order="C", copy=True))
+    """rows (n, ...) C-ordered -> a tensor column over the same memory (a copy only when not contiguous)."""
+    arr = np.ascontiguousarray(rows)
+    if arr.ndim > 1 and arr.strides[0] < max(arr.strides[1:]):  # a length-1 axis may carry any stride
+        arr = arr.copy()
+    return pa.FixedShapeTensorArray.from_numpy_ndarray(arr)
 
 
 def encode_basis(mean: np.ndarray, eigenvalues: np.ndarray, components: np.ndarray, dtype: str) -> tuple[bytes, bytes]:
@@ -59,7 +63,7 @@ def encode_basis(mean: np.ndarray, eigenvalues: np.ndarray, components: np.ndarr
     k = components.shape[1]
     table = pa.table({"index": pa.array(np.arange(k, dtype=np.int32)),
                       "eigenvalue": pa.array(np.asarray(eigenvalues, dtype=np.float32)),
-                      "component": _tensor(np.asarray(components).T.astype(dtype))})
+                      "component": _tensor(np.ascontiguousarray(np.asarray(components).T, dtype=dtype))})
     if k == 0:
         table = table.replace_schema_metadata({"kvtc.p": str(components.shape[0])})
     means = pa.table({"mean": _tensor(np.asarray(mean, dtype=np.float32)[None, :])})
@@ -123,7 +127,7 @@ def encode_decoder(decoder: np.ndarray, dtype: str) -> bytes:
     """decoder (p, k) -> its file, stored as `dtype` like the components."""
     p, k = decoder.shape
     table = pa.table({"index": pa.array(np.arange(k, dtype=np.int32)),
-                      "decoder": _tensor(np.asarray(decoder).T.astype(dtype))})
+                      "decoder": _tensor(np.ascontiguousarray(np.asarray(decoder).T, dtype=dtype))})
     if k == 0:
         table = table.replace_schema_metadata({"kvtc.p": str(p)})
     return to_parquet(table, "none")

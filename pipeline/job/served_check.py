@@ -5,6 +5,7 @@ perplexity ratio, KL, stored ratio per CR) and the --json summary carries them (
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import tempfile
 from typing import Any
@@ -57,8 +58,11 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
             settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count,
                                     baselines=())
             rows = evaluate_sequences(lm, art, seqs, settings)
+            del lm, art  # the staged bases, the codec and the model go before the real publish builds its files
     except (ValueError, RuntimeError, OSError) as exc:  # the artifact itself is sound: publish it without the figure
         return None, f"served quality not measured in the job ({type(exc).__name__}: {exc}); run `kvtc eval NAME`"
+    finally:
+        gc.collect()
     return {"artifact": f"{content.name} (held-out sequences of its own corpus)", "corpus": content.corpus.get("spec"),
             "settings": {"ratios": list(settings.ratios), "continuation": continuation, "sequences": len(seqs),
                          "paths": "kvtc-Nx: offline codec (sinks and window raw); kvtc-chunk-Nx: 256-token chunks, "
