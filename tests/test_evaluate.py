@@ -117,3 +117,15 @@ def test_a_served_check_that_cannot_run_is_a_note_and_the_artifact_is_still_publ
 
     quality_result, note = served_quality(toy_content(), "tiny:no-such-architecture", None, 2, 8)
     assert quality_result is None and "served quality not measured in the job" in note and "kvtc eval" in note
+
+
+def test_a_served_check_that_cannot_fit_the_drivers_memory_is_a_note(monkeypatch):
+    from helpers.toy_artifacts import toy_content
+    from kvtc.pipeline.job import served_check
+
+    content = toy_content()
+    need = served_check.served_bytes(content)
+    assert need == served_check.SERVED_COPIES * sum(4 * b[2].size for b in content.bases.values()) > 0
+    monkeypatch.setattr(served_check, "_free_bytes", lambda: need - 1)
+    quality_result, note = served_check.served_quality(content, "tiny:llama", None, 2, 8)
+    assert quality_result is None and "GiB" in note and "kvtc eval" in note

@@ -4,8 +4,8 @@ Two phases peak apart: the shard pool (each worker holds the running totals of t
 routed to it: count, sum and packed Gram per stream and group, plus a shard's captured rows) and
 the reduce (the driver's held-out rows, and the largest group's task running alone with the solver
 of the smallest peak: `reduce_plan.least_bytes`; the reduce itself runs as many at once as fit), or
-the publish after it (`publish_bytes`: the driver holding every basis, their files and the served
-check's codec). Host memory does not count model weights (they
+the publish after it (`publish_bytes`: the driver holding every basis and their files; the served check
+measures only when its own copies fit, `served_check.served_bytes`). Host memory does not count model weights (they
 live on the GPUs on a cluster, and are small for the tiny geometry presets).
 
 On GPU workers `plan_gpus` sizes the worker: the weights spread layer by layer over its GPUs, a
@@ -66,10 +66,10 @@ def estimate(group_dims: list[int], *, accumulators: int, workers: int, rows_per
 
 def publish_bytes(group_dims: list[int], kept_max: int) -> int:
     """The driver's peak while it publishes (the group tasks have ended): every basis of both streams as
-    float32, the served check's staged copy loaded as a codec, then the artifact's encoded files, and one
-    basis's transient encoding copies (its rows, Arrow's buffer, the bytes)."""
+    float32, the artifact's encoded files, and one basis's transient encoding copies (its rows, Arrow's
+    buffer, the bytes)."""
     bases = [2 * 4 * p * min(p, kept_max) for p in group_dims]
-    return 3 * sum(bases) + 3 * max(bases, default=0) // 2
+    return 2 * sum(bases) + 3 * max(bases, default=0) // 2  # the served check skips itself when it cannot fit
 
 
 def check_fits(est: MemoryEstimate, available: int, num_layers: int, width: int, groups: str,

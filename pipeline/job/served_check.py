@@ -34,6 +34,23 @@ def metric_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+SERVED_COPIES = 5  # measured: the staged artifact's cache ~2.5x its bases, a ratio's codec ~1x, its chunk transform's ~1x
+
+
+def served_bytes(content: Any) -> int:
+    """The check's peak beside the artifact the driver already holds: SERVED_COPIES float32 copies of its bases."""
+    return SERVED_COPIES * sum(4 * int(b[2].shape[0]) * int(b[2].shape[1]) for b in content.bases.values())
+
+
+def _free_bytes() -> int:
+    import psutil
+
+    from kvtc.pipeline.job.reduce_plan import node_budget
+
+    vm = psutil.virtual_memory()
+    return max(0, node_budget(int(vm.total), int(vm.total - vm.available)))
+
+
 def served_quality(content: Any, model_spec: str, dtype: str | None, count: int, continuation: int,
                    model_config: Any = None, cache_dir: str | None = None) -> tuple[dict | None, str | None]:
     """Stage `content` in a temporary registry, load its model, score `count` of its held-out sequences through
@@ -48,6 +65,12 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
         if params > MAX_DRIVER_PARAMETERS:
             return None, (f"served quality not measured in the job: the model has {params / 1e9:.1f}B parameters and "
                           "the driver has no GPU; run `kvtc eval NAME` on a GPU node (its kvtc-chunk rows)")
+    need = served_bytes(content)
+    free = _free_bytes()
+    if need > free:
+        return None, (f"served quality not measured in the job: scoring needs about {need / 2**30:.1f} GiB beside the "
+                      f"artifact the driver holds, and {free / 2**30:.1f} GiB are free below the node's kill line; run "
+                      "`kvtc eval NAME` (its kvtc-chunk rows) on a node with more memory")
     try:
         with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp:
             # staged without its parent (it lives in the job's registry), read in place (no pull cache)
