@@ -70,6 +70,15 @@ class ReduceProgress:
         left = "" if eta is None or len(self.finished) == len(self.names) else f", about {_clock(eta)} left"
         self._line(f"{len(self.finished)}/{len(self.names)} groups done ({self.names[i]} in {_clock(took)}){left}")
 
+    def resumed(self, i: int) -> None:
+        """Task i's result was already in the store (a stopped job resumed): done, not run."""
+        self.finished.add(i)
+        self.weights[i] = 0.0  # took no time: the ETA counts only what runs
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            self._line(f"{self.names[i]}: resumed from its stored result ({len(self.finished)}/{len(self.names)} done)")
+
     def killed(self, i: int, text: str) -> None:
         """Task i was killed (it will start again): one line."""
         self.kills += 1

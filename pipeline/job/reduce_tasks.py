@@ -133,15 +133,19 @@ def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, 
     task beside the groups on Ray."""
     progress = progress or ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     try:
+        stored = [i for i, task in enumerate(tasks) if store.has_basis(result_name(task))]
+        for i in stored:  # a stopped job's finished groups: taken as they are
+            progress.resumed(i)
+        todo = [i for i in range(len(tasks)) if i not in stored]
         if placement.workers == 0:
             by_tokens = local_curve() if tokens_curve is not None and local_curve is not None else []
-            names = []
-            for i, task in enumerate(tasks):
+            for i in todo:
                 progress.started(i)
-                names.append(run_stored(task, store))
+                run_stored(tasks[i], store)
                 progress.done(i)
         else:
-            names, by_tokens = _on_ray(tasks, store, placement, peaks, budget, tokens_curve, progress)
+            by_tokens = _on_ray(tasks, todo, store, placement, peaks, budget, tokens_curve, progress)
+        names = [result_name(task) for task in tasks]
     finally:
         progress.close()
         for task in tasks:
@@ -159,7 +163,8 @@ def _killed_for_memory(exc: Exception) -> bool:
     return isinstance(exc, ray.exceptions.OutOfMemoryError) or "OutOfMemoryError" in type(exc).__name__
 
 
-def _on_ray(tasks, store, placement, peaks, budget, tokens_curve, progress) -> tuple[list[str], list[dict]]:
+def _on_ray(tasks, todo, store, placement, peaks, budget, tokens_curve, progress) -> list[dict]:
+    """Run tasks[i] for i in `todo` on Ray -> the error-by-tokens rows; results are in the store."""
     import ray
 
     cap = _node_memory()
@@ -172,7 +177,7 @@ def _on_ray(tasks, store, placement, peaks, budget, tokens_curve, progress) -> t
     pending: dict = {}
     names: dict[int, str] = {}
     errors: list[dict] = []
-    queue = list(range(len(tasks)))
+    queue = list(todo)
     killed: set[int] = set()
     alone: int | None = None  # a task killed for memory runs again with nothing beside it
     try:
@@ -226,4 +231,7 @@ def _on_ray(tasks, store, placement, peaks, budget, tokens_curve, progress) -> t
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
-    return [names[i] for i in range(len(tasks))], by_tokens
+    missing = [progress.names[i] for i in todo if i not in names]
+    if missing:
+        raise RuntimeError(f"reduce: no result for {', '.join(missing)}")
+    return by_tokens
