@@ -68,10 +68,11 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
     return rows
 
 
-def pca_error_by_position(basis, allocations, x, positions, edges=None) -> list[dict]:
+def pca_error_by_position(basis, allocations, x, positions, edges=None, projections=None) -> list[dict]:
     """PCA-only relative error by position bucket: rows {ratio, lo, hi, rows, rel_error}, one per
     allocation and bucket, with each allocation's kept components unquantized. x (N, p) raw rows at
-    `positions` (N,); buckets as kvtc.pipeline.evaluation.metrics.default_edges."""
+    `positions` (N,); buckets as kvtc.pipeline.evaluation.metrics.default_edges. projections: the rows'
+    centered projections (N, >= max kept), if already computed."""
     pos = np.asarray(positions).reshape(-1)
     edges = edges or default_edges(int(pos.max()) if pos.size else 0)
     ks = sorted({a.kept for a in allocations})
@@ -79,7 +80,8 @@ def pca_error_by_position(basis, allocations, x, positions, edges=None) -> list[
     for lo, hi in zip(edges[:-1], edges[1:]):
         sel = (pos >= lo) & (pos < hi)
         if sel.any():
-            errs = dict(zip(ks, pca_rel_error(basis, x[sel], ks)))
+            z = None if projections is None else projections[torch.from_numpy(sel)]
+            errs = dict(zip(ks, pca_rel_error(basis, x[sel], ks, projections=z)))
             out += [{"ratio": a.ratio, "lo": int(lo), "hi": int(hi), "rows": int(sel.sum()), "rel_error": float(errs[a.kept])}
                     for a in allocations]
     return out

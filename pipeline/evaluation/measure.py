@@ -48,9 +48,10 @@ def measure_group(fit: GroupFit, sinks: int, window: int, basis_size_curve: bool
     ks = sorted({k for k in PCA_KS if k <= basis.k} | {basis.k})
     curves["pca_error"] = [{"stream": stream, "group": group, "components": int(k), "rel_error": float(e)}
                            for k, e in zip(ks, pca_rel_error(basis, x_mid, ks, projections=z_mid))]
-    splits = [("heldout", x_mid, None, z_mid), ("heldout_all_positions", rows_all, fit.rows.positions, None)]
+    z_all = basis.project(rows_all)  # once per split: the metrics, both modes and the position curves share it
+    splits = [("heldout", x_mid, None, z_mid), ("heldout_all_positions", rows_all, fit.rows.positions, z_all)]
     if fit.rows.evals is not None:
-        splits.append(("eval", fit.rows.evals, None, None))
+        splits.append(("eval", fit.rows.evals, None, basis.project(fit.rows.evals)))
     for split, x, pos, z in splits:
         if pos is None:  # ECSQ mode
             out.metrics += rate_distortion.split_metrics(fits, basis, x, z, split, stream, group, out.ecsq_partials)
@@ -66,7 +67,8 @@ def measure_group(fit: GroupFit, sinks: int, window: int, basis_size_curve: bool
             out.partials[(a.ratio, stream, split)] = [ev.rel_error ** 2 * norm, norm, ev.bound_rel_error ** 2 * norm,
                                                       ev.bits_per_token]
     curves["error_by_position_pca"] = [{"stream": stream, "group": group, **r} for r in
-                                       diagnostics.pca_error_by_position(basis, allocs, rows_all, fit.rows.positions)]
+                                       diagnostics.pca_error_by_position(basis, allocs, rows_all, fit.rows.positions,
+                                                                         projections=z_all)]
     fixed_points = [(m["value"], next(r["value"] for r in out.metrics if r["metric"] == "rel_error" and r["split"] == "heldout"
                                       and r["ratio"] == m["ratio"]))
                     for m in out.metrics if m["metric"] == "bits_per_token" and m["split"] == "heldout"]

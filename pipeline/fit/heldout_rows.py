@@ -24,6 +24,13 @@ class HeldOut:
     def middle(self, sinks: int, window: int) -> np.ndarray:
         return (self.positions >= sinks) & (self.positions < self.seq_len - window)
 
+    def strided(self, rows: int) -> "HeldOut":
+        """At most `rows` of the rows, evenly strided (positions kept): a chart's sample."""
+        step = max(1, -(-len(self.positions) // rows))
+        if step == 1:
+            return self
+        return HeldOut(self.keys[::step], self.values[::step], self.positions[::step], self.seq_len)
+
     def group(self, stream: str, cols: slice | np.ndarray, evals: "HeldOut | None", sinks: int,
               window: int) -> "GroupRows":
         """One stream and group's columns of this split, and of `evals`' middle rows."""

@@ -1,5 +1,5 @@
 """The error-by-calibration-tokens curve (chart 1): calibrate on growing prefixes of the stored
-accumulators, in order, and measure each on the held-out rows. The calibration job computes it in
+accumulators, in order, and measure each on a sample of the held-out rows (CURVE_ROWS). The calibration job computes it in
 its reduce (`curve_from_store`); `error_by_tokens` recomputes it for a finished calibration, e.g.
 with another allocator setting or for an artifact stored without the curve."""
 from __future__ import annotations
@@ -12,6 +12,8 @@ from kvtc.pipeline.fit.heldout_rows import HeldOut
 from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.workers.stats import CalibrationStats
+
+CURVE_ROWS = 2048  # held-out (and second-domain) rows each prefix is measured on, evenly strided
 
 
 def fold_stats(store: ShardStore, accumulators: list[str], checkpoints: list[int] = (),
@@ -43,6 +45,8 @@ def error_by_tokens(store: ShardStore, accumulators: list[str], heldout: HeldOut
     and measure each with `prefix_errors`; tokens = rows that built the basis."""
     if not accumulators:
         raise ValueError("error_by_tokens needs at least one accumulator of training statistics")
+    heldout = heldout.strided(CURVE_ROWS)  # a chart: measured on a sample, the stored metrics use every row
+    evals = None if evals is None else evals.strided(CURVE_ROWS)
     rows: list[dict] = []
     fold_stats(store, accumulators, checkpoints=prefix_points(len(accumulators), points),
                on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k, settings)))
