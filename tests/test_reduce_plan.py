@@ -148,3 +148,79 @@ def test_a_group_task_resumes_after_its_checkpointed_solve(tmp_path, monkeypatch
     np.testing.assert_array_equal(fresh.basis[2], arrays["components"])
     clear([task], store)
     assert not store.has_basis(name) and not store.has_basis(rows_name(task))
+
+
+class _FakeRay:
+    """Just enough of Ray for the reduce's scheduler: tasks finish in submission order; `kills` says how many
+    times the node kills each task index for memory."""
+
+    def __init__(self, kills: dict[int, int]) -> None:
+        self.kills, self.refs, self.running, self.together = dict(kills), {}, [], []
+        self.exceptions = type("exceptions", (), {"OutOfMemoryError": type("OutOfMemoryError", (Exception,), {})})
+
+    def nodes(self):
+        return [{"Alive": True, "Resources": {"memory": float(1 << 50)}}]
+
+    def remote(self, **_):
+        fake = self
+
+        class Submit:
+            def remote(self, *args):
+                ref = object()
+                fake.refs[ref] = args[-1]["index"]
+                fake.running.append(ref)
+                fake.together.append(sorted(fake.refs[r] for r in fake.running))
+                return ref
+
+        class Remote:
+            def options(self, **_):
+                return Submit()
+
+        return lambda fn: Remote()
+
+    def wait(self, refs, num_returns=1):
+        return [refs[0]], refs[1:]
+
+    def get(self, ref):
+        i = self.refs[ref]
+        self.running.remove(ref)
+        if self.kills.get(i, 0):
+            self.kills[i] -= 1
+            raise self.exceptions.OutOfMemoryError(f"task {i} killed")
+        return {"ok": f"result-{i}"}
+
+    def cancel(self, ref, force=False):
+        pass
+
+
+def _schedule_on(fake, monkeypatch, peaks, budget, workers=2):
+    import sys
+
+    from kvtc.pipeline.job import reduce_tasks
+    from kvtc.pipeline.job.group_task import GroupTask
+    from kvtc.pipeline.job.progress import ReduceProgress
+
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setitem(sys.modules, "ray.exceptions", fake.exceptions)
+    tasks = [GroupTask(i, "keys", i, 8, ("a",), (8.0,), {}, 0, 0, 1) for i in range(len(peaks))]
+    store = type("Store", (), {"root": "r", "model_id": "m", "capture_key": "c"})()
+    progress = ReduceProgress([f"keys group {i}" for i in range(len(peaks))], [8] * len(peaks), bar=False)
+    reduce_tasks._on_ray(tasks, list(range(len(peaks))), store, reduce_tasks.Placement(workers, 1), peaks, budget, None,
+                         progress)
+    return progress
+
+
+def test_the_reduce_admits_tasks_only_while_their_planned_peaks_fit(monkeypatch):
+    fake = _FakeRay({})
+    progress = _schedule_on(fake, monkeypatch, [8 * GIB, 8 * GIB, 1 * GIB, 1 * GIB], 12 * GIB)
+    assert max(len(t) for t in fake.together) == 2 and progress.kills == 0
+    assert all(sum([8, 8, 1, 1][i] for i in t) <= 12 for t in fake.together)  # the two large ones never together
+
+
+def test_a_task_the_node_kills_runs_again_alone_and_twice_alone_stops_the_job(monkeypatch, capsys):
+    fake = _FakeRay({0: 1})
+    progress = _schedule_on(fake, monkeypatch, [2 * GIB] * 3, 12 * GIB)
+    assert progress.kills == 1 and [0] in fake.together[2:]  # the rerun of task 0 had nothing beside it
+    assert "the node killed keys group 0 for memory" in capsys.readouterr().err
+    with pytest.raises(MemoryError, match=r"keys group 1 for memory twice.*checkpointed"):
+        _schedule_on(_FakeRay({1: 2}), monkeypatch, [2 * GIB] * 3, 12 * GIB)
