@@ -40,7 +40,13 @@ def unpack_upper(packed: np.ndarray, p: int, out: np.ndarray | None = None) -> n
 def symmetric(packed: np.ndarray, p: int) -> np.ndarray:
     """(p(p+1)/2,) -> full symmetric (p, p)."""
     full = unpack_upper(packed, p)
-    return np.triu(full) + np.triu(full, 1).T
+    step = 512
+    for a in range(0, p, step):  # mirror the upper triangle into the lower one, a block of columns at a time
+        b = min(a + step, p)
+        full[b:, a:b] = full[a:b, b:].T
+        tile = full[a:b, a:b]
+        tile += np.triu(tile, 1).T
+    return full
 
 
 def diagonal(packed: np.ndarray, p: int) -> np.ndarray:

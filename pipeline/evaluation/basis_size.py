@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from kvtc.pipeline.evaluation.rate_distortion import CURVE_ROWS, sample_rows, split_error
+from kvtc.pipeline.evaluation.rate_distortion import CURVE_ROWS, sample_rows, split_base, split_error
 from kvtc.pipeline.fit.ecsq import EcsqFit, EcsqSettings, fit_ecsq, heldout_variances
 from kvtc.pipeline.evaluation.charts import figure, png
 from kvtc.pipeline.fit.pca import Basis
@@ -37,6 +37,7 @@ def curve_rows(basis: Basis, x: np.ndarray, z: torch.Tensor, stream: str, group:
     sigma = np.sqrt(heldout_variances(torch.as_tensor(z, dtype=torch.float32)))
     norm = float(torch.as_tensor(x, dtype=torch.float32).double().square().sum())
     stored = {f.ratio: f for f in fits or []}
+    base = split_base(basis, x, z)
     rows = []
     for ratio in ratios:
         uncapped = stored.get(float(ratio))
@@ -45,7 +46,7 @@ def curve_rows(basis: Basis, x: np.ndarray, z: torch.Tensor, stream: str, group:
                 fit = uncapped
             else:
                 fit = fit_ecsq(ratio, z, basis.dim, dataclasses.replace(settings, max_components=cap), sigma)
-            err, _ = split_error(fit, basis, x, z)
+            err, _ = split_error(fit, basis, x, z, base)
             rows.append({"stream": stream, "group": group, "ratio": float(ratio), "cap": int(cap),
                          "components": fit.kept, "basis_elements": basis.dim * (fit.kept + 1),
                          "rel_error": math.sqrt(err / max(norm, 1e-300))})

@@ -21,13 +21,22 @@ from kvtc.pipeline.fit.pca import Basis
 STREAMS = ("keys", "values")
 
 
-def split_error(fit: EcsqFit, basis: Basis, x: np.ndarray, z: torch.Tensor | None = None) -> tuple[float, float]:
-    """Raw rows x (N, p) -> (summed squared error of the ECSQ reconstruction, summed ||x||^2)."""
+def split_base(basis: Basis, x: np.ndarray, z: torch.Tensor | None = None) -> tuple[float, float, torch.Tensor]:
+    """What every fit's error on rows x (N, p) shares: (variance outside the basis's k columns, summed
+    ||x||^2, projections z (N, k))."""
     xt = torch.as_tensor(x, dtype=torch.float32)
     z = basis.project(xt) if z is None else torch.as_tensor(z, dtype=torch.float32)
     centered = float((xt - torch.from_numpy(basis.mean).float()).double().square().sum())
-    outside = max(centered - float(z.double().square().sum()), 0.0)  # variance outside the basis's k columns
-    return squared_error(fit, z) + outside, float(xt.double().square().sum())
+    outside = max(centered - float(z.double().square().sum()), 0.0)
+    return outside, float(xt.double().square().sum()), z
+
+
+def split_error(fit: EcsqFit, basis: Basis, x: np.ndarray, z: torch.Tensor | None = None,
+                base: tuple[float, float, torch.Tensor] | None = None) -> tuple[float, float]:
+    """Raw rows x (N, p) -> (summed squared error of the ECSQ reconstruction, summed ||x||^2).
+    base: `split_base` of the same rows, when several fits are measured on them."""
+    outside, norm, z = base if base is not None else split_base(basis, x, z)
+    return squared_error(fit, z) + outside, norm
 
 
 def split_metrics(fits: list[EcsqFit], basis: Basis, x: np.ndarray, z: torch.Tensor | None, split: str,
@@ -36,8 +45,9 @@ def split_metrics(fits: list[EcsqFit], basis: Basis, x: np.ndarray, z: torch.Ten
     z = basis.project(torch.as_tensor(x, dtype=torch.float32)) if z is None else z
     rows = []
     variance = heldout_variances(z) if split == "heldout" else None
+    base = split_base(basis, x, z)
     for f in fits:
-        err, norm = split_error(f, basis, x, z)
+        err, norm = split_error(f, basis, x, z, base)
         acc = totals.setdefault((f.ratio, stream, split), [0.0, 0.0, 0.0])
         acc[0] += err
         acc[1] += norm
@@ -91,9 +101,10 @@ def curve_rows(basis: Basis, x: np.ndarray, z: torch.Tensor, stream: str, group:
     extra = [fit_ecsq(r, zs, basis.dim, settings, sigma) for r in extra_ratios
              if r not in done and 16 * basis.dim / r >= 1 and zs.shape[0] >= 16]
     rows = []
+    full, sample = split_base(basis, x, z), split_base(basis, xs, zs)
     for f in list(fits) + extra:
         sampled = f in extra
-        err, _ = split_error(f, basis, xs, zs) if sampled else split_error(f, basis, x, z)
+        err, _ = split_error(f, basis, xs, zs, sample) if sampled else split_error(f, basis, x, z, full)
         bits = float(f.budget_bits)
         for mode, value in (("ecsq", err / (norm_s if sampled else norm)),
                             ("bound_calibration", waterfilling_distortion(basis.eigenvalues, bits, tail) * n / norm),
