@@ -12,6 +12,9 @@ exactly, so a result read back equals the one written.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -24,7 +27,7 @@ from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
 from kvtc.pipeline.fit.pca import cpu_threads
 from kvtc.pipeline.fit.pca import Basis
 from kvtc.pipeline.job.basis_solver import max_components, metric_whitening, solve
-from kvtc.pipeline.job.reduce_plan import Solver, widen
+from kvtc.pipeline.job.reduce_plan import Solver, choose, widen
 from kvtc.pipeline.job.store import ShardStore
 
 KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer than this share of it
@@ -64,9 +67,6 @@ class GroupTask:
 
     def key(self) -> str:
         """What the task computes, for its checkpoints' names (not its memory budget or solver choice)."""
-        import hashlib
-        import json
-
         what = {k: v for k, v in self.to_json().items() if k not in self.PLACEMENT}
         return f"{self.stream}-g{self.group}-{hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]}"
 
@@ -193,8 +193,6 @@ def drop_solved(store: ShardStore, task: GroupTask) -> None:
 def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResult:
     """solve -> fit -> measure of one stream and group, on `task.threads` CPU threads; each solve is
     checkpointed in the store, and a checkpoint left by an earlier attempt is resumed from."""
-    from kvtc.pipeline.job.reduce_plan import choose
-
     alloc = AllocatorSettings.from_dict(task.allocator)
     bound = max_components(task.p, task.ratios, alloc)
     n_rows = rows.rows.shape[0] + (0 if rows.evals is None else rows.evals.shape[0])

@@ -141,23 +141,23 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
     tasks, peaks = [], []
     budget = reduce_budget(placement)
     gpu = gpu_solve(placement)
+    n_rows = len(held.positions) + (0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum()))
     for stream in STREAMS:
-        columns = columns_of[stream]
         for g, group in enumerate(groups):
             p = group.dim(*dims[stream])
-            rows = held.group(stream, columns[g], evals, cap.sinks, cap.window)
-            n_rows = rows.rows.shape[0] + (0 if evals is None else rows.evals.shape[0])
             bound = max_components(p, red.ratios, alloc)
             solver = choose(p, bound, budget, n_rows, gpu)
-            task = GroupTask(len(tasks), stream, g, p, tuple(names), tuple(red.ratios), alloc.to_dict(), cap.sinks,
-                             cap.window, threads, solver.device, budget,
-                             red.attention_metric.to_json() if cap.objective == "attention" else None, asdict(solver))
-            store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})  # read by the task, not kept here
-            tasks.append(task)
+            tasks.append(GroupTask(len(tasks), stream, g, p, tuple(names), tuple(red.ratios), alloc.to_dict(),
+                                   cap.sinks, cap.window, threads, solver.device, budget,
+                                   red.attention_metric.to_json() if cap.objective == "attention" else None,
+                                   asdict(solver)))
             peaks.append(task_bytes(p, bound, n_rows, solver))
-            del rows
     plans = [Planned(t.index, f"{t.stream} group {t.group}", t.p, Solver(**t.solver), b) for t, b in zip(tasks, peaks)]
-    refuse_unless_fits(plans, budget, *_node_memory_now())
+    refuse_unless_fits(plans, budget, *_node_memory_now())  # before anything is written
+    for task in tasks:  # each group's rows go to the store for its task; the driver keeps none of them
+        rows = held.group(task.stream, columns_of[task.stream][task.group], evals, cap.sinks, cap.window)
+        store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})
+        del rows
 
     def local_curve() -> list[dict]:
         return error_by_tokens(store, names, held, evals, curve["ratio"], cap.sinks, cap.window, curve["points"],

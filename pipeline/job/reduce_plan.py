@@ -13,7 +13,7 @@ plus the largest of its phases:
 
 The node's budget (`node_budget`) is what Ray's memory monitor allows (`RAY_memory_usage_threshold`
 of the node's memory, 0.95 by default) minus what the node already uses (the driver, Ray's own
-processes, anything else) and a margin. `schedule` admits tasks while their sum fits, so large groups
+processes, anything else) and a margin. `admit` starts tasks while their sum fits, so large groups
 run one at a time and small ones side by side; a group that cannot fit alone is refused, before any
 model work when `kvtc calibrate` plans (`memory_plan.check_fits`, the largest group at `least_bytes`).
 
