@@ -129,3 +129,4 @@ def test_exact_eigh_drivers_agree():
     for k in (4, 90):  # an index range (syevr) and one syevd cut to k
         vals, vecs = exact_eigh(cov.copy(), k)
         assert np.allclose(vals, want_vals[::-1][:k]) and np.allclose(fix_signs(vecs), fix_signs(want_vecs[:, ::-1][:, :k]))
+

@@ -155,3 +155,18 @@ def test_group_task_reruns_the_published_group_and_survives_the_store(calibrated
         assert [(r, c.tolist()) for r, c in other["models"]] == [(r, c.tolist()) for r, c in table["models"]]
     with pytest.raises(ValueError, match="bad stream"):
         GroupTask(0, "queries", 0, p, ("a",), (4.0,), {}, 4, 16, threads=1)
+
+
+def test_the_jobs_own_error_by_tokens_curve_agrees_with_a_refold(calibrated):
+    """The reduce measures the curve in its group tasks, from the running sums of each group's own solve;
+    a refold of the stored accumulators gives the same curve."""
+    summary, ctx, art = calibrated
+    stored = art.curve("error_by_tokens")
+    tokens = sorted({r["tokens"] for r in stored})
+    assert len(tokens) >= 2 and tokens[-1] == art.manifest["calibration"]["train_rows"]
+    refold = {(r["tokens"], r["stream"], r["split"]): r["rel_error"] for r in _curve(ctx, art)}
+    for r in stored:
+        assert r["rel_error"] == pytest.approx(refold[(r["tokens"], r["stream"], r["split"])], rel=1e-4)
+    for stream in ("keys", "values"):
+        by = {r["tokens"]: r["rel_error"] for r in stored if r["stream"] == stream and r["split"] == "heldout"}
+        assert by[tokens[0]] > by[tokens[-1]]

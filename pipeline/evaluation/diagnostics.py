@@ -15,14 +15,20 @@ from kvtc.artifacts.schema import STREAMS
 from kvtc.kernels.layers import stream_dims
 from kvtc.pipeline.evaluation.metrics import default_edges, evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
-from kvtc.pipeline.fit.pca import Basis, fix_signs
+from kvtc.pipeline.fit.pca import Basis, covariance_f32, fix_signs
+
+CURVE_ROWS = 2048  # held-out (and second-domain) rows each prefix is measured on, evenly strided
 
 
 def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
-    """Leading k principal components of merged moments by randomized subspace iteration (float32
-    GEMMs, float64 Rayleigh-Ritz): far cheaper than a full eigh at p in the thousands."""
+    """Leading k principal components of merged moments (gram: (p, p), or its packed upper triangle) by
+    randomized subspace iteration (float32 GEMMs, float64 Rayleigh-Ritz): far cheaper than a full eigh
+    at p in the thousands."""
     mu = np.asarray(sum_, dtype=np.float64) / n
-    cov = torch.from_numpy(np.asarray(gram, dtype=np.float64) / n - np.outer(mu, mu)).float()
+    if np.ndim(gram) == 1:
+        cov = covariance_f32(n, mu, np.asarray(gram, dtype=np.float64))
+    else:
+        cov = torch.from_numpy(np.asarray(gram, dtype=np.float64) / n - np.outer(mu, mu)).float()
     p = cov.shape[0]
     width = min(p, int(k) + 32)
     q = torch.randn(p, width, generator=torch.Generator().manual_seed(seed))
@@ -33,6 +39,40 @@ def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
     comps = (q.double() @ vecs[:, order]).numpy()
     return Basis(mu, np.clip(evals[order].numpy(), 0.0, None), np.ascontiguousarray(fix_signs(comps)),
                  float(max(torch.diagonal(cov).double().sum().item(), 0.0)), int(n))
+
+
+def group_prefix_partials(basis: Basis, rows, ratio: float, sinks: int, window: int,
+                          settings: AllocatorSettings | None = None) -> dict[str, list[float]]:
+    """One stream and group's share of an error-by-tokens point: split -> [squared error x norm, norm] of
+    `basis` with one DP allocation at `ratio` (analytic error model unless `settings` says), on a sample
+    of CURVE_ROWS of its held-out rows (`rows`: a GroupRows; middle positions) and of its second domain."""
+    settings = settings or AllocatorSettings(error_model="analytic")
+    step = max(1, -(-len(rows.positions) // CURVE_ROWS))
+    sample, positions = rows.rows[::step], rows.positions[::step]
+    mid = sample[(positions >= sinks) & (positions < rows.seq_len - window)]
+    (alloc,) = allocate([ratio], basis, mid, settings)
+    splits = [("heldout", mid)]
+    if rows.evals is not None:
+        splits.append(("eval", rows.evals[::max(1, -(-rows.evals.shape[0] // CURVE_ROWS))]))
+    out = {}
+    for name, x in splits:
+        norm = float(np.square(x, dtype=np.float64).sum())
+        (ev,) = evaluate(basis, [alloc], x)
+        out[name] = [ev.rel_error ** 2 * norm, norm]
+    return out
+
+
+def stream_prefix_rows(parts: list[tuple[str, list[dict]]]) -> list[dict]:
+    """Curve rows {tokens, stream, split, rel_error} from every group's `by_tokens` partials
+    ({tokens, split, err, norm}), given as (stream, partials) in (stream, group) order."""
+    acc: dict[tuple, list[float]] = {}
+    for stream, partials in parts:
+        for r in partials:
+            a = acc.setdefault((int(r["tokens"]), stream, r["split"]), [0.0, 0.0])
+            a[0] += r["err"]
+            a[1] += r["norm"]
+    return [{"tokens": t, "stream": s, "split": split, "rel_error": math.sqrt(e / max(n, 1e-300))}
+            for (t, s, split), (e, n) in sorted(acc.items(), key=lambda kv: (kv[0][0], STREAMS.index(kv[0][1]), kv[0][2]))]
 
 
 def prefix_points(n_shards: int, points: int) -> list[int]:

@@ -48,7 +48,7 @@ def measure_group(fit: GroupFit, sinks: int, window: int, basis_size_curve: bool
     ks = sorted({k for k in PCA_KS if k <= basis.k} | {basis.k})
     curves["pca_error"] = [{"stream": stream, "group": group, "components": int(k), "rel_error": float(e)}
                            for k, e in zip(ks, pca_rel_error(basis, x_mid, ks, projections=z_mid))]
-    z_all = basis.project(rows_all)  # once per split: the metrics, both modes and the position curves share it
+    z_all = basis.project(rows_all) if fit.z_all is None else fit.z_all  # once per split: every metric shares it
     splits = [("heldout", x_mid, None, z_mid), ("heldout_all_positions", rows_all, fit.rows.positions, z_all)]
     if fit.rows.evals is not None:
         splits.append(("eval", fit.rows.evals, None, basis.project(fit.rows.evals)))

@@ -17,7 +17,8 @@ class EvalSettings:
     per sequence; sequences: how many held-out sequences; baselines: subset of BASELINES; mode: the
     codec's mode, "ecsq" or "fixed" (None: the codec's default, ECSQ where the artifact has its tables);
     served: also each ratio through the chunk path the serving integrations use (`kvtc-chunk-{r}x` rows:
-    kvtc.pipeline.evaluation.served), for artifacts the chunk path serves."""
+    kvtc.pipeline.evaluation.served), for artifacts the chunk path serves; attention_errors: also the errors
+    in the attention objective's metric (each sequence's own queries captured; off, the rows carry none)."""
 
     ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
     continuation: int = 64
@@ -26,6 +27,7 @@ class EvalSettings:
     kivi_configs: tuple[tuple[int, int], ...] = KIVI_CONFIGS
     mode: str | None = None
     served: bool = True
+    attention_errors: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in (None, "ecsq", "fixed"):
@@ -155,7 +157,7 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
 
     record = CalibrationRecord.from_manifest(artifact.manifest)
     projections = mla.up_projections(lm.model, lm.layers) if is_mla(lm.layers) else None
-    metric = _metric_capture(lm)
+    metric = _metric_capture(lm) if settings.attention_errors else None
     sinks, window = record.sinks, record.window
     tallies: dict[str, _Tally] = {}
     count = 0

@@ -17,8 +17,8 @@ from kvtc.pipeline.fit.pca import Basis
 @dataclass
 class GroupFit:
     """The fit stage's result for one stream and group: its basis, its held-out rows (`rows`, every
-    position; the middle ones `x_mid` (M, p) and their projections `z_mid` (M, k)), the DP allocations
-    and the ECSQ fits at every ratio, and the seconds the fit took."""
+    position, and their projections `z_all` (N, k); the middle ones `x_mid` (M, p) and `z_mid` (M, k)),
+    the DP allocations and the ECSQ fits at every ratio, and the seconds the fit took."""
 
     stream: str
     group: int
@@ -30,6 +30,7 @@ class GroupFit:
     fits: list[ecsq_fit.EcsqFit]
     seconds: float = 0.0
     max_components: int = 0  # the basis budget the fits were capped at (0: none)
+    z_all: torch.Tensor | None = None
 
     @property
     def kept(self) -> int:
@@ -40,10 +41,12 @@ def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSet
               sinks: int, window: int) -> GroupFit:
     """DP allocations and ECSQ tables at `ratios` on the held-out middle rows' projections."""
     t0 = time.perf_counter()
-    x_mid = rows.rows[rows.middle(sinks, window)]
-    z_mid = basis.project(x_mid)  # one GEMM serves the error tables, the ECSQ fit and the held-out metrics
+    mid = rows.middle(sinks, window)
+    x_mid = rows.rows[mid]
+    z_all = basis.project(rows.rows)  # one GEMM serves the error tables, the ECSQ fit and every metric
+    z_mid = z_all[torch.from_numpy(mid)]
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
     fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
                                ecsq_fit.EcsqSettings(max_components=alloc.max_components))
     return GroupFit(stream, group, basis, rows, x_mid, z_mid, allocs, fits, time.perf_counter() - t0,
-                    alloc.max_components)
+                    alloc.max_components, z_all)

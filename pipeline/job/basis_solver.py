@@ -9,7 +9,8 @@ Where: the group's reduce task (`group_task.run_group`) calls it, on its device 
 float64 on a GPU; LAPACK on the CPU threads the task holds).
 
 How (`reduce_plan.choose`, from k / p and the task's memory): exact (one LAPACK solve in place,
-pca.exact_eigh: syevd, or syevr where only its smaller peak fits) whenever the allocation may need
+pca.exact_eigh: syevd; above EXACT_MAX_P syevd in float32, or float64 syevr where only its smaller
+peak fits) whenever the allocation may need
 most components, or p is small; subspace iteration only when the allocation can keep few components
 (k <= p / FEW_SHARE), or no exact solve fits. A subspace that the allocation fills (keeps > 80% of
 it) is followed by one exact solve if it fits, else a subspace twice as wide (`reduce_plan.widen`).
@@ -17,12 +18,15 @@ it) is followed by one exact solve if it fits, else a subspace twice as wide (`r
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
-from kvtc.pipeline.fit.pca import EXACT_MAX_P, Basis, basis_from_covariance, covariance_upper, pca_from_packed
+from kvtc.pipeline.fit.pca import (EXACT_MAX_P, Basis, basis_from_covariance, covariance_f32, covariance_upper,
+                                   pca_from_packed)
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.workers.triangle import diagonal
 
@@ -32,10 +36,27 @@ def max_components(p: int, ratios, settings: AllocatorSettings) -> int:
     return settings.kept_bound(p, ratios)
 
 
-def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """(n, sum (p,), packed Gram (p(p+1)/2,)) of (stream, group) over `names`, added in that order."""
+Moments = tuple[int, np.ndarray, np.ndarray]  # (n, sum (p,), packed upper Gram (p(p+1)/2,)), float64
+
+
+@dataclass
+class Solution:
+    """One solve: the basis, how it was computed (method, LAPACK driver), the seconds of its sum and of
+    its eigensolver."""
+
+    basis: Basis
+    method: str
+    driver: str
+    sum_s: float
+    eig_s: float
+
+
+def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: int,
+                     checkpoints: tuple[int, ...] = (), prefixes: list[Moments] | None = None) -> Moments:
+    """(n, sum (p,), packed Gram (p(p+1)/2,)) of (stream, group) over `names`, added in that order; a copy
+    of the running sums after the first c accumulators, for each c in `checkpoints`, goes to `prefixes`."""
     n, total, packed = 0, None, None
-    for name in names:
+    for i, name in enumerate(names):
         part = store.get_acc(name, keys=[(stream, group)])
         pn, ps, pg = part.packed(stream, group)
         if packed is None:
@@ -45,6 +66,8 @@ def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: in
             total += ps
             packed += pg
         del part, pg
+        if prefixes is not None and i + 1 in checkpoints:
+            prefixes.append((n, total.copy(), packed.copy()))
     if packed is None:
         raise ValueError("no training statistics to reduce; the corpus gave no training shard")
     return n, total, packed
@@ -68,15 +91,37 @@ def metric_whitening(store: ShardStore, names: list[str], stream: str, group: in
     return Whitening.of(blocks)
 
 
+def prefix_moments(store: ShardStore, names: list[str], stream: str, group: int, checkpoints: tuple[int, ...],
+                   whitening: Whitening | None = None) -> list[Moments]:
+    """The running sums of (stream, group) after the first c accumulators, for each c in `checkpoints`
+    (in the whitened space with a whitening)."""
+    prefixes: list[Moments] = []
+    if checkpoints:
+        sum_accumulators(store, names[:max(checkpoints)], stream, group, checkpoints, prefixes)
+        if whitening is not None:
+            for _, s, g in prefixes:
+                whitening.whiten_packed(s, g)
+    return prefixes
+
+
 def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, device: str = "cpu",
-          method: str = "auto", whitening: Whitening | None = None, driver: str = "evd") -> tuple[Basis, dict]:
-    """Basis of (stream, group) from the stored accumulators -> (basis, timings {sum_s, eig_s}); with a
-    whitening, the basis of the whitened features (orthonormal in the metric's space). An exact solve
-    releases the packed Gram once the p x p matrix holds it (reduce_plan.solve_bytes)."""
+          method: str = "auto", whitening: Whitening | None = None, driver: str = "evd",
+          checkpoints: tuple[int, ...] = (), on_prefixes: Callable[[list[Moments]], None] | None = None) -> Solution:
+    """Basis of (stream, group) from the stored accumulators; with a whitening, the basis of the whitened
+    features (orthonormal in the metric's space). An exact solve releases the packed Gram once the p x p
+    matrix holds it (reduce_plan.solve_bytes). `on_prefixes` is given the running sums after the first c
+    accumulators for each c in `checkpoints` (the last may be all of them), before the eigensolver starts."""
     t0 = time.perf_counter()
-    n, total, packed = sum_accumulators(store, names, stream, group)
+    prefixes: list[Moments] = []
+    short = tuple(c for c in checkpoints if c < len(names)) if on_prefixes is not None else ()
+    n, total, packed = sum_accumulators(store, names, stream, group, short, prefixes)
     if whitening is not None:
         whitening.whiten_packed(total, packed)
+        for _, s, g in prefixes:
+            whitening.whiten_packed(s, g)
+    if on_prefixes is not None and checkpoints:
+        on_prefixes(prefixes + ([(n, total, packed)] if len(names) in checkpoints else []))
+    del prefixes
     t1 = time.perf_counter()
     p = total.shape[0]
     k = min(k, p)
@@ -87,7 +132,10 @@ def solve(store: ShardStore, names: list[str], stream: str, group: int, k: int, 
     else:
         mu = total / n
         variance = float(max((diagonal(packed, p) / n - mu * mu).sum(), 0.0))
-        cov = covariance_upper(n, mu, packed)
+        if driver == "evd32" and not device.startswith("cuda"):
+            cov = covariance_f32(n, mu, packed).numpy()  # built in float64 row blocks, stored in float32
+        else:
+            cov = covariance_upper(n, mu, packed)
         del packed
         basis = basis_from_covariance(cov, mu, variance, int(n), k, device, driver)
-    return basis, {"sum_s": t1 - t0, "eig_s": time.perf_counter() - t1, "method": method, "driver": driver}
+    return Solution(basis, method, driver, t1 - t0, time.perf_counter() - t1)

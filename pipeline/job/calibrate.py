@@ -48,7 +48,7 @@ def _memory_estimate(cfg: JobSettings, num_layers, kv_heads: int, head_dim: int,
     settings = CaptureSettings(groups=groups, tp=cfg.capture.tp)
     dims = [g.dim(kv_heads, head_dim) for g in settings.group_layers(num_layers, kv_heads)]
     return estimate(dims, accumulators=cfg.reduce.accumulators, workers=workers, rows_per_batch=cfg.plan.seq_len,
-                    heldout_rows=cfg.reduce.heldout_rows,
+                    heldout_rows=cfg.reduce.heldout_rows, curve_points=cfg.reduce.tokens_curve_points,
                     kept_max=max(max_components(p, cfg.reduce.ratios, cfg.allocator) for p in dims))
 
 

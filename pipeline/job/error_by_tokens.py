@@ -1,19 +1,17 @@
-"""The error-by-calibration-tokens curve (chart 1): calibrate on growing prefixes of the stored
-accumulators, in order, and measure each on a sample of the held-out rows (CURVE_ROWS). The calibration job computes it in
-its reduce (`curve_from_store`); `error_by_tokens` recomputes it for a finished calibration, e.g.
-with another allocator setting or for an artifact stored without the curve."""
+"""The error-by-calibration-tokens curve (chart 1) of a finished calibration: calibrate on growing
+prefixes of the stored accumulators, in order, and measure each on a sample of the held-out rows
+(CURVE_ROWS), e.g. with another allocator setting or for an artifact stored without the curve. The
+calibration job computes it in its group tasks instead (`group_task.run_group`: each group's prefix
+sums are kept while it sums its accumulators, and solved on its own basis's subspace)."""
 from __future__ import annotations
 
 from typing import Callable
 
-from kvtc.pipeline.evaluation.diagnostics import prefix_errors, prefix_points
+from kvtc.pipeline.evaluation.diagnostics import CURVE_ROWS, prefix_errors, prefix_points
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.fit.heldout_rows import HeldOut
-from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.workers.stats import CalibrationStats
-
-CURVE_ROWS = 2048  # held-out (and second-domain) rows each prefix is measured on, evenly strided
 
 
 def fold_stats(store: ShardStore, accumulators: list[str], checkpoints: list[int] = (),
@@ -51,13 +49,3 @@ def error_by_tokens(store: ShardStore, accumulators: list[str], heldout: HeldOut
     fold_stats(store, accumulators, checkpoints=prefix_points(len(accumulators), points),
                on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k, settings)))
     return rows
-
-
-def curve_from_store(store: ShardStore, accumulators: list[str], heldout_shards: list[str], eval_shards: list[str],
-                     rows_cap: int, ratio: float, sinks: int, window: int, points: int, k: int) -> list[dict]:
-    """`error_by_tokens` with the held-out rows read from the store (what a reduce task is given)."""
-    held = load_rows(store, heldout_shards, rows_cap)
-    if held is None:
-        raise ValueError("no held-out shard; raise --holdout-fraction or --tokens")
-    evals = load_rows(store, eval_shards, rows_cap) if eval_shards else None
-    return error_by_tokens(store, accumulators, held, evals, ratio, sinks, window, points, k)

@@ -19,14 +19,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from kvtc.pipeline.evaluation.diagnostics import group_prefix_partials, top_basis
 from kvtc.pipeline.evaluation.measure import CURVES, GroupMeasure, measure_group
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.fit.group_fit import fit_group
 from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
-from kvtc.pipeline.fit.pca import cpu_threads
-from kvtc.pipeline.fit.pca import Basis
-from kvtc.pipeline.job.basis_solver import max_components, metric_whitening, solve
+from kvtc.pipeline.fit.pca import Basis, cpu_threads
+from kvtc.pipeline.job.basis_solver import Moments, max_components, metric_whitening, prefix_moments, solve
 from kvtc.pipeline.job.reduce_plan import Solver, choose, widen
 from kvtc.pipeline.job.store import ShardStore
 
@@ -38,7 +38,9 @@ class GroupTask:
     """What one stream and group's reduce needs besides its rows: the accumulators to sum (in order),
     the ratios and allocator settings, sinks and window, the device of the solve, the CPU threads it
     may use (fixed per job, so the result does not depend on how many workers ran), the bytes it may
-    hold (`budget`) and the solver the reduce plan chose within them (`reduce_plan.Solver` as a dict)."""
+    hold (`budget`) and the solver the reduce plan chose within them (`reduce_plan.Solver` as a dict).
+    curve: the error-by-tokens points this group measures, {"points": prefix lengths in accumulators
+    (the last one all of them), "ratio", "k": components of each prefix's basis}; None: no curve."""
 
     index: int
     stream: str
@@ -54,6 +56,12 @@ class GroupTask:
     budget: int = 0
     metric: dict | None = None  # the attention objective's AttentionMetric (None: the cache's own squared error)
     solver: dict | None = None  # None: reduce_plan.choose within `budget`
+    curve: dict | None = None
+
+    @property
+    def checkpoints(self) -> tuple[int, ...]:
+        """The error-by-tokens prefixes, in accumulators (the last one may be all of them)."""
+        return tuple(int(c) for c in self.curve["points"]) if self.curve else ()
 
     PLACEMENT = ("budget", "solver", "device")  # where and how it runs, not what it computes
 
@@ -107,6 +115,7 @@ class GroupResult:
     fit_s: float = 0.0
     decoder: np.ndarray | None = None
     metric_root: np.ndarray | None = None  # the attention metric's S blocks (blocks, d, d) float32
+    by_tokens: list[dict] = field(default_factory=list)  # error-by-tokens partials {tokens, split, err, norm}
 
     @property
     def solve_s(self) -> float:
@@ -130,7 +139,7 @@ class GroupResult:
                 "metrics": m.metrics, "curves": m.curves, "measure_s": m.seconds, "fit_s": self.fit_s,
                 "partials": [[list(k), v] for k, v in m.partials.items()],
                 "ecsq_partials": [[list(k), v] for k, v in m.ecsq_partials.items()],
-                "solves": [asdict(s) for s in self.solves]}
+                "solves": [asdict(s) for s in self.solves], "by_tokens": self.by_tokens}
         return arrays, meta
 
     @classmethod
@@ -150,7 +159,7 @@ class GroupResult:
                                ecsq_partials={tuple(k): v for k, v in meta["ecsq_partials"]}, seconds=meta["measure_s"])
         return cls(stream, group, (arrays["mean"], arrays["eigenvalues"], arrays["components"]), allocations, ecsq,
                    measure, list(meta["notes"]), int(meta["train_rows"]), [Solved(**s) for s in meta["solves"]],
-                   float(meta["fit_s"]), arrays.get("decoder"), arrays.get("metric_root"))
+                   float(meta["fit_s"]), arrays.get("decoder"), arrays.get("metric_root"), list(meta.get("by_tokens", [])))
 
 
 def whitened_rows(rows: GroupRows, whitening: Whitening) -> GroupRows:
@@ -190,6 +199,21 @@ def drop_solved(store: ShardStore, task: GroupTask) -> None:
     store.drop_basis(_solved_name(task))
 
 
+def curve_bases(task: GroupTask, prefixes: list[Moments]) -> list[Basis]:
+    """The top-k basis of each error-by-tokens prefix (`top_basis`: randomized subspace iteration)."""
+    return [top_basis(n, s, packed, min(int(task.curve["k"]), task.p)) for n, s, packed in prefixes]
+
+
+def prefix_partials(task: GroupTask, bases: list[Basis], rows: GroupRows) -> list[dict]:
+    """This group's error-by-tokens partials {tokens, split, err, norm}, one prefix basis after another."""
+    out: list[dict] = []
+    for b in bases:
+        for split, (err, norm) in group_prefix_partials(b, rows, float(task.curve["ratio"]), task.sinks,
+                                                        task.window).items():
+            out.append({"tokens": int(b.n), "split": split, "err": err, "norm": norm})
+    return out
+
+
 def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResult:
     """solve -> fit -> measure of one stream and group, on `task.threads` CPU threads; each solve is
     checkpointed in the store, and a checkpoint left by an earlier attempt is resumed from."""
@@ -207,13 +231,22 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
                                          AttentionMetric(**task.metric))
             rows = whitened_rows(rows, whitening)
         resumed = load_solved(store, task)
+        bases: list[Basis] | None = None
+
+        def keep(prefixes: list[Moments]) -> None:  # before the eigensolver: the running sums go right after
+            nonlocal bases
+            bases = curve_bases(task, prefixes)
+
         while True:
             if resumed is not None:
                 (basis, solved), resumed = resumed, None
             else:
-                basis, t = solve(store, list(task.accumulators), task.stream, task.group, solver.k, solver.device,
-                                 solver.method, whitening, solver.driver)
-                solved = Solved(t["method"], basis.k, solver.device, t["sum_s"], t["eig_s"], t["driver"])
+                sol = solve(store, list(task.accumulators), task.stream, task.group, solver.k, solver.device,
+                            solver.method, whitening, solver.driver, task.checkpoints,
+                            keep if task.curve and bases is None else None)
+                basis = sol.basis
+                solved = Solved(sol.method, basis.k, solver.device, sol.sum_s, sol.eig_s, sol.driver)
+                del sol
                 save_solved(store, task, basis, solved)
             solves.append(solved)
             fitted = fit_group(task.stream, task.group, basis, task.ratios, alloc, rows, task.sinks, task.window)
@@ -222,6 +255,13 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
             k = basis.k
             del basis, fitted
             solver = widen(task.p, k, bound, task.budget or (1 << 62), n_rows)
+        by_tokens: list[dict] = []
+        if task.curve:
+            if bases is None:  # a resumed solve: the running sums are summed again
+                keep(prefix_moments(store, list(task.accumulators), task.stream, task.group, task.checkpoints,
+                                    whitening))
+            by_tokens = prefix_partials(task, bases, rows)
+        del bases
         measured = measure_group(fitted, task.sinks, task.window)
     kept = fitted.kept
     mean, encoder, decoder = basis.mean, basis.components[:, :kept], None
@@ -237,4 +277,4 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
         (mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32), encoder.astype(np.float32)),
         allocations, {(f.ratio, task.stream, task.group): f.to_table() for f in fitted.fits}, measured,
         list(dict.fromkeys(w for a in fitted.allocs for w in a.warnings)), basis.n, solves, fitted.seconds, decoder,
-        None if whitening is None else whitening.root.astype(np.float32))
+        None if whitening is None else whitening.root.astype(np.float32), by_tokens)

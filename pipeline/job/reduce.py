@@ -2,9 +2,9 @@
 every stream and group, measure them on held-out rows (and the second domain), and publish.
 
 Stages, typed: `reduce(ReduceInput, Placement) -> Reduced` runs every stream and group's
-solve -> fit -> measure (`group_task.run_group`: a `GroupResult` carrying each stage's seconds) in
-this process or as Ray tasks on the job's workers (`reduce_tasks`), with the error-by-tokens curve
-beside them; then `publish(ReduceInput, Reduced) -> Published` assembles the manifest fields, the
+solve -> fit -> measure (`group_task.run_group`: a `GroupResult` carrying each stage's seconds, and
+its share of the error-by-tokens curve) in this process or as Ray tasks on the job's workers
+(`reduce_tasks`); then `publish(ReduceInput, Reduced) -> Published` assembles the manifest fields, the
 stream-level metrics (`evaluation.measure.stream_rows`), report and charts, and publishes.
 
 Accumulators are summed in accumulator order, each folded in shard order, and group results are
@@ -26,11 +26,11 @@ from kvtc.artifacts.groups import FeatureGroup, group_columns
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.layers import layers_of, layers_to_json, stream_dims
 from kvtc.pipeline.evaluation import report
+from kvtc.pipeline.evaluation.diagnostics import prefix_points, stream_prefix_rows
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows
 from kvtc.pipeline.fit.metric import encode_root, metric_file
 from kvtc.pipeline.fit.pca import cores
 from kvtc.pipeline.job.basis_solver import max_components
-from kvtc.pipeline.job.error_by_tokens import error_by_tokens
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask
 from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, Solver, choose, node_budget, refuse_unless_fits, task_bytes
@@ -133,9 +133,8 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
     p_total = sum(g.dim(kv_heads, head_dim) for g in groups)
     curve = None
     if red.tokens_curve_points > 0:  # error against calibration tokens (chart 1): prefixes of the accumulators
-        curve = dict(accumulators=names, heldout_shards=heldout_ids, eval_shards=eval_ids, rows_cap=red.heldout_rows,
-                     ratio=red.curve_ratio, sinks=cap.sinks, window=cap.window, points=red.tokens_curve_points,
-                     k=_curve_k(p_total, red.curve_ratio))
+        curve = {"points": prefix_points(len(names), red.tokens_curve_points), "ratio": red.curve_ratio,
+                 "k": _curve_k(p_total, red.curve_ratio)}
 
     threads = placement.threads if placement.workers else cores()
     tasks, peaks = [], []
@@ -147,11 +146,13 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
             p = group.dim(*dims[stream])
             bound = max_components(p, red.ratios, alloc)
             solver = choose(p, bound, budget, n_rows, gpu)
-            tasks.append(GroupTask(len(tasks), stream, g, p, tuple(names), tuple(red.ratios), alloc.to_dict(),
-                                   cap.sinks, cap.window, threads, solver.device, budget,
-                                   red.attention_metric.to_json() if cap.objective == "attention" else None,
-                                   asdict(solver)))
-            peaks.append(task_bytes(p, bound, n_rows, solver))
+            task = GroupTask(index=len(tasks), stream=stream, group=g, p=p, accumulators=tuple(names),
+                             ratios=tuple(red.ratios), allocator=alloc.to_dict(), sinks=cap.sinks, window=cap.window,
+                             threads=threads, device=solver.device, budget=budget,
+                             metric=red.attention_metric.to_json() if cap.objective == "attention" else None,
+                             solver=asdict(solver), curve=curve)
+            tasks.append(task)
+            peaks.append(task_bytes(p, bound, n_rows, solver, sum(c < len(names) for c in task.checkpoints)))
     plans = [Planned(t.index, f"{t.stream} group {t.group}", t.p, Solver(**t.solver), b) for t, b in zip(tasks, peaks)]
     refuse_unless_fits(plans, budget, *_node_memory_now())  # before anything is written
     for task in tasks:  # each group's rows go to the store for its task; the driver keeps none of them
@@ -159,15 +160,11 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
         store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})
         del rows
 
-    def local_curve() -> list[dict]:
-        return error_by_tokens(store, names, held, evals, curve["ratio"], cap.sinks, cap.window, curve["points"],
-                               curve["k"])
-
     eval_rows = 0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum())
-    if curve is None:
-        del held, evals
+    del held, evals
     progress = ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
-    results, by_tokens = run_groups(tasks, store, placement, peaks, budget, curve, local_curve, progress)
+    results = run_groups(tasks, store, placement, peaks, budget, progress)
+    by_tokens = stream_prefix_rows([(r.stream, r.by_tokens) for r in results])
     for r in results:
         notes.extend(w for w in r.notes if w not in notes)
     plan = {"budget_bytes": budget, "peak_bytes": max(peaks, default=0), "at_once": progress.most_at_once,
@@ -224,7 +221,8 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
         cfg, reduced.groups, inp.model_dtype, reduced.tokens_in, int(train_rows), reduced.heldout_rows,
         reduced.eval_rows, reduced.notes,
         {"ratio": cfg.reduce.curve_ratio, "components": _curve_k(p_total, cfg.reduce.curve_ratio),
-         "method": "top-k randomized PCA, analytic DP", "prefixes": "whole accumulators, in order"},
+         "method": "top-k randomized PCA, analytic DP, in the objective's space",
+         "prefixes": "whole accumulators, in order"},
         kv_heads).to_manifest()
     # the per-layer attention schema, on every artifact (the fingerprint carries it only for mixed models,
     # so uniform models keep their model ids): kind, window/chunk, RoPE or none, KV heads, head dim

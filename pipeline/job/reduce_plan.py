@@ -6,7 +6,7 @@ plus the largest of its phases:
 - sum: the running packed Gram and the accumulator being added (2 packed);
 - solve, by solver: exact on CPU (`pca.covariance_upper` beside the packed Gram, then the packed Gram
   released: LAPACK in place on the p x p float64 matrix, syevd's 2 p^2 workspace or syevr's p^2
-  eigenvectors: `pca.exact_peak_bytes`); subspace iteration (the packed Gram, a float32 p x p
+  eigenvectors; float32 syevd on `pca.covariance_f32`'s matrix: `pca.exact_peak_bytes`); subspace iteration (the packed Gram, a float32 p x p
   covariance and its iterates); on CUDA the matrix travels to the device and the host keeps one copy;
 - fit and measure: the float64 basis (p, k), its float32 copies, and the held-out rows with their
   projections.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kvtc.pipeline.fit.pca import EXACT_MAX_P, exact_peak_bytes
+from kvtc.pipeline.fit.pca import EXACT_DRIVERS, EXACT_MAX_P, exact_peak_bytes
 
 GIB = 1 << 30
 TASK_BASE = 700 << 20  # a Ray worker with torch, numpy and scipy imported, measured ~0.55 GiB
@@ -34,6 +34,7 @@ FEW_SHARE = 8  # subspace iteration pays when the allocation keeps at most p / F
 SUBSPACE_START = 512  # first subspace width: max(SUBSPACE_START, p / 16)
 CUSOLVER_SYEVD_MAX_P = 24576  # largest n cuSOLVER's syevd takes before CUDA 13 (32-bit workspace query)
 GPU_USABLE = 0.90
+LARGE_DRIVERS = ("evd32", "evr")  # exact CPU solves above EXACT_MAX_P, by preference
 
 
 def packed(p: int) -> int:
@@ -49,7 +50,8 @@ def solve_bytes(p: int, k: int, method: str, driver: str = "evd", device: str = 
     if device.startswith("cuda"):
         return max(sum_bytes(p), packed(p) + 8 * p * p, 8 * p * p + 8 * p * k)
     if method == "exact":
-        return max(sum_bytes(p), packed(p) + 8 * p * p, exact_peak_bytes(p, k, driver))
+        matrix = 4 * p * p + 8 * 512 * p if driver == "evd32" else 8 * p * p
+        return max(sum_bytes(p), packed(p) + matrix, exact_peak_bytes(p, k, driver))
     width = min(p, k + max(32, k // 4))
     return max(sum_bytes(p), packed(p) + 4 * p * p + 3 * 4 * p * width + 8 * p * k)
 
@@ -61,8 +63,8 @@ def fit_bytes(p: int, k: int, rows: int) -> int:
 
 @dataclass(frozen=True)
 class Solver:
-    """How one group solves: `method` exact | subspace, LAPACK `driver` evd | evr, `k` components first,
-    on `device`."""
+    """How one group solves: `method` exact | subspace, LAPACK `driver` evd | evr | evd32 (syevd in float32),
+    `k` components first, on `device`."""
 
     method: str
     k: int
@@ -70,21 +72,22 @@ class Solver:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.method not in ("exact", "subspace") or self.driver not in ("evd", "evr") or self.k < 1:
+        if self.method not in ("exact", "subspace") or self.driver not in EXACT_DRIVERS or self.k < 1:
             raise ValueError(f"solver: bad method {self.method!r}, driver {self.driver!r} or k {self.k}")
 
 
 def choose(p: int, bound: int, budget: int, rows: int = 0, gpu: "GpuSolve | None" = None) -> Solver:
     """The solver for a group of p features whose allocations keep at most `bound` components, within
-    `budget` bytes for the whole task: exact (syevd, else syevr when only its smaller peak fits) when most
-    components may be kept or p is small; subspace iteration for few components or when no exact solve fits."""
+    `budget` bytes for the whole task: exact when most components may be kept or p is small (float64 syevd
+    up to EXACT_MAX_P; above it float32 syevd, twice as fast and its peak lower, else float64 syevr when only
+    its peak fits); subspace iteration for few components or when no exact solve fits."""
     if gpu is not None and gpu.takes(p):
         return Solver("exact", bound, "evd", "cuda")
     if p <= EXACT_MAX_P:
         return Solver("exact", bound)
     if bound * FEW_SHARE <= p:
         return Solver("subspace", bound)
-    for driver in ("evd", "evr"):
+    for driver in LARGE_DRIVERS:
         if task_bytes(p, bound, rows, Solver("exact", bound, driver)) <= budget:
             return Solver("exact", bound, driver)
     return Solver("subspace", min(bound, max(SUBSPACE_START, p // 16)))
@@ -92,24 +95,29 @@ def choose(p: int, bound: int, budget: int, rows: int = 0, gpu: "GpuSolve | None
 
 def widen(p: int, k: int, bound: int, budget: int, rows: int = 0) -> Solver:
     """The solve after a subspace of k components that the allocation filled: exact if it fits, else twice as wide."""
-    for driver in ("evd", "evr"):
+    for driver in LARGE_DRIVERS:
         if task_bytes(p, bound, rows, Solver("exact", bound, driver)) <= budget:
             return Solver("exact", bound, driver)
     return Solver("subspace", min(bound, 2 * k))
 
 
-def task_bytes(p: int, bound: int, rows: int, solver: Solver) -> int:
-    """Peak bytes of one group task with this solver (a subspace may widen up to `bound`)."""
+def task_bytes(p: int, bound: int, rows: int, solver: Solver, prefixes: int = 0) -> int:
+    """Peak bytes of one group task with this solver (a subspace may widen up to `bound`), holding the
+    running sums of `prefixes` error-by-tokens points (packed Grams) through its solve and one float32
+    covariance while it measures them."""
     k = bound if solver.method == "exact" else min(bound, 2 * solver.k)
-    return TASK_BASE + max(solve_bytes(p, k, solver.method, solver.driver, solver.device), fit_bytes(p, bound, rows))
+    held = prefixes * packed(p)
+    curve = held + 4 * p * p if prefixes else 0
+    return TASK_BASE + max(solve_bytes(p, k, solver.method, solver.driver, solver.device) + held,
+                           fit_bytes(p, bound, rows) + curve)
 
 
-def least_bytes(p: int, bound: int, rows: int) -> int:
+def least_bytes(p: int, bound: int, rows: int, prefixes: int = 0) -> int:
     """The smallest peak any CPU solver gives the group (what must fit for it to run at all)."""
     if p <= EXACT_MAX_P or bound * FEW_SHARE <= p:
-        return task_bytes(p, bound, rows, choose(p, bound, 0, rows))
-    return min(task_bytes(p, bound, rows, Solver("exact", bound, "evr")),
-               task_bytes(p, bound, rows, Solver("subspace", min(bound, max(SUBSPACE_START, p // 16)))))
+        return task_bytes(p, bound, rows, choose(p, bound, 0, rows), prefixes)
+    return min(task_bytes(p, bound, rows, Solver("exact", bound, "evr"), prefixes),
+               task_bytes(p, bound, rows, Solver("subspace", min(bound, max(SUBSPACE_START, p // 16))), prefixes))
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,9 @@ runs again alone, from its checkpoint; killed again alone, the job stops and say
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
-from typing import Callable
-
 
 from kvtc.pipeline.fit.heldout_rows import GroupRows
-from kvtc.pipeline.fit.pca import cpu_threads
-from kvtc.pipeline.job.error_by_tokens import curve_from_store
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask, drop_solved, run_group
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_plan import GIB, admit
@@ -111,13 +106,6 @@ def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict
     return run_stored(task, ShardStore(root, model_id, capture_key))
 
 
-@_reported
-def _tokens_curve_body(root: str, model_id: str, capture_key: str, threads: int, curve_args: dict) -> str:
-    """Body of the error-by-tokens task: the curve rows as JSON."""
-    with cpu_threads(threads):
-        return json.dumps(curve_from_store(ShardStore(root, model_id, capture_key), **curve_args))
-
-
 def _node_memory() -> int:
     import ray
 
@@ -125,12 +113,9 @@ def _node_memory() -> int:
 
 
 def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, peaks: list[int], budget: int,
-               tokens_curve: dict | None = None, local_curve: Callable[[], list[dict]] | None = None,
-               progress: ReduceProgress | None = None) -> tuple[list[GroupResult], list[dict]]:
-    """(results in task order, error-by-tokens rows). The tasks' rows are in the store (`rows_name`);
-    `peaks`: each task's planned peak bytes; `budget`: bytes the tasks may hold together.
-    `tokens_curve`: curve_from_store's arguments, computed by `local_curve` in this process, or as a
-    task beside the groups on Ray."""
+               progress: ReduceProgress | None = None) -> list[GroupResult]:
+    """The results in task order. The tasks' rows are in the store (`rows_name`); `peaks`: each task's
+    planned peak bytes; `budget`: bytes the tasks may hold together."""
     progress = progress or ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     try:
         stored = [i for i, task in enumerate(tasks) if store.has_basis(result_name(task))]
@@ -138,13 +123,12 @@ def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, 
             progress.resumed(i)
         todo = [i for i in range(len(tasks)) if i not in stored]
         if placement.workers == 0:
-            by_tokens = local_curve() if tokens_curve is not None and local_curve is not None else []
             for i in todo:
                 progress.started(i)
                 run_stored(tasks[i], store)
                 progress.done(i)
         else:
-            by_tokens = _on_ray(tasks, todo, store, placement, peaks, budget, tokens_curve, progress)
+            _on_ray(tasks, todo, store, placement, peaks, budget, progress)
         names = [result_name(task) for task in tasks]
     finally:
         progress.close()
@@ -154,7 +138,7 @@ def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, 
     for name in names:
         arrays, meta = store.get_basis(name)
         results.append(GroupResult.from_stored(arrays, meta))
-    return results, by_tokens
+    return results
 
 
 def _killed_for_memory(exc: Exception) -> bool:
@@ -163,17 +147,13 @@ def _killed_for_memory(exc: Exception) -> bool:
     return isinstance(exc, ray.exceptions.OutOfMemoryError) or "OutOfMemoryError" in type(exc).__name__
 
 
-def _on_ray(tasks, todo, store, placement, peaks, budget, tokens_curve, progress) -> list[dict]:
-    """Run tasks[i] for i in `todo` on Ray -> the error-by-tokens rows; results are in the store."""
+def _on_ray(tasks, todo, store, placement, peaks, budget, progress) -> None:
+    """Run tasks[i] for i in `todo` on Ray; their results go to the store."""
     import ray
 
     cap = _node_memory()
     where = (store.root, store.model_id, store.capture_key)
     group_fn = ray.remote(max_retries=2)(_group_task_body)  # a lost worker: the retry resumes from the checkpoint
-    curve_ref = None
-    if tokens_curve is not None:  # the refold holds every group's statistics at once: it asks for what they need
-        curve_ref = ray.remote(max_retries=2)(_tokens_curve_body).options(num_cpus=placement.threads).remote(
-            *where, placement.threads, tokens_curve)
     pending: dict = {}
     names: dict[int, str] = {}
     errors: list[dict] = []
@@ -222,16 +202,11 @@ def _on_ray(tasks, todo, store, placement, peaks, budget, tokens_curve, progress
                 if alone == i:
                     alone = None
             progress.done(i)
-        curve = ray.get(curve_ref) if curve_ref is not None else {"ok": "[]"}
-        if "error" in curve:
-            errors.append(curve["error"])
         if errors:  # tasks sharing a corrupt accumulator: one moved it aside, the others found it missing
             raise _error(next((e for e in errors if e["kind"] in ("CorruptStats", "DegenerateStats")), errors[0]))
-        by_tokens = json.loads(curve["ok"])
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
     missing = [progress.names[i] for i in todo if i not in names]
     if missing:
         raise RuntimeError(f"reduce: no result for {', '.join(missing)}")
-    return by_tokens

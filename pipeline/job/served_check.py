@@ -79,7 +79,7 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
             lm = load_model(model_spec, dtype=dtype, cache_dir=cache_dir)
             seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions)
             settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count,
-                                    baselines=())
+                                    baselines=(), attention_errors=False)  # the manifest keeps ppl, KL, CR
             rows = evaluate_sequences(lm, art, seqs, settings)
             del lm, art  # the staged bases, the codec and the model go before the real publish builds its files
     except (ValueError, RuntimeError, OSError) as exc:  # the artifact itself is sound: publish it without the figure
