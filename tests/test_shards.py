@@ -127,3 +127,24 @@ def test_skipped_files_are_counted_through_make_shards(tok, tmp_path: Path) -> N
         got = shards(str(tmp_path), tok, seq_len=32, counts=counts)
     assert got and counts.files_skipped == 2 and counts.files_read == 1
     assert sum(issubclass(w.category, CorpusWarning) for w in caught) == 2
+
+
+def test_the_fold_bar_counts_the_planned_shards_and_ends_full(tok, capsys) -> None:
+    from kvtc.pipeline.job.progress import ShardProgress
+    from kvtc.pipeline.job.shards import ShardPlan, plan_shards
+
+    plan = ShardPlan(corpus="pydoc", tokens=4096, eval_corpus="stdlib", eval_tokens=1024, seq_len=256,
+                     seqs_per_shard=2, seed=0, holdout_fraction=0.2)
+    shards = list(plan_shards(plan, tok))
+    assert plan.most_shards == 10 and len(shards) == plan.most_shards  # 8 train/held-out, 2 eval
+    expected = [plan.most_shards]
+    with ShardProgress(lambda: expected[0]) as bar:
+        assert bar.bar.total == 10
+        for i in range(7):
+            if i == 3:
+                expected[0] -= 3  # three shards found cached
+            bar.advance({"tokens_run": 512})
+        assert bar.bar.total == 7 and bar.tokens == 7 * 512
+    with ShardProgress(lambda: 10) as bar:  # the corpus ran out early: the bar still ends full
+        bar.advance({"tokens_run": 1})
+    assert bar.bar.total == bar.bar.n == 1

@@ -24,21 +24,39 @@ def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
     """Leading k principal components of merged moments (gram: (p, p), or its packed upper triangle) by
     randomized subspace iteration (float32 GEMMs, float64 Rayleigh-Ritz): far cheaper than a full eigh
     at p in the thousands."""
-    mu = np.asarray(sum_, dtype=np.float64) / n
-    if np.ndim(gram) == 1:
-        cov = covariance_f32(n, mu, np.asarray(gram, dtype=np.float64))
-    else:
-        cov = torch.from_numpy(np.asarray(gram, dtype=np.float64) / n - np.outer(mu, mu)).float()
-    p = cov.shape[0]
-    width = min(p, int(k) + 32)
-    q = torch.randn(p, width, generator=torch.Generator().manual_seed(seed))
-    for _ in range(iters + 1):
-        q, _ = torch.linalg.qr(cov @ q)
-    evals, vecs = torch.linalg.eigh((q.T @ cov @ q).double())
-    order = torch.argsort(evals, descending=True)[: min(int(k), p)]
-    comps = (q.double() @ vecs[:, order]).numpy()
-    return Basis(mu, np.clip(evals[order].numpy(), 0.0, None), np.ascontiguousarray(fix_signs(comps)),
-                 float(max(torch.diagonal(cov).double().sum().item(), 0.0)), int(n))
+    return PrefixSolver(k, iters, seed)(n, sum_, gram)
+
+
+class PrefixSolver:
+    """Top-k bases of growing prefixes of one stream and group's statistics, called in prefix order: the
+    first by `iters` subspace iterations from random vectors, each later one by a single power step from
+    the previous prefix's subspace (a prefix holds the previous one's rows, so no later data reaches an
+    earlier point, and a step from a near subspace costs half an iteration from random vectors)."""
+
+    def __init__(self, k: int, iters: int = 2, seed: int = 0) -> None:
+        self.k, self.iters, self.seed = int(k), iters, seed
+        self.q: torch.Tensor | None = None
+
+    def __call__(self, n: int, sum_, gram) -> Basis:
+        mu = np.asarray(sum_, dtype=np.float64) / n
+        if np.ndim(gram) == 1:
+            cov = covariance_f32(n, mu, np.asarray(gram, dtype=np.float64))
+        else:
+            cov = torch.from_numpy(np.asarray(gram, dtype=np.float64) / n - np.outer(mu, mu)).float()
+        p = cov.shape[0]
+        if self.q is None:
+            q = torch.randn(p, min(p, self.k + 32), generator=torch.Generator().manual_seed(self.seed))
+            steps = self.iters + 1
+        else:
+            q, steps = self.q, 1
+        for _ in range(steps):
+            q, _ = torch.linalg.qr(cov @ q)
+        evals, vecs = torch.linalg.eigh((q.T @ cov @ q).double())
+        self.q = q
+        order = torch.argsort(evals, descending=True)[: min(self.k, p)]
+        comps = (q.double() @ vecs[:, order]).numpy()
+        return Basis(mu, np.clip(evals[order].numpy(), 0.0, None), np.ascontiguousarray(fix_signs(comps)),
+                     float(max(torch.diagonal(cov).double().sum().item(), 0.0)), int(n))
 
 
 def group_prefix_partials(basis: Basis, rows, ratio: float, sinks: int, window: int,
@@ -81,10 +99,12 @@ def prefix_points(n_shards: int, points: int) -> list[int]:
 
 
 def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, k: int = 1024,
-                  settings=None) -> list[dict]:
+                  settings=None, solvers: dict | None = None) -> list[dict]:
     """Rows {tokens, stream, split, rel_error} of one prefix: `total` is the CalibrationStats folded
-    so far; a top-k basis (`top_basis`), one DP allocation at `ratio` (analytic error model unless
-    `settings` says), stream-level error over all groups on held-out (and eval) rows."""
+    so far; a top-k basis (a `PrefixSolver` per stream and group, kept in `solvers` across the prefixes),
+    one DP allocation at `ratio` (analytic error model unless `settings` says), stream-level error over all
+    groups on held-out (and eval) rows."""
+    solvers = {} if solvers is None else solvers
     settings = settings or AllocatorSettings(error_model="analytic")
     splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
     dims = stream_dims(total.fingerprint)  # an MLA model's streams differ in width
@@ -93,7 +113,8 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
         acc = {name: [0.0, 0.0] for name, _ in splits}
         for g, cols in enumerate(group_columns(total.groups, *dims[stream])):
             n, s, gram = total.stream(stream, g)
-            basis = top_basis(n, s, gram, min(k, total.stream_dims(stream)[g]))
+            solver = solvers.setdefault((stream, g), PrefixSolver(min(k, total.stream_dims(stream)[g])))
+            basis = solver(n, s, gram)
             mid = heldout.middle(sinks, window)
             (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, cols], settings)
             for name, rows_ in splits:

@@ -163,23 +163,31 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     capture, rt = cfg.capture, cfg.runtime
     shards_seen: list[dict] = []
     duplicates: list[str] = []
+    plan = shard_plan(cfg, cfg.plan.tokens)
+    expected = [plan.most_shards]  # the bar's total: shards planned, less those found cached
 
     def payloads(store: ShardStore, planner: FoldPlanner):
-        for role, shard in plan_shards(shard_plan(cfg, cfg.plan.tokens), planned.tokenizer, fingerprint["max_positions"],
-                                       duplicates):
+        for role, shard in plan_shards(plan, planned.tokenizer, fingerprint["max_positions"], duplicates):
             entry = {"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size), "cached": False}
             shards_seen.append(entry)
             if role == "train":
                 tasks = planner.add(shard.index, shard.id, {"shard": shard.to_payload()})
                 entry["cached"] = not tasks
+                expected[0] += len(tasks) - 1
                 yield from tasks
                 continue
             if role == "eval":
-                yield from planner.finish()  # the training stream has ended
+                finished = planner.finish()  # the training stream has ended
+                expected[0] += len(finished)
+                yield from finished
             entry["cached"] = store.has(shard.id, "rows")
             if not entry["cached"]:
                 yield {"shard": shard.to_payload(), "role": role}
-        yield from planner.finish()
+            else:
+                expected[0] -= 1
+        finished = planner.finish()
+        expected[0] += len(finished)
+        yield from finished
 
     # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
     worker_gpu = torch.cuda.is_available() if in_process else gpus >= 1
@@ -191,10 +199,12 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
         cache_dir=rt.cache_dir, threads=rt.threads_per_worker, rows_per_heldout_shard=max(1, cfg.reduce.heldout_rows // 2),
         fingerprint=fingerprint, model_dtype=model_dtype,
     )
+    total = lambda: max(1, expected[0])  # noqa: E731
     if in_process:
-        workers, pool = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner))
+        workers, pool = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), total)
     else:
-        workers, pool = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs, payloads(store, planner))
+        workers, pool = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs, payloads(store, planner),
+                                    total)
     return Folded(store, shards_seen, planner.accumulators(), pool.results, workers, model_dtype, gpus >= 1, duplicates,
                   pool.startup_s, pool.run_s)
 
@@ -285,9 +295,10 @@ def run_figures(planned: Planned, folded: Folded, reduced: Reduced, published: P
     return out
 
 
-def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads) -> PoolRun:
-    """The shards one after another in this process; the model loads only when a shard must run."""
-    from tqdm import tqdm
+def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, total=None) -> PoolRun:
+    """The shards one after another in this process; the model loads only when a shard must run.
+    total: the shards expected (a callable, read as they run), the bar's total."""
+    from kvtc.pipeline.job.progress import ShardProgress
 
     t0 = time.perf_counter()
     it = iter(payloads)
@@ -297,8 +308,11 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads) -> PoolRun:
     worker = worker_cls(**worker_kwargs)
     startup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    results = [worker.process(p) for p in tqdm([first, *it], unit="shard", desc="calibrate", dynamic_ncols=True,
-                                                disable=None)]
+    results = []
+    with ShardProgress(total) as bar:
+        for p in [first, *it]:
+            results.append(worker.process(p))
+            bar.advance(results[-1])
     return PoolRun(results, startup_s, time.perf_counter() - t0)
 
 
@@ -320,7 +334,7 @@ def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_no
 
 
 def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict,
-                payloads) -> tuple[int, PoolRun]:
+                payloads, total=None) -> tuple[int, PoolRun]:
     """(workers, results) of the shards on a Ray actor pool (Ray already started, by this job when
     `started`); fold tasks are pinned to the actor that owns their accumulator. With GPUs, each worker
     takes `gpu_plan.gpus` of them and spreads the model over them when more than one."""
@@ -336,7 +350,7 @@ def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, wor
     pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=rt.threads_per_worker,
                                  gpus_per_worker=float(gpu_plan.gpus) if gpu_plan else 0.0, env_inherited=started)
     return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool,
-                                      route=lambda payload: payload.get("acc_index"))
+                                      route=lambda payload: payload.get("acc_index"), total=total)
 
 
 if __name__ == "__main__":  # the former `ray job submit` entry: say where the command went instead of doing nothing

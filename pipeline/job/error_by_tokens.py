@@ -46,6 +46,8 @@ def error_by_tokens(store: ShardStore, accumulators: list[str], heldout: HeldOut
     heldout = heldout.strided(CURVE_ROWS)  # a chart: measured on a sample, the stored metrics use every row
     evals = None if evals is None else evals.strided(CURVE_ROWS)
     rows: list[dict] = []
+    solvers: dict = {}  # one PrefixSolver per stream and group, carried from prefix to prefix
     fold_stats(store, accumulators, checkpoints=prefix_points(len(accumulators), points),
-               on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k, settings)))
+               on_checkpoint=lambda total: rows.extend(prefix_errors(total, heldout, evals, ratio, sinks, window, k,
+                                                                     settings, solvers)))
     return rows

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvtc.pipeline.evaluation.diagnostics import group_prefix_partials, top_basis
+from kvtc.pipeline.evaluation.diagnostics import PrefixSolver, group_prefix_partials
 from kvtc.pipeline.evaluation.measure import CURVES, GroupMeasure, measure_group
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.fit.group_fit import fit_group
@@ -200,8 +200,9 @@ def drop_solved(store: ShardStore, task: GroupTask) -> None:
 
 
 def curve_bases(task: GroupTask, prefixes: list[Moments]) -> list[Basis]:
-    """The top-k basis of each error-by-tokens prefix (`top_basis`: randomized subspace iteration)."""
-    return [top_basis(n, s, packed, min(int(task.curve["k"]), task.p)) for n, s, packed in prefixes]
+    """The top-k basis of each error-by-tokens prefix, in order (`PrefixSolver`)."""
+    solver = PrefixSolver(min(int(task.curve["k"]), task.p))
+    return [solver(n, s, packed) for n, s, packed in prefixes]
 
 
 def prefix_partials(task: GroupTask, bases: list[Basis], rows: GroupRows) -> list[dict]:

@@ -1,4 +1,6 @@
-"""The reduce's progress on the console: groups done of groups planned, what runs, and an ETA.
+"""Progress on the console: the fold's shards (`ShardProgress`: shards done of those expected, tokens
+per second, an ETA) and the reduce's groups (`ReduceProgress`: groups done of groups planned, what
+runs, and an ETA).
 
 On a terminal a tqdm bar (its postfix names the running groups); elsewhere (`ray job submit` logs,
 files) one line per group started and finished, with the time left estimated from the groups done,
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -88,3 +91,29 @@ class ReduceProgress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class ShardProgress:
+    """The fold's progress: shards done of the shards expected (`total()`, read after each shard: cached
+    shards lower it as the plan finds them), tokens and tokens per second; tqdm's ETA from them."""
+
+    def __init__(self, total: Callable[[], int] | None = None) -> None:
+        self.total, self.tokens, self.start = total, 0, time.perf_counter()
+        self.bar = tqdm(total=total() if total else None, unit="shard", desc="calibrate", dynamic_ncols=True)
+
+    def advance(self, result: dict) -> None:
+        self.tokens += int(result.get("tokens_run", 0))
+        if self.total is not None:
+            self.bar.total = max(self.total(), self.bar.n + 1)
+        self.bar.update(1)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix(tokens=self.tokens, tok_s=f"{self.tokens / elapsed:.0f}", refresh=False)
+
+    def __enter__(self) -> "ShardProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None and self.bar.total != self.bar.n:
+            self.bar.total = self.bar.n  # the corpus ran out, or shards were cached: the bar ends full
+            self.bar.refresh()
+        self.bar.close()

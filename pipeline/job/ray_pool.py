@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import ray
-from tqdm import tqdm
 
 from kvtc.pipeline.job.pool_run import PoolRun
+from kvtc.pipeline.job.progress import ShardProgress
 
 
 @dataclass(frozen=True)
@@ -109,11 +109,12 @@ def run_pool(
     payloads: Iterable[dict],
     settings: PoolSettings,
     route: Callable[[dict], int | None] | None = None,
+    total: Callable[[], int] | None = None,
 ) -> PoolRun:
     """Run `actor.process(payload)` for every payload.
     `route(payload)` pins a payload to actor `route(payload) % workers` (None: the least loaded);
     payloads pinned to one actor run there in the order given (Ray runs one caller's actor tasks
-    in submission order, retries included)."""
+    in submission order, retries included); `total()`: the payloads expected, for the progress bar."""
     it: Iterator[dict] = iter(payloads)
     first = next(it, None)
     if first is None:  # everything cached: no actor, no model load
@@ -134,14 +135,13 @@ def run_pool(
     results: list[dict] = []
     exhausted = False
     held: dict | None = None  # the next payload, waiting for its pinned actor to have room
-    tokens = 0
     start = time.perf_counter()
     startup_s = 0.0
-    bar = tqdm(unit="shard", desc="calibrate", dynamic_ncols=True)
+    bar = ShardProgress(total)
     try:
         ray.get([a.ready.remote() for a in actors])  # models loaded: the throughput clock starts here
         startup_s = time.perf_counter() - start
-        start = time.perf_counter()
+        start = bar.start = time.perf_counter()
         while True:
             while not exhausted or held is not None:
                 if held is None:
@@ -166,12 +166,10 @@ def run_pool(
             load[i] -= 1
             result = ray.get(ref)
             results.append(result)
-            tokens += int(result.get("tokens_run", 0))
-            elapsed = max(time.perf_counter() - start, 1e-9)
-            bar.update(1)
-            bar.set_postfix(tokens=tokens, tok_s=f"{tokens / elapsed:.0f}", refresh=False)
+            bar.advance(result)
+        bar.__exit__(None, None, None)
     finally:
-        bar.close()
+        bar.bar.close()
         for actor in actors:
             ray.kill(actor, no_restart=True)
     return PoolRun(results, startup_s, time.perf_counter() - start)

@@ -263,6 +263,12 @@ class ShardPlan:
     def eval_budget(self) -> int:
         return self.eval_tokens or DEFAULT_EVAL_SEQS * self.seq_len
 
+    @property
+    def most_shards(self) -> int:
+        """Shards this plan cuts at most (fewer where a corpus runs out): the progress bar's total."""
+        per = self.seq_len * self.seqs_per_shard
+        return -(-self.tokens // per) + (-(-self.eval_budget // per) if self.eval_corpus else 0)
+
 
 def plan_shards(plan: ShardPlan, tokenizer: Any, max_seq_len: int | None = None,
                 duplicates: list[str] | None = None) -> Iterator[tuple[str, Shard]]:
