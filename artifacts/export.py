@@ -189,11 +189,6 @@ def row_bytes(ranges: list[dict]) -> int:
                for r in ranges)
 
 
-def row_bits(ranges: list[dict]) -> int:
-    """Bits one row costs in Dynamo: packed codes padded to whole bytes per range, plus 64 bits of min/max."""
-    return 8 * row_bytes(ranges)
-
-
 def buffer_bytes(ranges: list[dict], batch: int) -> int:
     """Dynamo's `kvtc_compressed_size` for `batch` rows (what it allocates)."""
     return sum(DYNAMO_RANGE_HEADER_BYTES + batch * 8 + -(-batch * (r["end_idx"] - r["start_idx"]) // (8 // r["int_bits"]))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvtc.artifacts.artifact import Artifact, contained, verify_folder
 from kvtc.artifacts.errors import IntegrityError
-from kvtc.artifacts.local_files import cache_root  # noqa: F401  (also imported from here)
+from kvtc.artifacts.local_files import cache_root
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manifest_digest
 from kvtc.artifacts.registry import Registry, as_registry, split_ref
 from kvtc.artifacts.local_files import write_outputs

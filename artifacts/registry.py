@@ -26,7 +26,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvtc.artifacts.local_files import atomic_write, process_umask  # noqa: F401  (process_umask: re-exported)
+from kvtc.artifacts.local_files import atomic_write
 from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError, RegistryNotWritableError
 from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIDECARS, SIGNATURE_FILE, check_digest, decode_manifest,
                                      manifest_digest)

@@ -319,13 +319,6 @@ def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise ValueError(f"expected a transformers DynamicCache, got {type(cache).__name__}")
-    return [(layer.keys, layer.values) for layer in layers]
-
-
 def cache_layers(cache: Any) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """DynamicCache with batch 1 -> per layer keys, values (kv_heads, tokens, head_dim), None for a layer
     without a KV cache (linear attention / SSM state layers)."""

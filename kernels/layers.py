@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvtc.artifacts.groups import stream_dims  # noqa: F401  (re-exported: the runtime's name)
 from kvtc.kernels.rope import RopeSpec
 
 KINDS = ("full", "sliding", "chunked", "none", "mla")

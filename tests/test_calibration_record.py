@@ -6,7 +6,7 @@ import pytest
 
 from kvtc.artifacts import CalibrationRecord
 from kvtc.pipeline.cli import build_parser
-from kvtc.pipeline.job.calibrate import shard_plan
+from kvtc.pipeline.job.shards import shard_plan
 from kvtc.pipeline.job.shards import DEFAULT_EVAL_SEQS, plan_shards
 from kvtc.pipeline.operations.recalibrate_plan import build_configs
 from kvtc.pipeline.settings import COMPUTATIONAL, JobSettings, group_options, settings_from_manifest

@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from kvtc.workers.models import ACCEPTED_FORMS, default_cache_dir, embedded_gguf_path, fingerprint_id, load_model, sha256_file
+from kvtc.artifacts.fingerprint import model_id as fingerprint_id
+from kvtc.workers.models import ACCEPTED_FORMS, default_cache_dir, embedded_gguf_path, load_model, sha256_file
 from kvtc.workers.tiny import UNIFORM_ARCHS
 
 FP_KEYS = {"spec", "source", "weights_sha256", "revision", "architecture", "model_type", "num_layers",

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from kvtc.artifacts.fingerprint import model_id as fingerprint_id  # noqa: F401  (the shard store scope's name)
 from kvtc.kernels.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
 from kvtc.kernels.rope import RopeSpec
 from kvtc.workers.layers import layer_schema, layer_types
@@ -154,13 +153,6 @@ def _safetensors_sha256(directory: Path) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
-    return h.hexdigest()
-
-
-def _params_sha256(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode() + b"\0" + t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

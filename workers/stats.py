@@ -20,7 +20,8 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups
 from kvtc.artifacts.schema import STREAMS
-from kvtc.kernels.layers import layers_of, stream_dims
+from kvtc.artifacts.groups import stream_dims
+from kvtc.kernels.layers import layers_of
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, DegenerateStats, read_footer, read_tensor, write_stats
 from kvtc.workers.triangle import add_upper_rows, packed_len, row_offset, symmetric

@@ -10,9 +10,8 @@ import math
 import numpy as np
 import torch
 
-from kvtc.artifacts.groups import group_columns
+from kvtc.artifacts.groups import group_columns, stream_dims
 from kvtc.artifacts.schema import STREAMS
-from kvtc.kernels.layers import stream_dims
 from kvtc.pipeline.evaluation.metrics import default_edges, evaluate, pca_rel_error
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.fit.pca import Basis, covariance_f32, fix_signs

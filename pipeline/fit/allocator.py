@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtc.artifacts.blocks import (Block, block_cost_bits, budget_bits, cheapest_bits_per_component,  # noqa: F401
-                                   cheapest_block_bits, qtype_bits)
+from kvtc.artifacts.blocks import (Block, block_cost_bits, budget_bits, cheapest_block_bits, qtype_bits)
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
 from kvtc.pipeline.fit.block_errors import ErrorTables, analytic_tables, measured_tables
 from kvtc.pipeline.fit.heldout import heldout_variances

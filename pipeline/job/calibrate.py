@@ -18,7 +18,7 @@ from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.pool_run import PoolRun
 from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, reduce
 from kvtc.pipeline.job.reduce_tasks import Placement, clear
-from kvtc.pipeline.job.shards import ShardPlan, plan_shards, shard_plan  # noqa: F401 - shard_plan's old home
+from kvtc.pipeline.job.shards import plan_shards, shard_plan
 from kvtc.pipeline.job.store import ShardStore
 
 # the settings and their defaults live in kvtc.pipeline.settings; these names stay importable from here
@@ -123,7 +123,7 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
         cap = BasisBudget(alloc.basis_budget, alloc.max_components or None).cap(model_parameters(info.config), features)
         alloc = replace(alloc, max_components=cap)
         cfg = replace(cfg, allocator=alloc)
-    from kvtc.kernels.layers import stream_dims
+    from kvtc.artifacts.groups import stream_dims
 
     for group in capture.group_layers(info.layers, info.num_kv_heads):
         for heads, dim in set(stream_dims(info.fingerprint).values()):  # an MLA model's RoPE key is narrower
@@ -157,7 +157,8 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
     from kvtc.pipeline.job.shard_worker import ShardWorker
     from kvtc.pipeline.job.store import ShardStore, capture_key
-    from kvtc.workers.models import fingerprint_id, resolve_dtype
+    from kvtc.artifacts.fingerprint import model_id as fingerprint_id
+    from kvtc.workers.models import resolve_dtype
 
     cfg, fingerprint = planned.settings, planned.fingerprint
     capture, rt = cfg.capture, cfg.runtime

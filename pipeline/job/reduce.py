@@ -22,9 +22,9 @@ from typing import Any
 
 import psutil
 
-from kvtc.artifacts.groups import FeatureGroup, group_columns
+from kvtc.artifacts.groups import FeatureGroup, group_columns, stream_dims
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-from kvtc.kernels.layers import layers_of, layers_to_json, stream_dims
+from kvtc.kernels.layers import layers_of, layers_to_json
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.evaluation.diagnostics import prefix_points, stream_prefix_rows
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows

@@ -22,7 +22,8 @@ from kvtc.artifacts.errors import InputError
 from kvtc.pipeline.job.shards import Shard
 from kvtc.pipeline.job.store import ShardStore, capture_key
 from kvtc.workers.capture import CaptureSettings, capture_kv
-from kvtc.workers.models import fingerprint_id, load_model
+from kvtc.artifacts.fingerprint import model_id as fingerprint_id
+from kvtc.workers.models import load_model
 from kvtc.workers.stats import CalibrationStats
 
 KILL_ENV = "KVTC_TEST_KILL_ON_SHARD"  # test hook: "<shard index>:<marker file>" kills this process once

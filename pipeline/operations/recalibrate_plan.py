@@ -7,7 +7,7 @@ recalibration of the same parent: it would publish the same bases and allocation
 """
 from __future__ import annotations
 
-from kvtc.pipeline.job.calibrate import shard_plan
+from kvtc.pipeline.job.shards import shard_plan
 from kvtc.pipeline.job.shards import plan_shards
 from kvtc.pipeline.settings import JobSettings, settings_from_manifest
 
