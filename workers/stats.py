@@ -18,9 +18,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups
+from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups, stream_dims
 from kvtc.artifacts.schema import STREAMS
-from kvtc.artifacts.groups import stream_dims
 from kvtc.kernels.layers import layers_of
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, DegenerateStats, read_footer, read_tensor, write_stats
