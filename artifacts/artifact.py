@@ -13,6 +13,7 @@ from kvtc.artifacts import bundle, ecsq_tables, tables
 from kvtc.artifacts.errors import ArtifactNotFoundError, CorruptArtifactError, IntegrityError
 from kvtc.artifacts.blocks import Block
 from kvtc.artifacts.groups import FeatureGroup, parse_groups
+from kvtc.artifacts.local_files import sha256_handle
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
 from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, open_untrusted, read_limited
 from kvtc.artifacts.schema import STREAMS
@@ -20,12 +21,9 @@ from kvtc.artifacts.schema import STREAMS
 
 def file_sha256(path: Path, limit: int | None = None, what: str = "file") -> str:
     """sha256 of a regular file (safe_io.open_untrusted: no FIFO, device or symlink; at most `limit` bytes)."""
-    digest = hashlib.sha256()
     handle, _ = open_untrusted(None, True, str(path), what, limit=limit)
     with handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return sha256_handle(handle, 1 << 20)
 
 
 def safe_relpath(rel: str) -> str:

@@ -1,16 +1,22 @@
-"""Local files: the one cache root and the one atomic write every part of kvtc uses.
+"""Local files: the one cache root, the one atomic write, the one staged folder and the one file hash
+every part of kvtc uses.
 
 Every file the CLI writes for a user (export, report, pull --to, keygen) goes through `write_outputs`:
 temp files in the target folder renamed into place, so nothing planted there is written through, and
-a multi-file output is whole or absent."""
+a multi-file output is whole or absent. A folder that must appear whole (a published version, a pulled
+one, a converted model) is filled in a staging folder and renamed into place (`stage_folder`)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable, Mapping
+from typing import BinaryIO, Callable, Mapping, TypeVar
+
+T = TypeVar("T")
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -31,6 +37,40 @@ def process_umask() -> int:
     umask = os.umask(0o077)
     os.umask(umask)
     return umask
+
+
+def stage_folder(final: str | os.PathLike, fill: Callable[[Path], T], staging: str | os.PathLike | None = None,
+                 taken: Callable[[OSError], bool] | None = None) -> T:
+    """Make folder `final` whole or not at all: `fill(folder)` writes into a fresh staging folder (`staging`,
+    else a temp folder beside `final`), which is then renamed to `final`; the staging folder is removed
+    whatever happens. When the rename fails (`final` exists: a concurrent writer won), `taken(error)`
+    says whether that is fine (True) or raises its own error; without it the error propagates.
+    Returns what `fill` returned."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if staging is None:
+        folder = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    else:
+        folder = Path(staging)
+        folder.mkdir(parents=True)
+    try:
+        result = fill(folder)
+        try:
+            os.rename(folder, final)
+        except OSError as exc:
+            if taken is None or not taken(exc):
+                raise
+        return result
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def sha256_handle(handle: BinaryIO, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of what is left to read in an open binary file."""
+    digest = hashlib.sha256()
+    for block in iter(lambda: handle.read(chunk), b""):
+        digest.update(block)
+    return digest.hexdigest()
 
 
 def atomic_write(target: str | os.PathLike, data: bytes | Callable[[BinaryIO], int | None]) -> int:

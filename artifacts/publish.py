@@ -23,7 +23,7 @@ from kvtc.artifacts.errors import ArtifactNotFoundError, VersionExistsError
 from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIGNATURE_FILE, build_files, build_manifest,
                                      encode_manifest, manifest_digest)
 from kvtc.artifacts.registry import RESERVED_ALIASES, Registry, as_registry, split_ref
-from kvtc.artifacts.local_files import write_outputs
+from kvtc.artifacts.local_files import stage_folder, write_outputs
 from kvtc.artifacts.safe_io import SMALL_FILE
 from kvtc.artifacts.schema import ArtifactContent
 
@@ -84,21 +84,18 @@ def _commit_local(reg: Registry, name: str, version: str, files: dict[str, bytes
     target = reg.version_path(name, version)
     if os.path.exists(target):
         raise VersionExistsError(f"{name}@{version} already exists in {reg.uri}; versions are immutable")
-    staging = reg.path(name, ".staging", f"{version}.{uuid.uuid4().hex}")
-    try:
+    def fill(staging) -> None:
         for rel, data in files.items():
             _write_local(os.path.join(staging, rel), data)
         _pause("before_commit")
         _write_local(os.path.join(staging, MANIFEST), manifest)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        try:
-            os.rename(staging, target)
-        except OSError as exc:
-            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                raise VersionExistsError(f"{name}@{version} was published concurrently; versions are immutable") from None
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    def taken(exc: OSError) -> bool:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise VersionExistsError(f"{name}@{version} was published concurrently; versions are immutable") from None
+        return False
+
+    stage_folder(target, fill, reg.path(name, ".staging", f"{version}.{uuid.uuid4().hex}"), taken)
 
 
 def _create(reg: Registry, path: str, data: bytes) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvtc.artifacts.artifact import Artifact, contained, verify_folder
 from kvtc.artifacts.errors import IntegrityError
-from kvtc.artifacts.local_files import cache_root
+from kvtc.artifacts.local_files import cache_root, stage_folder
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manifest_digest
 from kvtc.artifacts.registry import Registry, as_registry, split_ref
 from kvtc.artifacts.local_files import write_outputs
@@ -38,10 +38,8 @@ def _within(root: Path, path: Path) -> Path:
 def _download(reg: Registry, name: str, version: str, manifest_bytes: bytes, manifest: dict, dest: Path,
               signature: bytes | None) -> list[str]:
     """Fetch only the listed files into a staging folder, verify, rename into place; -> damaged optional files."""
-    staging = dest.parent / f".tmp-{version}-{uuid.uuid4().hex}"
-    try:
+    def fill(staging: Path) -> list[str]:
         prefix = reg.version_path(name, version)
-        staging.mkdir(parents=True)
         extras = set(manifest.get("extras") or [])
         for rel, entry in manifest["files"].items():
             target = contained(staging, rel)
@@ -61,14 +59,11 @@ def _download(reg: Registry, name: str, version: str, manifest_bytes: bytes, man
         if signature is not None:
             (staging / SIGNATURE_FILE).write_bytes(signature)
         (staging / MANIFEST).write_bytes(manifest_bytes)
-        try:
-            os.rename(staging, dest)
-        except OSError:
-            if not (dest / MANIFEST).is_file():
-                raise
         return damaged
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    # a concurrent pull that renamed its copy first: that copy stands
+    return stage_folder(dest, fill, dest.parent / f".tmp-{version}-{uuid.uuid4().hex}",
+                        lambda exc: (dest / MANIFEST).is_file())
 
 
 def check_signature(reg: Registry, name: str, version: str, manifest_bytes: bytes,

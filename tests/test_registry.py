@@ -174,3 +174,42 @@ def test_killed_publish_leaves_no_version_and_next_publish_succeeds(registry, tm
     ref = publish(toy_content(), registry)
     assert registry.versions("toy") == [ref.version]
     pull("toy", registry=registry, cache_dir=tmp_path / "c").verify()
+
+
+def test_a_staged_folder_appears_whole_or_not_at_all(tmp_path):
+    import errno
+    import hashlib
+    import io
+
+    from kvtc.artifacts.local_files import sha256_handle, stage_folder
+
+    final = tmp_path / "out" / "v1"
+
+    def fill(folder):
+        (folder / "a.bin").write_bytes(b"a")
+        return "filled"
+
+    assert stage_folder(final, fill) == "filled" and (final / "a.bin").read_bytes() == b"a"
+    assert [p.name for p in final.parent.iterdir()] == ["v1"]  # the staging folder is gone
+
+    def broken(folder):
+        (folder / "half").write_bytes(b"x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        stage_folder(tmp_path / "out" / "v2", broken)
+    assert [p.name for p in final.parent.iterdir()] == ["v1"]  # nothing half-written is left
+
+    final.joinpath("b.bin").write_bytes(b"b")  # a concurrent writer won: its folder stands, or the caller says no
+    assert stage_folder(final, fill, taken=lambda exc: final.exists()) == "filled"
+    assert (final / "b.bin").exists()
+
+    def refuse(exc):
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError("taken")
+        return False
+
+    with pytest.raises(FileExistsError, match="taken"):
+        stage_folder(final, fill, tmp_path / "out" / ".staging" / "x", refuse)
+    assert not (tmp_path / "out" / ".staging" / "x").exists()
+    assert sha256_handle(io.BytesIO(b"abc" * 1000), chunk=7) == hashlib.sha256(b"abc" * 1000).hexdigest()

@@ -13,14 +13,13 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvtc.artifacts.local_files import sha256_handle, stage_folder
 from kvtc.kernels.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
 from kvtc.kernels.rope import RopeSpec
 from kvtc.workers.layers import layer_schema, layer_types
@@ -74,11 +73,8 @@ def embedded_gguf_path() -> Path:
 
 @functools.lru_cache(maxsize=16)
 def _sha256_file(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    with open(path, "rb") as f:  # a model file may be a symlink (a hub snapshot's blobs): followed
+        return sha256_handle(f)
 
 
 def sha256_file(path: Path) -> str:
@@ -88,16 +84,7 @@ def sha256_file(path: Path) -> str:
 
 def _atomic_save(final: Path, save: Any) -> None:
     """Call save(tmp_dir) then rename tmp_dir to final; a concurrent winner's copy is kept."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        save(tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    stage_folder(final, save, taken=lambda exc: final.exists())
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.nn.Module, Any, str]:
