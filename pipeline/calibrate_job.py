@@ -1,6 +1,12 @@
 """`python -m kvtc.pipeline.calibrate_job ARGS`: `kvtc calibrate ARGS` as a module, for `ray job submit`
 (a cluster's Python runs it whether or not the `kvtc` script is on its PATH). An entry point: nothing
-imports it."""
+imports it.
+
+The arguments are parsed and checked before the job is imported: the `kvtc` parser is light
+(kvtc.pipeline.commands), the shared checks run next (kvtc.pipeline.cli_checks) and the settings are
+built (and refused) by the calibrate handler before it imports kvtc.pipeline.job.calibrate, torch and
+Ray; so a bad argument exits 2 in well under a second, not after the job's imports.
+"""
 from __future__ import annotations
 
 import sys

@@ -1,8 +1,10 @@
-"""`kvtc` command line: one entry point, sub-commands registered by the modules that own them.
+"""`kvtc` command line: one entry point, sub-commands registered by the command layer.
 
-Each command module exposes `register(subparsers)`; it must import only light modules at
-import time (argparse, json, ...) and load torch, Ray or transformers inside its handlers,
-so that `kvtc list` stays fast. No command module imports this one back: a command that runs kvtc
+Each command is a module of kvtc.pipeline.commands (COMMAND_MODULES), exposing `register(subparsers)`:
+it builds the command's parser and its handler imports the domain module it runs (the job, an
+operation, a report, the registry) only when called. Importing a command module loads no torch, Ray,
+transformers or matplotlib (tests/test_structure.py checks it), so `kvtc --help`, `kvtc list` and a
+refused argument stay fast. No command module imports this one back: a command that runs kvtc
 commands (`kvtc schedule --in-process`) finds this module's `main` and `build_parser` in its parsed
 arguments (`kvtc_main`, `kvtc_parser`).
 
@@ -24,17 +26,17 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
-from kvtc.artifacts.errors import IntegrityError
 from kvtc.pipeline.cli_checks import check_args
 
 COMMAND_MODULES = (
-    "kvtc.pipeline.calibrate_command",
-    "kvtc.pipeline.operations.recalibrate",
-    "kvtc.pipeline.operations.drift",
-    "kvtc.pipeline.operations.schedule",
-    "kvtc.pipeline.evaluation.report",
-    "kvtc.pipeline.operations.quality",
-    "kvtc.artifacts.cli",
+    "kvtc.pipeline.commands.calibrate",
+    "kvtc.pipeline.commands.recalibrate",
+    "kvtc.pipeline.commands.drift",
+    "kvtc.pipeline.commands.schedule",
+    "kvtc.pipeline.commands.report",
+    "kvtc.pipeline.commands.eval",
+    "kvtc.pipeline.commands.registry",  # list, show, pull, verify, alias, sign, keygen
+    "kvtc.pipeline.commands.export",
 )
 
 EXIT_OK, EXIT_INTERNAL, EXIT_ERROR, EXIT_INTEGRITY, EXIT_INTERRUPTED = 0, 1, 2, 6, 130
@@ -159,7 +161,8 @@ def _json_stdout() -> Iterator[None]:
 
 def exit_code(exc: BaseException) -> int | None:
     """The exit code of an expected failure, or None for a bug."""
-    if isinstance(exc, IntegrityError):
+    errors = sys.modules.get("kvtc.artifacts.errors")  # not imported yet: nothing could have raised its errors
+    if errors is not None and isinstance(exc, errors.IntegrityError):
         return EXIT_INTEGRITY
     if isinstance(exc, (ValueError, LookupError, OSError, TimeoutError)):
         return EXIT_ERROR  # bad input (InputError is a ValueError); OSError: missing files, permissions, hosts

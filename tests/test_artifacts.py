@@ -13,14 +13,14 @@ import pytest
 
 from kvtc.artifacts import ArtifactContent, IntegrityError, Registry, publish, pull
 from kvtc.artifacts.artifact import Artifact
-from kvtc.artifacts.cli import main as cli
+from kvtc.pipeline.cli import main as cli
 from helpers.toy_artifacts import toy_content
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_import_loads_no_heavy_modules():
-    code = ("import sys, artifacts, artifacts.cli, artifacts.export; "
+    code = ("import sys, artifacts, artifacts.export; "
             "print(sorted(m for m in ('torch', 'ray', 'transformers', 'triton', 'kernels') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvtc.artifacts import publish, pull
-from kvtc.artifacts.cli import main as cli
+from kvtc.pipeline.cli import main as cli
 from kvtc.artifacts.export import DynamoExportOptions, ExportError, export_dynamo
 from kvtc.artifacts.groups import parse_groups
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout

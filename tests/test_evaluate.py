@@ -10,6 +10,7 @@ import pytest
 
 from kvtc import artifacts
 from kvtc.pipeline.operations import quality
+from kvtc.pipeline.commands import eval as eval_command
 from kvtc.pipeline.settings import JobSettings
 from kvtc.pipeline.job.calibrate import calibrate_local
 
@@ -79,7 +80,7 @@ def test_heldout_sequences_are_the_calibration_heldout_shards(calibrated):
 
 def test_cli_prints_json_and_rejects_bad_input(calibrated):
     parser = argparse.ArgumentParser()
-    quality.register(parser.add_subparsers())
+    eval_command.register(parser.add_subparsers())
     args = parser.parse_args(["eval", "tiny", "--registry", calibrated["registry"], "--ratios", "8", "--sequences", "1",
                               "--continuation", "4", "--baselines", "fp8", "--json"])
     out = io.StringIO()

@@ -17,7 +17,7 @@ from kvtc.pipeline.operations.schedule import Schedule, Scheduler, command_job, 
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=128, window=16, tokens=2048,
             seqs_per_shard=2, heldout_rows=512, ratios=(4.0, 8.0))
-OPS_MODULES = ("kvtc.pipeline.operations.drift", "kvtc.pipeline.operations.recalibrate", "kvtc.pipeline.operations.schedule")
+OPS_MODULES = ("kvtc.pipeline.commands.drift", "kvtc.pipeline.commands.recalibrate", "kvtc.pipeline.commands.schedule")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,6 +8,7 @@ import pytest
 from kvtc import artifacts
 from kvtc.pipeline.evaluation import diagnostics
 from kvtc.pipeline.evaluation import report
+from kvtc.pipeline.commands import report as report_command
 from kvtc.pipeline.fit.allocator import AllocatorSettings
 from kvtc.pipeline.job.error_by_tokens import error_by_tokens
 from kvtc.pipeline.settings import JobSettings
@@ -90,7 +91,7 @@ def test_allocation_chart_drops_to_zero_bits_after_the_kept_components():
 def test_cli_writes_report_folder(calibrated, tmp_path):
     summary, _, _ = calibrated
     parser = argparse.ArgumentParser()
-    report.register(parser.add_subparsers())
+    report_command.register(parser.add_subparsers())
     args = parser.parse_args(["report", "tiny", "--registry", summary["registry"], "--out", str(tmp_path / "r")])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert args.func(args) == 0

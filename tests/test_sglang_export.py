@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtc.artifacts import publish, pull
-from kvtc.artifacts.cli import main as cli
+from kvtc.pipeline.cli import main as cli
 from kvtc.artifacts.export import ExportError
 from kvtc.artifacts.export_sglang import export_sglang, sglang_schema
 from helpers.toy_artifacts import toy_content

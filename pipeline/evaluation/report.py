@@ -9,15 +9,11 @@ artifact. Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens, whole 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.artifacts.pull import pull
-from kvtc.artifacts.local_files import write_outputs
-from kvtc.artifacts.schema import STREAMS, check_name
+from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.charts import caption, figure, png
 
 SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
@@ -256,27 +252,3 @@ def build_from_artifact(art, quality: dict | None = None) -> dict[str, bytes]:
     curves = {name: art.curve(name) for name in art.curves()}
     return build(art.metrics(), curves, art.allocations(), art.manifest.get("calibration"), art.manifest.get("model"),
                  f"KVTC report: {art.name}@{art.version}", quality)
-
-
-def _handler(args: argparse.Namespace) -> int:
-    ref = args.artifact if "@" in args.artifact else f"{args.artifact}@latest"
-    art = pull(ref, registry=args.registry)
-    quality = None
-    if args.quality:
-        with open(args.quality) as f:
-            quality = json.load(f)
-    out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
-    for path in write_outputs(out, build_from_artifact(art, quality)):  # whole, never through a planted link
-        print(path)
-    print(f"kvtc report: wrote {out}", file=sys.stderr)
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="diagnostic charts and report.md of an artifact", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("artifact", help="NAME[@REF] (default ref: latest)")
-    p.add_argument("--registry", default=None, help="registry root: a path or fsspec URI (default $KVTC_REGISTRY or ./registry)")
-    p.add_argument("--out", default=None, help="output directory (default ./kvtc-report-NAME-VERSION)")
-    p.add_argument("--quality", default=None, help="a `kvtc eval --json` result to add as a table")
-    p.set_defaults(func=_handler)

@@ -16,9 +16,6 @@ Exit codes: 0 promoted or nothing to do, 5 published but kept unaliased (worse t
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import dataclass, field
 
 from kvtc import artifacts
@@ -27,13 +24,12 @@ from kvtc.artifacts.errors import InputError
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.artifacts.schema import check_name
 from kvtc.pipeline.job.calibrate import run
-from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError, check_drift, check_model
+from kvtc.pipeline.operations.drift import check_drift, check_model
 from kvtc.pipeline.operations.recalibrate_plan import build_configs, planned_shards, same_run
-from kvtc.pipeline.settings_args import add_settings_arguments, settings_options
 from kvtc.workers.capture_settings import CaptureSettings
 
-# the shard store, the reduce, the drift meter and the model loader are imported where used: they load
-# torch (and transformers), which `kvtc` start-up does not
+# the shard store, the reduce, the drift meter and the model loader are imported where used; the command
+# line (options, handler, printing) is kvtc.pipeline.commands.recalibrate, which imports this module when it runs
 
 EXIT_OK, EXIT_KEPT = 0, 5
 
@@ -143,46 +139,3 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
         registry.set_alias(parent.name, alias, result.version)
         result.aliases.append(alias)
     return result
-
-
-def print_result(result: Result, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(vars(result), indent=2, sort_keys=True, default=str))
-        return
-    name = result.parent.split("@")[0]
-    head = {"up_to_date": f"{result.parent} is up to date", "no_drift": f"{result.parent} has not drifted",
-            "promoted": f"published {name}@{result.version} (parent {result.parent}); aliases: {', '.join(result.aliases) or 'none'}",
-            "kept_unaliased": f"published {name}@{result.version} but kept it unaliased: worse than {result.parent}"}
-    print(head[result.status])
-    for row in result.validation:
-        new = "missing" if row["new"] is None else f"{100 * row['new']:.3f}%"
-        print(f"  CR {row['ratio']:>5g} {row['stream']:<6}: parent {100 * row['parent']:.3f}%  new {new}")
-    for line in result.reasons + [f"note: {n}" for n in result.notes]:
-        print(f"  {line}")
-
-
-def _handler(args: argparse.Namespace) -> int:
-    given = settings_options(args)
-    try:
-        result = recalibrate(args.target, given, args.if_drift, args.drift_tokens, tuple(args.alias), args.tolerance, args.force)
-    except ModelMismatchError as exc:
-        print(f"kvtc recalibrate: {exc}", file=sys.stderr)
-        return EXIT_MODEL
-    print_result(result, args.json)
-    return EXIT_KEPT if result.status == "kept_unaliased" else EXIT_OK
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("recalibrate", help="recalibrate an artifact on new data; promote it only if no worse",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", metavar="NAME[@REF]", help="the parent artifact (default ref latest)")
-    add_settings_arguments(p, parent_defaults=True)  # unset options fall back to the parent's settings
-    p.add_argument("--json", action="store_true", help="print a machine-readable summary")
-    p.add_argument("--if-drift", type=float, default=None, metavar="THRESHOLD",
-                   help="recalibrate only when `kvtc drift` finds a relative error increase above THRESHOLD (e.g. 0.10)")
-    p.add_argument("--drift-tokens", type=int, default=None, help="tokens to sample for the drift check")
-    p.add_argument("--alias", action="append", default=[], help="also move this alias when promoted (repeatable)")
-    p.add_argument("--tolerance", type=float, default=0.0,
-                   help="relative error increase still counted as 'not worse' (default 0)")
-    p.add_argument("--force", action="store_true", help="recalibrate even when nothing changed")
-    p.set_defaults(func=_handler)

@@ -1,13 +1,15 @@
 """`kvtc calibrate`: its options (one per settings field), its handler and the summary it prints.
-The job itself is kvtc.pipeline.job.calibrate."""
+The job itself is kvtc.pipeline.job.calibrate, imported by the handler once the settings are valid."""
 from __future__ import annotations
 
 import argparse
 import json
 import warnings
 
-from kvtc.pipeline.job import calibrate as job
+from kvtc.pipeline.commands import module_doc
 from kvtc.pipeline.settings_args import add_settings_arguments, settings_from_args
+
+JOB = "kvtc.pipeline.job.calibrate"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,14 +41,16 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    cfg = settings_from_args(args)
+    cfg = settings_from_args(args)  # settings refused here, before the job (torch, Ray) is imported
+    from kvtc.pipeline.job import calibrate as job
+
     warnings.formatwarning = _one_line_warning  # the message, not the source line that raised it
     print_summary(job.run(cfg), args.json)
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="calibrate a model and publish an artifact", description=job.__doc__,
+    p = sub.add_parser("calibrate", help="calibrate a model and publish an artifact", description=module_doc(JOB),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=_handler)
