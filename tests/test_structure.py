@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,10 +95,10 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-# within pipeline, sub-packages depend one way: operations -> job -> evaluation -> fit (a stage's
-# measurement never imports the job that runs it); the top-level modules (cli, cli_checks, settings)
-# are shared by all
-PIPELINE_ORDER = {"fit": 0, "evaluation": 1, "job": 2, "operations": 3}
+# within pipeline, sub-packages depend one way: commands -> operations -> job -> evaluation -> fit (a
+# stage's measurement never imports the job that runs it; no domain module imports the command layer);
+# the top-level modules (cli, cli_checks, settings) are shared by all
+PIPELINE_ORDER = {"fit": 0, "evaluation": 1, "job": 2, "operations": 3, "commands": 4}
 
 
 def test_pipeline_sub_packages_depend_one_way():
@@ -109,7 +112,8 @@ def test_pipeline_sub_packages_depend_one_way():
             if len(parts) > 2 and parts[1] == "pipeline" and parts[2] in PIPELINE_ORDER \
                     and PIPELINE_ORDER[parts[2]] > PIPELINE_ORDER[rel[0]]:
                 bad.append(f"pipeline/{'/'.join(rel)} imports {mod}")
-    assert not bad, "pipeline sub-packages import upward (operations -> job -> evaluation -> fit):\n" + "\n".join(bad)
+    assert not bad, ("pipeline sub-packages import upward (commands -> operations -> job -> evaluation -> fit):\n"
+                     + "\n".join(bad))
 
 
 _LOADERS = {("importlib", "import_module"), ("runpy", "run_module"), (None, "__import__"), (None, "import_module"),
@@ -209,3 +213,76 @@ def test_calibrate_job_module_runs_the_command_and_the_former_entry_says_where_i
     out = subprocess.run([sys.executable, "-m", "kvtc.pipeline.job.calibrate", "--help"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode != 0 and "kvtc.pipeline.calibrate_job" in out.stderr
+
+
+# what the command layer may not load at import, nor while it parses and refuses arguments; numpy and pyarrow
+# do load (the settings' option types come from kvtc.artifacts, whose package imports them)
+HEAVY = ("torch", "ray", "transformers", "matplotlib", "triton", "scipy", "datasets", "numba")
+# each command whose --help description is a domain module's docstring, read without importing it
+DESCRIPTIONS = {"calibrate": "kvtc.pipeline.job.calibrate", "recalibrate": "kvtc.pipeline.operations.recalibrate",
+                "drift": "kvtc.pipeline.operations.drift", "schedule": "kvtc.pipeline.operations.schedule",
+                "report": "kvtc.pipeline.evaluation.report", "eval": "kvtc.pipeline.operations.quality"}
+LIGHT = """
+import importlib, json, sys
+from kvtc.pipeline import cli
+for name in cli.COMMAND_MODULES:
+    importlib.import_module(name)
+parser = cli.build_parser()
+parser.parse_args(["calibrate", "--model", "tiny:llama", "--ratios", "8,16", "--groups", "layers:2"])
+from kvtc.pipeline import calibrate_job
+codes = []
+for argv in (["--bad-arg"], ["--workers", "0"], ["--ratios", "0.5"], ["--groups", "bogus:3"], ["--dtype", "int3"]):
+    try:
+        codes.append(calibrate_job.main(argv))
+    except SystemExit as exc:
+        codes.append(exc.code)
+choices = parser._subparsers._group_actions[0].choices
+print(json.dumps({"heavy": sorted(m for m in HEAVY if m in sys.modules), "codes": codes,
+                  "descriptions": {name: choices[name].description for name in DESCRIPTIONS}}))
+"""
+
+
+def _light_run(code: str, tmp_path) -> dict:
+    prelude = f"HEAVY = {HEAVY!r}\nDESCRIPTIONS = {DESCRIPTIONS!r}\n"
+    out = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "KVTC_REGISTRY": str(tmp_path / "registry")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_command_layer_imports_nothing_heavy(tmp_path):
+    """kvtc.pipeline.cli, every command module and `python -m kvtc.pipeline.calibrate_job`'s argument parsing
+    and refusals (argparse, the shared checks, the settings) load no torch, Ray, transformers or matplotlib;
+    the parser builds, and each command's description is its domain module's docstring."""
+    got = _light_run(LIGHT, tmp_path)
+    assert got["heavy"] == [], f"the command layer imported {got['heavy']}"
+    assert got["codes"] == [2] * 5, got["codes"]
+    for command, module in DESCRIPTIONS.items():
+        assert got["descriptions"][command] == importlib.import_module(module).__doc__, command
+
+
+def test_every_command_module_is_in_the_cli_and_only_there():
+    """pipeline/commands holds the commands (one module per command or family) and the CLI lists them all; no
+    other pipeline module registers a command (the domain modules hold no argument parsing)."""
+    from kvtc.pipeline import cli
+
+    layer = {f"kvtc.pipeline.commands.{p.stem}" for p in (REPO / "pipeline" / "commands").glob("*.py") if p.stem != "__init__"}
+    assert set(cli.COMMAND_MODULES) == layer
+    defines_register = [path.relative_to(REPO).as_posix() for top, path in _module_files() if top == "pipeline"
+                        and any(isinstance(n, ast.FunctionDef) and n.name == "register" for n in ast.parse(path.read_text()).body)]
+    assert all(p.startswith("pipeline/commands/") for p in defines_register), defines_register
+
+
+def test_kvtc_help_and_list_of_an_empty_registry_exit_0(tmp_path):
+    help_ = subprocess.run([sys.executable, "-m", "kvtc.pipeline.cli", "--help"], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)
+    assert help_.returncode == 0 and "calibrate" in help_.stdout and "list" in help_.stdout, help_.stderr
+    (tmp_path / "empty").mkdir()
+    code = f"""
+import json, sys
+from kvtc.pipeline import cli
+rc = cli.main(["list", "--registry", {str(tmp_path / "empty")!r}])
+print(json.dumps({{"rc": rc, "heavy": sorted(m for m in HEAVY if m in sys.modules)}}))
+"""
+    got = _light_run(code, tmp_path)
+    assert got == {"rc": 0, "heavy": []}, got
