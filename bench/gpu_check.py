@@ -197,8 +197,9 @@ def check_reduce_task() -> bool:
         rows = held.group("keys", slice(0, p), None, cal["sinks"], cal["window"])
         out = {}
         for device in ("cpu", "cuda"):
-            task = GroupTask(0, "keys", 0, p, tuple(corpus["accumulators"]), (8.0, 16.0), cal["allocator"], cal["sinks"],
-                             cal["window"], threads=1, device=device)
+            task = GroupTask(index=0, stream="keys", group=0, p=p, accumulators=tuple(corpus["accumulators"]),
+                             ratios=(8.0, 16.0), allocator=cal["allocator"], sinks=cal["sinks"], window=cal["window"],
+                             threads=1, device=device)
             t0 = time.perf_counter()
             r = run_group(task, ctx["store"], rows)
             errs = {m["ratio"]: m["value"] for m in r.measure.metrics

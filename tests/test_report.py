@@ -130,8 +130,8 @@ def test_group_task_reruns_the_published_group_and_survives_the_store(calibrated
     held = load_rows(ctx["store"], corpus["heldout_shards"], 1024)
     evals = load_rows(ctx["store"], corpus["eval_shards"], 1024)
     p = art.basis("values")[0].shape[0]
-    task = GroupTask(0, "values", 0, p, tuple(corpus["accumulators"]), (4.0, 8.0), cal["allocator"], cal["sinks"],
-                     cal["window"], threads=1)
+    task = GroupTask(index=0, stream="values", group=0, p=p, accumulators=tuple(corpus["accumulators"]),
+                     ratios=(4.0, 8.0), allocator=cal["allocator"], sinks=cal["sinks"], window=cal["window"], threads=1)
     result = run_group(task, ctx["store"], held.group("values", slice(0, p), evals, cal["sinks"], cal["window"]))
     mean, eigenvalues, components = art.basis("values")
     np.testing.assert_allclose(result.basis[0], mean, rtol=0, atol=1e-6)
@@ -155,7 +155,8 @@ def test_group_task_reruns_the_published_group_and_survives_the_store(calibrated
         assert all(np.array_equal(other[k], table[k]) for k in ("scales", "model", "offsets"))
         assert [(r, c.tolist()) for r, c in other["models"]] == [(r, c.tolist()) for r, c in table["models"]]
     with pytest.raises(ValueError, match="bad stream"):
-        GroupTask(0, "queries", 0, p, ("a",), (4.0,), {}, 4, 16, threads=1)
+        GroupTask(index=0, stream="queries", group=0, p=p, accumulators=("a",), ratios=(4.0,), allocator={}, sinks=4,
+                  window=16, threads=1)
 
 
 def test_the_jobs_own_error_by_tokens_curve_agrees_with_a_refold(calibrated):

@@ -33,7 +33,7 @@ from kvtc.pipeline.job.store import ShardStore
 KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer than this share of it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GroupTask:
     """What one stream and group's reduce needs besides its rows: the accumulators to sum (in order),
     the ratios and allocator settings, sinks and window, the device of the solve, the CPU threads it
