@@ -3,7 +3,7 @@ model's KV cache and store per-shard statistics; the driver folds them in shard 
 PCA bases and one DP bit allocation per ratio, measures held-out errors and publishes a versioned
 artifact to the registry.
 
-The `kvtc calibrate` command is kvtc.pipeline.calibrate_command; `python -m kvtc.pipeline.calibrate_job ...`
+The `kvtc calibrate` command is kvtc.pipeline.commands.calibrate; `python -m kvtc.pipeline.calibrate_job ...`
 runs it for `ray job submit`.
 """
 from __future__ import annotations
