@@ -14,7 +14,7 @@ import importlib.util
 from pathlib import Path
 
 
-# every file of kvtc/kernels is in exactly one of the two (tests/test_codec.py checks it)
+# every file of kvtc/kernels is in exactly one of the two (tests/kernels/test_codec.py checks it)
 CODEC = frozenset({
     "__init__.py", "spec.py", "codec.py", "blob.py", "layered.py", "layout.py", "layers.py", "coefficients.py",
     "backend.py", "bitpack.py", "quantize.py", "dequantize.py", "reference.py", "rope.py", "rope_center.py",

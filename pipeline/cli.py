@@ -3,7 +3,7 @@
 Each command is a module of kvtc.pipeline.commands (COMMAND_MODULES), exposing `register(subparsers)`:
 it builds the command's parser and its handler imports the domain module it runs (the job, an
 operation, a report, the registry) only when called. Importing a command module loads no torch, Ray,
-transformers or matplotlib (tests/test_structure.py checks it), so `kvtc --help`, `kvtc list` and a
+transformers or matplotlib (tests/pipeline/test_structure.py checks it), so `kvtc --help`, `kvtc list` and a
 refused argument stay fast. No command module imports this one back: a command that runs kvtc
 commands (`kvtc schedule --in-process`) finds this module's `main` and `build_parser` in its parsed
 arguments (`kvtc_main`, `kvtc_parser`).

@@ -3,7 +3,7 @@
 (kvtc.pipeline.job, .operations, .evaluation, kvtc.artifacts) only when called, calls it and prints.
 
 Importing a command module imports no torch, Ray, transformers or matplotlib, so `kvtc --help`,
-`kvtc list` and a refused argument stay fast (tests/test_structure.py checks it). A parser whose
+`kvtc list` and a refused argument stay fast (tests/pipeline/test_structure.py checks it). A parser whose
 description is a domain module's docstring reads it with `module_doc`, without importing that module.
 The domain modules hold no argument parsing and no printing of results.
 """

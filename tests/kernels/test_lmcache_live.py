@@ -24,11 +24,11 @@ from kvtc.kernels.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms, 
 from kvtc.kernels.lmcache_client import connect, server_process
 from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 256  # the README's server runs LMCache's default chunk size
 TOKENS = 512
 START_TIMEOUT = 240.0  # seconds for the server to answer (imports and the artifact pull, on a loaded 2-core CPU)
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.live]
 
 
 @pytest.fixture(scope="module")

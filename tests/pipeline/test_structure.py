@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYERS = {"artifacts": 0, "kernels": 1, "workers": 2, "pipeline": 3}
 
 
@@ -286,3 +286,16 @@ print(json.dumps({{"rc": rc, "heavy": sorted(m for m in HEAVY if m in sys.module
 """
     got = _light_run(code, tmp_path)
     assert got == {"rc": 0, "heavy": []}, got
+
+
+def test_tests_mirror_the_packages():
+    """tests/<package>/ for each kvtc package (and integrity/ for the hostile families that cross them);
+    no test at the top, no test module named twice, and the tests that start a live server or job are marked."""
+    tests = REPO / "tests"
+    folders = {"artifacts", "kernels", "workers", "pipeline", "integrity"}
+    assert not list(tests.glob("test_*.py"))
+    found = sorted(tests.glob("*/test_*.py"))
+    assert {p.parent.name for p in found} == folders
+    assert len({p.name for p in found}) == len(found)
+    for rel in ("kernels/test_lmcache_live.py", "kernels/test_vllm_offload.py", "pipeline/test_ray_job.py"):
+        assert "pytest.mark.live" in (tests / rel).read_text()

@@ -16,7 +16,7 @@ from kvtc.artifacts.artifact import Artifact
 from kvtc.pipeline.cli import main as cli
 from helpers.toy_artifacts import toy_content
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_import_loads_no_heavy_modules():

@@ -18,7 +18,7 @@ from kvtc.artifacts import (ArtifactNotFoundError, IntegrityError, Registry, Reg
                        VersionExistsError, check_writable, kernel_bundle_hash, publish, pull)
 from helpers.toy_artifacts import toy_content
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["local", "s3"])

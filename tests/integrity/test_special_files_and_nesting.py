@@ -17,7 +17,7 @@ from kvtc.artifacts import Registry, publish
 from helpers.toy_artifacts import forge_version, toy_content
 from kvtc.pipeline import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ import pytest
 
 from kvtc import artifacts
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.live
+
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 

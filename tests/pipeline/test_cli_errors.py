@@ -15,7 +15,7 @@ from kvtc.artifacts import publish
 from helpers.toy_artifacts import toy_content
 from kvtc.pipeline import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()

@@ -69,6 +69,8 @@ from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, 
                                        OffloadingModelConfig, OffloadingParallelConfig)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
+pytestmark = pytest.mark.live
+
 PAGE = N * H * 2 * D * 2  # bf16 bytes of one layer's page
 
 
