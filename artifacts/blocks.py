@@ -37,6 +37,25 @@ def block_cost_bits(qtype: str, size: int) -> int:
     return size * qtype_bits(qtype) + scale_bits(qtype)
 
 
+def check_ratios(ratios, where: str = "") -> tuple[float, ...]:
+    """The one rule every compression ratio obeys, wherever it enters (options, settings, records, the
+    allocator, `kvtc eval`): at least one, each finite and > 1, none twice; -> floats, in order.
+    where: what names them in the error ("--ratios: ", "calibration record: ")."""
+    try:
+        out = tuple(float(r) for r in ratios)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}compression ratios must be numbers, got {ratios!r}") from None
+    if not out:
+        raise ValueError(f"{where}no compression ratios given; pass e.g. --ratios 8,16,32")
+    for r in out:
+        if not (math.isfinite(r) and r > 1):
+            raise ValueError(f"{where}compression ratio {r:g} is refused: compression ratios must be > 1 and finite "
+                             "(8 to 64 is usual)")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{where}{[f'{r:g}' for r in out]} lists a ratio twice")
+    return out
+
+
 def budget_bits(p: int, ratio: float) -> int:
     """The bit budget of one token of one stream (p features of 16 bits) at compression `ratio`: floor(16 p / CR)."""
     return int(math.floor(16 * p / ratio + 1e-9))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from kvtc.artifacts.blocks import check_ratios
 from kvtc.artifacts.groups import FeatureGroup, groups_json, parse_groups
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 
@@ -72,8 +73,7 @@ class CalibrationRecord:
         if self.sinks < 0 or self.window < 0 or self.seq_len < 2:
             raise ValueError(f"calibration record: sinks {self.sinks} and window {self.window} must be >= 0 and "
                              f"seq_len {self.seq_len} >= 2")
-        if not self.ratios or any(not float(r) > 1 for r in self.ratios):
-            raise ValueError(f"calibration record: ratios must be > 1, got {list(self.ratios)}")
+        check_ratios(self.ratios, "calibration record: ")
         try:
             groups = tuple(parse_groups(self.groups))
         except ValueError as exc:

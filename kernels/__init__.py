@@ -7,23 +7,22 @@
 
     cache = KVTCCache(codec, config=model.config)   # model.generate(..., cache=cache)
 
-Imports neither transformers nor ray; `KVTCCache`, `compress_cache` and `restore_cache` import
-transformers on first use.
+Importing the package loads nothing (not torch either): each public name is imported from its module
+on first use; `KVTCCache`, `compress_cache` and `restore_cache` import transformers then.
 """
 from typing import Any
 
-from kvtc.kernels.blob import FORMAT_VERSION, BlobError, BlobHeader, read_blob
-from kvtc.kernels.codec import KVTCCodec
-from kvtc.kernels.spec import CodecSpec, CodedBlock, GroupCode, model_id
-
 __all__ = ["FORMAT_VERSION", "BlobError", "BlobHeader", "CodecSpec", "CodedBlock", "GroupCode", "KVTCCache",
            "KVTCCodec", "compress_cache", "model_id", "read_blob", "restore_cache"]
-_NEEDS_TRANSFORMERS = ("KVTCCache", "compress_cache", "restore_cache")
+_HOMES = {"FORMAT_VERSION": "blob", "BlobError": "blob", "BlobHeader": "blob", "read_blob": "blob", "KVTCCodec": "codec",
+          "CodecSpec": "spec", "CodedBlock": "spec", "GroupCode": "spec", "model_id": "spec",
+          "KVTCCache": "kvtc_cache", "compress_cache": "kvtc_cache", "restore_cache": "kvtc_cache"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _NEEDS_TRANSFORMERS:
-        from kvtc.kernels import kvtc_cache
+    """The public names, each imported from its module on first use: importing the package loads nothing."""
+    if name in _HOMES:
+        import importlib
 
-        return getattr(kvtc_cache, name)
+        return getattr(importlib.import_module(f"kvtc.kernels.{_HOMES[name]}"), name)
     raise AttributeError(f"module 'kvtc.kernels' has no attribute {name!r}")

@@ -13,6 +13,8 @@ import os
 import socket
 from urllib.parse import urlsplit
 
+from kvtc.artifacts.blocks import check_ratios
+
 COUNTS = ("workers", "threads_per_worker", "gpus_per_worker", "tp", "tokens", "eval_tokens", "seq_len", "seqs_per_shard",
           "drift_tokens", "max_runs", "heldout_rows", "accumulators", "continuation", "sequences")
 NON_NEGATIVE_INTS = ("sinks", "window", "seed", "tokens_curve_points", "served_sequences")
@@ -38,14 +40,11 @@ def parse_ratios(text: str, flag: str = "--ratios") -> tuple[float, ...]:
         raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
     if not ratios:
         raise ValueError(f"{flag} is empty; pass e.g. {flag} 8,16,32")
+    check_ratios(ratios, f"{flag}: ")
     for r in ratios:
-        if not math.isfinite(r) or r <= 1:
-            raise ValueError(f"{flag}: compression ratio {r:g} must be > 1 and finite")
         if 16 * MAX_FEATURES / r < CHEAPEST_BLOCK_BITS:
             raise ValueError(f"{flag}: compression ratio {r:g} leaves no model enough bits for one quantized "
                              f"component; use a ratio <= {16 * MAX_FEATURES / CHEAPEST_BLOCK_BITS:.0f} (8 to 64 is usual)")
-    if len(set(ratios)) != len(ratios):
-        raise ValueError(f"{flag} {text!r} lists a ratio twice")
     return ratios
 
 

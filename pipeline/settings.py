@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterator
 
+from kvtc.artifacts.blocks import check_ratios
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
 from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.pipeline.fit.metric import BALANCES, WEIGHTINGS, AttentionMetric
@@ -126,13 +127,7 @@ class ReduceSettings:
 
     def __post_init__(self) -> None:
         AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)  # validated there
-        ratios = tuple(float(r) for r in self.ratios)
-        bad = [r for r in ratios if not (math.isfinite(r) and r > 1)]
-        if not ratios or bad:
-            raise ValueError(f"compression ratios must be > 1 and finite (got {list(ratios)}); pass e.g. --ratios 8,16,32")
-        if len(set(ratios)) != len(ratios):
-            raise ValueError(f"compression ratios must be distinct, got {list(ratios)}")
-        object.__setattr__(self, "ratios", ratios)
+        object.__setattr__(self, "ratios", check_ratios(self.ratios))
         _count(self.heldout_rows, "--heldout-rows")
         _count(self.accumulators, "--accumulators")
         _count(self.tokens_curve_points, "--tokens-curve-points", minimum=0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvtc.artifacts.blocks import check_ratios
+
 BASELINES = ("kivi", "fp8", "pca_uniform", "evict", "deflate")
 KIVI_CONFIGS = ((2, 32), (2, 128), (4, 32), (4, 128))
 
@@ -32,8 +34,7 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if self.mode not in (None, "ecsq", "fixed"):
             raise ValueError(f"mode must be 'ecsq' or 'fixed', got {self.mode!r}")
-        if not self.ratios or any(not r > 1 for r in self.ratios):
-            raise ValueError(f"ratios must be > 1, got {list(self.ratios)}; pass e.g. --ratios 8,16,32")
+        check_ratios(self.ratios, "kvtc eval: ")
         if self.continuation < 1 or self.sequences < 1:
             raise ValueError(f"continuation and sequences must be >= 1, got {self.continuation}, {self.sequences}")
         bad = [b for b in self.baselines if b not in BASELINES]

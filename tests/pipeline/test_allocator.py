@@ -172,3 +172,19 @@ def test_analytic_tables_use_heldout_variances_when_given_projections():
     tables, _ = error_tables(_basis(lam), settings=settings, projections=z)
     assert tables.variance.sum() == pytest.approx(2.0 * lam.sum(), rel=0.1)
     assert np.all(np.diff(tables.variance) <= 1e-12)
+
+
+def test_every_entry_point_applies_the_one_ratio_rule():
+    from kvtc.artifacts.blocks import check_ratios
+    from kvtc.pipeline.cli_checks import parse_ratios
+    from kvtc.pipeline.evaluation.model_quality import EvalSettings
+    from kvtc.pipeline.settings import JobSettings
+
+    entries = (check_ratios, lambda r: parse_ratios(",".join(map(str, r))), lambda r: EvalSettings(ratios=r),
+               lambda r: JobSettings.of(ratios=r), lambda r: validate_ratios(r, 64))
+    for enter in entries:
+        with pytest.raises(ValueError, match="compression ratio 1 is refused: compression ratios must be > 1"):
+            enter((8.0, 1.0))
+        with pytest.raises(ValueError, match="lists a ratio twice"):
+            enter((8.0, 8.0))
+    assert check_ratios([8, "16"]) == (8.0, 16.0)

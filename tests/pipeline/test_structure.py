@@ -299,3 +299,10 @@ def test_tests_mirror_the_packages():
     assert len({p.name for p in found}) == len(found)
     for rel in ("kernels/test_lmcache_live.py", "kernels/test_vllm_offload.py", "pipeline/test_ray_job.py"):
         assert "pytest.mark.live" in (tests / rel).read_text()
+
+
+def test_the_kernels_package_imports_nothing_heavy():
+    """`import kvtc.kernels` loads neither torch nor triton; its public names load on first use."""
+    code = ("import sys, kvtc.kernels as k; heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy; assert k.KVTCCodec.__name__ == 'KVTCCodec' and 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
