@@ -24,6 +24,7 @@ from kvtc.kernels.layers import LayerSpec, cached_layers, is_uniform, layers_to_
 from kvtc.kernels.rope import RopeSpec
 from kvtc.workers.layers import layer_schema, layer_types
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
+from kvtc.artifacts.local_files import cache_root
 
 DEFAULT_SPEC = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,7 +60,6 @@ class LoadedModel:
 
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    from kvtc.artifacts.local_files import cache_root
 
     return cache_root(cache_dir)
 

@@ -24,6 +24,7 @@ from kvtc.kernels.layers import layers_of
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, DegenerateStats, read_footer, read_tensor, write_stats
 from kvtc.workers.triangle import add_upper_rows, packed_len, row_offset, symmetric
+from kvtc.kernels.layers import cached_layers
 
 FORMAT = "kvtc-stats/2"
 _TILE_ROWS = 1024
@@ -285,7 +286,6 @@ class CalibrationStats:
 
     def _read_metric(self, f: BinaryIO, footer: dict, name: str, meta: dict) -> None:
         """The attention-metric sums, checked against the model's coded layers, KV heads and head_dim."""
-        from kvtc.kernels.layers import cached_layers
 
         shape = (len(cached_layers(layers_of(self.fingerprint))), int(self.fingerprint["num_kv_heads"]),
                  int(self.fingerprint["head_dim"]))

@@ -8,6 +8,7 @@ import sys
 
 from kvtc.pipeline.commands import module_doc
 from kvtc.pipeline.operations.drift import DEFAULT_SEQUENCES, DEFAULT_THRESHOLD
+from kvtc.pipeline.operations.drift import EXIT_DRIFT, EXIT_MODEL, EXIT_OK, ModelMismatchError, check_drift
 
 OPERATION = "kvtc.pipeline.operations.drift"
 
@@ -37,7 +38,6 @@ def add_drift_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from kvtc.pipeline.operations.drift import EXIT_DRIFT, EXIT_MODEL, EXIT_OK, ModelMismatchError, check_drift
 
     try:
         report = check_drift(args.target, args.corpus, args.registry, args.tokens, args.threshold, args.model,

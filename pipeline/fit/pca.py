@@ -25,6 +25,7 @@ import scipy.linalg
 import torch
 
 from kvtc.workers.triangle import diagonal, unpack_upper
+from kvtc.workers.triangle import row_offset
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,6 @@ def covariance_f32(n: int, mu: np.ndarray, packed: np.ndarray) -> torch.Tensor:
 
 def unpack_rows(packed: np.ndarray, p: int, a: int, b: int) -> np.ndarray:
     """Rows a..b-1 of the symmetric matrix, entries (i, j >= i) from the packed triangle, j < i zero."""
-    from kvtc.workers.triangle import row_offset
 
     out = np.zeros((b - a, p), dtype=np.float64)
     for i in range(a, b):

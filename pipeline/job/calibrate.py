@@ -24,6 +24,7 @@ from kvtc.pipeline.job.store import ShardStore
 # the settings and their defaults live in kvtc.pipeline.settings; these names stay importable from here
 from kvtc.pipeline.settings import (DEFAULT_CORPUS, DEFAULT_CPU_TOKENS, DEFAULT_EVAL_CORPUS,  # noqa: E402,F401
                                     DEFAULT_GPU_TOKENS, DEFAULT_MODEL, JobSettings)
+from kvtc.pipeline.job.store import default_store_uri
 
 
 def run(cfg: JobSettings, alias_latest: bool = True, in_process: bool = False) -> dict:
@@ -94,7 +95,6 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     from kvtc.pipeline.fit.allocator import validate_ratios
     from kvtc.pipeline.job.memory_plan import check_fits
     from kvtc.pipeline.job.reduce_plan import node_budget
-    from kvtc.pipeline.job.store import default_store_uri
     from kvtc.workers.capture import check_seq_len, resolve_groups
     from kvtc.workers.models import load_spec
 
