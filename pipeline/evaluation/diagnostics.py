@@ -19,6 +19,12 @@ from kvtc.pipeline.fit.pca import Basis, covariance_f32, fix_signs
 CURVE_ROWS = 2048  # held-out (and second-domain) rows each prefix is measured on, evenly strided
 
 
+def curve_components(p_total: int, ratio: float) -> int:
+    """Components of each error-by-tokens prefix basis: a quarter of what the ratio's budget pays for over
+    all p_total features (each group's basis is cut to its own p)."""
+    return max(1, min(p_total, int(16 * p_total / ratio) // 4))
+
+
 def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
     """Leading k principal components of merged moments (gram: (p, p), or its packed upper triangle) by
     randomized subspace iteration (float32 GEMMs, float64 Rayleigh-Ritz): far cheaper than a full eigh
@@ -104,28 +110,17 @@ def prefix_errors(total, heldout, evals, ratio: float, sinks: int, window: int, 
     one DP allocation at `ratio` (analytic error model unless `settings` says), stream-level error over all
     groups on held-out (and eval) rows."""
     solvers = {} if solvers is None else solvers
-    settings = settings or AllocatorSettings(error_model="analytic")
-    splits = [("heldout", heldout)] + ([("eval", evals)] if evals is not None else [])
     dims = stream_dims(total.fingerprint)  # an MLA model's streams differ in width
-    rows = []
+    parts = []
     for stream in STREAMS:
-        acc = {name: [0.0, 0.0] for name, _ in splits}
         for g, cols in enumerate(group_columns(total.groups, *dims[stream])):
             n, s, gram = total.stream(stream, g)
             solver = solvers.setdefault((stream, g), PrefixSolver(min(k, total.stream_dims(stream)[g])))
             basis = solver(n, s, gram)
-            mid = heldout.middle(sinks, window)
-            (alloc,) = allocate([ratio], basis, getattr(heldout, stream)[mid][:, cols], settings)
-            for name, rows_ in splits:
-                x = getattr(rows_, stream)[rows_.middle(sinks, window)][:, cols]
-                norm = float(np.square(x, dtype=np.float64).sum())
-                (ev,) = evaluate(basis, [alloc], x)
-                acc[name][0] += ev.rel_error ** 2 * norm
-                acc[name][1] += norm
-        for name, (err, norm) in acc.items():
-            rows.append({"tokens": int(n), "stream": stream, "split": name,
-                         "rel_error": math.sqrt(err / max(norm, 1e-300))})
-    return rows
+            group_rows = heldout.group(stream, cols, evals, sinks, window)
+            parts.append((stream, [{"tokens": int(n), "split": split, "err": err, "norm": norm} for split, (err, norm)
+                                   in group_prefix_partials(basis, group_rows, ratio, sinks, window, settings).items()]))
+    return stream_prefix_rows(parts)
 
 
 def pca_error_by_position(basis, allocations, x, positions, edges=None, projections=None) -> list[dict]:

@@ -24,8 +24,7 @@ import numpy as np
 import scipy.linalg
 import torch
 
-from kvtc.workers.triangle import diagonal, unpack_upper
-from kvtc.workers.triangle import row_offset
+from kvtc.workers.triangle import diagonal, row_offset, unpack_upper
 
 
 @dataclass(frozen=True)
@@ -257,7 +256,6 @@ def covariance_f32(n: int, mu: np.ndarray, packed: np.ndarray) -> torch.Tensor:
 
 def unpack_rows(packed: np.ndarray, p: int, a: int, b: int) -> np.ndarray:
     """Rows a..b-1 of the symmetric matrix, entries (i, j >= i) from the packed triangle, j < i zero."""
-
     out = np.zeros((b - a, p), dtype=np.float64)
     for i in range(a, b):
         o = row_offset(p, i)

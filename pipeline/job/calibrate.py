@@ -19,12 +19,11 @@ from kvtc.pipeline.job.pool_run import PoolRun
 from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, reduce
 from kvtc.pipeline.job.reduce_tasks import Placement, clear
 from kvtc.pipeline.job.shards import plan_shards, shard_plan
-from kvtc.pipeline.job.store import ShardStore
+from kvtc.pipeline.job.store import ShardStore, default_store_uri
 
 # the settings and their defaults live in kvtc.pipeline.settings; these names stay importable from here
 from kvtc.pipeline.settings import (DEFAULT_CORPUS, DEFAULT_CPU_TOKENS, DEFAULT_EVAL_CORPUS,  # noqa: E402,F401
                                     DEFAULT_GPU_TOKENS, DEFAULT_MODEL, JobSettings)
-from kvtc.pipeline.job.store import default_store_uri
 
 
 def run(cfg: JobSettings, alias_latest: bool = True, in_process: bool = False) -> dict:
@@ -48,8 +47,11 @@ def _memory_estimate(cfg: JobSettings, num_layers, kv_heads: int, head_dim: int,
 
     settings = CaptureSettings(groups=groups, tp=cfg.capture.tp)
     dims = [g.dim(kv_heads, head_dim) for g in settings.group_layers(num_layers, kv_heads)]
+    from kvtc.pipeline.evaluation.diagnostics import curve_components
+
     return estimate(dims, accumulators=cfg.reduce.accumulators, workers=workers, rows_per_batch=cfg.plan.seq_len,
                     heldout_rows=cfg.reduce.heldout_rows, curve_points=cfg.reduce.tokens_curve_points,
+                    curve_k=curve_components(sum(dims), cfg.reduce.curve_ratio),
                     kept_max=max(max_components(p, cfg.reduce.ratios, cfg.allocator) for p in dims))
 
 

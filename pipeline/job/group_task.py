@@ -63,6 +63,16 @@ class GroupTask:
         """The error-by-tokens prefixes, in accumulators (the last one may be all of them)."""
         return tuple(int(c) for c in self.curve["points"]) if self.curve else ()
 
+    @property
+    def prefixes_held(self) -> int:
+        """Running sums the solve copies for the curve (the prefixes short of every accumulator)."""
+        return sum(c < len(self.accumulators) for c in self.checkpoints)
+
+    @property
+    def curve_k(self) -> int:
+        """Components of each prefix basis (0 without a curve)."""
+        return min(int(self.curve["k"]), self.p) if self.curve else 0
+
     PLACEMENT = ("budget", "solver", "device")  # where and how it runs, not what it computes
 
     def __post_init__(self) -> None:
@@ -199,16 +209,12 @@ def drop_solved(store: ShardStore, task: GroupTask) -> None:
     store.drop_basis(_solved_name(task))
 
 
-def curve_bases(task: GroupTask, prefixes: list[Moments]) -> list[Basis]:
-    """The top-k basis of each error-by-tokens prefix, in order (`PrefixSolver`)."""
-    solver = PrefixSolver(min(int(task.curve["k"]), task.p))
-    return [solver(n, s, packed) for n, s, packed in prefixes]
-
-
-def prefix_partials(task: GroupTask, bases: list[Basis], rows: GroupRows) -> list[dict]:
-    """This group's error-by-tokens partials {tokens, split, err, norm}, one prefix basis after another."""
-    out: list[dict] = []
-    for b in bases:
+def prefix_partials(task: GroupTask, prefixes: list[Moments], rows: GroupRows) -> list[dict]:
+    """This group's error-by-tokens partials {tokens, split, err, norm}: each prefix's top-k basis in order
+    (`PrefixSolver`), measured on the group's held-out rows, one basis held at a time."""
+    solver, out = PrefixSolver(task.curve_k), []
+    for n, s, packed in prefixes:
+        b = solver(n, s, packed)
         for split, (err, norm) in group_prefix_partials(b, rows, float(task.curve["ratio"]), task.sinks,
                                                         task.window).items():
             out.append({"tokens": int(b.n), "split": split, "err": err, "norm": norm})
@@ -232,11 +238,11 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
                                          AttentionMetric(**task.metric))
             rows = whitened_rows(rows, whitening)
         resumed = load_solved(store, task)
-        bases: list[Basis] | None = None
+        by_tokens: list[dict] | None = None
 
-        def keep(prefixes: list[Moments]) -> None:  # before the eigensolver: the running sums go right after
-            nonlocal bases
-            bases = curve_bases(task, prefixes)
+        def measure_prefixes(prefixes: list[Moments]) -> None:  # before the eigensolver; only the sums stay
+            nonlocal by_tokens
+            by_tokens = prefix_partials(task, prefixes, rows)
 
         while True:
             if resumed is not None:
@@ -244,7 +250,7 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
             else:
                 sol = solve(store, list(task.accumulators), task.stream, task.group, solver.k, solver.device,
                             solver.method, whitening, solver.driver, task.checkpoints,
-                            keep if task.curve and bases is None else None)
+                            measure_prefixes if task.curve and by_tokens is None else None)
                 basis = sol.basis
                 solved = Solved(sol.method, basis.k, solver.device, sol.sum_s, sol.eig_s, sol.driver)
                 del sol
@@ -256,13 +262,9 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
             k = basis.k
             del basis, fitted
             solver = widen(task.p, k, bound, task.budget or (1 << 62), n_rows)
-        by_tokens: list[dict] = []
-        if task.curve:
-            if bases is None:  # a resumed solve: the running sums are summed again
-                keep(prefix_moments(store, list(task.accumulators), task.stream, task.group, task.checkpoints,
-                                    whitening))
-            by_tokens = prefix_partials(task, bases, rows)
-        del bases
+        if task.curve and by_tokens is None:  # a resumed solve: the running sums are summed again
+            measure_prefixes(prefix_moments(store, list(task.accumulators), task.stream, task.group, task.checkpoints,
+                                            whitening))
         measured = measure_group(fitted, task.sinks, task.window)
     kept = fitted.kept
     mean, encoder, decoder = basis.mean, basis.components[:, :kept], None
@@ -278,4 +280,4 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
         (mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32), encoder.astype(np.float32)),
         allocations, {(f.ratio, task.stream, task.group): f.to_table() for f in fitted.fits}, measured,
         list(dict.fromkeys(w for a in fitted.allocs for w in a.warnings)), basis.n, solves, fitted.seconds, decoder,
-        None if whitening is None else whitening.root.astype(np.float32), by_tokens)
+        None if whitening is None else whitening.root.astype(np.float32), by_tokens or [])

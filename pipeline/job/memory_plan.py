@@ -48,10 +48,11 @@ class MemoryEstimate:
 
 
 def estimate(group_dims: list[int], *, accumulators: int, workers: int, rows_per_batch: int,
-             heldout_rows: int, kept_max: int, curve_points: int = 0) -> MemoryEstimate:
+             heldout_rows: int, kept_max: int, curve_points: int = 0, curve_k: int = 0) -> MemoryEstimate:
     """group_dims: p of each group; rows_per_batch: captured rows folded at once (a shard's sequences
     x seq_len); heldout_rows: cap per split; kept_max: components the reducer computes at most;
-    curve_points: the error-by-tokens chart's prefixes (each task holds the running sums of all but the last)."""
+    curve_points, curve_k: the error-by-tokens chart's prefixes and components per prefix basis (each task holds
+    the running sums of all but the last prefix)."""
     p_total = sum(group_dims)
     busy = max(1, min(workers, accumulators))
     per_worker_accs = math.ceil(accumulators / busy)
@@ -62,7 +63,8 @@ def estimate(group_dims: list[int], *, accumulators: int, workers: int, rows_per
     p = max(group_dims)
     held = 2 * heldout_rows * p_total * 4 * 2  # the driver: held-out and second-domain rows, both streams, float32
     prefixes = max(0, min(curve_points, accumulators) - 1)
-    reduce = held + least_bytes(p, min(p, kept_max), 2 * heldout_rows, prefixes)  # and the largest group's task, alone
+    curve_k = min(p, curve_k) if curve_points > 0 else 0
+    reduce = held + least_bytes(p, min(p, kept_max), 2 * heldout_rows, prefixes, curve_k)  # the largest task, alone
     return MemoryEstimate(worker, busy, max(reduce, publish_bytes(group_dims, kept_max)), p)
 
 

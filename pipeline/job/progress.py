@@ -109,11 +109,15 @@ class ShardProgress:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix(tokens=self.tokens, tok_s=f"{self.tokens / elapsed:.0f}", refresh=False)
 
+    def close(self, finished: bool = False) -> None:
+        """finished: every shard ran (the corpus ran out early, or shards were cached): the bar ends full."""
+        if finished and self.bar.total != self.bar.n:
+            self.bar.total = self.bar.n
+            self.bar.refresh()
+        self.bar.close()
+
     def __enter__(self) -> "ShardProgress":
         return self
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is None and self.bar.total != self.bar.n:
-            self.bar.total = self.bar.n  # the corpus ran out, or shards were cached: the bar ends full
-            self.bar.refresh()
-        self.bar.close()
+        self.close(finished=exc[0] is None)

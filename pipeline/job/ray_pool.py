@@ -167,9 +167,9 @@ def run_pool(
             result = ray.get(ref)
             results.append(result)
             bar.advance(result)
-        bar.__exit__(None, None, None)
+        bar.close(finished=True)
     finally:
-        bar.bar.close()
+        bar.close()  # tqdm closes once
         for actor in actors:
             ray.kill(actor, no_restart=True)
     return PoolRun(results, startup_s, time.perf_counter() - start)

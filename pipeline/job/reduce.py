@@ -26,7 +26,7 @@ from kvtc.artifacts.groups import FeatureGroup, group_columns, stream_dims
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.layers import layers_of, layers_to_json
 from kvtc.pipeline.evaluation import report
-from kvtc.pipeline.evaluation.diagnostics import prefix_points, stream_prefix_rows
+from kvtc.pipeline.evaluation.diagnostics import curve_components, prefix_points, stream_prefix_rows
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows
 from kvtc.pipeline.fit.metric import encode_root, metric_file
 from kvtc.pipeline.fit.pca import cores
@@ -134,7 +134,7 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
     curve = None
     if red.tokens_curve_points > 0:  # error against calibration tokens (chart 1): prefixes of the accumulators
         curve = {"points": prefix_points(len(names), red.tokens_curve_points), "ratio": red.curve_ratio,
-                 "k": _curve_k(p_total, red.curve_ratio)}
+                 "k": curve_components(p_total, red.curve_ratio)}
 
     threads = placement.threads if placement.workers else cores()
     tasks, peaks = [], []
@@ -152,7 +152,7 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
                              metric=red.attention_metric.to_json() if cap.objective == "attention" else None,
                              solver=asdict(solver), curve=curve)
             tasks.append(task)
-            peaks.append(task_bytes(p, bound, n_rows, solver, sum(c < len(names) for c in task.checkpoints)))
+            peaks.append(task_bytes(p, bound, n_rows, solver, task.prefixes_held, task.curve_k))
     plans = [Planned(t.index, f"{t.stream} group {t.group}", t.p, Solver(**t.solver), b) for t, b in zip(tasks, peaks)]
     refuse_unless_fits(plans, budget, *_node_memory_now())  # before anything is written
     for task in tasks:  # each group's rows go to the store for its task; the driver keeps none of them
@@ -202,10 +202,6 @@ def gpu_solve(placement: Placement) -> GpuSolve | None:
     return GpuSolve(placement.gpu_bytes or (1 << 62), major)
 
 
-def _curve_k(p_total: int, ratio: float) -> int:
-    return max(1, min(p_total, int(16 * p_total / ratio) // 4))
-
-
 def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: bool = True) -> Published:
     """Assemble the artifact from the group results, store report and charts, publish; the summary."""
     from kvtc import artifacts
@@ -220,7 +216,7 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     calibration = calibration_record(
         cfg, reduced.groups, inp.model_dtype, reduced.tokens_in, int(train_rows), reduced.heldout_rows,
         reduced.eval_rows, reduced.notes,
-        {"ratio": cfg.reduce.curve_ratio, "components": _curve_k(p_total, cfg.reduce.curve_ratio),
+        {"ratio": cfg.reduce.curve_ratio, "components": curve_components(p_total, cfg.reduce.curve_ratio),
          "method": "top-k randomized PCA, analytic DP, in the objective's space",
          "prefixes": "whole accumulators, in order"},
         kv_heads).to_manifest()

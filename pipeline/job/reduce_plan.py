@@ -101,23 +101,31 @@ def widen(p: int, k: int, bound: int, budget: int, rows: int = 0) -> Solver:
     return Solver("subspace", min(bound, 2 * k))
 
 
-def task_bytes(p: int, bound: int, rows: int, solver: Solver, prefixes: int = 0) -> int:
-    """Peak bytes of one group task with this solver (a subspace may widen up to `bound`), holding the
-    running sums of `prefixes` error-by-tokens points (packed Grams) through its solve and one float32
-    covariance while it measures them."""
+def curve_bytes(p: int, prefixes: int, k: int) -> int:
+    """Bytes of the error-by-tokens phase, between the sum and the eigensolver (0 without a curve): the
+    running sum and `prefixes` copies of it (packed Grams), one float32 covariance, the subspace and its QR
+    (float32, p x (k + 32)) and one prefix basis (float64)."""
+    if k <= 0:
+        return 0
+    width = min(p, k + 32)
+    return packed(p) * (1 + prefixes) + 4 * p * p + 3 * 4 * p * width + 8 * p * width
+
+
+def task_bytes(p: int, bound: int, rows: int, solver: Solver, prefixes: int = 0, curve_k: int = 0) -> int:
+    """Peak bytes of one group task with this solver (a subspace may widen up to `bound`); with the
+    error-by-tokens curve, `prefixes` running sums held and bases of `curve_k` components (`curve_bytes`)."""
     k = bound if solver.method == "exact" else min(bound, 2 * solver.k)
-    held = prefixes * packed(p)
-    curve = held + 4 * p * p if prefixes else 0
-    return TASK_BASE + max(solve_bytes(p, k, solver.method, solver.driver, solver.device) + held,
-                           fit_bytes(p, bound, rows) + curve)
+    return TASK_BASE + max(solve_bytes(p, k, solver.method, solver.driver, solver.device), fit_bytes(p, bound, rows),
+                           curve_bytes(p, prefixes, curve_k))
 
 
-def least_bytes(p: int, bound: int, rows: int, prefixes: int = 0) -> int:
+def least_bytes(p: int, bound: int, rows: int, prefixes: int = 0, curve_k: int = 0) -> int:
     """The smallest peak any CPU solver gives the group (what must fit for it to run at all)."""
     if p <= EXACT_MAX_P or bound * FEW_SHARE <= p:
-        return task_bytes(p, bound, rows, choose(p, bound, 0, rows), prefixes)
-    return min(task_bytes(p, bound, rows, Solver("exact", bound, "evr"), prefixes),
-               task_bytes(p, bound, rows, Solver("subspace", min(bound, max(SUBSPACE_START, p // 16))), prefixes))
+        return task_bytes(p, bound, rows, choose(p, bound, 0, rows), prefixes, curve_k)
+    return min(task_bytes(p, bound, rows, Solver("exact", bound, "evr"), prefixes, curve_k),
+               task_bytes(p, bound, rows, Solver("subspace", min(bound, max(SUBSPACE_START, p // 16))), prefixes,
+                          curve_k))
 
 
 @dataclass(frozen=True)
