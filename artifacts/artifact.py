@@ -11,8 +11,8 @@ import numpy as np
 
 from kvtc.artifacts import bundle, ecsq_tables, tables
 from kvtc.artifacts.errors import ArtifactNotFoundError, CorruptArtifactError, IntegrityError
-from kvtc.artifacts.blocks import Block
-from kvtc.artifacts.groups import FeatureGroup, parse_groups
+from kvtc.artifacts.blocks import Block, check_budget_split
+from kvtc.artifacts.groups import FeatureGroup, parse_groups, stream_dims
 from kvtc.artifacts.local_files import sha256_handle
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
 from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, open_untrusted, read_limited
@@ -212,16 +212,31 @@ class Artifact:
         """{(ratio, stream, group): {"budget_bits", "cost_bits", "kept", "blocks": [(start, size, type, bits, scale_bits)], ...}}."""
         if self._allocations is None:
             section = self.manifest.get("allocations")
-            self._allocations = tables.decode_allocations(str(self.file(section["file"])),
-                                                                 tables.rows_declared(self.manifest)) if section else {}
+            allocations = tables.decode_allocations(str(self.file(section["file"])),
+                                                    tables.rows_declared(self.manifest)) if section else {}
+            self._check_budgets(allocations, "allocation")
+            self._allocations = allocations
         return self._allocations
+
+    def _check_budgets(self, tables_: dict, what: str) -> None:
+        """A joint split that does not add up to each ratio's total is refused (CorruptArtifactError)."""
+        dim = stream_dims(self.manifest["model"])
+        groups = parse_groups(self.manifest["calibration"]["groups"])
+        dims = {(stream, g): group.dim(*dim[stream]) for stream in dim for g, group in enumerate(groups)}
+        try:
+            check_budget_split({k: t["budget_bits"] for k, t in tables_.items()}, dims,
+                               {g: group.heads for g, group in enumerate(groups)}, f"{self.name}@{self.version} {what}")
+        except ValueError as exc:
+            raise CorruptArtifactError(str(exc)) from None
 
     def ecsq_tables(self) -> dict:
         """{(ratio, stream, group): ECSQ table} ({} for an artifact calibrated before the ECSQ mode)."""
         if self._ecsq is None:
             section = self.manifest.get("ecsq")
-            self._ecsq = ecsq_tables.decode_ecsq(str(self.file(section["file"])),
-                                                          tables.rows_declared(self.manifest)) if section else {}
+            ecsq = ecsq_tables.decode_ecsq(str(self.file(section["file"])),
+                                           tables.rows_declared(self.manifest)) if section else {}
+            self._check_budgets(ecsq, "ECSQ table")
+            self._ecsq = ecsq
         return self._ecsq
 
     def ecsq_ratios(self) -> list[float]:

@@ -9,6 +9,7 @@ reference quantizers define the arithmetic) consumes them.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 QTYPES = ("none", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8")
@@ -59,6 +60,30 @@ def check_ratios(ratios, where: str = "") -> tuple[float, ...]:
 def budget_bits(p: int, ratio: float) -> int:
     """The bit budget of one token of one stream (p features of 16 bits) at compression `ratio`: floor(16 p / CR)."""
     return int(math.floor(16 * p / ratio + 1e-9))
+
+
+def check_budget_split(budgets: dict, dims: dict, ranks: dict, what: str) -> None:
+    """A ratio's bits shared between bases (a joint split) must add up to the ratio's total.
+
+    budgets {(ratio, stream, group): bits per token}; dims {(stream, group): p}; ranks {group: the rank (its KV
+    head range) whose total it shares}. Per ratio and rank, the bases' bits sum to the sum of floor(16 p / CR),
+    and each basis's lie in [0, 16 p]. ValueError naming the ratio and rank otherwise."""
+    totals: dict[tuple, list[int]] = {}
+    for (ratio, stream, group), bits in budgets.items():
+        p = dims.get((stream, group))
+        if p is None:
+            continue  # a table without a basis: the caller's own check names it
+        if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 0 <= int(bits) <= 16 * p:
+            raise ValueError(f"{what} ({ratio:g}, {stream!r}, {group}): budget {bits!r} bits is outside [0, 16 p = {16 * p}]")
+        acc = totals.setdefault((float(ratio), ranks.get(group)), [0, 0])
+        acc[0] += int(bits)
+        acc[1] += budget_bits(p, float(ratio))
+    for (ratio, rank), (got, total) in totals.items():
+        if got != total:
+            where = "" if rank is None else f" of the rank holding KV heads {rank}"
+            raise ValueError(f"{what}: the bases' budgets at CR {ratio:g}{where} add up to {got} bits per token, not the "
+                             f"ratio's {total} (floor(16 p / CR) summed over its bases); the version is damaged or was "
+                             "edited: republish it")
 
 
 def ecsq_budget_bytes(p: int, ratio: float, tokens: int) -> int:

@@ -34,7 +34,10 @@ class CalibrationRecord:
     rank's KV heads and groups); None for a single-rank artifact.
     objective: "mse" (bases and allocations minimize the cache's squared error) or "attention" (the error the
     attention feels, in the metric `attention_metric` describes: the stored errors are in that metric, and
-    the bases have distinct encode and decode matrices).
+    the bases have distinct encode and decode matrices). objective_reason: why that objective ran (requested,
+    or what "auto" found: the metric built, or the layer it could not read); None in older versions.
+    bit_split: how each ratio's bits were shared between the bases (a joint split: its unit, each basis's
+    weight, and per ratio each basis's bits beside its own floor(16 p / CR)); None: every basis its own.
     settings: the job's computational settings verbatim, group by group (kvtc.pipeline.settings;
     None in versions published before they were recorded): what recalibration repeats.
     Results: tokens (train + held-out), train/heldout/eval rows, notes (warnings of the run),
@@ -61,6 +64,8 @@ class CalibrationRecord:
     tensor_parallel: dict[str, Any] | None = None
     objective: str = "mse"
     attention_metric: dict[str, Any] | None = None
+    objective_reason: str | None = None
+    bit_split: dict[str, Any] | None = None
     tokens: int = 0
     train_rows: int = 0
     heldout_rows: int = 0
@@ -84,6 +89,10 @@ class CalibrationRecord:
             raise ValueError(f"calibration record: holdout_fraction must be in (0, 1), got {self.holdout_fraction}")
         if self.keys not in KEY_FORMS:
             raise ValueError(f"calibration record: keys must be one of {KEY_FORMS}, got {self.keys!r}")
+        if self.objective_reason is not None and not isinstance(self.objective_reason, str):
+            raise ValueError("calibration record: objective_reason must be a string")
+        if self.bit_split is not None and not isinstance(self.bit_split, dict):
+            raise ValueError("calibration record: bit_split must be an object")
         if self.objective not in OBJECTIVES or (self.objective == "attention") != isinstance(self.attention_metric, dict):
             raise ValueError(f"calibration record: objective must be one of {OBJECTIVES} (attention with its "
                              f"attention_metric), got {self.objective!r}")
@@ -112,8 +121,7 @@ class CalibrationRecord:
                "seed": self.seed}
         if self.tp > 1:
             out["tp"] = self.tp
-        if self.objective != "mse":
-            out["objective"] = self.objective
+        out["objective"] = self.objective  # explicit: CaptureSettings' own default ("auto") is resolved per model
         return out if self.keys == "rope-removed" else {**out, "keys": self.keys}
 
     def to_manifest(self) -> dict[str, Any]:
@@ -124,6 +132,9 @@ class CalibrationRecord:
             del out["tensor_parallel"]  # single-rank artifacts read as before
         if self.objective == "mse":
             del out["objective"], out["attention_metric"]  # likewise
+        for key in ("objective_reason", "bit_split"):
+            if out[key] is None:
+                del out[key]  # likewise
         out["relative_error"] = RELATIVE_ERROR if self.keys == "rope-removed" else \
             RELATIVE_ERROR.replace("RoPE-removed", "with RoPE (as cached)")
         if self.objective == "attention":

@@ -94,7 +94,7 @@ def check_capture() -> bool:
     from kvtc.workers.models import load_model
     from kvtc.workers.stats import CalibrationStats
 
-    settings = CaptureSettings(sinks=4, window=16)
+    settings = CaptureSettings(sinks=4, window=16, objective="mse")
     ids = torch.randint(0, 49152, (2, 160), generator=torch.Generator().manual_seed(0))
     covs = {}
     for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
@@ -222,7 +222,7 @@ def check_multi_gpu() -> bool:
     from kvtc.workers.model_size import model_size
     from kvtc.workers.models import load_model
 
-    spec, settings = "tiny:llama@8x4x64", CaptureSettings(sinks=4, window=16)
+    spec, settings = "tiny:llama@8x4x64", CaptureSettings(sinks=4, window=16, objective="mse")
     ids = torch.randint(0, 49152, (2, 160), generator=torch.Generator().manual_seed(0))
     one = load_model(spec, device="cuda:0", dtype="float32")
     units = model_size(one.config, torch.float32, 160).units

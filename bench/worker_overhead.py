@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
-    settings = CaptureSettings(sinks=args.sinks, window=args.window, groups=args.groups)
+    settings = CaptureSettings(sinks=args.sinks, window=args.window, groups=args.groups, objective="mse")
     check_seq_len(lm, args.seq_len, settings)
     ids = _tokens(lm.tokenizer, args.sequences, args.seq_len).to(lm.device)
     batches = list(ids.split(args.batch))

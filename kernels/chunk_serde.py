@@ -57,7 +57,6 @@ from typing import Any
 
 import torch
 
-from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.kernels.blob import BlobError, BlobHeader, Section, read_blob, write_blob
 from kvtc.kernels.codec import KVTCCodec
 from kvtc.kernels.spec import CodecSpec
@@ -392,7 +391,7 @@ class ChunkTransform:
     def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int) -> float:
         """The share of its ECSQ budget a first chunk may spend so that it fits a later chunk's bound (0: none)."""
         head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
-        budget = sum(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, mid)
+        budget = sum(g.budget_bytes(self.spec.ratio, mid)
                      for groups in self.spec.ecsq.values() for g in groups)
         room = self._ecsq_bound_at(tokens, dtype, self.sinks) - head - raw
         return min(1.0, room / budget) if budget and room > 0 else 0.0
@@ -404,13 +403,13 @@ class ChunkTransform:
 
     def ecsq_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
         """Largest ECSQ blob of `tokens` tokens at `start` (None: any) rate control lets through: header, raw
-        sinks, and each (stream, group)'s budget (floor(16 p / ratio) bits per coded token, in bytes)."""
+        sinks, and each (stream, group)'s budget (its share of the ratio's bits per coded token, in bytes)."""
         starts = self._starts(tokens, dtype) if start is None else (start,)
         return max(self._ecsq_bound_at(tokens, dtype, a) for a in starts)
 
     def _ecsq_bound_at(self, tokens: int, dtype: torch.dtype, start: int) -> int:
         head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
-        budget = sum(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, mid)
+        budget = sum(g.budget_bytes(self.spec.ratio, mid)
                      for groups in self.spec.ecsq.values() for g in groups) if mid else 0
         return head + raw + budget
 

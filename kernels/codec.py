@@ -22,7 +22,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels import ecsq
 from kvtc.kernels.blob import (NO_CACHE, TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL,
@@ -332,7 +331,7 @@ class KVTCCodec:
         for gi, (cols, comps, g) in enumerate(parts):
             with self._stage("project", dev):
                 z = (feat[:, cols].to(comps.dtype) @ comps).float()
-            budget = int(ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, z.shape[0]) * budget_scale) \
+            budget = int(g.budget_bytes(self.spec.ratio, z.shape[0]) * budget_scale) \
                 if self.rate_control else None
             with self._stage("entropy", dev):
                 words, escapes = ecsq.encode_group(z, g, budget, self.ecsq_format, on_dev)

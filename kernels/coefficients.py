@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import ecsq
 from kvtc.kernels.backend import Ops, resolve_ops
@@ -193,7 +192,7 @@ class CoefficientCoder:
                      ) -> tuple[tuple[bytes, bytes], ...]:
         """z (B*n, kept) -> per sequence (words, escapes), budgeted like the codec's sections for n tokens."""
         g = self.spec.ecsq[stream][gi]
-        budget = ecsq_budget_bytes(g.mean.shape[0], self.spec.ratio, n) if self.rate_control else None
+        budget = g.budget_bytes(self.spec.ratio, n) if self.rate_control else None
         on_dev = z.device.type == "cuda" and self._ops(z.device).name == "triton"
         return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget, self.ecsq_format, on_dev) for b in range(batch))
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import rans
 from kvtc.kernels.blob import BlobError
@@ -67,7 +68,8 @@ class SymbolModel(NamedTuple):
 class EcsqGroup:
     """One basis at one ratio: its group (layers x KV heads); mean (p,), components (p, kept) float32; step; model
     (kept,) int index into `models` per component; offsets (kept, C) float32 centroid offsets in steps;
-    decoder (p, kept) float32 of a basis that is not orthonormal, None otherwise (see `decoding`)."""
+    decoder (p, kept) float32 of a basis that is not orthonormal, None otherwise (see `decoding`); budget_bits:
+    its bits per token at the ratio (its share of a joint split; 0: floor(16 p / CR), see `budget_bytes`)."""
 
     group: FeatureGroup
     mean: torch.Tensor
@@ -77,6 +79,13 @@ class EcsqGroup:
     offsets: torch.Tensor
     models: tuple[SymbolModel, ...]
     decoder: torch.Tensor | None = None
+    budget_bits: int = 0
+
+    def budget_bytes(self, ratio: float, tokens: int) -> int:
+        """The rate control's bound for `tokens` coded tokens of this basis at `ratio`."""
+        if self.budget_bits:
+            return int(self.budget_bits) * tokens // 8
+        return ecsq_budget_bytes(int(self.mean.shape[0]), ratio, tokens)
 
     def __post_init__(self) -> None:
         p, kept = self.components.shape if self.components.ndim == 2 else (-1, -1)

@@ -264,6 +264,6 @@ def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[E
                                    float(table["step"]), np.asarray(table["model"], dtype=np.int64),
                                    torch.as_tensor(table["offsets"], dtype=torch.float32),
                                    tuple(SymbolModel(int(r), np.asarray(c, dtype=np.int64)) for r, c in table["models"]),
-                                   _decoder(artifact, stream, gi, kept)))
+                                   _decoder(artifact, stream, gi, kept), int(table["budget_bits"])))
         out[stream] = tuple(codes)
     return out

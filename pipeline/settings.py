@@ -332,15 +332,23 @@ def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | 
 
     rec = CalibrationRecord.from_manifest(manifest)
     if rec.settings:
-        return JobSettings.from_computational(rec.settings, runtime)
+        recorded_settings = dict(rec.settings)
+        capture = recorded_settings.get("capture")
+        if isinstance(capture, dict) and "objective" not in capture:  # recorded before the option: what it ran
+            recorded_settings["capture"] = {**capture, "objective": rec.objective}
+        allocator = recorded_settings.get("allocator")
+        if isinstance(allocator, dict) and "bit_split" not in allocator:  # likewise: every basis its own share
+            recorded_settings["allocator"] = {**allocator, "bit_split": "even"}
+        return JobSettings.from_computational(recorded_settings, runtime)
     corpus = manifest.get("corpus") or {}
     recorded = dict(
         model=manifest["model"]["spec"], corpus=corpus.get("spec"), eval_corpus=corpus.get("eval_spec") or None,
         ratios=rec.ratios, tokens=rec.tokens_requested, eval_tokens=rec.eval_tokens, seq_len=rec.seq_len,
         seqs_per_shard=rec.seqs_per_shard, sinks=rec.sinks, window=rec.window, groups=rec.group_spec,
         sample=rec.sample, seed=rec.seed, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
-        text_column=rec.text_column, dtype=rec.dtype, keys=rec.keys, block_sizes=tuple(rec.allocator["block_sizes"]),
+        text_column=rec.text_column, dtype=rec.dtype, keys=rec.keys, objective=rec.objective, block_sizes=tuple(rec.allocator["block_sizes"]),
         types=tuple(rec.allocator["types"]), error_model=rec.allocator["error_model"],
+        bit_split=rec.allocator.get("bit_split", "even"),
     )
     unrecorded = {"holdout_fraction", "heldout_rows", "seqs_per_shard", "corpus"}  # None: keep the default
     recorded = {k: v for k, v in recorded.items() if v is not None or k not in unrecorded}

@@ -93,6 +93,24 @@ def check_readable(config: Any, layers: tuple[LayerSpec, ...]) -> None:
     attention_modules(getattr(base, "language_model", base), layers)
 
 
+def choose_objective(requested: str, config: Any, layers: tuple[LayerSpec, ...]) -> tuple[str, str]:
+    """-> (the objective to run, why). "auto" is "attention" where every coded layer's query and output
+    projections can be read (a meta-device model, before any model work), else "mse" naming what could not;
+    "attention" for such a model is refused (ValueError naming the layer); "mse" stays."""
+    if requested == "mse":
+        return "mse", "requested (--objective mse)"
+    try:
+        check_readable(config, layers)
+    except ValueError as exc:
+        if requested == "attention":
+            raise
+        why = str(exc).removeprefix("--objective attention").lstrip(": ").split("; use --objective mse")[0]
+        return "mse", f"auto: the attention metric cannot be built for this model ({why}); calibrated with mse"
+    if requested == "attention":
+        return "attention", "requested (--objective attention)"
+    return "attention", "auto: every coded layer's query and output projections were read"
+
+
 def pair_mean(energy: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
     """energy (..., head_dim) -> each RoPE rotation pair's two dims replaced by their mean (dims past the
     rotary ones, and layers without RoPE, unchanged)."""

@@ -138,6 +138,9 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     b, t = input_ids.shape
     check_seq_len(lm, t, settings)
+    if settings.objective == "auto":
+        raise ValueError("objective 'auto' is resolved against the model before capture (kvtc.workers.attention_metric."
+                         "choose_objective, which the calibration plan runs); pass 'attention' or 'mse'")
     metric = metric_capture(lm) if settings.objective == "attention" else None
     keys, values = _forward_cache(lm, input_ids, metric)
     if metric is not None:

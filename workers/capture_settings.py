@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 KEY_FORMS = ("rope-removed", "rope-kept")
 GROUP_FORMS = ("auto", "model", "layer")
-OBJECTIVES = ("mse", "attention")
+OBJECTIVES = ("auto", "mse", "attention")
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,11 @@ class CaptureSettings:
     keys: str = option("rope-removed", "rope-removed: keys calibrated and coded without RoPE; rope-kept: as servers store "
                                        "them, for consumers that cannot remove RoPE (Dynamo, chunk stores without "
                                        "positions)", choices=KEY_FORMS)
-    objective: str = option("mse", "mse: bases and allocations minimize the cache's own squared error; attention: the "
-                                   "error the attention feels (keys weighted by the queries' second moments, values "
-                                   "by the output projection), with distinct encode and decode matrices",
-                            choices=OBJECTIVES)
+    objective: str = option("auto", "attention: bases and allocations minimize the error the attention feels (keys "
+                                    "weighted by the queries' second moments, values by the output projection), with "
+                                    "distinct encode and decode matrices; mse: the cache's own squared error; auto: "
+                                    "attention where its metric can be built, else mse (the manifest says which and "
+                                    "why)", choices=OBJECTIVES)
     tp: int = option(1, "tensor-parallel ranks the model is served at: one basis per rank's KV heads (and per layer "
                         "group), as vLLM and SGLang shard them; ranks holding the same heads share one", kind=int)
 
@@ -99,4 +100,5 @@ class CaptureSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
-        return cls(**d)
+        """The inverse of `to_dict` (whose missing objective is "mse")."""
+        return cls(**{"objective": "mse", **d})

@@ -2,7 +2,7 @@
 
 Charts (PNG, matplotlib Agg): charts/error_by_tokens.png (cross-domain error against calibration
 tokens), charts/error_by_position.png (error against context position, every position including
-sinks and window), charts/allocation.png (DP bits per component, scale cost amortised, log index).
+sinks and window), charts/allocation.png (each ratio's bits shared between keys and values; group 0's DP blocks per component, log index).
 `build(...)` returns {relative path: bytes} for ArtifactContent.extra_files; it reads only the
 rows a calibration stores (metrics, curves, allocations), so it runs in the reduce or on a pulled
 artifact. Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens, whole p-vector.
@@ -146,12 +146,13 @@ def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None
     return png(plt, fig)
 
 
-def bits_per_component(blocks) -> list[float]:
-    """blocks [(start, size, type, bits, scale_bits)] -> bits per component, scale cost amortised."""
+def bits_per_component(blocks, amortise: bool = True) -> list[float]:
+    """blocks [(start, size, type, bits, scale_bits)] -> bits per component: the block's quantizer bits, with
+    its scale's cost spread over its components when `amortise`."""
     kept = max((b[0] + b[1] for b in blocks if b[3]), default=0)
     out = [0.0] * kept
     for start, size, _t, bits, *rest in blocks:
-        sb = rest[0] if rest else 0
+        sb = rest[0] if rest and amortise else 0
         for i in range(start, min(start + size, kept)):
             out[i] = bits + sb / size if bits else 0.0
     return out
@@ -164,28 +165,60 @@ def allocation_steps(bits: list[float], features: int | None = None) -> tuple[li
     return [*range(1, len(bits) + 2), tail], [*bits, 0.0, 0.0]
 
 
-def chart_allocation(allocations: dict, features: int | None = None) -> bytes | None:
-    """allocations {(ratio, stream, group): {"blocks": [...]}}; group 0, one panel per stream. Each
-    curve drops to 0 bits after its last kept component; the x-axis runs to `features` (group 0's p)
-    when given, so the dropped tail shows."""
+def stream_bits(allocations: dict, split: dict | None = None) -> dict[float, dict[str, tuple[int, int]]]:
+    """{ratio: {stream: (bits per token over its groups, the even share: floor(16 p / CR) summed)}}."""
+    own = {(float(b["ratio"]), b["stream"], int(b["group"])): int(b["own"]) for b in (split or {}).get("bits", [])}
+    out: dict[float, dict[str, list[int]]] = {}
+    for (ratio, stream, group), info in sorted(allocations.items()):
+        acc = out.setdefault(float(ratio), {}).setdefault(stream, [0, 0])
+        acc[0] += int(info["budget_bits"])
+        acc[1] += own.get((float(ratio), stream, int(group)), int(info["budget_bits"]))
+    return {r: {s: (a, b) for s, (a, b) in by.items()} for r, by in out.items()}
+
+
+def chart_allocation(allocations: dict, features: int | None = None, split: dict | None = None) -> bytes | None:
+    """Left: each ratio's bits per token as the streams share them (the joint split; a marker at each stream's
+    even share, floor(16 p / CR) per basis). Right: group 0's DP allocation per component, keys solid and
+    values dashed: each step is one block, drawn at its quantizer's bits (int2 2, int4 4, fp8 8); the block's
+    scale is not spread over it, so a one-component block is not a spike. 0 bits past the last kept component,
+    to `features` (group 0's p) when given."""
     if not allocations:
         return None
-    plt, fig, axes = figure(2)
-    for ax, stream in zip(axes, STREAMS):
-        right = 2
-        for (ratio, s, g), info in sorted(allocations.items()):
-            if s != stream or g != 0:
-                continue
-            bits = bits_per_component(info["blocks"])
-            if bits:
-                xs, ys = allocation_steps(bits, features)
-                ax.step(xs, ys, where="post", label=f"CR {ratio:g} ({len(bits)} kept)")
-                right = max(right, xs[-1])
-        ax.set_xscale("log")
-        ax.set_xlim(1, right)
-        ax.set_ylim(bottom=0)
-        ax.set(xlabel="component index", ylabel="bits per component (scale amortised)", title=f"{stream}: DP bit allocation")
-        ax.legend(fontsize=8)
+    plt, fig, (left, right_ax) = figure(2)
+    shares = stream_bits(allocations, split)
+    ratios = sorted(shares)
+    width = 0.38
+    for j, stream in enumerate(STREAMS):
+        xs = [i + (j - 0.5) * width for i in range(len(ratios))]
+        got = [shares[r].get(stream, (0, 0))[0] for r in ratios]
+        even = [shares[r].get(stream, (0, 0))[1] for r in ratios]
+        left.bar(xs, got, width, label=stream)
+        left.scatter(xs, even, marker="_", s=300, color="black", zorder=3,
+                     label="even share (16 p / CR per basis)" if j == 0 else None)
+        for x, g in zip(xs, got):
+            left.annotate(f"{g}", (x, g), ha="center", va="bottom", fontsize=7)
+    left.set_xticks(range(len(ratios)), [f"CR {r:g}" for r in ratios])
+    unit = (split or {}).get("unit")
+    left.set(ylabel="bits per token (all groups)", title="bits shared: " + (f"joint, in {unit}" if unit else "even"))
+    left.set_yscale("log")
+    left.legend(fontsize=7)
+    right = 2
+    for (ratio, s, g), info in sorted(allocations.items()):
+        if g != 0:
+            continue
+        bits = bits_per_component(info["blocks"], amortise=False)
+        if bits:
+            xs, ys = allocation_steps(bits, features)
+            color = f"C{ratios.index(float(ratio)) % 10}" if float(ratio) in ratios else None
+            right_ax.step(xs, ys, where="post", color=color, linestyle="-" if s == "keys" else "--",
+                          label=f"{s} CR {ratio:g} ({len(bits)} kept)")
+            right = max(right, xs[-1])
+    right_ax.set_xscale("log")
+    right_ax.set_xlim(1, right)
+    right_ax.set_ylim(bottom=0)
+    right_ax.set(xlabel="component index", ylabel="quantizer bits per component (a step: one block)",
+                 title="group 0: DP blocks, keys solid, values dashed")
+    right_ax.legend(fontsize=7)
     return png(plt, fig)
 
 
@@ -199,7 +232,7 @@ def _charts(curves: dict, allocations: dict, cal: dict, curve: dict, features: i
                                                                 curves.get("error_by_position_pca"),
                                                                 sinks=cal.get("sinks"), window=cal.get("window"),
                                                                 seq_len=cal.get("seq_len")),
-        "charts/allocation.png": chart_allocation(allocations, features),
+        "charts/allocation.png": chart_allocation(allocations, features, cal.get("bit_split")),
         "charts/rate_distortion.png": rate_distortion.chart(curves.get("rate_distortion", [])),
         "charts/basis_size.png": basis_size.chart(curves.get("basis_size", [])),
     }

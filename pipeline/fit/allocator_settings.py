@@ -9,6 +9,8 @@ from typing import Any
 from kvtc.artifacts.blocks import budget_bits, cheapest_bits_per_component, qtype_bits
 from kvtc.workers.options import joined, numbers, option, words
 
+BIT_SPLITS = ("joint", "even")
+
 
 def _share(word: Any) -> float:
     """"3%", "0.03" or a number -> 0.03; "none" -> 0.0 (no basis budget)."""
@@ -60,6 +62,10 @@ class AllocatorSettings:
     basis_budget: float = option(0.0, "basis memory a server may hold, as a share of the model's parameters (e.g. 3%%): "
                                       "caps the components per group both allocators may use", parse=_share,
                                  show=lambda v: f"{100 * v:g}%" if v else "none")
+    bit_split: str = option("joint", "joint: each ratio's total budget is split between keys, values and layer groups "
+                                     "where it lowers the model's error most (with --objective mse, between a "
+                                     "stream's groups); even: every basis gets floor(16 p / CR) bits per token",
+                            choices=BIT_SPLITS)
 
     def __post_init__(self) -> None:
         sizes, types = tuple(self.block_sizes), tuple(self.types)
@@ -80,6 +86,8 @@ class AllocatorSettings:
         if not (0 <= self.basis_budget <= 1 and math.isfinite(self.basis_budget)):
             raise ValueError(f"--basis-budget {self.basis_budget!r} must be a share of the model's parameters in (0, 1], "
                              "e.g. 3% or 0.03")
+        if self.bit_split not in BIT_SPLITS:
+            raise ValueError(f"--bit-split must be one of {BIT_SPLITS}, got {self.bit_split!r}")
         object.__setattr__(self, "block_sizes", tuple(sorted(sizes)))
         object.__setattr__(self, "types", types)
 
@@ -87,17 +95,20 @@ class AllocatorSettings:
     def quantized_types(self) -> tuple[str, ...]:
         return tuple(t for t in self.types if t != "none")
 
-    def kept_bound(self, p: int, ratios) -> int:
-        """Most components any allocation at `ratios` can keep: the largest budget over the cheapest
-        bits per component, capped at p and at the basis budget (max_components)."""
+    def kept_bound(self, p: int, ratios, budgets=None) -> int:
+        """Most components any allocation at `ratios` can keep: the largest budget (each ratio's own, or
+        `budgets`, bits per token per ratio, a joint split's) over the cheapest bits per component, capped at p
+        and at the basis budget (max_components)."""
         per_component = cheapest_bits_per_component(self.types, self.block_sizes, p)
-        return max(1, min(p, self.max_components or p, math.floor(budget_bits(p, min(ratios)) / per_component)))
+        most = max(budgets) if budgets else budget_bits(p, min(ratios))
+        return max(1, min(p, self.max_components or p, math.floor(most / per_component)))
 
     def to_dict(self) -> dict:
         return {"block_sizes": list(self.block_sizes), "types": list(self.types), "error_model": self.error_model,
                 "min_rows": self.min_rows, "recommended_rows": self.recommended_rows,
                 "max_dp_states": self.max_dp_states, "cost_unit": self.cost_unit,
-                "max_components": self.max_components, "basis_budget": self.basis_budget, "aligned_starts": True}
+                "max_components": self.max_components, "basis_budget": self.basis_budget, "bit_split": self.bit_split,
+                "aligned_starts": True}
 
     @classmethod
     def from_dict(cls, d: dict) -> "AllocatorSettings":

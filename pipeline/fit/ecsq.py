@@ -177,15 +177,15 @@ def _offsets(z: torch.Tensor, step: float, sigma_steps: np.ndarray, settings: Ec
 
 
 def fit_ecsq(ratio: float, z: torch.Tensor, p: int, settings: EcsqSettings = EcsqSettings(),
-             sigma: np.ndarray | None = None) -> EcsqFit:
+             sigma: np.ndarray | None = None, budget: int | None = None) -> EcsqFit:
     """z (N, k) centered held-out projections of one basis of dimension p -> the ratio's ECSQ fit.
-    The mean coded bits per token over the rows are <= floor(16 p / ratio)."""
+    The mean coded bits per token over the rows are <= `budget` (default floor(16 p / ratio))."""
     z = torch.as_tensor(z, dtype=torch.float32)
     if z.ndim != 2 or z.shape[0] < 16:
         raise ValueError(f"ECSQ needs held-out projections (N >= 16, k); got shape {tuple(z.shape)}")
     if sigma is None:
         sigma = np.sqrt(heldout_variances(z))
-    budget = budget_bits(p, ratio)
+    budget = budget_bits(p, ratio) if budget is None else int(budget)
     stride = max(1, z.shape[0] // settings.fit_rows)
     rate = _RateModel(z[::stride][:settings.fit_rows].contiguous(), sigma, settings)
     top = float(sigma.max()) if sigma.size else 1.0
@@ -224,8 +224,10 @@ def squared_error(fit: EcsqFit, z: torch.Tensor) -> float:
     return float(err + z[:, fit.kept:].double().square().sum())
 
 
-def fit_ratios(ratios, z: torch.Tensor, p: int, settings: EcsqSettings = EcsqSettings()) -> list[EcsqFit]:
-    """One EcsqFit per ratio (input order), sharing the held-out scales."""
+def fit_ratios(ratios, z: torch.Tensor, p: int, settings: EcsqSettings = EcsqSettings(),
+               budgets=None) -> list[EcsqFit]:
+    """One EcsqFit per ratio (input order), sharing the held-out scales; budgets: bits per token per ratio
+    (None: each ratio's floor(16 p / CR))."""
     z = torch.as_tensor(z, dtype=torch.float32)
     sigma = np.sqrt(heldout_variances(z))
-    return [fit_ecsq(r, z, p, settings, sigma) for r in ratios]
+    return [fit_ecsq(r, z, p, settings, sigma, None if budgets is None else budgets[i]) for i, r in enumerate(ratios)]

@@ -38,15 +38,16 @@ class GroupFit:
 
 
 def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, rows: GroupRows,
-              sinks: int, window: int) -> GroupFit:
-    """DP allocations and ECSQ tables at `ratios` on the held-out middle rows' projections."""
+              sinks: int, window: int, budgets=None) -> GroupFit:
+    """DP allocations and ECSQ tables at `ratios` on the held-out middle rows' projections, within `budgets`
+    (bits per token per ratio: a joint split's shares; None: each ratio's floor(16 p / CR))."""
     t0 = time.perf_counter()
     mid = rows.middle(sinks, window)
     x_mid = rows.rows[mid]
     z_all = basis.project(rows.rows)  # one GEMM serves the error tables, the ECSQ fit and every metric
     z_mid = z_all[torch.from_numpy(mid)]
-    allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
+    allocs = allocate(ratios, basis, settings=alloc, projections=z_mid, budgets=budgets)
     fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
-                               ecsq_fit.EcsqSettings(max_components=alloc.max_components))
+                               ecsq_fit.EcsqSettings(max_components=alloc.max_components), budgets)
     return GroupFit(stream, group, basis, rows, x_mid, z_mid, allocs, fits, time.perf_counter() - t0,
                     alloc.max_components, z_all)

@@ -51,6 +51,26 @@ class AttentionMetric:
     def blocks(self, metric: dict[str, np.ndarray], tokens: int, stream: str, group: FeatureGroup,
                groups: list[FeatureGroup], kv_heads: int) -> np.ndarray:
         """The group's metric blocks (layers x its heads, d, d) float64 in its feature order, balanced and floored."""
+        m = self.weighted(metric, tokens, stream, group, groups, kv_heads)
+        m = m / self.divisors(m)[..., None, None]
+        d = m.shape[-1]
+        scale = np.maximum(np.einsum("lhii->lh", m) / d, 1e-300)
+        m = m + self.floor * scale[..., None, None] * np.eye(d)
+        return m.reshape(-1, d, d)
+
+    def divisors(self, m: np.ndarray) -> np.ndarray:
+        """(layers, heads, d, d) weighted blocks -> (layers, heads): what the balance divides each block by."""
+        diag = np.einsum("lhii->lhi", m)
+        if self.balance == "layer":
+            return np.broadcast_to(np.maximum(diag.mean(axis=(1, 2)), 1e-300)[:, None], diag.shape[:2])
+        if self.balance == "head":
+            return np.maximum(diag.mean(axis=2), 1e-300)
+        return np.ones(diag.shape[:2])
+
+    def weighted(self, metric: dict[str, np.ndarray], tokens: int, stream: str, group: FeatureGroup,
+                 groups: list[FeatureGroup], kv_heads: int) -> np.ndarray:
+        """The group's blocks (layers, heads, d, d) float64 as measured, times the concentration: the error
+        energy the attention feels (keys: logits; values: the output), before balance and floor."""
         if tokens < 1 or stream not in metric:
             raise ValueError(f"the statistics hold no attention metric for {stream}; recalibrate with --objective attention")
         raw = np.asarray(metric[stream], dtype=np.float64) / tokens
@@ -65,16 +85,7 @@ class AttentionMetric:
                                  "recalibrate with a fresh --store, or pass --attention-weighting none")
             c = np.asarray(metric["concentration"], dtype=np.float64) / tokens
             m = m * np.stack([c[slots[layer], h0:h1] for layer in group.layers])[..., None, None]
-        m = (m + np.swapaxes(m, -1, -2)) / 2
-        diag = np.einsum("lhii->lhi", m)
-        if self.balance == "layer":
-            m = m / np.maximum(diag.mean(axis=(1, 2)), 1e-300)[:, None, None, None]
-        elif self.balance == "head":
-            m = m / np.maximum(diag.mean(axis=2), 1e-300)[:, :, None, None]
-        d = m.shape[-1]
-        scale = np.maximum(np.einsum("lhii->lh", m) / d, 1e-300)
-        m = m + self.floor * scale[..., None, None] * np.eye(d)
-        return m.reshape(-1, d, d)
+        return (m + np.swapaxes(m, -1, -2)) / 2
 
 
 def metric_file(stream: str, group: int) -> str:

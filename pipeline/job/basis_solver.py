@@ -75,6 +75,14 @@ def sum_accumulators(store: ShardStore, names: list[str], stream: str, group: in
 
 def metric_whitening(store: ShardStore, names: list[str], stream: str, group: int, metric: AttentionMetric) -> Whitening:
     """The attention metric's whitening of (stream, group), from the metric sums of the accumulators `names`."""
+    sums, tokens, stats = metric_sums(store, names)
+    blocks = metric.blocks(sums, tokens, stream, stats.groups[group], stats.groups, int(stats.fingerprint["num_kv_heads"]))
+    return Whitening.of(blocks)
+
+
+def metric_sums(store: ShardStore, names: list[str]):
+    """The attention-metric sums of the accumulators `names` -> (sums {key: array}, query tokens, the last
+    accumulator's statistics, moments not read)."""
     sums: dict[str, np.ndarray] = {}
     tokens, stats = 0, None
     for name in names:
@@ -87,8 +95,7 @@ def metric_whitening(store: ShardStore, names: list[str], stream: str, group: in
         tokens += stats.metric_tokens
     if stats is None:
         raise ValueError("no training statistics to reduce; the corpus gave no training shard")
-    blocks = metric.blocks(sums, tokens, stream, stats.groups[group], stats.groups, int(stats.fingerprint["num_kv_heads"]))
-    return Whitening.of(blocks)
+    return sums, tokens, stats
 
 
 def prefix_moments(store: ShardStore, names: list[str], stream: str, group: int, checkpoints: tuple[int, ...],

@@ -67,6 +67,7 @@ class Planned:
     fingerprint: dict
     seconds: float
     model_config: Any = None  # the model's transformers config (the GPU plan sizes its weights)
+    objective_reason: str = ""  # why the objective that runs was chosen (the manifest records it)
 
 
 @dataclass
@@ -110,10 +111,11 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     capture = replace(capture, groups=resolve_groups(capture.groups, info.layers))  # "auto" on one layer kind: "model"
     cfg = replace(cfg, capture=capture)
     check_seq_len(info, cfg.plan.seq_len, capture)
-    if capture.objective == "attention":  # every coded layer's query and output projections, from a meta-device model
-        from kvtc.workers.attention_metric import check_readable
+    from kvtc.workers.attention_metric import choose_objective
 
-        check_readable(info.config, info.layers)
+    objective, objective_reason = choose_objective(capture.objective, info.config, info.layers)  # a meta-device model
+    capture = replace(capture, objective=objective)
+    cfg = replace(cfg, capture=capture)  # recorded as run: a recalibration repeats the objective that ran
     width = info.num_kv_heads * info.head_dim
     text_config = getattr(info.config, "text_config", None) or info.config
     TensorParallelLayout(capture.tp, info.num_kv_heads, int(getattr(text_config, "num_attention_heads", 0) or 0))
@@ -147,7 +149,7 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
               file=sys.stderr)
         cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
     return Planned(cfg, registry, rt.store or default_store_uri(), info.tokenizer, info.fingerprint,
-                   time.perf_counter() - t0, info.config)
+                   time.perf_counter() - t0, info.config, objective_reason)
 
 
 def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False, gpu_plan=None) -> Folded:
@@ -238,7 +240,7 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
                 gpu_plan = _gpu_plan(planned, gpus, *ray_pool.gpu_inventory())
         folded = fold_shards(planned, in_process, gpus, started, gpu_plan)
         inp = ReduceInput(cfg, planned.fingerprint, folded.store, folded.shards, folded.accumulators, folded.model_dtype,
-                          planned.model_config)
+                          planned.model_config, planned.objective_reason)
         # the reduce runs on the fold's workers (their actors are gone: the model's memory is free), one group per worker
         placement = Placement(0 if in_process else folded.workers, rt.threads_per_worker, folded.on_cluster_gpu,
                               gpu_plan.gpu_bytes if gpu_plan is not None else 0,

@@ -26,7 +26,7 @@ from kvtc.pipeline.fit.group_fit import fit_group
 from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
 from kvtc.pipeline.fit.pca import Basis, cpu_threads
-from kvtc.pipeline.job.basis_solver import Moments, max_components, metric_whitening, prefix_moments, solve
+from kvtc.pipeline.job.basis_solver import Moments, metric_whitening, prefix_moments, solve
 from kvtc.pipeline.job.reduce_plan import Solver, choose, widen
 from kvtc.pipeline.job.store import ShardStore
 
@@ -40,7 +40,10 @@ class GroupTask:
     may use (fixed per job, so the result does not depend on how many workers ran), the bytes it may
     hold (`budget`) and the solver the reduce plan chose within them (`reduce_plan.Solver` as a dict).
     curve: the error-by-tokens points this group measures, {"points": prefix lengths in accumulators
-    (the last one all of them), "ratio", "k": components of each prefix's basis}; None: no curve."""
+    (the last one all of them), "ratio", "k": components of each prefix's basis}; None: no curve.
+    budgets: bits per token per ratio (a joint split's shares, `fit.joint_budget`); None: each ratio's
+    floor(16 p / CR). solve_only: solve and checkpoint the basis and its spectrum, nothing more (the joint
+    split's first pass; the task with budgets then resumes from that checkpoint)."""
 
     index: int
     stream: str
@@ -57,6 +60,8 @@ class GroupTask:
     metric: dict | None = None  # the attention objective's AttentionMetric (None: the cache's own squared error)
     solver: dict | None = None  # None: reduce_plan.choose within `budget`
     curve: dict | None = None
+    budgets: tuple[int, ...] | None = None
+    solve_only: bool = False
 
     @property
     def checkpoints(self) -> tuple[int, ...]:
@@ -74,6 +79,7 @@ class GroupTask:
         return min(int(self.curve["k"]), self.p) if self.curve else 0
 
     PLACEMENT = ("budget", "solver", "device")  # where and how it runs, not what it computes
+    PASS = ("budgets", "solve_only")  # which pass: both share the solve's checkpoint (results name the budgets)
 
     def __post_init__(self) -> None:
         if self.stream not in ("keys", "values") or self.p < 1 or self.threads < 1 or not self.accumulators:
@@ -85,12 +91,22 @@ class GroupTask:
 
     def key(self) -> str:
         """What the task computes, for its checkpoints' names (not its memory budget or solver choice)."""
-        what = {k: v for k, v in self.to_json().items() if k not in self.PLACEMENT}
+        what = {k: v for k, v in self.to_json().items() if k not in self.PLACEMENT + self.PASS}
         return f"{self.stream}-g{self.group}-{hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]}"
+
+    def pass_key(self) -> str:
+        """`key` and the pass: what a result is stored under."""
+        if self.solve_only:
+            return f"{self.key()}-solve"
+        if self.budgets is None:
+            return self.key()
+        return f"{self.key()}-{hashlib.sha256(json.dumps(list(self.budgets)).encode()).hexdigest()[:12]}"
 
     @classmethod
     def from_json(cls, d: dict) -> "GroupTask":
-        return cls(**{**d, "accumulators": tuple(d["accumulators"]), "ratios": tuple(float(r) for r in d["ratios"])})
+        budgets = d.get("budgets")
+        return cls(**{**d, "accumulators": tuple(d["accumulators"]), "ratios": tuple(float(r) for r in d["ratios"]),
+                      "budgets": None if budgets is None else tuple(int(b) for b in budgets)})
 
 
 @dataclass(frozen=True)
@@ -184,15 +200,19 @@ def _solved_name(task: GroupTask) -> str:
     return f"solved-{task.key()}"
 
 
-def save_solved(store: ShardStore, task: GroupTask, basis: Basis, solved: Solved) -> None:
-    """The solve's basis, float64, checkpointed before the fit: a retried task resumes after it."""
+def save_solved(store: ShardStore, task: GroupTask, basis: Basis, solved: Solved,
+                by_tokens: list[dict] | None = None) -> None:
+    """The solve's basis, float64, checkpointed before the fit (with the curve's partials measured during it):
+    a retried task, or the joint split's second pass, resumes after it."""
     store.put_basis(_solved_name(task), {"mean": basis.mean, "eigenvalues": basis.eigenvalues,
                                          "components": basis.components},
-                    {"solved": asdict(solved), "total_variance": basis.total_variance, "n": basis.n})
+                    {"solved": asdict(solved), "total_variance": basis.total_variance, "n": basis.n,
+                     "by_tokens": by_tokens})
 
 
-def load_solved(store: ShardStore, task: GroupTask) -> tuple[Basis, Solved] | None:
-    """The checkpointed solve of this task, or None (absent; a corrupt one is set aside by the store)."""
+def load_solved(store: ShardStore, task: GroupTask) -> tuple[Basis, Solved, list[dict] | None] | None:
+    """The checkpointed solve of this task (basis, how, the curve's partials or None), or None (absent; a
+    corrupt one is set aside by the store)."""
     name = _solved_name(task)
     if not store.has_basis(name):
         return None
@@ -202,7 +222,7 @@ def load_solved(store: ShardStore, task: GroupTask) -> tuple[Basis, Solved] | No
         return None
     basis = Basis(arrays["mean"], arrays["eigenvalues"], arrays["components"], float(meta["total_variance"]),
                   int(meta["n"]))
-    return basis, Solved(**{**meta["solved"], "resumed": True})
+    return basis, Solved(**{**meta["solved"], "resumed": True}), meta.get("by_tokens")
 
 
 def drop_solved(store: ShardStore, task: GroupTask) -> None:
@@ -221,11 +241,16 @@ def prefix_partials(task: GroupTask, prefixes: list[Moments], rows: GroupRows) -
     return out
 
 
-def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResult:
+def spectrum_name(task: GroupTask) -> str:
+    return f"spectrum-{task.key()}"
+
+
+def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResult | None:
     """solve -> fit -> measure of one stream and group, on `task.threads` CPU threads; each solve is
-    checkpointed in the store, and a checkpoint left by an earlier attempt is resumed from."""
+    checkpointed in the store, and a checkpoint left by an earlier attempt (or by the joint split's first
+    pass) is resumed from. `task.solve_only`: the first solve only, its spectrum stored (`spectrum_name`)."""
     alloc = AllocatorSettings.from_dict(task.allocator)
-    bound = max_components(task.p, task.ratios, alloc)
+    bound = alloc.kept_bound(task.p, task.ratios, task.budgets)
     n_rows = rows.rows.shape[0] + (0 if rows.evals is None else rows.evals.shape[0])
     solver = Solver(**task.solver) if task.solver else choose(task.p, bound, task.budget or (1 << 62), n_rows)
     if task.device.startswith("cuda") != solver.device.startswith("cuda"):
@@ -238,7 +263,7 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
                                          AttentionMetric(**task.metric))
             rows = whitened_rows(rows, whitening)
         resumed = load_solved(store, task)
-        by_tokens: list[dict] | None = None
+        by_tokens: list[dict] | None = None if resumed is None else resumed[2]
 
         def measure_prefixes(prefixes: list[Moments]) -> None:  # before the eigensolver; only the sums stay
             nonlocal by_tokens
@@ -246,7 +271,7 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
 
         while True:
             if resumed is not None:
-                (basis, solved), resumed = resumed, None
+                (basis, solved, _), resumed = resumed, None
             else:
                 sol = solve(store, list(task.accumulators), task.stream, task.group, solver.k, solver.device,
                             solver.method, whitening, solver.driver, task.checkpoints,
@@ -254,9 +279,14 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
                 basis = sol.basis
                 solved = Solved(sol.method, basis.k, solver.device, sol.sum_s, sol.eig_s, sol.driver)
                 del sol
-                save_solved(store, task, basis, solved)
+                save_solved(store, task, basis, solved, by_tokens)
             solves.append(solved)
-            fitted = fit_group(task.stream, task.group, basis, task.ratios, alloc, rows, task.sinks, task.window)
+            if task.solve_only:
+                store.put_basis(spectrum_name(task), {"eigenvalues": basis.eigenvalues},
+                                {"k": basis.k, "exact": solved.method == "exact", "n": basis.n})
+                return None
+            fitted = fit_group(task.stream, task.group, basis, task.ratios, alloc, rows, task.sinks, task.window,
+                               task.budgets)
             if solved.method == "exact" or basis.k >= bound or fitted.kept < KEEP_MARGIN * basis.k:
                 break
             k = basis.k

@@ -47,7 +47,7 @@ MIN_HELDOUT_ROWS = 16
 class ReduceInput:
     """What the fold hands the reduce: the settings as run, the model fingerprint, the shard store,
     every planned shard ({id, index, role, tokens, cached}), the accumulators (name, shard ids) in
-    order, the workers' model dtype and the model's transformers config (no weights)."""
+    order, the workers' model dtype, the model's transformers config (no weights) and why the objective ran."""
 
     settings: JobSettings
     fingerprint: dict
@@ -56,6 +56,7 @@ class ReduceInput:
     accumulators: list[tuple[str, list[str]]]
     model_dtype: str = "float32"
     model_config: Any = None
+    objective_reason: str = ""
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Reduced:
     seconds: float = 0.0
     tasks: list[GroupTask] = field(default_factory=list)  # their results stay in the store until `clear`
     plan: dict = field(default_factory=dict)  # the memory plan as run: budget, largest peak, most at once, kills
+    split: dict | None = None  # the joint bit split (weights, each basis's bits per ratio); None: every basis its own
 
     @property
     def solve_s(self) -> float:
@@ -159,9 +161,19 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
         rows = held.group(task.stream, columns_of[task.stream][task.group], evals, cap.sinks, cap.window)
         store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})
         del rows
+    pools = split_pools(tasks, groups, cap.objective, alloc.bit_split)
+    weights = {}
+    if pools and cap.objective == "attention":  # keys against values: the model's error per unit of each
+        weights = split_weights(inp, held, groups, columns_of["values"], names)
 
     eval_rows = 0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum())
     del held, evals
+    split = None
+    if pools:  # the joint split: every basis solved first, its share of each ratio's total set from the spectra
+        spectra = run_groups([replace(t, solve_only=True) for t in tasks], store, placement, peaks, budget,
+                             ReduceProgress([f"{t.stream} group {t.group} (solve)" for t in tasks], [t.p for t in tasks]),
+                             keep_rows=True)
+        tasks, split = joint_tasks(tasks, spectra, pools, weights, alloc)
     progress = ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     results = run_groups(tasks, store, placement, peaks, budget, progress)
     by_tokens = stream_prefix_rows([(r.stream, r.by_tokens) for r in results])
@@ -171,7 +183,55 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
             "killed": progress.kills, "solvers": sorted({f"{s.method}/{s.driver}/{s.device}" for s in
                                                          (Solver(**t.solver) for t in tasks)})}
     return Reduced(groups, results, by_tokens, tokens_in, int(mid.sum()), eval_rows, notes, time.perf_counter() - t0,
-                   tasks, plan)
+                   tasks, plan, split)
+
+
+def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], objective: str, bit_split: str) -> dict:
+    """{task index: pool} of the bases whose bits one total covers, or {} when no pool holds two: a rank's
+    (KV head range's) bases; with mse, whose streams' errors have no common unit, a stream's within it."""
+    if bit_split != "joint":
+        return {}
+    pools = {t.index: (groups[t.group].heads,) + (() if objective == "attention" else (t.stream,)) for t in tasks}
+    sizes: dict = {}
+    for pool in pools.values():
+        sizes[pool] = sizes.get(pool, 0) + 1
+    return pools if max(sizes.values(), default=0) > 1 else {}
+
+
+def split_weights(inp: ReduceInput, held, groups: list[FeatureGroup], value_columns, names: list[str]) -> dict:
+    """The attention objective's weight of each basis (`joint_budget.attention_weights`), from the metric sums
+    and the held-out value rows."""
+    from kvtc.pipeline.fit.joint_budget import attention_weights
+    from kvtc.pipeline.job.basis_solver import metric_sums
+
+    cfg = inp.settings
+    sums, tokens, _ = metric_sums(inp.store, names)
+    kv_heads = int(inp.fingerprint["num_kv_heads"])
+    text = getattr(inp.model_config, "text_config", None) or inp.model_config
+    query_heads = max(1, int(getattr(text, "num_attention_heads", 0) or kv_heads) // kv_heads)
+    mid = held.middle(cfg.capture.sinks, cfg.capture.window)
+    rows = [held.values[mid][:, cols] for cols in value_columns]
+    return attention_weights(cfg.reduce.attention_metric, sums, tokens, groups, kv_heads, rows, query_heads)
+
+
+def joint_tasks(tasks: list[GroupTask], spectra: list, pools: dict, weights: dict, alloc) -> tuple[list[GroupTask], dict]:
+    """The tasks with their shares of each ratio's total (`joint_budget.split_budget`), and the split as the
+    manifest records it."""
+    from kvtc.artifacts.blocks import budget_bits, cheapest_block_bits
+    from kvtc.pipeline.fit.joint_budget import BasisSpectrum, split_budget
+
+    bases = [BasisSpectrum(t.stream, t.group, t.p, eig, min(len(eig), alloc.max_components or t.p),
+                           weights.get((t.stream, t.group), 1.0), pools[t.index],
+                           cheapest_block_bits(alloc.types, alloc.block_sizes, t.p))
+             for t, (eig, _) in zip(tasks, spectra)]
+    ratios = tasks[0].ratios
+    shares = [split_budget(bases, r) for r in ratios]
+    out = [replace(t, budgets=tuple(int(shares[j][i]) for j in range(len(ratios)))) for i, t in enumerate(tasks)]
+    split = {"split": "joint", "unit": "attention output error (keys weighed against values)" if weights else
+             "each stream's squared error", "weights": [[t.stream, t.group, float(b.weight)] for t, b in zip(tasks, bases)],
+             "bits": [{"ratio": float(r), "stream": t.stream, "group": t.group, "bits": int(shares[j][i]),
+                       "own": budget_bits(t.p, r)} for j, r in enumerate(ratios) for i, t in enumerate(tasks)]}
+    return out, split
 
 
 def _node_memory_now() -> tuple[int, int]:
@@ -219,7 +279,7 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
         {"ratio": cfg.reduce.curve_ratio, "components": curve_components(p_total, cfg.reduce.curve_ratio),
          "method": "top-k randomized PCA, analytic DP, in the objective's space",
          "prefixes": "whole accumulators, in order"},
-        kv_heads).to_manifest()
+        kv_heads, inp.objective_reason, reduced.split).to_manifest()
     # the per-layer attention schema, on every artifact (the fingerprint carries it only for mixed models,
     # so uniform models keep their model ids): kind, window/chunk, RoPE or none, KV heads, head dim
     calibration["layers"] = layers_to_json(layers_of(fingerprint))
@@ -272,9 +332,9 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
 
 def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype: str, tokens: int,
                        train_rows: int, heldout_rows: int, eval_rows: int, notes: list[str], tokens_curve: dict,
-                       kv_heads: int = 0):
+                       kv_heads: int = 0, objective_reason: str = "", split: dict | None = None):
     """The manifest's CalibrationRecord: the settings verbatim, their flat fields for readers, the results
-    (and with --tp, the layout of the model's `kv_heads` over the ranks)."""
+    (and with --tp, the layout of the model's `kv_heads` over the ranks), and why the objective ran."""
     from kvtc.artifacts import CalibrationRecord
 
     cap, plan = cfg.capture, cfg.plan
@@ -285,7 +345,7 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
         holdout_fraction=plan.holdout_fraction, heldout_rows_cap=cfg.reduce.heldout_rows, text_column=plan.text_column,
         dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
         heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
-        settings=cfg.computational(), objective=cap.objective,
+        settings=cfg.computational(), objective=cap.objective, objective_reason=objective_reason or None, bit_split=split,
         attention_metric=cfg.reduce.attention_metric.to_json() if cap.objective == "attention" else None,
         tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
     )

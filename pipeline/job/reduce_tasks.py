@@ -19,7 +19,7 @@ import functools
 from dataclasses import dataclass
 
 from kvtc.pipeline.fit.heldout_rows import GroupRows
-from kvtc.pipeline.job.group_task import GroupResult, GroupTask, drop_solved, run_group
+from kvtc.pipeline.job.group_task import GroupResult, GroupTask, drop_solved, run_group, spectrum_name
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_plan import GIB, admit
 from kvtc.pipeline.job.store import ShardStore
@@ -47,7 +47,8 @@ def rows_name(task: GroupTask) -> str:
 
 
 def result_name(task: GroupTask) -> str:
-    return f"result-{task.key()}"
+    """Where a task's result goes: its GroupResult, or with `solve_only` its spectrum."""
+    return spectrum_name(task) if task.solve_only else f"result-{task.pass_key()}"
 
 
 def run_stored(task: GroupTask, store: ShardStore) -> str:
@@ -59,6 +60,8 @@ def run_stored(task: GroupTask, store: ShardStore) -> str:
     arrays, meta = store.get_basis(rows_name(task))
     result = run_group(task, store, GroupRows.from_arrays(arrays, meta["seq_len"]))
     del arrays
+    if task.solve_only:  # the spectrum is stored; the checkpoint stays for the pass with budgets
+        return name
     store.put_basis(name, *result.arrays_and_meta())
     drop_solved(store, task)
     return name
@@ -67,7 +70,7 @@ def run_stored(task: GroupTask, store: ShardStore) -> str:
 def clear(tasks: list[GroupTask], store: ShardStore) -> None:
     """Drop the tasks' rows, checkpoints and results (once the artifact is published)."""
     for task in tasks:
-        for name in (rows_name(task), result_name(task)):
+        for name in (rows_name(task), result_name(task), spectrum_name(task)):
             store.drop_basis(name)
         drop_solved(store, task)
 
@@ -113,8 +116,9 @@ def _node_memory() -> int:
 
 
 def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, peaks: list[int], budget: int,
-               progress: ReduceProgress | None = None) -> list[GroupResult]:
-    """The results in task order. The tasks' rows are in the store (`rows_name`); `peaks`: each task's
+               progress: ReduceProgress | None = None, keep_rows: bool = False) -> list:
+    """The results in task order (GroupResults; for `solve_only` tasks, (eigenvalues, meta) of each spectrum).
+    The tasks' rows are in the store (`rows_name`), and dropped after unless `keep_rows`; `peaks`: each task's
     planned peak bytes; `budget`: bytes the tasks may hold together."""
     progress = progress or ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     try:
@@ -132,12 +136,12 @@ def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, 
         names = [result_name(task) for task in tasks]
     finally:
         progress.close()
-        for task in tasks:
+        for task in tasks if not keep_rows else ():
             store.drop_basis(rows_name(task))
     results = []
-    for name in names:
+    for task, name in zip(tasks, names):
         arrays, meta = store.get_basis(name)
-        results.append(GroupResult.from_stored(arrays, meta))
+        results.append((arrays["eigenvalues"], meta) if task.solve_only else GroupResult.from_stored(arrays, meta))
     return results
 
 

@@ -53,7 +53,7 @@ class ShardWorker:
         loaded_dtype = str(self.lm.dtype).removeprefix("torch.")
         if model_dtype is not None and loaded_dtype != model_dtype:
             raise InputError(f"the worker runs {model!r} in {loaded_dtype}, the driver planned {model_dtype}; pass --dtype")
-        self.settings = CaptureSettings(**capture)
+        self.settings = CaptureSettings.from_dict(capture)
         self.all_positions = CaptureSettings(**{**capture, "sinks": 0, "window": 0, "sample": 1.0, "objective": "mse"})
         self.store = ShardStore(store_root, fingerprint_id(self.lm.fingerprint),
                                 capture_key(self.settings.to_dict(), str(self.lm.dtype).removeprefix("torch.")))

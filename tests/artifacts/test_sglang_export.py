@@ -44,7 +44,7 @@ def _check_schema(schema, rank: int) -> int:
     return bits
 
 
-def _reconstruct(x: np.ndarray, mu: np.ndarray, basis: np.ndarray, schema) -> np.ndarray:
+def _reconstruct(x: np.ndarray, mu: np.ndarray, basis: np.ndarray, schema, decoder: np.ndarray | None = None) -> np.ndarray:
     c = (x - mu) @ basis
     out, start = [], 0
     for size, dtype in schema:
@@ -62,7 +62,7 @@ def _reconstruct(x: np.ndarray, mu: np.ndarray, basis: np.ndarray, schema) -> np
             q = np.clip(np.round(v / scale + zero), qmin, qmax)
             offset = (-zero).astype(np.float16).astype(np.float32)
             out.append((q + offset) * scale)
-    return np.concatenate(out, 1) @ basis.T + mu
+    return np.concatenate(out, 1) @ (basis if decoder is None else decoder).T + mu  # a whitened basis decodes by its decoder
 
 
 def test_file_is_what_sglangs_loader_reads_and_round_trips_with_its_math(tmp_path):
@@ -161,7 +161,8 @@ def ranked(tmp_path_factory):
 
 
 def _load_worker(data: dict, worker: str, p: int, ratio: int):
-    """KVTCArtifactLoader's checks and trimming, per stream -> {stream: (mu, basis[:, :retained], schema)}."""
+    """KVTCArtifactLoader's checks and trimming, per stream -> {stream: (mu, basis[:, :retained], schema, decoder
+    trimmed alike or None)}."""
     assert data.get("version") == "v3-worker-quant"
     out = {}
     for stream in ("keys", "values"):
@@ -175,7 +176,9 @@ def _load_worker(data: dict, worker: str, p: int, ratio: int):
         schema = params["quant"][str(ratio)]
         retained = sum(size for size, _ in schema)
         _check_schema(schema, basis.shape[1])
-        out[stream] = (mu.numpy(), basis[:, :retained].numpy(), schema)
+        decoder = params.get("decoder")
+        out[stream] = (mu.numpy(), basis[:, :retained].numpy(), schema,
+                       None if decoder is None else decoder[:, :retained].numpy())
     return out
 
 
@@ -207,10 +210,10 @@ def test_every_rank_is_exported_and_loads_and_round_trips_its_slice(ranked, tmp_
         worker = _load_worker(data, f"tp_{rank}_pp_0", p, 8)
         with pytest.raises(ValueError, match="mu must be an FP32 tensor"):
             _load_worker(data, f"tp_{rank}_pp_0", L * H * D, 8)  # the whole model's p: not this worker's
-        mu, basis, schema = worker["values"]
+        mu, basis, schema, decoder = worker["values"]
         # the rank's slice, (tokens, layer x its heads x head_dim), as the host pool flattens a page
         x = values[:, h0:h0 + local].transpose(2, 0, 1, 3).reshape(T, p)
-        rel = np.linalg.norm(_reconstruct(x, mu, basis, schema) - x) / np.linalg.norm(x)
+        rel = np.linalg.norm(_reconstruct(x, mu, basis, schema, decoder) - x) / np.linalg.norm(x)
         assert rel < 0.6, (rank, rel)
         row = next(w for w in doc["workers"] if w["worker"] == f"tp_{rank}_pp_0")
         assert row["sglang_ratio"] > 4

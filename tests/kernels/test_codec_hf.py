@@ -85,7 +85,7 @@ def _calibrated_smollm2_codec(lm, ratio: float, sinks: int, window: int) -> KVTC
 
     text = "\n\n".join(topics[k] for k in sorted(topics))[:30000]
     ids = lm.tokenizer(text, return_tensors="pt").input_ids[0, : 2 * 256].reshape(2, 256)
-    settings = CaptureSettings(sinks=sinks, window=window, groups="layer")
+    settings = CaptureSettings(sinks=sinks, window=window, groups="layer", objective="mse")
     stats = CalibrationStats.new(lm.fingerprint, settings)
     stats.update(capture_kv(lm, ids, settings))
     analytic = allocator.AllocatorSettings(error_model="analytic")

@@ -379,7 +379,7 @@ def test_sglang_export_carries_the_decoder(tmp_path):
     u, _ = np.linalg.qr(rng.standard_normal((p, p)))
     s = np.diag(rng.uniform(0.5, 2.0, p))
     bases = {(st, 0): (np.zeros(p, np.float32), np.ones(p, np.float32), (s @ u).astype(np.float32)) for st in STREAMS}
-    allocs = {(r, st, 0): {"budget_bits": 64 * p, "blocks": [(0, 8, "int8", 8, 32)], "cost_bits": 96, "kept": 8}
+    allocs = {(r, st, 0): {"budget_bits": 8 * p, "blocks": [(0, 8, "int8", 8, 32)], "cost_bits": 96, "kept": 8}
               for r in (2.0,) for st in STREAMS}
     content = dataclasses.replace(content, calibration={**content.calibration, "groups": [[0, 2]], "ratios": [2.0]},
                                   bases=bases, allocations=allocs, ecsq={},

@@ -165,8 +165,8 @@ def test_metric_statistics_add_round_trip_and_refuse_corruption(llama):
     bad.metric["keys"] = torch.full_like(both.metric["keys"], float("nan"))
     with pytest.raises(CorruptStats, match="finite"):
         CalibrationStats.from_bytes(bad.to_bytes())
-    plain = CalibrationStats.new(llama.fingerprint, CaptureSettings(sinks=2, window=4))
-    plain.update(capture_kv(llama, ids, CaptureSettings(sinks=2, window=4)))
+    plain = CalibrationStats.new(llama.fingerprint, CaptureSettings(sinks=2, window=4, objective="mse"))
+    plain.update(capture_kv(llama, ids, CaptureSettings(sinks=2, window=4, objective="mse")))
     assert not plain.metric and "metric" not in plain.metadata()  # mse statistics are stored as before
 
 
@@ -181,6 +181,37 @@ def test_bad_objective_and_unreadable_models_fail_before_model_work(llama):
     with pytest.raises(ValueError, match="layer 1 .*query projection"):
         attention_modules(lm.base, lm.layers)
     check_readable(llama.config, llama.layers)  # a meta-device model: no weights loaded
+
+
+def test_auto_objective_is_attention_where_its_metric_can_be_built_else_mse_with_the_reason(llama):
+    from kvtc.workers.attention_metric import choose_objective
+    from kvtc.workers.models import load_spec
+
+    assert CaptureSettings().objective == "auto"
+    assert choose_objective("auto", llama.config, llama.layers) == (
+        "attention", "auto: every coded layer's query and output projections were read")
+    assert choose_objective("mse", llama.config, llama.layers)[0] == "mse"
+    mla = load_spec("tiny:deepseek_v3")
+    used, why = choose_objective("auto", mla.config, mla.layers)
+    assert used == "mse" and "multi-head latent attention" in why and why.startswith("auto: ")
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        choose_objective("attention", mla.config, mla.layers)  # asked for explicitly: refused, never replaced
+    with pytest.raises(ValueError, match="resolved against the model"):
+        capture_kv(llama, torch.zeros(1, 16, dtype=torch.long), CaptureSettings(sinks=2, window=4))
+
+
+def test_a_recalibration_repeats_the_objective_its_parent_ran():
+    from kvtc.pipeline.settings import JobSettings, settings_from_manifest
+
+    rec = CalibrationRecord(sinks=4, window=8, seq_len=64, seed=0, ratios=(8.0,), groups=(FeatureGroup((0, 1)),),
+                            allocator={"block_sizes": [1], "types": ["int4"], "error_model": "measured"}, tokens_requested=2048)
+    settings = JobSettings.of(objective="mse").computational()
+    del settings["capture"]["objective"]  # a parent recorded before the option existed
+    old = {"model": {"spec": "tiny:llama"}, "calibration": {**rec.to_manifest(), "settings": settings}}
+    assert settings_from_manifest(old).capture.objective == "mse"
+    unrecorded = {"model": {"spec": "tiny:llama"}, "calibration": rec.to_manifest()}
+    assert settings_from_manifest(unrecorded).capture.objective == "mse"
+    assert rec.capture()["objective"] == "mse"  # the parent's statistics scope names it
 
 
 def test_cli_refuses_an_unknown_objective(capsys):
@@ -212,12 +243,13 @@ def test_calibration_end_to_end_with_the_attention_objective(tmp_path):
     from kvtc.workers.capture import raw_cache
 
     cfg = JobSettings.of(model="tiny:qwen3", corpus="pydoc", eval_corpus="stdlib", seq_len=96, window=16, tokens=2048,
-                         eval_tokens=192, seqs_per_shard=2, heldout_rows=512, ratios=(4.0, 8.0), objective="attention",
+                         eval_tokens=192, seqs_per_shard=2, heldout_rows=512, ratios=(4.0, 8.0),  # objective: auto
                          registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="att",
                          tokens_curve_points=0)
     run(cfg, in_process=True)
     art = artifacts.pull("att@latest", registry=str(tmp_path / "reg"))
     cal = art.manifest["calibration"]
+    assert cal["objective_reason"].startswith("auto: ") and cal["settings"]["capture"]["objective"] == "attention"
     assert cal["objective"] == "attention" and cal["attention_metric"] == {"balance": "layer", "floor": 0.05, "weighting": "concentration"}
     assert "attention" in cal["relative_error"]
     for stream in ("keys", "values"):

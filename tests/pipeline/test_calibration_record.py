@@ -34,7 +34,8 @@ def test_record_round_trips_through_the_manifest():
     section = rec.to_manifest()
     assert section["groups"] == [[0, 2], [2, 3]] and section["ratios"] == [4.0, 8.0] and "relative_error" in section
     assert CalibrationRecord.from_manifest(_manifest(rec)) == dataclasses.replace(rec, eval_tokens=384)
-    assert rec.capture() == {"sinks": 4, "window": 16, "groups": "layers:2", "sample": 0.5, "seed": 3}
+    assert rec.capture() == {"sinks": 4, "window": 16, "groups": "layers:2", "sample": 0.5, "seed": 3,
+                             "objective": "mse"}  # explicit: CaptureSettings defaults to auto
 
 
 def test_older_manifests_infer_what_they_did_not_record():
@@ -106,7 +107,8 @@ PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", 
                 "--block-sizes", "1,32", "--types", "none,int4", "--error-model", "analytic", "--heldout-rows", "999",
                 "--tokens-curve-points", "0", "--accumulators", "2", "--served-sequences", "1", "--tp", "2",
                 "--basis-budget", "3%", "--max-components", "24", "--objective", "attention",
-                "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none"]
+                "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none",
+                "--bit-split", "even"]
 
 
 def _parsed(command: str, flags: list[str]) -> dict:
@@ -154,7 +156,8 @@ def test_every_group_declares_its_options_on_its_own_fields():
     from kvtc.workers.capture import CaptureSettings
 
     assert set(group_options("capture")) == {f.name for f in dataclasses.fields(CaptureSettings)}
-    assert set(group_options("allocator")) == {"block_sizes", "types", "error_model", "max_components", "basis_budget"}
+    assert set(group_options("allocator")) == {"block_sizes", "types", "error_model", "max_components", "basis_budget",
+                                                "bit_split"}
     assert AllocatorSettings.__dataclass_fields__["types"].metadata["option"].value("none,int4") == ("none", "int4")
     code = "import sys, kvtc.pipeline.settings; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -73,7 +73,7 @@ def _stats(ids, fingerprint, settings, seed):
 
 def test_planner_resumes_extends_and_restarts_an_accumulator_that_is_not_a_prefix(tmp_path):
     fp = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4}
-    settings = CaptureSettings(sinks=0, window=0)
+    settings = CaptureSettings(sinks=0, window=0, objective="mse")
     store = ShardStore(str(tmp_path), "m", "c")
     plan = AccumulatorPlan(2)
     store.put_acc(plan.name(0, "s0"), _stats(["s0", "s2", "s4"], fp, settings, 1))

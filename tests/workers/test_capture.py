@@ -7,7 +7,7 @@ from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len, raw
 from kvtc.workers.models import load_model
 from kvtc.workers.tiny import UNIFORM_ARCHS
 
-SETTINGS = CaptureSettings(sinks=4, window=8)
+SETTINGS = CaptureSettings(sinks=4, window=8, objective="mse")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_rope_removal_exact_smollm2(smollm2):
 def test_layout_positions_and_raw_cache():
     lm = load_model("tiny:mistral", device="cpu")
     ids = _ids(3, 40, seed=1)
-    cap = capture_kv(lm, ids, CaptureSettings(sinks=2, window=5))
+    cap = capture_kv(lm, ids, CaptureSettings(sinks=2, window=5, objective="mse"))
     k = 40 - 2 - 5
     assert torch.equal(cap.positions, torch.arange(2, 35).repeat(3))
     assert torch.equal(cap.sequence, torch.arange(3).repeat_interleave(k))
@@ -81,14 +81,14 @@ def test_layout_positions_and_raw_cache():
 def test_sampling_is_deterministic_and_content_seeded():
     lm = load_model("tiny:qwen3", device="cpu")
     ids = _ids(2, 64, seed=2)
-    settings = CaptureSettings(sinks=4, window=8, sample=0.25, seed=7)
+    settings = CaptureSettings(sinks=4, window=8, sample=0.25, seed=7, objective="mse")
     a, b = capture_kv(lm, ids, settings), capture_kv(lm, ids, settings)
     assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
     per_seq = a.positions.reshape(2, -1)
     assert per_seq.shape[1] == round(0.25 * 52)
     assert not torch.equal(per_seq[0], per_seq[1])
     assert per_seq.min() >= 4 and per_seq.max() < 56 and (per_seq.diff(dim=1) > 0).all()
-    other = capture_kv(lm, ids, CaptureSettings(sinks=4, window=8, sample=0.25, seed=8))
+    other = capture_kv(lm, ids, CaptureSettings(sinks=4, window=8, sample=0.25, seed=8, objective="mse"))
     assert not torch.equal(other.positions, a.positions)
 
 
@@ -104,7 +104,7 @@ def test_group_layers_and_settings_validation():
 
 
 def test_bad_sequence_lengths(smollm2):
-    settings = CaptureSettings()
+    settings = CaptureSettings(objective="mse")
     check_seq_len(smollm2, 1024, settings)
     with pytest.raises(ValueError, match="exceeds the model's limit"):
         check_seq_len(smollm2, smollm2.max_positions + 1, settings)
@@ -133,7 +133,7 @@ def test_capture_on_gpu_matches_cpu():
 def test_rope_kept_keys_and_zero_sinks_window_are_the_cached_rows():
     lm = load_model("tiny:llama", device="cpu")
     ids = _ids(1, 24, seed=3)
-    settings = CaptureSettings(sinks=0, window=0, keys="rope-kept")
+    settings = CaptureSettings(sinks=0, window=0, keys="rope-kept", objective="mse")
     cap = capture_kv(lm, ids, settings)
     raw_k, raw_v = raw_cache(lm, ids)
     p = lm.num_layers * lm.num_kv_heads * lm.head_dim

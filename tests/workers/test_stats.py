@@ -37,7 +37,7 @@ def _assert_moments(stats: CalibrationStats, stream: str, group: int, rows: np.n
 
 @pytest.mark.parametrize("groups", ["model", "layer", "layers:2"])
 def test_stats_equal_direct_numpy(lm, groups):
-    settings = CaptureSettings(sinks=4, window=8, groups=groups)
+    settings = CaptureSettings(sinks=4, window=8, groups=groups, objective="mse")
     cap = capture_kv(lm, _ids(2, 300, seed=0), settings)
     stats = CalibrationStats.new(lm.fingerprint, settings, shard_ids=("s0",))
     stats.update(cap)
@@ -49,7 +49,7 @@ def test_stats_equal_direct_numpy(lm, groups):
 
 
 def test_merge_equals_union_and_roundtrips(lm, tmp_path):
-    settings = CaptureSettings(sinks=4, window=8, groups="layer")
+    settings = CaptureSettings(sinks=4, window=8, groups="layer", objective="mse")
     caps = [capture_kv(lm, _ids(2, 64, seed=s), settings) for s in (1, 2, 3)]
     a = CalibrationStats.new(lm.fingerprint, settings, shard_ids=("a",))
     a.update(caps[0])
@@ -75,13 +75,13 @@ def test_merge_equals_union_and_roundtrips(lm, tmp_path):
 
 
 def test_merge_refuses_mismatches(lm):
-    settings = CaptureSettings(sinks=4, window=8)
+    settings = CaptureSettings(sinks=4, window=8, objective="mse")
     base = CalibrationStats.new(lm.fingerprint, settings, shard_ids=("x",))
     other_model = CalibrationStats.new(load_model("tiny:qwen2", device="cpu").fingerprint, settings, shard_ids=("y",))
     with pytest.raises(ValueError, match="different models"):
         base.merge(other_model)
     with pytest.raises(ValueError, match="capture settings"):
-        base.merge(CalibrationStats.new(lm.fingerprint, CaptureSettings(sinks=2, window=8), shard_ids=("y",)))
+        base.merge(CalibrationStats.new(lm.fingerprint, CaptureSettings(sinks=2, window=8, objective="mse"), shard_ids=("y",)))
     with pytest.raises(ValueError, match="counted twice"):
         base.merge(CalibrationStats.new(lm.fingerprint, settings, shard_ids=("x",)))
     with pytest.raises(ValueError, match=r"\(N, 96\)"):
@@ -97,7 +97,7 @@ def test_load_rejects_foreign_files(tmp_path):
 
 
 def test_flipped_byte_is_an_error_naming_the_object(lm, tmp_path):
-    settings = CaptureSettings(sinks=4, window=8)
+    settings = CaptureSettings(sinks=4, window=8, objective="mse")
     stats = CalibrationStats.new(lm.fingerprint, settings, shard_ids=("a",))
     stats.update(capture_kv(lm, _ids(1, 64, seed=5), settings))
     data = bytearray(stats.to_bytes())
@@ -111,7 +111,7 @@ def test_flipped_byte_is_an_error_naming_the_object(lm, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU torch can see")
 def test_gpu_bf16_stats_match_float64_reference():
-    settings = CaptureSettings(sinks=4, window=8)
+    settings = CaptureSettings(sinks=4, window=8, objective="mse")
     gpu_lm = load_model("tiny:llama", device="cuda", dtype="bfloat16")
     cap = capture_kv(gpu_lm, _ids(2, 300, seed=4), settings)
     stats = CalibrationStats.new(gpu_lm.fingerprint, settings, shard_ids=("g",))

@@ -1,0 +1,93 @@
+"""One bit budget across streams and groups: the split, its exchange rate, and an artifact whose split does
+not add up, refused when published and when read."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvtc.artifacts.blocks import budget_bits, check_budget_split
+from kvtc.artifacts.groups import FeatureGroup
+from kvtc.pipeline.fit.joint_budget import BasisSpectrum, gaussian_bits, split_budget
+from kvtc.pipeline.fit.metric import AttentionMetric
+from kvtc.pipeline.fit.joint_budget import attention_weights
+
+
+def _spectrum(scale: float, p: int = 64, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.gamma(1.0, 1.0, p))[::-1] * np.exp(-np.arange(p) / 12) * scale
+
+
+def test_gaussian_bits_meet_the_high_rate_law_and_vanish_below_the_drop_line():
+    s = np.array([0.1, 0.5, 4.0, 100.0, 1000.0])
+    bits = gaussian_bits(s)
+    assert bits[0] == 0 and 1.1 < bits[1] < 1.3  # N(0, 1/4): P(0) = 0.68, each neighbour 0.16
+    np.testing.assert_allclose(bits[3:], np.log2(s[3:] * np.sqrt(2 * np.pi * np.e)), rtol=1e-6)
+    assert np.all(np.diff(gaussian_bits(np.geomspace(0.3, 200, 50))) > 0)
+
+
+@pytest.mark.parametrize("ratio", [4.0, 8.0, 16.0, 32.0])
+def test_split_adds_up_exactly_and_moves_bits_to_the_basis_the_model_feels_more(ratio):
+    e = _spectrum(1.0)
+    even = [BasisSpectrum("keys", 0, 64, e, 64, 1.0, ("r",)), BasisSpectrum("values", 0, 64, e, 64, 1.0, ("r",))]
+    shares = split_budget(even, ratio)
+    total = 2 * budget_bits(64, ratio)
+    assert sum(shares) == total and abs(shares[0] - shares[1]) <= 1  # alike: shared alike
+    heavy = [dataclasses.replace(even[0], weight=0.05), even[1]]
+    shares = split_budget(heavy, ratio)
+    assert sum(shares) == total and shares[1] > shares[0] >= budget_bits(64, ratio) / 4  # bounded shift
+    # a larger spectrum at the same weight needs more bits for the same error
+    wide = [dataclasses.replace(even[0], eigenvalues=e * 100), even[1]]
+    assert split_budget(wide, ratio)[0] > split_budget(even, ratio)[0]
+
+
+def test_pools_keep_their_own_totals():
+    e = _spectrum(1.0)
+    bases = [BasisSpectrum("keys", g, 64, e * (1 + 9 * g), 64, 1.0, (h,)) for h in ((0, 1), (1, 2)) for g in (0, 1)]
+    shares = split_budget(bases, 8.0)
+    assert shares[0] + shares[1] == shares[2] + shares[3] == 2 * budget_bits(64, 8.0)
+    alone = [BasisSpectrum("keys", 0, 64, e, 64, 0.01, ("a",)), BasisSpectrum("values", 0, 64, e, 64, 1.0, ("b",))]
+    assert split_budget(alone, 8.0) == [budget_bits(64, 8.0)] * 2  # one basis per pool: its own share
+
+
+def test_attention_weights_follow_the_values_spread_through_the_output_projection():
+    layers, heads, d, n = 2, 2, 4, 4000
+    groups = [FeatureGroup((0, 1))]
+    rng = np.random.default_rng(1)
+    sums = {"keys": np.full((layers, heads, d), 2.0) * 10, "values": np.tile(np.eye(d), (layers, heads, 1, 1)) * 10,
+            "concentration": np.full((layers, heads), 0.5) * 10}
+    rows = rng.normal(size=(n, layers * heads * d)) * 3.0  # the values' spread: variance 9 per feature
+    w = attention_weights(AttentionMetric(), sums, 10, groups, heads, [rows], query_heads=1)
+    # keys: logit energy 2 per unit, times the output spread tr(9 I_4) = 36; values: output energy 1 per unit
+    assert w[("values", 0)] == 1.0 and w[("keys", 0)] == pytest.approx(2 * 36 / 1, rel=0.05)
+    w2 = attention_weights(AttentionMetric(), sums, 10, groups, heads, [rows / 3], query_heads=2)
+    assert w2[("keys", 0)] == pytest.approx(w[("keys", 0)] / 9 / 2, rel=0.05)
+
+
+def test_a_split_that_does_not_add_up_is_refused():
+    dims = {("keys", 0): 32, ("values", 0): 32}
+    good = {(8.0, "keys", 0): 40, (8.0, "values", 0): 88}
+    check_budget_split(good, dims, {0: None}, "allocation")
+    with pytest.raises(ValueError, match="add up to 129 bits per token, not the ratio's 128"):
+        check_budget_split({**good, (8.0, "values", 0): 89}, dims, {0: None}, "allocation")
+    with pytest.raises(ValueError, match="outside"):
+        check_budget_split({(8.0, "keys", 0): -8, (8.0, "values", 0): 136}, dims, {0: None}, "allocation")
+
+
+def test_an_artifact_whose_split_does_not_add_up_is_refused_when_published_and_when_read(tmp_path, monkeypatch):
+    from kvtc import artifacts
+    from kvtc.artifacts import tables
+    from kvtc.artifacts.errors import CorruptArtifactError
+    from tests.kernels.test_decoder import whitened_content
+
+    content = whitened_content(name="split", ecsq=False)
+    key = next(iter(content.allocations))
+    skewed = {**content.allocations, key: {**content.allocations[key],
+                                           "budget_bits": content.allocations[key]["budget_bits"] + 8}}
+    with pytest.raises(ValueError, match="add up to"):
+        dataclasses.replace(content, allocations=skewed)
+    ref = artifacts.publish(content, registry=str(tmp_path / "reg"))
+    art = artifacts.Artifact(ref.path)
+    real = tables.decode_allocations
+    monkeypatch.setattr(tables, "decode_allocations", lambda *a: {**real(*a), key: skewed[key]})
+    with pytest.raises(CorruptArtifactError, match="add up to"):
+        art.allocations()
