@@ -149,6 +149,7 @@ class MetricCapture:
         self.grams = output_grams(self.mods, layers)
         self.keys: torch.Tensor | None = None
         self.concentration: torch.Tensor | None = None
+        self.reach: torch.Tensor | None = None
         self.queries: dict[int, torch.Tensor] = {}
         self.tokens = 0
         self.shape = (0, 0)
@@ -162,6 +163,7 @@ class MetricCapture:
                                 dtype=torch.float64)
         self.tokens = 0
         self.concentration = None
+        self.reach = None
         self.queries = {}
         handles = [m.query.register_forward_hook(self._hook(slot, m)) for slot, m in enumerate(self.mods)]
         try:
@@ -190,10 +192,13 @@ class MetricCapture:
             self.keys[slot] += pair_mean(energy, spec).cpu() * (m.scaling ** 2)
         return hook
 
-    def attend(self, keys: list[torch.Tensor], sinks: int) -> None:
+    def attend(self, keys: list[torch.Tensor], sinks: int, values: list[torch.Tensor] | None = None) -> None:
         """The last forward's attention concentration, from its queries and the cached `keys` of each coded
-        layer ((B, kv_heads, T, head_dim), RoPE applied as cached)."""
+        layer ((B, kv_heads, T, head_dim), RoPE applied as cached); with the cached `values`, also the keys'
+        reach: per KV head, sum over its query heads and queries t of sum_j a_tj^2 |W_O,h (v_j - o_t)|^2 (j past
+        the sinks, o_t the attention's output): what a logit error at position j moves the layer's output by."""
         out = torch.zeros(len(self.mods), self.keys.shape[1], dtype=torch.float64)
+        reach = torch.zeros_like(out)
         for slot, m in enumerate(self.mods):
             spec, q = self.layers[m.layer], self.queries.pop(slot)  # (B, T, heads, d), RoPE not applied
             k = keys[slot].to(torch.float32)
@@ -210,11 +215,27 @@ class MetricCapture:
                 allowed &= rows[:, None] - positions[None, :] < spec.span
             elif spec.kind == "chunked":
                 allowed &= rows[:, None] // spec.span == positions[None, :] // spec.span
+            v = None
+            if values is not None:
+                v = values[slot].to(torch.float32).to(q.device).repeat_interleave(group, dim=1)  # (B, heads, T, d)
+                w = m.output.weight.detach().to(q.device, torch.float32)
+                grams = w.reshape(w.shape[0], m.heads, spec.head_dim).permute(1, 2, 0)
+                grams = grams @ grams.transpose(1, 2)  # (heads, d, d): W_O,h^T W_O,h
             for h0 in range(0, m.heads, max(1, group)):
                 scores = (q[:, h0:h0 + group] @ k[:, h0:h0 + group].transpose(-1, -2)) * m.scaling
                 a = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
                 out[slot, h0 // group] += float(a[..., sinks:].square().sum(dtype=torch.float64)) * t / len(rows)
+                if v is not None:
+                    vh, g = v[:, h0:h0 + group], grams[h0:h0 + group]  # (B, G, T, d), (G, d, d)
+                    a2 = a.square()
+                    a2[..., :sinks] = 0
+                    o = a @ vh  # (B, G, R, d)
+                    vg, og = vh @ g[None], o @ g[None]
+                    energy = (a2 @ (vh * vg).sum(-1, keepdim=True)).squeeze(-1) \
+                        - 2 * ((a2 @ vh) * og).sum(-1) + a2.sum(-1) * (o * og).sum(-1)
+                    reach[slot, h0 // group] += float(energy.clamp_min(0).sum(dtype=torch.float64)) * t / len(rows)
         self.concentration = out
+        self.reach = reach if values is not None else None
         self.queries = {}
 
     def sums(self) -> dict[str, torch.Tensor]:
@@ -222,4 +243,6 @@ class MetricCapture:
         out = {"keys": self.keys.clone(), "values": self.grams * self.tokens}
         if self.concentration is not None:
             out["concentration"] = self.concentration.clone()
+        if self.reach is not None:
+            out["reach"] = self.reach.clone()
         return out

@@ -144,7 +144,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
     metric = metric_capture(lm) if settings.objective == "attention" else None
     keys, values = _forward_cache(lm, input_ids, metric)
     if metric is not None:
-        metric.attend(keys, settings.sinks)
+        metric.attend(keys, settings.sinks, values)
     pos = _select_positions(input_ids, settings).to(lm.device)
     k = pos.shape[1]
     bi = torch.arange(b, device=lm.device)[:, None].expand(b, k)

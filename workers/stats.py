@@ -64,6 +64,8 @@ def _degenerate_metric(key: str, t: np.ndarray) -> str | None:
     """What makes an attention-metric sum unusable, or None: every (layer, KV head) block needs a positive
     weight (keys: query second moments, values: the output projection's Gram, concentration) and no negative
     variance; the whitening divides by it."""
+    if key == "reach":  # zero where a head attends to its sinks only: a weight, never a divisor
+        return "holds a negative energy" if t.size and float(t.min()) < 0 else None
     diagonal = t if key in ("keys", "concentration") else np.diagonal(t, axis1=-2, axis2=-1)
     weight = diagonal if key == "concentration" else diagonal.sum(axis=-1)
     if diagonal.size and float(diagonal.min()) < 0:
@@ -289,9 +291,10 @@ class CalibrationStats:
 
         shape = (len(cached_layers(layers_of(self.fingerprint))), int(self.fingerprint["num_kv_heads"]),
                  int(self.fingerprint["head_dim"]))
-        want = {"keys": shape, "values": shape + shape[-1:], "concentration": shape[:2]}
-        if "concentration" not in meta["metric"]:
-            del want["concentration"]  # captured before the attention concentration was
+        want = {"keys": shape, "values": shape + shape[-1:], "concentration": shape[:2], "reach": shape[:2]}
+        for later in ("concentration", "reach"):
+            if later not in meta["metric"]:
+                del want[later]  # captured before the attention concentration (or the keys' reach) was
         if sorted(meta["metric"]) != sorted(want) or not isinstance(meta.get("metric_tokens"), int) \
                 or meta["metric_tokens"] < 1:
             raise CorruptStats(name, f"attention-metric entries {meta['metric']} / tokens {meta.get('metric_tokens')!r} "

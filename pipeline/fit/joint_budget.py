@@ -14,7 +14,6 @@ total (largest remainders).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import numpy as np
 from scipy.special import ndtr
 
 from kvtc.artifacts.blocks import budget_bits
+from kvtc.artifacts.groups import layer_slots
 
 SPLITS = ("joint", "even")
 MAX_SHIFT = 4.0
@@ -121,28 +121,33 @@ def split_budget(bases: list[BasisSpectrum], ratio: float) -> list[int]:
 
 
 def attention_weights(metric, sums: dict[str, np.ndarray], tokens: int, groups: list, kv_heads: int,
-                      value_rows: list[np.ndarray], query_heads: int) -> dict[tuple[str, int], float]:
+                      query_heads: int) -> dict[tuple[str, int], float] | None:
     """Each basis's weight in the attention objective: the model's output error per unit of the basis's
-    whitened squared error, in each layer's value units (values 1).
+    whitened squared error, in each layer's value units (values 1); None when the statistics hold no keys'
+    reach (captured by an earlier release).
 
-    A value error e at a position reaches the layer's output as a W_O e, a the attention weight on it, so the
-    output feels c e^T G e (G = sum_h W_O,h^T W_O,h, c the concentration: the values' metric). A key error
-    shifts the logits by delta = q . e and the weights by a (delta - mean delta), which moves the output by
-    a delta W_O (v - v_bar): it feels c E[delta^2] times V = E |W_O,h (v - v_bar)|^2 over the KV head's
-    query heads, the values' spread through the output projection (measured on the held-out value rows). In
-    whitened units (each block divided by its balance divisor n), a key unit weighs n_k V / n_v value units;
-    a basis's weight is the mean of its blocks'. `metric`: the AttentionMetric; value_rows: per group, its raw
-    held-out value rows (N, p_g) in the group's feature order."""
+    A value error e at position j reaches the layer's output as a_tj W_O e for each query t: the output feels
+    sum_t a_tj^2 e^T G e (G = sum_h W_O,h^T W_O,h; the sum of a^2 is the concentration c): the values' metric.
+    A key error shifts the logits by delta = q . e and the weights by a_tj (delta - mean delta), which moves
+    the output by a_tj delta W_O (v_j - o_t): it feels E[delta^2] times the keys' reach R = sum_t sum_j
+    a_tj^2 |W_O,h (v_j - o_t)|^2 per query head (captured beside the concentration). Per KV head of n_q query
+    heads, one unit of the keys' metric (c Q, Q the queries' scaled second moments) is R / (n_q c) output
+    units; in whitened units (each block divided by its balance divisor n) a key unit weighs
+    n_k R / (n_q c n_v) value units. A basis's weight is the mean of its blocks'."""
+    if "reach" not in sums:
+        return None
+    reach = np.asarray(sums["reach"], dtype=np.float64)
+    per_query = (np.asarray(sums["concentration"], dtype=np.float64) if metric.weighting == "concentration"
+                 else np.full(reach.shape, float(tokens)))
+    slots = layer_slots(groups)
     out: dict[tuple[str, int], float] = {}
     for g, group in enumerate(groups):
-        keys = metric.weighted(sums, tokens, "keys", group, groups, kv_heads)  # (L, H, d, d): c Q
-        values = metric.weighted(sums, tokens, "values", group, groups, kv_heads)  # c G
-        grams = dataclasses.replace(metric, weighting="none").weighted(sums, tokens, "values", group, groups, kv_heads)
-        layers, heads, d = keys.shape[0], keys.shape[1], keys.shape[-1]
-        x = np.asarray(value_rows[g], dtype=np.float64)
-        x = (x - x.mean(axis=0)).reshape(x.shape[0], layers, heads, d)
-        spread = np.einsum("nlhi,lhij,nlhj->lh", x, grams, x) / max(x.shape[0], 1) / max(query_heads, 1)
-        ratio = metric.divisors(keys) * spread / metric.divisors(values)
+        keys = metric.weighted(sums, tokens, "keys", group, groups, kv_heads)  # (L, H, d, d)
+        values = metric.weighted(sums, tokens, "values", group, groups, kv_heads)
+        h0, h1 = group.head_range(kv_heads)
+        r = np.stack([reach[slots[layer], h0:h1] for layer in group.layers])
+        c = np.stack([per_query[slots[layer], h0:h1] for layer in group.layers])
+        ratio = metric.divisors(keys) * r / (max(query_heads, 1) * np.maximum(c, 1e-300)) / metric.divisors(values)
         out[("keys", g)] = float(ratio.mean())
         out[("values", g)] = 1.0
     return out

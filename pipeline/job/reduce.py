@@ -161,10 +161,11 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
         rows = held.group(task.stream, columns_of[task.stream][task.group], evals, cap.sinks, cap.window)
         store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})
         del rows
-    pools = split_pools(tasks, groups, cap.objective, alloc.bit_split)
-    weights = {}
-    if pools and cap.objective == "attention":  # keys against values: the model's error per unit of each
-        weights = split_weights(inp, held, groups, columns_of["values"], names)
+    weights = split_weights(inp, groups, names) if cap.objective == "attention" and alloc.bit_split == "joint" else None
+    if cap.objective == "attention" and alloc.bit_split == "joint" and weights is None:
+        notes.append("the statistics hold no keys' reach (captured by an earlier release): keys and values keep "
+                     "their own totals, shared between groups only; recalibrate with a fresh --store to share them")
+    pools = split_pools(tasks, groups, "attention" if weights else "mse", alloc.bit_split)
 
     eval_rows = 0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum())
     del held, evals
@@ -173,7 +174,7 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
         spectra = run_groups([replace(t, solve_only=True) for t in tasks], store, placement, peaks, budget,
                              ReduceProgress([f"{t.stream} group {t.group} (solve)" for t in tasks], [t.p for t in tasks]),
                              keep_rows=True)
-        tasks, split = joint_tasks(tasks, spectra, pools, weights, alloc)
+        tasks, split = joint_tasks(tasks, spectra, pools, weights or {}, alloc)
     progress = ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     results = run_groups(tasks, store, placement, peaks, budget, progress)
     by_tokens = stream_prefix_rows([(r.stream, r.by_tokens) for r in results])
@@ -186,32 +187,29 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
                    tasks, plan, split)
 
 
-def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], objective: str, bit_split: str) -> dict:
+def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], unit: str, bit_split: str) -> dict:
     """{task index: pool} of the bases whose bits one total covers, or {} when no pool holds two: a rank's
-    (KV head range's) bases; with mse, whose streams' errors have no common unit, a stream's within it."""
+    (KV head range's) bases with the attention objective's weights (`unit` "attention"); else, the streams'
+    errors having no common unit, a stream's within it."""
     if bit_split != "joint":
         return {}
-    pools = {t.index: (groups[t.group].heads,) + (() if objective == "attention" else (t.stream,)) for t in tasks}
+    pools = {t.index: (groups[t.group].heads,) + (() if unit == "attention" else (t.stream,)) for t in tasks}
     sizes: dict = {}
     for pool in pools.values():
         sizes[pool] = sizes.get(pool, 0) + 1
     return pools if max(sizes.values(), default=0) > 1 else {}
 
 
-def split_weights(inp: ReduceInput, held, groups: list[FeatureGroup], value_columns, names: list[str]) -> dict:
-    """The attention objective's weight of each basis (`joint_budget.attention_weights`), from the metric sums
-    and the held-out value rows."""
+def split_weights(inp: ReduceInput, groups: list[FeatureGroup], names: list[str]) -> dict | None:
+    """The attention objective's weight of each basis (`joint_budget.attention_weights`), from the metric sums."""
     from kvtc.pipeline.fit.joint_budget import attention_weights
     from kvtc.pipeline.job.basis_solver import metric_sums
 
-    cfg = inp.settings
     sums, tokens, _ = metric_sums(inp.store, names)
     kv_heads = int(inp.fingerprint["num_kv_heads"])
     text = getattr(inp.model_config, "text_config", None) or inp.model_config
     query_heads = max(1, int(getattr(text, "num_attention_heads", 0) or kv_heads) // kv_heads)
-    mid = held.middle(cfg.capture.sinks, cfg.capture.window)
-    rows = [held.values[mid][:, cols] for cols in value_columns]
-    return attention_weights(cfg.reduce.attention_metric, sums, tokens, groups, kv_heads, rows, query_heads)
+    return attention_weights(inp.settings.reduce.attention_metric, sums, tokens, groups, kv_heads, query_heads)
 
 
 def joint_tasks(tasks: list[GroupTask], spectra: list, pools: dict, weights: dict, alloc) -> tuple[list[GroupTask], dict]:

@@ -49,18 +49,41 @@ def test_pools_keep_their_own_totals():
     assert split_budget(alone, 8.0) == [budget_bits(64, 8.0)] * 2  # one basis per pool: its own share
 
 
-def test_attention_weights_follow_the_values_spread_through_the_output_projection():
-    layers, heads, d, n = 2, 2, 4, 4000
+def test_attention_weights_follow_the_keys_reach_through_the_output_projection():
+    layers, heads, d = 2, 2, 4
     groups = [FeatureGroup((0, 1))]
-    rng = np.random.default_rng(1)
     sums = {"keys": np.full((layers, heads, d), 2.0) * 10, "values": np.tile(np.eye(d), (layers, heads, 1, 1)) * 10,
-            "concentration": np.full((layers, heads), 0.5) * 10}
-    rows = rng.normal(size=(n, layers * heads * d)) * 3.0  # the values' spread: variance 9 per feature
-    w = attention_weights(AttentionMetric(), sums, 10, groups, heads, [rows], query_heads=1)
-    # keys: logit energy 2 per unit, times the output spread tr(9 I_4) = 36; values: output energy 1 per unit
-    assert w[("values", 0)] == 1.0 and w[("keys", 0)] == pytest.approx(2 * 36 / 1, rel=0.05)
-    w2 = attention_weights(AttentionMetric(), sums, 10, groups, heads, [rows / 3], query_heads=2)
-    assert w2[("keys", 0)] == pytest.approx(w[("keys", 0)] / 9 / 2, rel=0.05)
+            "concentration": np.full((layers, heads), 0.5) * 10, "reach": np.full((layers, heads), 3.0) * 10}
+    w = attention_weights(AttentionMetric(), sums, 10, groups, heads, query_heads=1)
+    # keys: c Q = 1 per dim (n_k 1), values: c G = 0.5 (n_v 0.5); a key unit is R / (n_q c) = 6 output units
+    assert w[("values", 0)] == 1.0 and w[("keys", 0)] == pytest.approx(1 * 3 / (1 * 0.5) / 0.5)
+    assert attention_weights(AttentionMetric(), sums, 10, groups, heads, query_heads=3)[("keys", 0)] == \
+        pytest.approx(w[("keys", 0)] / 3)
+    assert attention_weights(AttentionMetric(), {k: v for k, v in sums.items() if k != "reach"}, 10, groups, heads,
+                             1) is None  # statistics of an earlier release: no exchange rate
+
+
+def test_the_keys_reach_is_the_values_spread_around_each_output_through_w_o():
+    """Captured beside the concentration, positive, and quadratic in the values: values scaled by s about
+    their outputs (v_j - o_t scales by s) give s^2 the reach; the same values shifted by a constant give the same."""
+    import torch
+
+    from kvtc.workers.capture import _forward_cache, metric_capture
+    from kvtc.workers.models import load_model
+
+    lm = load_model("tiny:llama")
+    ids = torch.randint(0, 1000, (1, 48), generator=torch.Generator().manual_seed(0))
+
+    def reach(transform) -> torch.Tensor:
+        metric = metric_capture(lm)
+        keys, values = _forward_cache(lm, ids, metric)
+        metric.attend(keys, 2, [transform(v) for v in values])
+        return metric.sums()["reach"]
+
+    base = reach(lambda v: v)
+    assert bool((base > 0).all()) and bool(torch.isfinite(base).all())
+    torch.testing.assert_close(reach(lambda v: 3 * v), 9 * base, rtol=1e-3, atol=0)
+    torch.testing.assert_close(reach(lambda v: v + 5.0), base, rtol=2e-2, atol=1e-6)
 
 
 def test_a_split_that_does_not_add_up_is_refused():
