@@ -93,7 +93,8 @@ def evaluate(names: dict[str, str], registry: str, domains: dict[str, str], args
             for r in result["rows"]:
                 if r["ratio"] is None:
                     continue
-                rows.append({"domain": label, "objective": objective, "ratio": r["ratio"], "cr": r["cr"],
+                path = "chunk" if str(r.get("method", "")).startswith("kvtc-chunk") else "offline"
+                rows.append({"domain": label, "objective": objective, "path": path, "ratio": r["ratio"], "cr": r["cr"],
                              "ppl_ratio": r["ppl_ratio"], "kl": r["kl"], "key_mse": r["key_rel_error"],
                              "value_mse": r["value_rel_error"], "key_attn": r.get("key_attn_error"),
                              "value_attn": r.get("value_attn_error"), "sequences": r["sequences"]})
@@ -102,18 +103,19 @@ def evaluate(names: dict[str, str], registry: str, domains: dict[str, str], args
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| domain | CR | objective | stored CR | ppl ratio | KL | keys err (mse / attn) | values err (mse / attn) |\n"
-            "|---|---|---|---|---|---|---|---|")
-    lines = [head]
-    for r in sorted(rows, key=lambda r: (r["domain"], r["ratio"], OBJECTIVES.index(r["objective"]))):
-        lines.append(f"| {r['domain']} | {r['ratio']:g} | {r['objective']} | {r['cr']:.1f} | {r['ppl_ratio']:.4f} | "
+    head = ("| domain | CR | objective | path | stored CR | ppl ratio | KL | keys err (mse / attn) | values err (mse / attn) |\n"
+            "|---|---|---|---|---|---|---|---|---|")
+    lines, order = [head], list(dict.fromkeys(r["objective"] for r in rows))  # labels in the order given
+    for r in sorted(rows, key=lambda r: (r["domain"], r["ratio"], r.get("path", "offline") != "offline",
+                                         order.index(r["objective"]))):
+        lines.append(f"| {r['domain']} | {r['ratio']:g} | {r['objective']} | {r.get('path', 'offline')} | {r['cr']:.1f} | {r['ppl_ratio']:.4f} | "
                      f"{r['kl']:.4f} | {100 * r['key_mse']:.1f}% / {100 * (r['key_attn'] or 0):.1f}% | "
                      f"{100 * r['value_mse']:.1f}% / {100 * (r['value_attn'] or 0):.1f}% |")
     return "\n".join(lines)
 
 
 def chart(rows: list[dict]) -> bytes:
-    """Per domain, perplexity ratio and KL against CR, one line per objective."""
+    """Per domain, perplexity ratio and KL against CR, one line per objective, the offline codec's rows."""
     from kvtc.pipeline.evaluation.charts import figure, png
 
     domains = sorted({r["domain"] for r in rows})
@@ -123,7 +125,8 @@ def chart(rows: list[dict]) -> bytes:
         for ax, key, label in ((axes[2 * i], "ppl_ratio", "perplexity ratio (compressed / uncompressed)"),
                                (axes[2 * i + 1], "kl", "KL(uncompressed || compressed), nats/token")):
             for objective, style in zip(objectives, ("o-", "s--", "^:", "d-.")):
-                pts = sorted((r["ratio"], r[key]) for r in rows if r["domain"] == domain and r["objective"] == objective)
+                pts = sorted((r["ratio"], r[key]) for r in rows if r["domain"] == domain and r["objective"] == objective
+                             and r.get("path", "offline") == "offline")
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=objective)
             if key == "ppl_ratio":
                 for goal in (1.01, 1.02):

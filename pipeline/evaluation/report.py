@@ -199,7 +199,7 @@ def chart_allocation(allocations: dict, features: int | None = None, split: dict
             left.annotate(f"{g}", (x, g), ha="center", va="bottom", fontsize=7)
     left.set_xticks(range(len(ratios)), [f"CR {r:g}" for r in ratios])
     unit = (split or {}).get("unit")
-    left.set(ylabel="bits per token (all groups)", title="bits shared: " + (f"joint, in {unit}" if unit else "even"))
+    left.set(ylabel="bits per token (all groups)", title="bits per token: " + ("joint split" if unit else "even split"))
     left.set_yscale("log")
     left.legend(fontsize=7)
     right = 2
@@ -216,8 +216,8 @@ def chart_allocation(allocations: dict, features: int | None = None, split: dict
     right_ax.set_xscale("log")
     right_ax.set_xlim(1, right)
     right_ax.set_ylim(bottom=0)
-    right_ax.set(xlabel="component index", ylabel="quantizer bits per component (a step: one block)",
-                 title="group 0: DP blocks, keys solid, values dashed")
+    right_ax.set(xlabel="component index", ylabel="quantizer bits (a step: one DP block)",
+                 title="group 0 blocks: keys solid, values dashed")
     right_ax.legend(fontsize=7)
     return png(plt, fig)
 

@@ -32,7 +32,8 @@ class EcsqSettings:
     < 0.01 bit at 4); offsets: centroid table width C; drop_below: std in steps under which a
     component is dropped; radius_sigmas: model range in stds before the escape; fit_rows:
     held-out rows the bisection uses; prior_rows: weight of the Gaussian centroid; max_components:
-    the basis budget, components the code may keep (0 = no cap)."""
+    the basis budget, components the code may keep (0 = no cap); iterations, tolerance: the step's bisection,
+    at most that many halvings of a bracket around the Gaussian rate's prediction, until it is that narrow."""
 
     classes_per_octave: int = 4
     offsets: int = 4
@@ -42,10 +43,13 @@ class EcsqSettings:
     prior_rows: float = 16.0
     iterations: int = 28
     max_components: int = 0
+    tolerance: float = 1e-4  # of the bisection on log(step): the budget is then met within a few bits
 
     def __post_init__(self) -> None:
         if self.classes_per_octave < 1 or self.offsets < 1 or self.iterations < 8 or self.max_components < 0:
             raise ValueError("classes_per_octave and offsets must be >= 1, iterations >= 8, max_components >= 0")
+        if not 0 < self.tolerance < 1:
+            raise ValueError(f"tolerance must be in (0, 1), got {self.tolerance}")
         if not (0 < self.drop_below < 1 and self.radius_sigmas >= 3 and self.fit_rows >= 16 and self.prior_rows >= 0):
             raise ValueError("need 0 < drop_below < 1, radius_sigmas >= 3, fit_rows >= 16, prior_rows >= 0")
 
@@ -176,6 +180,26 @@ def _offsets(z: torch.Tensor, step: float, sigma_steps: np.ndarray, settings: Ec
     return np.clip((total + w * prior) / (count + w), -0.5, 0.5)
 
 
+def _bracket(rate: "_RateModel", sigma: np.ndarray, budget: int, settings: EcsqSettings) -> tuple[float, float]:
+    """log steps (lo, hi) around the step that spends `budget`: an octave either side of the Gaussian rate's
+    prediction (`joint_budget.gaussian_bits` of the held-out stds), widened until the measured rate brackets it."""
+    from kvtc.pipeline.fit.joint_budget import gaussian_bits
+
+    top = float(sigma.max()) if sigma.size else 1.0
+    floor, ceil = math.log(top * 1e-5), math.log(top * 64)  # rate(floor) > budget >= rate(ceil) = ~0
+    live = sigma[:settings.max_components] if settings.max_components else sigma
+    a, b = floor, ceil
+    for _ in range(40):  # the prediction, on the stds alone
+        mid = (a + b) / 2
+        a, b = (mid, b) if float(gaussian_bits(live / math.exp(mid)).sum()) > budget else (a, mid)
+    lo, hi = max(floor, b - math.log(2)), min(ceil, b + math.log(2))
+    while lo > floor and rate.bits(math.exp(lo)) <= budget:
+        lo = max(floor, lo - 2 * math.log(2))
+    while hi < ceil and rate.bits(math.exp(hi)) > budget:
+        hi = min(ceil, hi + 2 * math.log(2))
+    return lo, hi
+
+
 def fit_ecsq(ratio: float, z: torch.Tensor, p: int, settings: EcsqSettings = EcsqSettings(),
              sigma: np.ndarray | None = None, budget: int | None = None) -> EcsqFit:
     """z (N, k) centered held-out projections of one basis of dimension p -> the ratio's ECSQ fit.
@@ -188,9 +212,10 @@ def fit_ecsq(ratio: float, z: torch.Tensor, p: int, settings: EcsqSettings = Ecs
     budget = budget_bits(p, ratio) if budget is None else int(budget)
     stride = max(1, z.shape[0] // settings.fit_rows)
     rate = _RateModel(z[::stride][:settings.fit_rows].contiguous(), sigma, settings)
-    top = float(sigma.max()) if sigma.size else 1.0
-    lo, hi = math.log(top * 1e-5), math.log(top * 64)  # rate(lo) > budget >= rate(hi) = ~0
+    lo, hi = _bracket(rate, sigma, budget, settings)  # rate(lo) > budget >= rate(hi)
     for _ in range(settings.iterations):
+        if hi - lo < settings.tolerance:
+            break
         mid = (lo + hi) / 2
         if rate.bits(math.exp(mid)) > budget:
             lo = mid
