@@ -167,12 +167,13 @@ def allocation_steps(bits: list[float], features: int | None = None) -> tuple[li
 
 def stream_bits(allocations: dict, split: dict | None = None) -> dict[float, dict[str, tuple[int, int]]]:
     """{ratio: {stream: (bits per token over its groups, the even share: floor(16 p / CR) summed)}}."""
-    own = {(float(b["ratio"]), b["stream"], int(b["group"])): int(b["own"]) for b in (split or {}).get("bits", [])}
     out: dict[float, dict[str, list[int]]] = {}
-    for (ratio, stream, group), info in sorted(allocations.items()):
+    shares = [(b["ratio"], b["stream"], b["bits"], b["own"]) for b in (split or {}).get("bits", [])] or \
+        [(r, s, info["budget_bits"], info["budget_bits"]) for (r, s, _), info in sorted(allocations.items())]
+    for ratio, stream, bits, own in shares:
         acc = out.setdefault(float(ratio), {}).setdefault(stream, [0, 0])
-        acc[0] += int(info["budget_bits"])
-        acc[1] += own.get((float(ratio), stream, int(group)), int(info["budget_bits"]))
+        acc[0] += int(bits)
+        acc[1] += int(own)
     return {r: {s: (a, b) for s, (a, b) in by.items()} for r, by in out.items()}
 
 

@@ -39,14 +39,17 @@ class GroupFit:
 
 def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSettings, rows: GroupRows,
               sinks: int, window: int, budgets=None) -> GroupFit:
-    """DP allocations and ECSQ tables at `ratios` on the held-out middle rows' projections, within `budgets`
-    (bits per token per ratio: a joint split's shares; None: each ratio's floor(16 p / CR))."""
+    """DP allocations and ECSQ tables at `ratios` on the held-out middle rows' projections; the ECSQ tables
+    within `budgets` (bits per token per ratio: a joint split's shares; None: each ratio's floor(16 p / CR))."""
     t0 = time.perf_counter()
     mid = rows.middle(sinks, window)
     x_mid = rows.rows[mid]
     z_all = basis.project(rows.rows)  # one GEMM serves the error tables, the ECSQ fit and every metric
     z_mid = z_all[torch.from_numpy(mid)]
-    allocs = allocate(ratios, basis, settings=alloc, projections=z_mid, budgets=budgets)
+    # the joint split is the ECSQ mode's (the default codec); the fixed mode keeps each basis's own share: its
+    # blobs store an fp8 block's side information in 32 bits where the DP counts 16, so a larger share in fp8
+    # blocks would outgrow the ratio's bound
+    allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
     fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
                                ecsq_fit.EcsqSettings(max_components=alloc.max_components), budgets)
     return GroupFit(stream, group, basis, rows, x_mid, z_mid, allocs, fits, time.perf_counter() - t0,
