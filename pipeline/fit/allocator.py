@@ -136,10 +136,9 @@ def solve_budget(tables: ErrorTables, settings: AllocatorSettings, budget: int):
 
 
 def allocate_from_tables(ratio: float, tables: ErrorTables, settings: AllocatorSettings,
-                         notes: tuple[str, ...] = (), budget: int | None = None) -> Allocation:
-    """One ratio's DP on prepared error tables, within `budget` bits per token (default: the basis's own,
-    floor(16 p / CR); a joint split's share otherwise)."""
-    budget = budget_bits(tables.p, ratio) if budget is None else int(budget)
+                         notes: tuple[str, ...] = ()) -> Allocation:
+    """One ratio's DP on prepared error tables."""
+    budget = budget_bits(tables.p, ratio)
     blocks, err, unit = solve_budget(tables, settings, budget)
     cost = sum(b.cost_bits for b in blocks)
     if cost > budget:
@@ -186,18 +185,14 @@ def error_tables(basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,
 
 def allocate(ratios, basis: Basis, heldout: np.ndarray | torch.Tensor | None = None,
              settings: AllocatorSettings = AllocatorSettings(), *, tables: ErrorTables | None = None,
-             projections: torch.Tensor | None = None, budgets=None) -> list[Allocation]:
+             projections: torch.Tensor | None = None) -> list[Allocation]:
     """One Allocation per ratio (input order). Error tables are computed once for all ratios,
     over as many components as the least aggressive ratio could pay for (budget / cheapest
     bits per component; a quantized block past that would need a "none" gap before it, which
-    sorted variances never favour), and at most settings.max_components (the basis budget).
-    budgets: bits per token per ratio (a joint split's shares); None: each ratio's floor(16 p / CR)."""
+    sorted variances never favour), and at most settings.max_components (the basis budget)."""
     ratios = validate_ratios(ratios, basis.dim, settings)
-    if budgets is not None and len(budgets) != len(ratios):
-        raise ValueError(f"{len(budgets)} budgets for {len(ratios)} ratios")
     notes: tuple[str, ...] = ()
     if tables is None:
-        k = min(basis.k, settings.kept_bound(basis.dim, ratios, budgets))
+        k = min(basis.k, settings.kept_bound(basis.dim, ratios))
         tables, notes = error_tables(basis, heldout, settings, k, projections)
-    return [allocate_from_tables(r, tables, settings, notes, None if budgets is None else budgets[i])
-            for i, r in enumerate(ratios)]
+    return [allocate_from_tables(r, tables, settings, notes) for r in ratios]
