@@ -206,10 +206,11 @@ class CodecSpec:
         num_layers = int(fp["num_layers"])
         groups = parse_groups(cal.get("groups") or [[0, num_layers]])
         streams: dict[str, tuple[GroupCode, ...]] = {}
+        bases = {(stream, gi): artifact.basis(stream, gi) for stream in STREAMS for gi in range(len(groups))}
         for stream in STREAMS:
             codes = []
             for gi, group in enumerate(groups):
-                mean, _eig, comps = artifact.basis(stream, gi)
+                mean, _eig, comps = bases[stream, gi]
                 blocks = tuple(CodedBlock(int(s), int(n), str(t), int(bits))
                                for s, n, t, bits in artifact.allocation(ratio, stream, gi))
                 kept = max((b.start + b.size for b in blocks if b.bits), default=0)
@@ -221,7 +222,7 @@ class CodecSpec:
                    num_layers=num_layers, kv_heads=int(fp["num_kv_heads"]), head_dim=int(fp["head_dim"]),
                    sinks=int(cal["sinks"]), window=int(cal["window"]), streams=streams,
                    rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"),
-                   ecsq=_ecsq_groups(artifact, ratio, groups), layers=_schema(fp, cal.get("keys") == "rope-kept"),
+                   ecsq=_ecsq_groups(artifact, ratio, groups, bases), layers=_schema(fp, cal.get("keys") == "rope-kept"),
                    tensor_parallel=TensorParallelLayout.from_dict(cal.get("tensor_parallel"), groups),
                    value_dim=None if fp.get("value_dim") is None else int(fp["value_dim"]))
 
@@ -246,8 +247,9 @@ def _schema(fingerprint: dict, rope_kept: bool) -> tuple[LayerSpec, ...] | None:
     return tuple(dataclasses.replace(l, rope=None) for l in layers) if rope_kept else layers
 
 
-def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[EcsqGroup, ...]] | None:
-    """The artifact's ECSQ tables at `ratio` as runtime groups; None when it has none for every group."""
+def _ecsq_groups(artifact: Any, ratio: float, groups: list, bases: dict) -> dict[str, tuple[EcsqGroup, ...]] | None:
+    """The artifact's ECSQ tables at `ratio` as runtime groups (`bases`: its bases by (stream, group), read once);
+    None when it has none for every group."""
     if not hasattr(artifact, "ecsq"):
         return None
     out = {}
@@ -257,7 +259,7 @@ def _ecsq_groups(artifact: Any, ratio: float, groups: list) -> dict[str, tuple[E
             table = artifact.ecsq(ratio, stream, gi)
             if table is None:
                 return None
-            mean, _eig, comps = artifact.basis(stream, gi)
+            mean, _eig, comps = bases[stream, gi]
             kept = int(table["kept"])
             codes.append(EcsqGroup(group, torch.as_tensor(mean, dtype=torch.float32).contiguous(),
                                    _columns(comps, kept),

@@ -112,9 +112,9 @@ class ReduceSettings:
     accumulators: int = option(4, "running statistics totals kept in the store: the store holds this many Grams per "
                                   "stream and group whatever --tokens is; results are bit-identical for any --workers, "
                                   "not across values", kind=int)
-    served_sequences: int = option(2, "held-out sequences scored through the chunk path the servers use, beside the "
+    served_sequences: int = option(1, "held-out sequences scored through the chunk path the servers use, beside the "
                                       "offline codec, before publishing (report and metrics: what serving will cost; "
-                                      "0: off)", kind=int)
+                                      "each scores up to 128 tokens after its coded prefix; 0: off)", kind=int)
     attention_balance: str = option("layer", "--objective attention: the unit whose metric is scaled to mean 1 "
                                               "(layer: the squared error's balance between layers kept; head; model: "
                                               "as measured)", choices=BALANCES)

@@ -67,9 +67,9 @@ def split(tokens: int, sinks: int, window: int) -> tuple[int, int, int]:
 
 
 def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float]:
-    """(squared error, squared norm) in float64 of x_hat against x, any shapes alike."""
-    x64 = x.double()
-    return float((x64 - x_hat.double()).square().sum()), float(x64.square().sum())
+    """(squared error, squared norm) of x_hat against x, any shapes alike, summed in float64."""
+    err = torch.linalg.vector_norm(x.float() - x_hat.float(), dtype=torch.float64)
+    return float(err) ** 2, float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
 
 
 def _check(keys: torch.Tensor, values: torch.Tensor) -> None:

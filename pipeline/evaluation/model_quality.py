@@ -105,9 +105,36 @@ def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=Non
     return torch.log_softmax(logits[0].double(), dim=-1)
 
 
-def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int):
+class _Codecs:
+    """Each ratio's codec, chunk transform and uniform-PCA codec, built once for every sequence of a run (a codec
+    reads and checks its bases when built, seconds at the embedded model's size)."""
+
+    def __init__(self, artifact, mode: str | None) -> None:
+        self.artifact, self.mode, self._made = artifact, mode, {}
+
+    def _get(self, kind: str, ratio: float, make):
+        if (kind, ratio) not in self._made:
+            self._made[kind, ratio] = make()
+        return self._made[kind, ratio]
+
+    def codec(self, ratio: float):
+        from kvtc.kernels import KVTCCodec
+
+        return self._get("codec", ratio, lambda: KVTCCodec(self.artifact, ratio, mode=self.mode))
+
+    def chunk(self, ratio: float):
+        from kvtc.pipeline.evaluation.served import chunk_transform
+
+        return self._get("chunk", ratio, lambda: chunk_transform(self.codec(ratio)))
+
+    def pca_uniform(self, ratio: float):
+        from kvtc.pipeline.evaluation import baselines as bl
+
+        return self._get("pca_uniform", ratio, lambda: bl.pca_uniform_codec(self.artifact, ratio))
+
+
+def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int, codecs: _Codecs):
     """Yield (method, target ratio or None, Reconstruction) for the codec and every baseline."""
-    from kvtc.kernels import KVTCCodec
     from kvtc.pipeline.evaluation import baselines as bl
 
     p = bl.features(keys, values)
@@ -115,17 +142,18 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
                                                   4 * p * bl.split(keys.shape[2], sinks, window)[1],
                                                   bl.split(keys.shape[2], sinks, window)[1], p)
     for r in settings.ratios:
-        yield f"kvtc-{r:g}x", r, bl.run_codec(KVTCCodec(artifact, r, mode=settings.mode), keys, values)
+        yield f"kvtc-{r:g}x", r, bl.run_codec(codecs.codec(r), keys, values)
     if settings.served:
         from kvtc.pipeline.evaluation.served import chunk_path
 
         for r in settings.ratios:
-            rec = chunk_path(artifact, r, keys, values, mode=settings.mode)
+            transform = codecs.chunk(r)
+            rec = None if transform is None else chunk_path(artifact, r, keys, values, transform=transform)
             if rec is not None:
                 yield rec.method, r, rec
     if "pca_uniform" in settings.baselines:
         for r in settings.ratios:
-            yield f"pca-uniform-{r:g}x", r, bl.run_codec(bl.pca_uniform_codec(artifact, r), keys, values,
+            yield f"pca-uniform-{r:g}x", r, bl.run_codec(codecs.pca_uniform(r), keys, values,
                                                           f"pca-uniform-{r:g}x")
     if "evict" in settings.baselines:
         for r in settings.ratios:
@@ -161,6 +189,7 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     metric = _metric_capture(lm) if settings.attention_errors else None
     sinks, window = record.sinks, record.window
     tallies: dict[str, _Tally] = {}
+    codecs = _Codecs(artifact, settings.mode)
     count = 0
     for seq in sequences:
         ids = torch.as_tensor(seq, dtype=torch.long).reshape(1, -1).to(lm.device)
@@ -182,7 +211,7 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
         ref = continuation_logprobs(lm.model, keys, values, feed, **state)
         ref_nll = -ref.gather(1, target[:, None]).sum().item()
         head, mid, _ = bl.split(keys.shape[2], sinks, window)
-        for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window):
+        for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window, codecs):
             keep = None if rec.keep is None else rec.keep.to(lm.device)
             lp = continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep, **state)
             t = tallies.setdefault(name, _Tally(ratio=ratio))

@@ -17,19 +17,28 @@ from kvtc.pipeline.evaluation.baselines import Reconstruction, features
 CHUNK = 256  # LMCache's default chunk size
 
 
-def chunk_path(artifact: Any, ratio: float, keys: torch.Tensor, values: torch.Tensor, chunk: int = CHUNK,
-               mode: str | None = None) -> Reconstruction | None:
-    """keys, values (L, H, T, D) -> the cache as the chunk path restores it, or None where the artifact is not
-    served by chunks (a multi-head latent attention model, layers that keep no KV cache)."""
+def chunk_transform(codec: Any) -> Any:
+    """A KVTCCodec -> the ChunkTransform the servers run with it, or None where the artifact is not served by
+    chunks (a multi-head latent attention model, layers that keep no KV cache)."""
     from kvtc.kernels.chunk_serde import ChunkTransform
-    from kvtc.kernels.codec import KVTCCodec
 
-    codec = KVTCCodec(artifact, ratio, mode=mode)
-    if len(codec.spec.coded_layers) != codec.spec.num_layers or keys.shape[0] != codec.spec.num_layers:
+    if len(codec.spec.coded_layers) != codec.spec.num_layers:
         return None  # layers without a KV cache: the chunk serde does not serve such models
     try:
-        transform = ChunkTransform(codec, positions=True)
+        return ChunkTransform(codec, positions=True)
     except ValueError:
+        return None
+
+
+def chunk_path(artifact: Any, ratio: float, keys: torch.Tensor, values: torch.Tensor, chunk: int = CHUNK,
+               mode: str | None = None, transform: Any = None) -> Reconstruction | None:
+    """keys, values (L, H, T, D) -> the cache as the chunk path restores it, or None where the artifact is not
+    served by chunks. `transform`: the ratio's `chunk_transform`, built once for many caches (else built here)."""
+    if transform is None:
+        from kvtc.kernels.codec import KVTCCodec
+
+        transform = chunk_transform(KVTCCodec(artifact, ratio, mode=mode))
+    if transform is None or keys.shape[0] != transform.codec.spec.num_layers:
         return None
     k, v, stored = restore_through(transform, keys, values, chunk)
     # bytes against every token: each is stored (the raw sinks in the first chunk's blob)

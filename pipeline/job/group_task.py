@@ -13,6 +13,7 @@ exactly, so a result read back equals the one written.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 
 from dataclasses import asdict, dataclass, field
@@ -229,16 +230,27 @@ def drop_solved(store: ShardStore, task: GroupTask) -> None:
     store.drop_basis(_solved_name(task))
 
 
-def prefix_partials(task: GroupTask, prefixes: list[Moments], rows: GroupRows) -> list[dict]:
+def prefix_partials(task: GroupTask, prefixes: list[Moments], rows: GroupRows, solved: Basis | None = None) -> list[dict]:
     """This group's error-by-tokens partials {tokens, split, err, norm}: each prefix's top-k basis in order
-    (`PrefixSolver`), measured on the group's held-out rows, one basis held at a time."""
+    (`PrefixSolver`), measured on the group's held-out rows, one basis held at a time. `solved`: the group's
+    own basis, whose leading components stand for the last point when it is every accumulator (the solve
+    already has that prefix's eigenvectors: no subspace iteration repeats them)."""
     solver, out = PrefixSolver(task.curve_k), []
-    for n, s, packed in prefixes:
-        b = solver(n, s, packed)
+    bases = (solver(n, s, packed) for n, s, packed in prefixes)
+    if solved is not None and len(task.accumulators) in task.checkpoints:
+        bases = itertools.chain(bases, [truncated(solved, task.curve_k)])
+    for b in bases:
         for split, (err, norm) in group_prefix_partials(b, rows, float(task.curve["ratio"]), task.sinks,
                                                         task.window).items():
             out.append({"tokens": int(b.n), "split": split, "err": err, "norm": norm})
     return out
+
+
+def truncated(basis: Basis, k: int) -> Basis:
+    """The leading min(k, basis.k) components of `basis` (mean, total variance and rows kept)."""
+    k = min(k, basis.k)
+    return Basis(basis.mean, basis.eigenvalues[:k], np.ascontiguousarray(basis.components[:, :k]),
+                 basis.total_variance, basis.n)
 
 
 def spectrum_name(task: GroupTask) -> str:
@@ -265,20 +277,26 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
         resumed = load_solved(store, task)
         by_tokens: list[dict] | None = None if resumed is None else resumed[2]
 
+        short = tuple(c for c in task.checkpoints if c < len(task.accumulators))  # the last: the solve's own basis
+        early: list[dict] | None = None
+
         def measure_prefixes(prefixes: list[Moments]) -> None:  # before the eigensolver; only the sums stay
-            nonlocal by_tokens
-            by_tokens = prefix_partials(task, prefixes, rows)
+            nonlocal early
+            early = prefix_partials(task, prefixes, rows)
 
         while True:
             if resumed is not None:
                 (basis, solved, _), resumed = resumed, None
             else:
+                curve = bool(task.curve) and by_tokens is None
                 sol = solve(store, list(task.accumulators), task.stream, task.group, solver.k, solver.device,
-                            solver.method, whitening, solver.driver, task.checkpoints,
-                            measure_prefixes if task.curve and by_tokens is None else None)
+                            solver.method, whitening, solver.driver, short if curve else (),
+                            measure_prefixes if curve and short else None)
                 basis = sol.basis
                 solved = Solved(sol.method, basis.k, solver.device, sol.sum_s, sol.eig_s, sol.driver)
                 del sol
+                if curve:
+                    by_tokens = (early or []) + prefix_partials(task, [], rows, basis)
                 save_solved(store, task, basis, solved, by_tokens)
             solves.append(solved)
             if task.solve_only:
@@ -293,8 +311,8 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
             del basis, fitted
             solver = widen(task.p, k, bound, task.budget or (1 << 62), n_rows)
         if task.curve and by_tokens is None:  # a resumed solve: the running sums are summed again
-            measure_prefixes(prefix_moments(store, list(task.accumulators), task.stream, task.group, task.checkpoints,
-                                            whitening))
+            by_tokens = prefix_partials(task, prefix_moments(store, list(task.accumulators), task.stream, task.group,
+                                                             short, whitening), rows, basis)
         measured = measure_group(fitted, task.sinks, task.window)
     kept = fitted.kept
     mean, encoder, decoder = basis.mean, basis.components[:, :kept], None

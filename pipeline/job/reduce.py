@@ -308,10 +308,10 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     )
     quality, notes, served_s = None, list(reduced.notes), 0.0
     if cfg.reduce.served_sequences:  # what serving will cost: held-out text through the chunk path, before publishing
-        from kvtc.pipeline.job.served_check import metric_rows, served_quality
+        from kvtc.pipeline.job.served_check import SERVED_CONTINUATION, metric_rows, served_quality
 
         t_served = time.perf_counter()
-        continuation = max(1, min(64, cfg.plan.seq_len // 4))
+        continuation = max(1, min(SERVED_CONTINUATION, cfg.plan.seq_len // 4))
         quality, skipped = served_quality(content, cfg.model.model, cfg.model.dtype, cfg.reduce.served_sequences,
                                           continuation, inp.model_config, cfg.runtime.cache_dir)
         served_s = time.perf_counter() - t_served
@@ -325,6 +325,8 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     ref = artifacts.publish(content, registry=registry, alias_latest=alias_latest)
     summary = summarize(ref, metrics, notes)
     summary["served_seconds"] = round(served_s, 2)
+    if quality:
+        summary["served_stages"] = quality["seconds"]  # staging the content, loading the model (overlapped), scoring
     return Published(summary, time.perf_counter() - t0)
 
 

@@ -8,6 +8,8 @@ import dataclasses
 import gc
 import math
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -15,6 +17,9 @@ import torch
 from kvtc.pipeline.evaluation.model_quality import EvalSettings, evaluate_sequences
 from kvtc.pipeline.job.heldout_text import heldout_sequences
 
+# the check's cost is coding each prefix (2 paths x every ratio), its statistic the tokens scored after it: one
+# sequence scoring 128 tokens costs half of two scoring 64 each, for as many scored tokens
+SERVED_CONTINUATION = 128
 MAX_DRIVER_PARAMETERS = 2_000_000_000  # the check loads the model in the driver only below this, or with a GPU
 
 
@@ -71,16 +76,24 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
         return None, (f"served quality not measured in the job: scoring needs about {need / 2**30:.1f} GiB beside the "
                       f"artifact the driver holds, and {free / 2**30:.1f} GiB are free below the node's kill line; run "
                       "`kvtc eval NAME` (its kvtc-chunk rows) on a node with more memory")
+    seconds: dict[str, float] = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp, ThreadPoolExecutor(1) as pool:
+            t0 = time.perf_counter()
+            # the model loads while the content is staged (files written, then read back and verified)
+            loading = pool.submit(load_model, model_spec, dtype=dtype, cache_dir=cache_dir)
             # staged without its parent (it lives in the job's registry), read in place (no pull cache)
             ref = artifacts.publish(dataclasses.replace(content, parent=None), registry=tmp, alias_latest=False)
             art = artifacts.Artifact(ref.path)
-            lm = load_model(model_spec, dtype=dtype, cache_dir=cache_dir)
+            seconds["stage"] = time.perf_counter() - t0
+            lm = loading.result()
+            seconds["model"] = time.perf_counter() - t0 - seconds["stage"]
+            t1 = time.perf_counter()
             seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions)
             settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count,
                                     baselines=(), attention_errors=False)  # the manifest keeps ppl, KL, CR
             rows = evaluate_sequences(lm, art, seqs, settings)
+            seconds["score"] = time.perf_counter() - t1
             del lm, art  # the staged bases, the codec and the model go before the real publish builds its files
     except (ValueError, RuntimeError, OSError) as exc:  # the artifact itself is sound: publish it without the figure
         return None, f"served quality not measured in the job ({type(exc).__name__}: {exc}); run `kvtc eval NAME`"
@@ -90,4 +103,4 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
             "settings": {"ratios": list(settings.ratios), "continuation": continuation, "sequences": len(seqs),
                          "paths": "kvtc-Nx: offline codec (sinks and window raw); kvtc-chunk-Nx: 256-token chunks, "
                                   "sinks raw, no window, as served"},
-            "rows": rows}, None
+            "rows": rows, "seconds": {k: round(v, 2) for k, v in seconds.items()}}, None
