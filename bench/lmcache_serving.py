@@ -288,7 +288,7 @@ def ppl(registry: str, kept: str, removed: str, ratios: list[float], corpus: str
     import torch
 
     from kvtc.kernels.chunk_serde import FRAME_BYTES, ChunkSerdeSettings, RankedChunkTransforms, unframe
-    from kvtc.pipeline.operations.quality import continuation_logprobs
+    from kvtc.pipeline.evaluation.model_quality import continuation_logprobs
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 

@@ -201,7 +201,7 @@ def main() -> None:
     from kvtc.kernels.chunk_serde import ChunkTransform
     from kvtc.kernels.codec import KVTCCodec
     from kvtc.pipeline.evaluation.served import restore_through
-    from kvtc.pipeline.operations.quality import continuation_logprobs
+    from kvtc.pipeline.evaluation.model_quality import continuation_logprobs
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 

@@ -18,12 +18,11 @@ from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.pool_run import PoolRun
 from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, reduce
 from kvtc.pipeline.job.reduce_tasks import Placement, clear
+from kvtc.pipeline.job.shard_records import ShardEntry, ShardResult
 from kvtc.pipeline.job.shards import plan_shards, shard_plan
 from kvtc.pipeline.job.store import ShardStore, default_store_uri
 
-# the settings and their defaults live in kvtc.pipeline.settings; these names stay importable from here
-from kvtc.pipeline.settings import (DEFAULT_CORPUS, DEFAULT_CPU_TOKENS, DEFAULT_EVAL_CORPUS,  # noqa: E402,F401
-                                    DEFAULT_GPU_TOKENS, DEFAULT_MODEL, JobSettings)
+from kvtc.pipeline.settings import DEFAULT_CPU_TOKENS, DEFAULT_GPU_TOKENS, JobSettings
 
 
 def run(cfg: JobSettings, alias_latest: bool = True, in_process: bool = False) -> dict:
@@ -72,13 +71,13 @@ class Planned:
 
 @dataclass
 class Folded:
-    """The fold stage's hand-off: the shard store scope, every planned shard ({id, index, role,
-    tokens, cached}), the accumulators (name, shard ids) in order, the workers' results, and timings."""
+    """The fold stage's hand-off: the shard store scope, every planned shard, the accumulators (name,
+    shard ids) in order, the workers' results, and timings."""
 
     store: ShardStore
-    shards: list[dict]
+    shards: list[ShardEntry]
     accumulators: list[tuple[str, list[str]]]
-    results: list[dict]
+    results: list[ShardResult]
     workers: int
     model_dtype: str
     on_cluster_gpu: bool
@@ -166,18 +165,18 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
 
     cfg, fingerprint = planned.settings, planned.fingerprint
     capture, rt = cfg.capture, cfg.runtime
-    shards_seen: list[dict] = []
+    shards_seen: list[ShardEntry] = []
     duplicates: list[str] = []
     plan = shard_plan(cfg, cfg.plan.tokens)
     expected = [plan.most_shards]  # the bar's total: shards planned, less those found cached
 
     def payloads(store: ShardStore, planner: FoldPlanner):
         for role, shard in plan_shards(plan, planned.tokenizer, fingerprint["max_positions"], duplicates):
-            entry = {"id": shard.id, "index": shard.index, "role": role, "tokens": int(shard.input_ids.size), "cached": False}
+            entry = ShardEntry(shard.id, shard.index, role, int(shard.input_ids.size))
             shards_seen.append(entry)
             if role == "train":
                 tasks = planner.add(shard.index, shard.id, {"shard": shard.to_payload()})
-                entry["cached"] = not tasks
+                entry.cached = not tasks
                 expected[0] += len(tasks) - 1
                 yield from tasks
                 continue
@@ -185,8 +184,8 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
                 finished = planner.finish()  # the training stream has ended
                 expected[0] += len(finished)
                 yield from finished
-            entry["cached"] = store.has(shard.id, "rows")
-            if not entry["cached"]:
+            entry.cached = store.has(shard.id, "rows")
+            if not entry.cached:
                 yield {"shard": shard.to_payload(), "role": role}
             else:
                 expected[0] -= 1
@@ -210,7 +209,8 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     else:
         workers, pool = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs, payloads(store, planner),
                                     total)
-    return Folded(store, shards_seen, planner.accumulators(), pool.results, workers, model_dtype, gpus >= 1, duplicates,
+    results = [ShardResult.from_dict(r) for r in pool.results]
+    return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
                   pool.startup_s, pool.run_s)
 
 
@@ -262,23 +262,23 @@ def run_figures(planned: Planned, folded: Folded, reduced: Reduced, published: P
     """The summary's "run" section: pool figures, store bytes, and the seconds of every stage
     (solve, fit and measure summed over groups, on whichever worker ran them; reduce: that stage's wall)."""
     results, rt = folded.results, planned.settings.runtime
-    run_tokens = sum(r["tokens_run"] for r in results)
-    trained = [r for r in results if r["role"] == "train" and not r.get("skipped")]
+    run_tokens = sum(r.tokens_run for r in results)
+    trained = [r for r in results if r.role == "train" and not r.skipped]
     pool_s = folded.fold_s
     out = {
         "workers": folded.workers,
         "threads_per_worker": rt.threads_per_worker,
         "accumulators": planned.settings.reduce.accumulators,
-        "shards_run": sum(not r.get("skipped") for r in results),
-        "shards_cached": sum(s["cached"] for s in folded.shards),
+        "shards_run": sum(not r.skipped for r in results),
+        "shards_cached": sum(s.cached for s in folded.shards),
         "tokens_run": run_tokens,
         "startup_seconds": round(folded.startup_s, 2),
         "pool_seconds": round(pool_s, 2),
         "pool_tokens_per_s": round(run_tokens / pool_s, 1) if pool_s > 0 and run_tokens else None,
-        "checkpoint_bytes_per_shard": int(sum(r["bytes"] for r in trained) / max(1, len(trained))),
-        "capture_seconds": round(sum(r.get("capture_s", 0.0) for r in trained), 2),  # summed over workers
-        "fold_seconds": round(sum(r.get("fold_s", 0.0) for r in trained), 2),
-        "checkpoint_seconds": round(sum(r.get("checkpoint_s", 0.0) for r in trained), 2),
+        "checkpoint_bytes_per_shard": int(sum(r.bytes for r in trained) / max(1, len(trained))),
+        "capture_seconds": round(sum(r.capture_s for r in trained), 2),  # summed over workers
+        "fold_seconds": round(sum(r.fold_s for r in trained), 2),
+        "checkpoint_seconds": round(sum(r.checkpoint_s for r in trained), 2),
         "stats_bytes": folded.store.stats_bytes(),
         "reduce_seconds": round(reduced.seconds + published.seconds, 2),
         "solve_seconds": round(reduced.solve_s, 2),

@@ -36,6 +36,7 @@ from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, Solver, choose, node_budget, refuse_unless_fits, task_bytes
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_tasks import Placement, rows_name, run_groups
+from kvtc.pipeline.job.shard_records import ShardEntry
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
 from kvtc.workers.stats import STREAMS
@@ -46,13 +47,13 @@ MIN_HELDOUT_ROWS = 16
 @dataclass(frozen=True)
 class ReduceInput:
     """What the fold hands the reduce: the settings as run, the model fingerprint, the shard store,
-    every planned shard ({id, index, role, tokens, cached}), the accumulators (name, shard ids) in
+    every planned shard (`shard_records.ShardEntry`), the accumulators (name, shard ids) in
     order, the workers' model dtype, the model's transformers config (no weights) and why the objective ran."""
 
     settings: JobSettings
     fingerprint: dict
     store: ShardStore
-    shards: list[dict]
+    shards: list[ShardEntry]
     accumulators: list[tuple[str, list[str]]]
     model_dtype: str = "float32"
     model_config: Any = None
@@ -109,10 +110,10 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
     alloc, cap, red = cfg.allocator, cfg.capture, cfg.reduce
     tokens_requested = int(cfg.plan.tokens or 0)
     notes: list[str] = []
-    by_index = sorted(inp.shards, key=lambda s: s["index"])
-    heldout_ids = [s["id"] for s in by_index if s["role"] == "heldout"]
-    eval_ids = [s["id"] for s in by_index if s["role"] == "eval"]
-    tokens_in = sum(s["tokens"] for s in inp.shards if s["role"] in ("train", "heldout"))
+    by_index = sorted(inp.shards, key=lambda s: s.index)
+    heldout_ids = [s.id for s in by_index if s.role == "heldout"]
+    eval_ids = [s.id for s in by_index if s.role == "eval"]
+    tokens_in = sum(s.tokens for s in inp.shards if s.role in ("train", "heldout"))
     if tokens_in < tokens_requested:
         msg = f"the corpus ran out after {tokens_in} tokens of the {tokens_requested} requested; calibrated on what exists"
         warnings.warn(msg, stacklevel=2)
@@ -267,7 +268,7 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
 
     t0 = time.perf_counter()
     cfg, fingerprint = inp.settings, inp.fingerprint
-    by_index = sorted(inp.shards, key=lambda s: s["index"])
+    by_index = sorted(inp.shards, key=lambda s: s.index)
     kv_heads = int(fingerprint["num_kv_heads"])
     train_rows = reduced.results[-1].train_rows if reduced.results else 0
     p_total = sum(g.dim(kv_heads, int(fingerprint["head_dim"])) for g in reduced.groups)
@@ -283,10 +284,10 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     calibration["layers"] = layers_to_json(layers_of(fingerprint))
     corpus = {
         "spec": cfg.plan.corpus, "eval_spec": cfg.plan.eval_corpus, "seq_len": cfg.plan.seq_len, "seed": cfg.capture.seed,
-        "train_shards": [s["id"] for s in by_index if s["role"] == "train"],
-        "heldout_shards": [s["id"] for s in by_index if s["role"] == "heldout"],
-        "eval_shards": [s["id"] for s in by_index if s["role"] == "eval"],
-        "accumulators": [name for name, _ in inp.accumulators], "tokens": {s["id"]: s["tokens"] for s in inp.shards},
+        "train_shards": [s.id for s in by_index if s.role == "train"],
+        "heldout_shards": [s.id for s in by_index if s.role == "heldout"],
+        "eval_shards": [s.id for s in by_index if s.role == "eval"],
+        "accumulators": [name for name, _ in inp.accumulators], "tokens": {s.id: s.tokens for s in inp.shards},
     }
     corpus["mixture"] = describe(str(corpus.get("spec", cfg.plan.corpus)))  # sources, pkgdocs distributions
     results = reduced.results

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvtc.artifacts.errors import InputError
+from kvtc.pipeline.job.shard_records import ShardResult
 from kvtc.pipeline.job.shards import Shard
 from kvtc.pipeline.job.store import ShardStore, capture_key
 from kvtc.workers.capture import CaptureSettings, capture_kv
@@ -86,21 +87,12 @@ class ShardWorker:
         if role == "train":
             nbytes, rows, split = self._fold(shard, payload["acc"], payload.get("after"))
             if rows is None:
-                return {"shard_id": shard.id, "index": shard.index, "role": role, "tokens_run": 0, "rows": 0,
-                        "bytes": 0, "seconds": time.perf_counter() - t0, "skipped": True}
+                return ShardResult(shard.id, shard.index, role, 0, 0, 0, time.perf_counter() - t0, skipped=True).to_dict()
         else:
             nbytes, rows = self._store_rows(shard)
             split = {}
-        return {
-            **split,
-            "shard_id": shard.id,
-            "index": shard.index,
-            "role": role,
-            "tokens_run": int(shard.input_ids.size),
-            "rows": rows,
-            "bytes": nbytes,
-            "seconds": time.perf_counter() - t0,
-        }
+        return ShardResult(shard_id=shard.id, index=shard.index, role=role, tokens_run=int(shard.input_ids.size),
+                           rows=rows, bytes=nbytes, seconds=time.perf_counter() - t0, **split).to_dict()
 
     def _total(self, name: str) -> CalibrationStats | None:
         if name not in self.totals:

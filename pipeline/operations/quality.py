@@ -11,8 +11,7 @@ its settings and matched by id); with another corpus, its first sequences.
 """
 from __future__ import annotations
 
-from kvtc.pipeline.evaluation.model_quality import (BASELINES, KIVI_CONFIGS, EvalSettings,  # noqa: F401 - the API
-                                                    continuation_logprobs, evaluate_sequences)
+from kvtc.pipeline.evaluation.model_quality import EvalSettings, evaluate_sequences
 from kvtc.pipeline.evaluation.report import limit_rows
 from kvtc.pipeline.job.heldout_text import heldout_sequences
 

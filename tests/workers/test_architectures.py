@@ -148,6 +148,7 @@ def calibrated(request, tmp_path_factory):
 
 
 def test_calibration_codec_cache_charts_and_eval(calibrated):
+    from kvtc.pipeline.evaluation.model_quality import BASELINES
     from kvtc.pipeline.operations import quality
 
     arch, summary = calibrated
@@ -180,7 +181,7 @@ def test_calibration_codec_cache_charts_and_eval(calibrated):
         assert out.shape == (1, 48)
     result = quality.run(summary["name"], summary["registry"],
                          quality.EvalSettings(ratios=(4.0,), continuation=4, sequences=1,
-                                              baselines=tuple(b for b in quality.BASELINES if b != "pca_uniform")))
+                                              baselines=tuple(b for b in BASELINES if b != "pca_uniform")))
     rows = {r["method"]: r for r in result["rows"]}
     assert rows["uncompressed"]["ppl_ratio"] == 1.0 and rows["uncompressed"]["kl"] == 0.0
     assert 0 < rows["kvtc-4x"]["key_rel_error"] < 1 and rows["kvtc-4x"]["ppl_ratio"] > 0
