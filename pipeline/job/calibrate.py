@@ -20,7 +20,7 @@ from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, r
 from kvtc.pipeline.job.reduce_tasks import Placement, clear
 from kvtc.pipeline.job.shard_records import ShardEntry, ShardResult
 from kvtc.pipeline.job.shards import plan_shards, shard_plan
-from kvtc.pipeline.job.store import ShardStore, default_store_uri
+from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
 
 from kvtc.pipeline.settings import DEFAULT_CPU_TOKENS, DEFAULT_GPU_TOKENS, JobSettings
 
@@ -159,7 +159,6 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
 
     from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
     from kvtc.pipeline.job.shard_worker import ShardWorker
-    from kvtc.pipeline.job.store import ShardStore, capture_key
     from kvtc.artifacts.fingerprint import model_id as fingerprint_id
     from kvtc.workers.models import resolve_dtype
 

@@ -30,7 +30,7 @@ from kvtc.pipeline.evaluation.diagnostics import curve_components, prefix_points
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows
 from kvtc.pipeline.fit.metric import encode_root, metric_file
 from kvtc.pipeline.fit.pca import cores
-from kvtc.pipeline.job.basis_solver import max_components
+from kvtc.pipeline.job.basis_solver import max_components, metric_sums
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask
 from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, Solver, choose, node_budget, refuse_unless_fits, task_bytes
@@ -204,7 +204,6 @@ def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], unit: str, b
 def split_weights(inp: ReduceInput, groups: list[FeatureGroup], names: list[str]) -> dict | None:
     """The attention objective's weight of each basis (`joint_budget.attention_weights`), from the metric sums."""
     from kvtc.pipeline.fit.joint_budget import attention_weights
-    from kvtc.pipeline.job.basis_solver import metric_sums
 
     sums, tokens, _ = metric_sums(inp.store, names)
     kv_heads = int(inp.fingerprint["num_kv_heads"])
