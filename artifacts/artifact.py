@@ -273,5 +273,6 @@ class Artifact:
         return tables.decode_rows(str(self.file(curves[name])), tables.rows_declared(self.manifest))
 
     def kernels_match(self, directory: str | os.PathLike | None = None) -> bool:
-        """True when the installed kernels (or those in `directory`) are the bundle this artifact was made for."""
+        """True when the installed codec (or the codec folder `directory`, e.g. a version folder's kernels/) is the
+        bundle this artifact was made for."""
         return bundle.kernel_bundle_hash(directory) == self.manifest.get("kernel_bundle_hash")

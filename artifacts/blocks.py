@@ -3,7 +3,7 @@
 A block is a contiguous range [start, start + size) of PCA components stored with one quantizer
 type: "none" (0 bits, reconstructed as the mean), "int1".."int8" (per-token min/max: an fp16 shift
 and scale, 32 bits of side information) or "fp8" (e4m3 with a per-token fp16 absmax scale, 16 bits).
-The allocator produces blocks, the registry stores them, the runtime codec (kvtc.kernels, whose
+The allocator produces blocks, the registry stores them, the runtime codec (kvtc.kernels.codec, whose
 reference quantizers define the arithmetic) consumes them.
 """
 from __future__ import annotations

@@ -1,11 +1,28 @@
-"""The runtime kernels an artifact was made for: their *.py sources travel in the version folder
-under kernels/, and one hash names the bundle so a decoder can check it runs the matching code.
+"""The runtime codec an artifact was made for: its *.py sources travel in the version folder under
+kernels/, and one hash names the bundle so a decoder can check it runs the matching code.
+
+The bundle is the codec folder itself, `kvtc/kernels/codec/` (every *.py under it, recursively, its
+`__init__.py` included; paths relative to it, so `kernels/spec.py` in a version folder is
+`kvtc/kernels/codec/spec.py`): what a decoder must run to read what an encoder wrote. A file added
+there joins the bundle; there is no list to keep in step. The serving integrations
+(`kvtc/kernels/integrations/`: the transformers cache, LMCache's serde and server, vLLM's tier) call the
+codec and change no byte of a blob, so they are neither shipped nor hashed: editing one leaves every
+artifact's bundle hash unchanged. Neither is `kvtc/kernels/__init__.py` (lazy names only).
+
+Not in the bundle either: the format's vocabulary the codec imports from kvtc.artifacts (`groups.py`:
+a group's feature columns; `blocks.py`: a block type's bits and side information; likewise `schema`,
+`fingerprint` and `tensor_parallel`). Their meaning is the artifact format's, not the kernels': the
+manifest records each group's layers and heads and each block's type, bits and scale_bits (a
+block whose bits are not its type's is refused when published), and the registry reads every version
+it published with them (older manifests load unchanged), so their meaning cannot change without a new
+manifest schema version. Most of their lines are the calibration's and the registry's checks and messages;
+hashing them would warn every server of a kernel mismatch for an edited error message. Their
+wire-relevant values are pinned by tests instead (tests/artifacts/test_groups.py: feature column order;
+tests/kernels/test_codec.py: block bit widths); docs/registry.md, "The kernel bundle".
 
 Bundle hash = sha256 over the lines "<relative path> <sha256 of file>\\n", sorted by path.
-The `kernels` package is located without importing it (importing would load torch/triton).
-The bundle is the runtime codec (CODEC: what a decoder must run to read what an encoder wrote); the
-serving integrations beside it (INTEGRATIONS) call the codec and change no byte of a blob, so they are
-neither shipped nor hashed: editing one leaves every artifact's bundle hash unchanged.
+The codec package is located without importing it (importing would load torch/triton; finding it imports
+only the light `kvtc.kernels` package).
 """
 from __future__ import annotations
 
@@ -13,24 +30,11 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-
-# every file of kvtc/kernels is in exactly one of the two (tests/kernels/test_codec.py checks it)
-CODEC = frozenset({
-    "__init__.py", "spec.py", "codec.py", "blob.py", "layered.py", "layout.py", "layers.py", "coefficients.py",
-    "backend.py", "bitpack.py", "quantize.py", "dequantize.py", "reference.py", "rope.py", "rope_center.py",
-    "entropy.py", "ecsq.py", "rans.py", "rans_numba.py", "rans_triton.py", "chunk_serde.py",
-})
-INTEGRATIONS = frozenset({
-    "kvtc_cache.py",  # the transformers cache class
-    "lmcache_serde.py",  # LMCache's serde plugin (its chunk format is chunk_serde.py, in the codec)
-    "lmcache_server.py",  # the `kvtc lmcache-server` launcher
-    "lmcache_client.py",  # LMCache's multiprocess client, as the live test and bench drive the server
-    "vllm_offload.py",  # vLLM's OffloadingSpec (kv_connector_extra_config)
-})
+CODEC_PACKAGE = "kvtc.kernels.codec"
 
 
-def kernels_dir(package: str = "kvtc.kernels") -> Path | None:
-    """Directory of the installed kernels package, or None when it is not installed."""
+def codec_dir(package: str = CODEC_PACKAGE) -> Path | None:
+    """Directory of the installed codec package (kvtc/kernels/codec), or None when it is not installed."""
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
@@ -41,13 +45,14 @@ def kernels_dir(package: str = "kvtc.kernels") -> Path | None:
 
 
 def kernel_sources(directory: Path | None = None) -> dict[str, bytes]:
-    """{relative posix path: source bytes} of the runtime codec's files (CODEC) in the kernels package."""
-    directory = directory if directory is not None else kernels_dir()
+    """{posix path relative to the codec folder: source bytes} of every *.py under it (recursively).
+
+    directory: a codec folder (default: the installed one), or a version folder's kernels/."""
+    directory = directory if directory is not None else codec_dir()
     if directory is None:
         return {}
     return {path.relative_to(directory).as_posix(): path.read_bytes()
-            for path in sorted(directory.rglob("*.py"))
-            if path.relative_to(directory).as_posix() in CODEC}
+            for path in sorted(directory.rglob("*.py")) if path.is_file()}
 
 
 def bundle_hash(sources: dict[str, bytes]) -> str | None:
@@ -59,5 +64,6 @@ def bundle_hash(sources: dict[str, bytes]) -> str | None:
 
 
 def kernel_bundle_hash(directory: Path | str | None = None) -> str | None:
-    """Bundle hash of the kernels installed here (compare with manifest["kernels"]["bundle_sha256"])."""
+    """Bundle hash of the codec installed here, or of the codec folder `directory` (compare with
+    manifest["kernels"]["bundle_sha256"])."""
     return bundle_hash(kernel_sources(Path(directory) if directory is not None else None))

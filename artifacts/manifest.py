@@ -61,8 +61,9 @@ def kept_components(content: ArtifactContent, stream: str, group: int) -> int:
     return max(ends) if found else np.asarray(content.bases[(stream, group)][2]).shape[1]
 
 
-def build_files(content: ArtifactContent, kernels_dir: Path | None = None) -> tuple[dict[str, bytes], dict]:
-    """-> ({relative path: bytes}, manifest without name/version/created/files)."""
+def build_files(content: ArtifactContent, codec_dir: Path | None = None) -> tuple[dict[str, bytes], dict]:
+    """-> ({relative path: bytes}, manifest without name/version/created/files); the codec folder
+    `codec_dir` (default: the installed one) is shipped under kernels/ and hashed (artifacts.bundle)."""
     files: dict[str, bytes] = {}
     entries = []
     layers = content.group_layers()
@@ -102,7 +103,7 @@ def build_files(content: ArtifactContent, kernels_dir: Path | None = None) -> tu
     for rel, data in sorted(content.extra_files.items()):
         files[str(rel)] = bytes(data)
     parts["extras"] = sorted(str(rel) for rel in content.extra_files)
-    sources = bundle.kernel_sources(kernels_dir)
+    sources = bundle.kernel_sources(codec_dir)
     files.update({f"kernels/{rel}": data for rel, data in sources.items()})
     parts["kernels"] = {"bundle_sha256": bundle.bundle_hash(sources), "files": sorted(sources)}
     return files, parts

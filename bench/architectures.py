@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from kvtc import artifacts
 from kvtc.kernels import KVTCCache, KVTCCodec
-from kvtc.kernels.kvtc_cache import cache_layers, compress_cache, restore_cache
+from kvtc.kernels.integrations.kvtc_cache import cache_layers, compress_cache, restore_cache
 from kvtc.workers.models import load_model
 from kvtc.workers.rope_check import rope_round_trip
 from kvtc.workers.tiny import MIXED_ARCHS

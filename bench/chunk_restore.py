@@ -1,7 +1,7 @@
 """One chunk's CPU encode and decode, stage by stage, as a storage layer stores and restores it (one run):
 
 1. stages: a real 256-token chunk of the embedded model, (2, layers, 256, kv_heads x head_dim) bf16, through
-   kernels/chunk_serde's transform (ECSQ, the rANS format): milliseconds per stage (centre / RoPE, projection
+   kernels/codec/chunk_serde's transform (ECSQ, the rANS format): milliseconds per stage (centre / RoPE, projection
    GEMM, quantize, entropy coding; entropy decoding, dequantize, projection GEMM, restore), best of --repeats,
    at 1 and 2 torch threads, the entropy stage with the compiled rANS path and with the numpy reference
    (before); the entropy / projection ratio; the projection's FLOP floor (2 x tokens x p x kept per stream
@@ -33,11 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
 
-from kvtc.kernels import BlobError, KVTCCodec, ecsq, rans, read_blob  # noqa: E402
-from kvtc.kernels.backend import resolve_ops  # noqa: E402
-from kvtc.kernels.blob import TAG_ECSQ, Section, write_blob  # noqa: E402
-from kvtc.kernels.chunk_serde import ChunkSerdeSettings, ChunkTransform  # noqa: E402
-from kvtc.kernels.spec import STREAMS  # noqa: E402
+from kvtc.kernels import BlobError, KVTCCodec, read_blob  # noqa: E402
+from kvtc.kernels.codec import ecsq, rans  # noqa: E402
+from kvtc.kernels.codec.backend import resolve_ops  # noqa: E402
+from kvtc.kernels.codec.blob import TAG_ECSQ, Section, write_blob  # noqa: E402
+from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings, ChunkTransform  # noqa: E402
+from kvtc.kernels.codec.spec import STREAMS  # noqa: E402
 
 CPU = torch.device("cpu")
 

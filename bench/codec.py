@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
 
 from kvtc.kernels import KVTCCodec, read_blob  # noqa: E402
-from kvtc.kernels.blob import TAG_CODES, TAG_PARAMS  # noqa: E402
+from kvtc.kernels.codec.blob import TAG_CODES, TAG_PARAMS  # noqa: E402
 from helpers.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
 
 

@@ -19,7 +19,7 @@
 6. Multi-GPU workers (two or more GPUs, else skipped with a message): a model spread over every
    visible GPU (`load_model(..., gpu_budgets=)`) captures the same KV rows as on one GPU; the
    memory plan's GPUs per worker for Llama-3.1-8B and 70B at this GPU's memory.
-7. The vLLM offloading tier's device path (kernels/vllm_offload.py; vLLM itself need not be
+7. The vLLM offloading tier's device path (kernels/integrations/vllm_offload.py; vLLM itself need not be
    installed): 256-token chunks of a SmolLM2-geometry cache laid out as vLLM pages (bf16, 16-token
    blocks, LBNHC) are read from the pages, coded on CUDA (fixed and ECSQ), decoded and written back
    into other blocks: the blobs decode on the CPU to the same cache (fp tolerance), the restored
@@ -245,7 +245,7 @@ def check_multi_gpu() -> bool:
 def check_vllm_offload(chunks: int = 8, block: int = 16, chunk_tokens: int = 256) -> bool:
     """vLLM pages -> ChunkCodec on CUDA -> blob -> pages of other blocks; the CPU decodes the same blobs."""
     from helpers.synthetic import synthetic_ecsq
-    from kvtc.kernels.vllm_offload import ChunkCodec, PageFormat
+    from kvtc.kernels.integrations.vllm_offload import ChunkCodec, PageFormat
 
     ok = True
     spec = synthetic_ecsq(synthetic_spec(num_layers=30, kv_heads=3, head_dim=64, ratio=16.0, sinks=4, window=128))
@@ -297,7 +297,7 @@ def check_vllm_offload(chunks: int = 8, block: int = 16, chunk_tokens: int = 256
 
 
 def check_attention_objective() -> bool:
-    from kvtc.kernels.codec import KVTCCodec
+    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
     from kvtc.workers.capture import CaptureSettings, capture_kv
     from kvtc.workers.models import load_model
 

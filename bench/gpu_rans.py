@@ -28,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
 
 from kvtc.artifacts.groups import FeatureGroup  # noqa: E402
-from kvtc.kernels import KVTCCodec, read_blob, rans  # noqa: E402
-from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES  # noqa: E402
-from kvtc.kernels.ecsq import SymbolModel  # noqa: E402
-from kvtc.kernels.rans_triton import decode_device, encode_device  # noqa: E402
-from kvtc.kernels.spec import STREAMS, CodecSpec, GroupCode  # noqa: E402
+from kvtc.kernels import KVTCCodec, read_blob  # noqa: E402
+from kvtc.kernels.codec import rans  # noqa: E402
+from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES  # noqa: E402
+from kvtc.kernels.codec.ecsq import SymbolModel  # noqa: E402
+from kvtc.kernels.codec.rans_triton import decode_device, encode_device  # noqa: E402
+from kvtc.kernels.codec.spec import STREAMS, CodecSpec, GroupCode  # noqa: E402
 from helpers.synthetic import budget_blocks, synthetic_ecsq  # noqa: E402
 
 

@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fi
 from kvtc.artifacts import ArtifactNotFoundError, IntegrityError, Registry, publish, pull
 from kvtc.artifacts.manifest import build_files
 from kvtc.kernels import BlobError, KVTCCodec, read_blob
-from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
-from kvtc.kernels.ecsq import decode_group, encode_symbols
-from kvtc.kernels.entropy import PLAIN, ZLIB
+from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
+from kvtc.kernels.codec.ecsq import decode_group, encode_symbols
+from kvtc.kernels.codec.entropy import PLAIN, ZLIB
 from kvtc.pipeline import cli
 
 from helpers.ecsq_synthetic import synthetic_ecsq_spec  # noqa: E402
@@ -117,10 +117,10 @@ def tamper_cases(reg: Registry, tmp: Path) -> collections.Counter:
         "forged manifest, name ../../escape": lambda r, v: forge_version(r, "toy", v, lambda m: m.update(name="../../escape")),
         "forged manifest, window 64 (latest pins digest)": lambda r, v: forge_version(r, "toy", v, lambda m: m["calibration"].update(window=64)),
         "forged listing ../../../outside": lambda r, v: forge_version(r, "toy", v, lambda m: None, {"../../../outside.txt": b"x"}),
-        "forged kernels/codec.py with hash": lambda r, v: forge_version(r, "toy", v, lambda m: None, {"kernels/codec.py": b"import os\n"}),
+        "forged kernels/kvtc_codec.py with hash": lambda r, v: forge_version(r, "toy", v, lambda m: None, {"kernels/kvtc_codec.py": b"import os\n"}),
         "replaced parquet + updated hash": lambda r, v: forge_version(r, "toy", v, lambda m: None, {"metrics.parquet": b"PAR1"}),
         "flipped basis byte": flip("bases/keys-g0.components.parquet"),
-        "flipped kernel byte": flip("kernels/codec.py"),
+        "flipped kernel byte": flip("kernels/kvtc_codec.py"),
         "flipped chart byte (optional file)": flip("charts/allocation.png"),
         "digest file removed": lambda r, v: r.fs.rm_file(f"{r.version_path('toy', v)}/manifest.sha256"),
     }
@@ -763,7 +763,7 @@ def nested_containers() -> list[Ended]:
 
 def _no_words(section: bytes, symbols: int) -> bytes:
     """A rANS section with the lane table the symbol count needs and no words."""
-    from kvtc.kernels import rans
+    from kvtc.kernels.codec import rans
 
     lanes = -(-symbols // rans.MAX_LANE_SYMBOLS)
     return struct.pack("<I", lanes) + struct.pack(f"<{lanes}I", *([rans.STATE_LOW] * lanes)) + bytes(2 * lanes)
@@ -773,8 +773,8 @@ def amplification(geometry: tuple[int, int, int] = (8, 2, 64)) -> list[Ended]:
     """Short inputs declaring long caches: each must be refused before it costs memory (peak RSS over the
     input's bytes) -- rANS lane tables with no words, a constriction stream of one word, DEFLATE bombs in
     fixed mode, a stored chunk longer than its destination."""
-    from kvtc.kernels.chunk_serde import ChunkTransform
-    from kvtc.kernels.ecsq import _EXPONENT, STREAM_FORMAT
+    from kvtc.kernels.codec.chunk_serde import ChunkTransform
+    from kvtc.kernels.codec.ecsq import _EXPONENT, STREAM_FORMAT
 
     layers, heads, dim = geometry
     spec = synthetic_ecsq_spec(layers, heads, dim, 8.0, sinks=2, window=3)
@@ -899,8 +899,8 @@ def non_finite_cases(tmp: Path) -> list[Ended]:
 
     from kvtc.artifacts import tables
     from kvtc.artifacts.errors import CorruptArtifactError
-    from kvtc.kernels.blob import TAG_RAW_HEAD, TAG_RAW_TAIL
-    from kvtc.kernels.entropy import decode_sections
+    from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL
+    from kvtc.kernels.codec.entropy import decode_sections
 
     spec = synthetic_spec(2, 2, 8, 4.0, sinks=2, window=3, kept=6, seed=3, rope_theta=None)
     codec = KVTCCodec(spec, backend="torch", mode="fixed")

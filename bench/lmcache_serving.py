@@ -9,7 +9,7 @@ Needs a rope-kept artifact of the embedded model and LMCache (`pip install -e '.
 LMCache: real 256-token chunks of the embedded model (text it was not calibrated on, default `stdlib`),
 (2, layers, 256, kv_heads x head_dim) bf16, stored and retrieved through the filesystem L2 adapter that
 `kvtc lmcache-server ... --l2-adapter '{"type": "fs", ..., "serde": {...}}'` builds
-(kvtc.kernels.lmcache_server.l2_adapter: LMCache's own argument parsing, L1 manager, adapter factory
+(kvtc.kernels.integrations.lmcache_server.l2_adapter: LMCache's own argument parsing, L1 manager, adapter factory
 and serde wrapper; LMCache's request transport is not started). Per serde: bytes on disk per chunk,
 the ratio to bf16, store and retrieve milliseconds per chunk (serde + file I/O, one chunk per task),
 relative error ||x - x_hat|| / ||x|| over the chunk. Serdes: kvtc ECSQ and fixed at each ratio,
@@ -21,13 +21,13 @@ over --dynamo-batch rows).
 
 --live ART[:TP] ...: for each artifact, `kvtc lmcache-server` started on loopback (filesystem L2 with the
 kvtc serde at --ratio), the embedded model's KV of unseen text (--corpus) in vLLM's paged layout, stored
-through LMCache's own MP client in server-driven mode by TP workers (kvtc.kernels.lmcache_client), L1
+through LMCache's own MP client in server-driven mode by TP workers (tests/helpers/lmcache_client.py), L1
 cleared, looked up (prefetched from L2) and retrieved: chunks stored / returned, bytes per chunk on disk
 against bf16, relative error, and per chunk: the STORE call, the time until the chunk is on disk
 (serialize + write, after STORE), the lookup with its prefetch (read + deserialize) and the RETRIEVE.
 
 --ppl KEPT RR: perplexity on unseen text through the chunk path (the transform the server's serde
-applies, kvtc.kernels.chunk_serde; the live test asserts the server's bytes are its bytes): each
+applies, kvtc.kernels.codec.chunk_serde; the live test asserts the server's bytes are its bytes): each
 sequence's --prefix-chunks 256-token chunks coded and decoded, then --continuation tokens scored against
 the uncompressed (bf16) cache: a RoPE-kept artifact, a RoPE-removed one at the chunks' true positions
 (as `kvtc lmcache-server` codes them) and the same at position 0 (what a store without positions would
@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/helpers
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
 
@@ -106,8 +107,8 @@ def run_adapter(serde: dict | None, chunks: list, root: Path, label: str) -> dic
     import torch
     from lmcache.v1.distributed.api import ObjectKey
 
-    from kvtc.kernels.chunk_serde import FRAME_BYTES, unframe
-    from kvtc.kernels.lmcache_server import l2_adapter
+    from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, unframe
+    from kvtc.kernels.integrations.lmcache_server import l2_adapter
 
     base = root / label
     base.mkdir(parents=True)
@@ -192,9 +193,9 @@ def live(registry: str, specs: list[str], ratio: float, corpus: str, chunks: int
 
     import torch
 
-    from kvtc.kernels.blob import read_blob
-    from kvtc.kernels.chunk_serde import FRAME_BYTES, unframe
-    from kvtc.kernels.lmcache_client import connect, server_process
+    from kvtc.kernels.codec.blob import read_blob
+    from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, unframe
+    from helpers.lmcache_client import connect, server_process
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 
@@ -287,7 +288,7 @@ def ppl(registry: str, kept: str, removed: str, ratios: list[float], corpus: str
 
     import torch
 
-    from kvtc.kernels.chunk_serde import FRAME_BYTES, ChunkSerdeSettings, RankedChunkTransforms, unframe
+    from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, ChunkSerdeSettings, RankedChunkTransforms, unframe
     from kvtc.pipeline.evaluation.model_quality import continuation_logprobs
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model

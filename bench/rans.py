@@ -2,7 +2,7 @@
 
 1. rate: ECSQ bytes (coded symbols + escapes) per middle token of both formats at each ratio, on
    held-out text of the artifact's model (the tail of Python's pydoc topics, as bench/codec.py);
-2. CPU speed, 1 thread: encode and decode MB/s of the compiled rANS path ("rans", kernels/rans_numba.py), the
+2. CPU speed, 1 thread: encode and decode MB/s of the compiled rANS path ("rans", kernels/codec/rans_numba.py), the
    numpy reference ("rans-numpy") and constriction on the same symbols (coded MB/s, and raw MB/s of the fp16
    middle cache they stand for);
 3. Triton interpreter: the kernels bit-identical to the reference on odd shapes (1, 3, 129, 4097
@@ -30,12 +30,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
 
-from kvtc.kernels import BlobError, KVTCCodec, read_blob, rans  # noqa: E402
-from kvtc.kernels import ecsq  # noqa: E402
-from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES, write_blob  # noqa: E402
-from kvtc.kernels.ecsq import EcsqGroup  # noqa: E402
-from kvtc.kernels.rans_triton import decode_device, encode_device  # noqa: E402
-from kvtc.kernels.spec import STREAMS  # noqa: E402
+from kvtc.kernels import BlobError, KVTCCodec, read_blob  # noqa: E402
+from kvtc.kernels.codec import ecsq, rans  # noqa: E402
+from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, write_blob  # noqa: E402
+from kvtc.kernels.codec.ecsq import EcsqGroup  # noqa: E402
+from kvtc.kernels.codec.rans_triton import decode_device, encode_device  # noqa: E402
+from kvtc.kernels.codec.spec import STREAMS  # noqa: E402
 
 
 def held_out_caches(artifact, sequences: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,7 +62,7 @@ def ecsq_bytes(blob: bytes) -> int:
 
 def symbols_of(codec: KVTCCodec, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[np.ndarray, EcsqGroup]]:
     """The quantized symbols (mid, kept) of every stream and group, at the calibrated step."""
-    from kvtc.kernels.backend import resolve_ops
+    from kvtc.kernels.codec.backend import resolve_ops
 
     T = keys.shape[2]
     head, mid, _ = codec.split(T, 0)

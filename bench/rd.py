@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtc import artifacts  # noqa: E402
 from kvtc.kernels import KVTCCodec, read_blob  # noqa: E402
-from kvtc.kernels.blob import TAG_RAW_HEAD, TAG_RAW_TAIL  # noqa: E402
+from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL  # noqa: E402
 from kvtc.pipeline.evaluation.metrics import waterfilling_distortion  # noqa: E402
 from kvtc.pipeline.evaluation.rate_distortion import STREAMS  # noqa: E402
 

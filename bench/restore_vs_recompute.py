@@ -48,8 +48,8 @@ def main() -> None:
     import torch
 
     from kvtc.artifacts import pull
-    from kvtc.kernels.chunk_serde import ChunkTransform
-    from kvtc.kernels.codec import KVTCCodec
+    from kvtc.kernels.codec.chunk_serde import ChunkTransform
+    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
     from kvtc.pipeline.job.corpus import iter_documents
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model

@@ -17,7 +17,7 @@ then the continuation is scored against the uncompressed cache (perplexity ratio
 - chunk+window the same with the last --window prefix tokens kept raw (what a recent window would add);
 - lmcache      `kvtc lmcache-server` started on loopback (filesystem L2, kvtc serde), the prefix stored
                and retrieved through LMCache 0.5.6's own MP client in server-driven mode, L1 cleared between;
-- vllm         the vLLM offloading tier (kernels/vllm_offload.py's KVTCOffloadingSpec, built by vLLM's own
+- vllm         the vLLM offloading tier (kernels/integrations/vllm_offload.py's KVTCOffloadingSpec, built by vLLM's own
                factory) storing 256-token chunks of GPU-layout pages and loading them back (CPU tensors).
 
 Bytes are the stored bytes against bf16 (the frame and padding of each path included). Prints a table, writes
@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/helpers
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
 CHUNK = 256
@@ -60,7 +61,7 @@ class LiveServer:
     """`kvtc lmcache-server` on loopback for one artifact and ratio, and an MP client of it."""
 
     def __init__(self, registry: str, ref: str, ratio: float, layers: int, heads: int, dim: int, tokens: int) -> None:
-        from kvtc.kernels.lmcache_client import connect, server_process
+        from helpers.lmcache_client import connect, server_process
 
         def port() -> int:
             with socket.socket() as s:
@@ -123,7 +124,7 @@ class VllmTier:
 
         self.base, block = base, 16
         self.blocks, self.per_chunk, self.heads, self.dim = tokens // block, CHUNK // block, heads, dim
-        extra = {"spec_name": "KVTCOffloadingSpec", "spec_module_path": "kvtc.kernels.vllm_offload",
+        extra = {"spec_name": "KVTCOffloadingSpec", "spec_module_path": "kvtc.kernels.integrations.vllm_offload",
                  "kvtc_artifact": ref, "kvtc_ratio": ratio, "kvtc_registry": registry, "cpu_bytes_to_use": 1 << 34}
         config = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=block, layer_names=tuple(
@@ -198,8 +199,8 @@ def main() -> None:
     import torch
 
     from kvtc.artifacts import pull
-    from kvtc.kernels.chunk_serde import ChunkTransform
-    from kvtc.kernels.codec import KVTCCodec
+    from kvtc.kernels.codec.chunk_serde import ChunkTransform
+    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
     from kvtc.pipeline.evaluation.served import restore_through
     from kvtc.pipeline.evaluation.model_quality import continuation_logprobs
     from kvtc.workers.capture import raw_cache

@@ -95,8 +95,8 @@ def dynamo(registry: str, name: str, ratios: list[float], chunks) -> None:
 def vllm_tier(registry: str, name: str, ratios: list[float], chunks) -> None:
     import torch
 
-    from kvtc.kernels.codec import KVTCCodec
-    from kvtc.kernels.vllm_offload import ChunkCodec, PageFormat
+    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+    from kvtc.kernels.integrations.vllm_offload import ChunkCodec, PageFormat
 
     print(f"vLLM offloading tier ({name}, keys RoPE-removed at their positions), 256-token chunks, 16-token blocks")
     for ratio in ratios:

@@ -1,4 +1,4 @@
-"""KVTC runtime codec: Triton kernels with plain-torch references, blob format, a transformers cache.
+"""KVTC runtime: the codec (`kernels/codec/`) and the serving integrations built on it (`kernels/integrations/`).
 
     from kvtc.kernels import KVTCCodec
     codec = KVTCCodec(artifact, 16)          # or KVTCCodec.from_registry("name@ref", 16, registry=uri)
@@ -7,6 +7,11 @@
 
     cache = KVTCCache(codec, config=model.config)   # model.generate(..., cache=cache)
 
+`kvtc.kernels.codec` is what a decoder must run to read what an encoder wrote (Triton kernels, plain-torch
+references, the blob and chunk formats, rANS): the kernel bundle an artifact names is that folder's hash.
+`kvtc.kernels.integrations` adapts it to servers (the transformers cache, LMCache's serde and server,
+vLLM's offloading tier); an integration imports the codec, the codec never imports an integration.
+
 Importing the package loads nothing (not torch either): each public name is imported from its module
 on first use; `KVTCCache`, `compress_cache` and `restore_cache` import transformers then.
 """
@@ -14,9 +19,10 @@ from typing import Any
 
 __all__ = ["FORMAT_VERSION", "BlobError", "BlobHeader", "CodecSpec", "CodedBlock", "GroupCode", "KVTCCache",
            "KVTCCodec", "compress_cache", "model_id", "read_blob", "restore_cache"]
-_HOMES = {"FORMAT_VERSION": "blob", "BlobError": "blob", "BlobHeader": "blob", "read_blob": "blob", "KVTCCodec": "codec",
-          "CodecSpec": "spec", "CodedBlock": "spec", "GroupCode": "spec", "model_id": "spec",
-          "KVTCCache": "kvtc_cache", "compress_cache": "kvtc_cache", "restore_cache": "kvtc_cache"}
+_HOMES = {"FORMAT_VERSION": "codec.blob", "BlobError": "codec.blob", "BlobHeader": "codec.blob", "read_blob": "codec.blob",
+          "KVTCCodec": "codec.kvtc_codec", "CodecSpec": "codec.spec", "CodedBlock": "codec.spec", "GroupCode": "codec.spec",
+          "model_id": "codec.spec", "KVTCCache": "integrations.kvtc_cache", "compress_cache": "integrations.kvtc_cache",
+          "restore_cache": "integrations.kvtc_cache"}
 
 
 def __getattr__(name: str) -> Any:

@@ -180,7 +180,7 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lmcache-server"]:
-        from kvtc.kernels.lmcache_server import main as lmcache_server  # deferred: kvtc.kernels loads torch, triton
+        from kvtc.kernels.integrations.lmcache_server import main as lmcache_server  # deferred: kvtc.kernels loads torch, triton
 
         return lmcache_server(argv[1:])
     argv, debug = _split_debug(argv)

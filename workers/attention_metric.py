@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kvtc.kernels.layers import LayerSpec, cached_layers
+from kvtc.kernels.codec.layers import LayerSpec, cached_layers
 
 _ATTENTION = ("self_attn", "attention", "attn", "self_attention")
 _QUERY = ("q_proj", "qkv_proj", "query")

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvtc.kernels.layers import LayerSpec, cached_layers
+from kvtc.kernels.codec.layers import LayerSpec, cached_layers
 from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.workers.models import LoadedModel
 

@@ -11,7 +11,7 @@ from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.workers.options import option
 
 if TYPE_CHECKING:
-    from kvtc.kernels.layers import LayerSpec
+    from kvtc.kernels.codec.layers import LayerSpec
 
 KEY_FORMS = ("rope-removed", "rope-kept")
 GROUP_FORMS = ("auto", "model", "layer")
@@ -61,7 +61,7 @@ class CaptureSettings:
         """The groups (one basis each), in order; `layers`: the layer schema, or a layer count for a model
         of full-attention layers only. Over all KV heads, or with tp > 1 (kv_heads needed) each group
         once per rank's head range, head range major (a rank's groups are consecutive)."""
-        from kvtc.kernels.layers import cached_layers  # deferred: kvtc.kernels loads torch, `kvtc` start-up does not
+        from kvtc.kernels.codec.layers import cached_layers  # deferred: the codec loads torch, `kvtc` start-up does not
 
         if isinstance(layers, int):
             kinds = {i: "full" for i in range(layers)}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtc.kernels.layers import LayerSpec
+from kvtc.kernels.codec.layers import LayerSpec
 from kvtc.workers.rope import nested_rope_parameters, rope_for_layer_type
 
 KIND_OF_TYPE = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",

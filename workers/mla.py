@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from kvtc.kernels.layers import LayerSpec
+from kvtc.kernels.codec.layers import LayerSpec
 
 
 @dataclass(frozen=True)

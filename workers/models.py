@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from kvtc.artifacts.local_files import sha256_handle, stage_folder
-from kvtc.kernels.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.codec.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
+from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.workers.layers import layer_schema, layer_types
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
 from kvtc.artifacts.local_files import cache_root

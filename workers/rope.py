@@ -1,4 +1,4 @@
-"""RopeSpecs from a transformers config (the runtime math lives in kvtc.kernels.rope).
+"""RopeSpecs from a transformers config (the runtime math lives in kvtc.kernels.codec.rope).
 
 A config carries one `rope_parameters` dict, or one per layer type (Gemma 3, OLMo 3: a dict keyed by
 "full_attention", "sliding_attention", ...; a None entry means that type has no RoPE). Frequencies
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.codec.rope import RopeSpec
 
 # model types whose rotary embedding pairs dims (2i, 2i+1) (repeat_interleave / complex multiply);
 # every other model rotates halves (HF rotate_half)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvtc.kernels.layers import cached_layers
+from kvtc.kernels.codec.layers import cached_layers
 from kvtc.workers.models import LoadedModel
 
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")

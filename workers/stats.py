@@ -20,11 +20,11 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups, stream_dims
 from kvtc.artifacts.schema import STREAMS
-from kvtc.kernels.layers import layers_of
+from kvtc.kernels.codec.layers import layers_of
 from kvtc.workers.capture import CapturedKV, CaptureSettings
 from kvtc.workers.stats_file import CorruptStats, DegenerateStats, read_footer, read_tensor, write_stats
 from kvtc.workers.triangle import add_upper_rows, packed_len, row_offset, symmetric
-from kvtc.kernels.layers import cached_layers
+from kvtc.kernels.codec.layers import cached_layers
 
 FORMAT = "kvtc-stats/2"
 _TILE_ROWS = 1024

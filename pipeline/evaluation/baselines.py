@@ -30,8 +30,8 @@ import torch
 
 from kvtc.artifacts.blocks import budget_bits
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
-from kvtc.kernels.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, read_blob
-from kvtc.kernels.reference import quantize_dequantize
+from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, read_blob
+from kvtc.kernels.codec.reference import quantize_dequantize
 
 PCA_UNIFORM_BLOCK = 64
 

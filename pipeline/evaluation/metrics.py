@@ -2,7 +2,7 @@
 
 Relative error is ||X - X_hat||_F / ||X||_F over the given raw rows and the whole p-dimensional
 vector (keys in RoPE-removed space), with X_hat = mu + dequant(quant(Z)) U_r^T and
-Z = (X - mu) U_r, the allocation's blocks quantized with kernels/reference.py.
+Z = (X - mu) U_r, the allocation's blocks quantized with kernels/codec/reference.py.
 The Gaussian bound is reverse water-filling on the calibrated spectrum at the allocation's
 budget, normalised by the same ||X||_F^2 / N, so it compares directly with the achieved error.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtc.kernels.reference import quantize_dequantize
+from kvtc.kernels.codec.reference import quantize_dequantize
 from kvtc.pipeline.fit.allocator import Allocation
 from kvtc.pipeline.fit.pca import Basis
 

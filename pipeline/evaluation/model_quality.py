@@ -179,7 +179,7 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
 
     from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.pipeline.evaluation import baselines as bl
-    from kvtc.kernels.layers import cached_layers, is_mla, is_uniform
+    from kvtc.kernels.codec.layers import cached_layers, is_mla, is_uniform
     from kvtc.workers.capture import raw_cache
 
     from kvtc.workers import mla

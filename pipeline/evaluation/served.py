@@ -1,7 +1,7 @@
 """Served quality: a cache through the chunk path the serving integrations use, and the job's check of it.
 
 `chunk_path` codes a prefix cache the way `kvtc lmcache-server` and the vLLM offloading tier store it:
-256-token chunks at their true positions (kernels/chunk_serde.py), bf16 as servers hold it, the first
+256-token chunks at their true positions (kernels/codec/chunk_serde.py), bf16 as servers hold it, the first
 chunk keeping the artifact's sinks raw, no recent window, every stored byte counted (frame and padding
 included). `kvtc eval` reports it beside the offline codec (`kvtc-chunk-{r}x` rows), and the main job
 scores a few of its own held-out sequences through it before publishing (kvtc.pipeline.job.served_check).
@@ -20,7 +20,7 @@ CHUNK = 256  # LMCache's default chunk size
 def chunk_transform(codec: Any) -> Any:
     """A KVTCCodec -> the ChunkTransform the servers run with it, or None where the artifact is not served by
     chunks (a multi-head latent attention model, layers that keep no KV cache)."""
-    from kvtc.kernels.chunk_serde import ChunkTransform
+    from kvtc.kernels.codec.chunk_serde import ChunkTransform
 
     if len(codec.spec.coded_layers) != codec.spec.num_layers:
         return None  # layers without a KV cache: the chunk serde does not serve such models
@@ -35,7 +35,7 @@ def chunk_path(artifact: Any, ratio: float, keys: torch.Tensor, values: torch.Te
     """keys, values (L, H, T, D) -> the cache as the chunk path restores it, or None where the artifact is not
     served by chunks. `transform`: the ratio's `chunk_transform`, built once for many caches (else built here)."""
     if transform is None:
-        from kvtc.kernels.codec import KVTCCodec
+        from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 
         transform = chunk_transform(KVTCCodec(artifact, ratio, mode=mode))
     if transform is None or keys.shape[0] != transform.codec.spec.num_layers:

@@ -1,7 +1,7 @@
 """Bit allocation by dynamic programming (KVTC section 3), one run per compression ratio.
 
 Components, in PCA order, are cut into contiguous blocks; a block has one size from
-`block_sizes` and one type from `types` (kernels/reference.py defines the quantizers and
+`block_sizes` and one type from `types` (kernels/codec/reference.py defines the quantizers and
 `block_cost_bits`). A block of size s starts at a multiple of s (aligned starts: the tables
 then hold K/s entries per size instead of K, which is what makes measured errors affordable).
 The DP runs over (component index, cost units) and minimises the summed squared error subject

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kvtc.artifacts.blocks import qtype_bits
-from kvtc.kernels.reference import quantize_dequantize
+from kvtc.kernels.codec.reference import quantize_dequantize
 from kvtc.pipeline.fit.pca import Basis
 
 FP16_REL_MSE = 2.0 ** -21 * 0.54 / 12

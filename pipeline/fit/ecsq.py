@@ -1,4 +1,4 @@
-"""Fitting the ECSQ codec mode (kernels/ecsq.py) per ratio, stream and group, on held-out rows.
+"""Fitting the ECSQ codec mode (kernels/codec/ecsq.py) per ratio, stream and group, on held-out rows.
 
 Scales: per-component variances of held-out projections, made non-increasing in PCA order by
 isotonic regression (a shrinkage estimate that generalizes better than the calibration
@@ -19,8 +19,8 @@ import torch
 from scipy.special import ndtr
 
 from kvtc.artifacts.blocks import budget_bits
-from kvtc.kernels.ecsq import PROBABILITY_TOTAL, SymbolModel, dequantize, quantize
-from kvtc.kernels.rans import MAX_RADIUS
+from kvtc.kernels.codec.ecsq import PROBABILITY_TOTAL, SymbolModel, dequantize, quantize
+from kvtc.kernels.codec.rans import MAX_RADIUS
 from kvtc.pipeline.fit.heldout import heldout_variances
 
 ESCAPE_BITS = 32

@@ -39,7 +39,7 @@ def calibrate_local(cfg: JobSettings) -> tuple[dict, dict]:
 
 
 def _memory_estimate(cfg: JobSettings, num_layers, kv_heads: int, head_dim: int, groups: str, workers: int):
-    """num_layers: a layer count or the model's layer schema (kvtc.kernels.layers)."""
+    """num_layers: a layer count or the model's layer schema (kvtc.kernels.codec.layers)."""
     from kvtc.pipeline.job.basis_solver import max_components
     from kvtc.pipeline.job.memory_plan import estimate
     from kvtc.workers.capture import CaptureSettings
@@ -324,7 +324,7 @@ def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_no
     """GPUs per worker (memory_plan.plan_gpus) for the model's weights in the workers' dtype."""
     import torch
 
-    from kvtc.kernels.layers import layers_of
+    from kvtc.kernels.codec.layers import layers_of
     from kvtc.pipeline.job.memory_plan import plan_gpus
     from kvtc.workers.model_size import model_size
     from kvtc.workers.models import resolve_dtype

@@ -24,7 +24,7 @@ import psutil
 
 from kvtc.artifacts.groups import FeatureGroup, group_columns, stream_dims
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-from kvtc.kernels.layers import layers_of, layers_to_json
+from kvtc.kernels.codec.layers import layers_of, layers_to_json
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.evaluation.diagnostics import curve_components, prefix_points, stream_prefix_rows
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows

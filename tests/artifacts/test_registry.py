@@ -64,7 +64,10 @@ def test_round_trip_is_bit_exact(registry, tmp_path):
     assert manifest["model"] == content.model and manifest["corpus"] == content.corpus
     assert manifest["calibration"]["groups"] == [[0, 1], [1, 2]]
     assert manifest["kernel_bundle_hash"] == kernel_bundle_hash() and art.kernels_match()
-    assert art.file("kernels/reference.py").read_bytes() == (REPO / "kernels" / "reference.py").read_bytes()
+    assert art.file("kernels/reference.py").read_bytes() == (REPO / "kernels" / "codec" / "reference.py").read_bytes()
+    codec_files = sorted(p.relative_to(REPO / "kernels" / "codec").as_posix() for p in (REPO / "kernels" / "codec").rglob("*.py"))
+    assert sorted(rel for rel in manifest["files"] if rel.startswith("kernels/")) == [f"kernels/{rel}" for rel in codec_files]
+    assert kernel_bundle_hash(art.file("kernels/__init__.py").parent) == manifest["kernel_bundle_hash"]  # the shipped folder
     again = pull(f"toy@{ref.version}", registry=registry, cache_dir=tmp_path / "c1")
     assert again.path == art.path
 

@@ -81,7 +81,7 @@ def test_edited_manifest_and_copied_folder_are_refused(registry, tmp_path):
 
 def test_replaced_file_with_updated_hash_and_kernel_bundle_are_refused(registry, tmp_path):
     ref = publish(toy_content(), registry)
-    data = forge_version(registry, "toy", ref.version, lambda m: None, files={"kernels/codec.py": b"import os\n"})
+    data = forge_version(registry, "toy", ref.version, lambda m: None, files={"kernels/kvtc_codec.py": b"import os\n"})
     with pytest.raises(IntegrityError, match="kernel bundle hash"):
         pull(f"toy@{ref.version}", registry=registry, cache_dir=tmp_path / "c")
     with pytest.raises(IntegrityError, match="expected sha256:"):

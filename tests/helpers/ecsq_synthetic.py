@@ -6,9 +6,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from kvtc.kernels.ecsq import EcsqGroup
-from kvtc.kernels.rope import RopeSpec
-from kvtc.kernels.spec import STREAMS, CodecSpec
+from kvtc.kernels.codec.ecsq import EcsqGroup
+from kvtc.kernels.codec.rope import RopeSpec
+from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 from helpers.synthetic import synthetic_cache, synthetic_spec
 from kvtc.pipeline.fit.ecsq import fit_ecsq
 

@@ -12,8 +12,8 @@ import torch
 
 from kvtc.artifacts.blocks import QTYPES, block_cost_bits, budget_bits, qtype_bits
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.kernels.rope import RopeSpec
-from kvtc.kernels.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
+from kvtc.kernels.codec.rope import RopeSpec
+from kvtc.kernels.codec.spec import STREAMS, CodecSpec, CodedBlock, GroupCode
 
 
 @functools.lru_cache(maxsize=4)
@@ -111,7 +111,7 @@ def synthetic_ecsq(spec: CodecSpec, step: float = 0.05, noise: float = 0.02) -> 
 
     import numpy as np
 
-    from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
+    from kvtc.kernels.codec.ecsq import EcsqGroup, SymbolModel
 
     def model(std: float) -> SymbolModel:
         radius = max(1, int(6 * std))

@@ -17,8 +17,8 @@ from kvtc.artifacts.errors import CorruptArtifactError
 from kvtc.artifacts.manifest import build_files
 from kvtc.artifacts.parquet_bounds import Declared, check_bounds
 from kvtc.kernels import BlobError, KVTCCodec, read_blob
-from kvtc.kernels.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, Section, write_blob
-from kvtc.kernels.entropy import PLAIN
+from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, Section, write_blob
+from kvtc.kernels.codec.entropy import PLAIN
 from kvtc.pipeline.fit.metric import MAX_CONDITION, decode_root, encode_root
 from kvtc.pipeline.operations.drift import compare, nan_notes
 from kvtc.pipeline.job.store import ShardStore
@@ -157,7 +157,7 @@ def test_raw_sections_holding_nan_or_inf_bit_patterns_are_refused_on_decode(dtyp
 
 
 def codec_raw(section: Section) -> bytes:
-    from kvtc.kernels.entropy import decode_sections
+    from kvtc.kernels.codec.entropy import decode_sections
 
     return decode_sections([section], None)[section.key] if section.coding != PLAIN else section.stored
 

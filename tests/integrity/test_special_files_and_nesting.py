@@ -77,7 +77,7 @@ def test_nested_containers_end_in_a_blob_error_without_recursion(hostile):
 
 
 def test_short_inputs_declaring_long_caches_are_refused_before_they_cost_memory(hostile, monkeypatch):
-    from kvtc.kernels import rans
+    from kvtc.kernels.codec import rans
 
     def never(*_a, **_k):
         raise AssertionError("rans.decode reached: the section was not checked against its tokens first")

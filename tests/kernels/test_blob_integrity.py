@@ -8,11 +8,11 @@ import zlib
 import pytest
 import torch
 
-from kvtc.kernels import rans
+from kvtc.kernels.codec import rans
 from kvtc.kernels import BlobError, KVTCCodec, read_blob
-from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
-from kvtc.kernels.ecsq import decode_group, encode_symbols
-from kvtc.kernels.entropy import PLAIN, ZLIB
+from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
+from kvtc.kernels.codec.ecsq import decode_group, encode_symbols
+from kvtc.kernels.codec.entropy import PLAIN, ZLIB
 from helpers.synthetic import synthetic_cache, synthetic_spec
 from helpers.ecsq_synthetic import synthetic_ecsq_spec
 

@@ -1,16 +1,16 @@
-"""KVTCCodec round trips against an independent reconstruction from kernels/reference.py."""
+"""KVTCCodec round trips against an independent reconstruction from kernels/codec/reference.py."""
 import zlib
 
 import pytest
 import torch
 
 from kvtc.kernels import BlobError, CodecSpec, KVTCCodec, read_blob
-from kvtc.kernels.blob import TAG_CODES
-from kvtc.kernels.entropy import PLAIN, RAW_DEFLATE, ZLIB, decode_section, encode_section, nvcomp_available
-from kvtc.kernels.reference import quantize_dequantize
-from kvtc.kernels.spec import STREAMS, model_id
+from kvtc.kernels.codec.blob import TAG_CODES
+from kvtc.kernels.codec.entropy import PLAIN, RAW_DEFLATE, ZLIB, decode_section, encode_section, nvcomp_available
+from kvtc.kernels.codec.reference import quantize_dequantize
+from kvtc.kernels.codec.spec import STREAMS, model_id
 from helpers.synthetic import synthetic_cache, synthetic_spec
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.codec.rope import RopeSpec
 
 
 def reference_reconstruction(spec: CodecSpec, cache: torch.Tensor, stream: str, start: int) -> torch.Tensor:
@@ -178,15 +178,33 @@ def test_codec_from_registry_with_a_published_toy_artifact(tmp_path):
         other.decode(blob)
 
 
-def test_every_kernels_file_is_codec_or_integration():
-    """The bundle is an explicit list: a new file of kvtc/kernels must be classed as codec (hashed,
-    shipped) or integration (neither)."""
-    from kvtc.artifacts.bundle import CODEC, INTEGRATIONS, kernels_dir
+def test_the_bundle_is_the_codec_folder():
+    """The bundle is every *.py under kvtc/kernels/codec (recursively, paths relative to it): a new codec file
+    joins it with no list to keep in step. kvtc/kernels holds only the two folders and its lazy __init__.py;
+    the integrations, that __init__.py and kvtc.artifacts' format vocabulary (groups.py, blocks.py) are not in it."""
+    from kvtc.artifacts.bundle import codec_dir, kernel_sources
 
-    files = {p.name for p in kernels_dir().glob("*.py")}
-    assert not CODEC & INTEGRATIONS
-    assert files == CODEC | INTEGRATIONS, f"unclassed: {sorted(files - CODEC - INTEGRATIONS)}, " \
-                                          f"listed but missing: {sorted((CODEC | INTEGRATIONS) - files)}"
+    codec = codec_dir()
+    assert codec is not None and (codec.parent.name, codec.name) == ("kernels", "codec")
+    files = {p.relative_to(codec).as_posix() for p in codec.rglob("*.py")}
+    assert set(kernel_sources()) == files
+    assert {"__init__.py", "kvtc_codec.py", "spec.py", "blob.py", "chunk_serde.py", "model_config.py"} <= files
+    assert {p.name for p in codec.parent.glob("*.py")} == {"__init__.py"}
+    assert {p.name for p in codec.parent.iterdir() if p.is_dir() and p.name != "__pycache__"} == {"codec", "integrations"}
+    assert {p.name for p in (codec.parent / "integrations").glob("*.py")} == {
+        "__init__.py", "kvtc_cache.py", "lmcache_serde.py", "lmcache_server.py", "vllm_offload.py"}
+    assert not {"groups.py", "blocks.py"} & {rel.rsplit("/", 1)[-1] for rel in files}
+
+
+def test_block_widths_the_codec_takes_from_artifacts_are_pinned():
+    """blocks.py is outside the bundle (artifacts/bundle.py says why): the bits and side information each block
+    type costs, which fixed-rate decoding reads, are pinned here instead (a group's feature columns: test_groups.py)."""
+    from kvtc.artifacts.blocks import QTYPES, block_cost_bits, qtype_bits, scale_bits
+
+    assert QTYPES == ("none", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8")
+    assert [qtype_bits(t) for t in QTYPES] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 8]
+    assert [scale_bits(t) for t in QTYPES] == [0] + [32] * 8 + [16]
+    assert block_cost_bits("int3", 10) == 62 and block_cost_bits("fp8", 4) == 48 and block_cost_bits("none", 9) == 0
 
 
 def test_from_registry_checks_the_kernel_bundle_and_integrations_are_not_in_it(tmp_path, monkeypatch):
@@ -194,18 +212,26 @@ def test_from_registry_checks_the_kernel_bundle_and_integrations_are_not_in_it(t
     import warnings
 
     from kvtc.artifacts import kernel_bundle_hash, publish
-    from kvtc.artifacts.bundle import kernels_dir
+    from kvtc.artifacts.bundle import codec_dir
     from helpers.toy_artifacts import toy_content
-    from kvtc.kernels.codec import KernelBundleWarning
+    from kvtc.kernels.codec.kvtc_codec import KernelBundleWarning
 
     copy = tmp_path / "kernels"
-    shutil.copytree(kernels_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
-    for launcher_or_cache in ("lmcache_server.py", "kvtc_cache.py", "lmcache_serde.py"):
-        (copy / launcher_or_cache).write_text((copy / launcher_or_cache).read_text() + "\n# an integration edited\n")
-    (copy / "extra_tool.py").write_text("# a file beside the codec\n")
-    assert kernel_bundle_hash(copy) == kernel_bundle_hash()  # integrations are not the codec a decoder must match
-    (copy / "reference.py").write_text((copy / "reference.py").read_text() + "\n# runtime code edited\n")
-    assert kernel_bundle_hash(copy) != kernel_bundle_hash()
+    shutil.copytree(codec_dir().parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for integration in ("lmcache_server.py", "kvtc_cache.py", "lmcache_serde.py", "vllm_offload.py", "__init__.py"):
+        path = copy / "integrations" / integration
+        path.write_text(path.read_text() + "\n# an integration edited\n")
+    (copy / "__init__.py").write_text((copy / "__init__.py").read_text() + "\n# the lazy names edited\n")
+    (copy / "integrations" / "extra_tool.py").write_text("# a file beside the codec\n")
+    assert kernel_bundle_hash(copy / "codec") == kernel_bundle_hash()  # integrations are not the codec a decoder must match
+    reference = (copy / "codec" / "reference.py").read_text()
+    (copy / "codec" / "reference.py").write_text(reference + "\n# runtime code edited\n")
+    assert kernel_bundle_hash(copy / "codec") != kernel_bundle_hash()
+    (copy / "codec" / "reference.py").write_text(reference)
+    assert kernel_bundle_hash(copy / "codec") == kernel_bundle_hash()
+    (copy / "codec" / "formats").mkdir()
+    (copy / "codec" / "formats" / "new_section.py").write_text("# a codec file no list names\n")
+    assert kernel_bundle_hash(copy / "codec") != kernel_bundle_hash()  # it joins the bundle as it lands
 
     content = toy_content(num_layers=2, num_kv_heads=2, head_dim=8)
     content.model["rope"] = {"rope_type": "default", "theta": 10000.0, "head_dim": 8, "rotary_dim": 8,

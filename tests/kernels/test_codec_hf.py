@@ -7,7 +7,7 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCodec
-from kvtc.kernels.kvtc_cache import cache_tensors, compress_cache, restore_cache
+from kvtc.kernels.integrations.kvtc_cache import cache_tensors, compress_cache, restore_cache
 from kvtc.workers.rope import rope_from_config
 
 transformers = pytest.importorskip("transformers")

@@ -18,9 +18,9 @@ from kvtc.artifacts.export import FORMAT, FORMAT_DECODER, DynamoExportOptions, e
 from kvtc.artifacts.manifest import build_files
 from kvtc.artifacts.schema import STREAMS
 from kvtc.kernels import KVTCCodec
-from kvtc.kernels.chunk_serde import ChunkTransform
-from kvtc.kernels.coefficients import CoefficientCoder
-from kvtc.kernels.spec import GroupCode
+from kvtc.kernels.codec.chunk_serde import ChunkTransform
+from kvtc.kernels.codec.coefficients import CoefficientCoder
+from kvtc.kernels.codec.spec import GroupCode
 from kvtc.pipeline.fit.ecsq import fit_ecsq
 from helpers.toy_artifacts import forge_version, toy_content
 
@@ -228,7 +228,7 @@ def test_runtime_groups_refuse_a_decoder_of_another_shape():
 # ---------------------------------------------------------------- runtime
 
 def test_spec_carries_the_kept_decoder_through_for_rank_and_restrict(pulled):
-    from kvtc.kernels.layered import restrict
+    from kvtc.kernels.codec.layered import restrict
 
     art, _, _ = pulled
     codec = KVTCCodec(art, PARTIAL)

@@ -10,9 +10,9 @@ from kvtc.artifacts.ecsq_tables import decode_ecsq, encode_ecsq
 from kvtc.artifacts.groups import FeatureGroup
 from helpers.toy_artifacts import toy_content
 from kvtc.kernels import BlobError, CodecSpec, KVTCCodec, read_blob
-from kvtc.kernels.blob import TAG_ECSQ, Section, write_blob
-from kvtc.kernels.ecsq import EcsqGroup, decode_symbols, dequantize, encode_symbols, quantize
-from kvtc.kernels.spec import STREAMS
+from kvtc.kernels.codec.blob import TAG_ECSQ, Section, write_blob
+from kvtc.kernels.codec.ecsq import EcsqGroup, decode_symbols, dequantize, encode_symbols, quantize
+from kvtc.kernels.codec.spec import STREAMS
 from helpers.synthetic import synthetic_cache, synthetic_spec
 from kvtc.pipeline.evaluation.metrics import waterfilling_distortion
 from kvtc.pipeline.fit.ecsq import EcsqFit, fit_ecsq, fit_ratios, squared_error
@@ -95,7 +95,7 @@ def _ecsq_spec(ratio: float = 8.0, seed: int = 0) -> CodecSpec:
         keys, values = synthetic_cache(base, 400, torch.float32, seed=seed + 7)
         cache = (keys, values)[si]
         if base.rope and stream == "keys":
-            from kvtc.kernels.rope import RopeSpec
+            from kvtc.kernels.codec.rope import RopeSpec
 
             cache = RopeSpec.from_dict(base.rope).remove(cache.float(), torch.arange(400))
         flat = cache.float().permute(2, 0, 1, 3).reshape(400, -1)
@@ -189,7 +189,7 @@ def test_eval_settings_take_a_mode():
 
 
 def test_rate_control_coarsens_the_step_only_for_text_that_codes_larger():
-    from kvtc.kernels.ecsq import decode_group, encode_group
+    from kvtc.kernels.codec.ecsq import decode_group, encode_group
 
     p = 48
     lam = np.exp(-np.arange(p) / 10.0) * 5 + 1e-3

@@ -6,15 +6,15 @@ the CPU interpreter); fp16/bf16 outputs within one unit in the last place of the
 import pytest
 import torch
 
-from kvtc.kernels.bitpack import pack_codes, packed_nbytes, unpack_codes
-from kvtc.kernels.dequantize import unpack_dequantize, unpack_dequantize_reference
-from kvtc.kernels.quantize import quantize_pack, quantize_pack_blocks, quantize_pack_reference
+from kvtc.kernels.codec.bitpack import pack_codes, packed_nbytes, unpack_codes
+from kvtc.kernels.codec.dequantize import unpack_dequantize, unpack_dequantize_reference
+from kvtc.kernels.codec.quantize import quantize_pack, quantize_pack_blocks, quantize_pack_reference
 from kvtc.artifacts.blocks import QTYPES
-from kvtc.kernels.reference import quantize_block
-from kvtc.kernels.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
-from kvtc.kernels.spec import CodedBlock
+from kvtc.kernels.codec.reference import quantize_block
+from kvtc.kernels.codec.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
+from kvtc.kernels.codec.spec import CodedBlock
 from helpers.synthetic import random_blocks
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.codec.rope import RopeSpec
 
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-6}
 

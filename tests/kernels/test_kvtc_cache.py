@@ -8,7 +8,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kvtc.artifacts.groups import FeatureGroup  # noqa: E402
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCache, KVTCCodec  # noqa: E402
-from kvtc.kernels.coefficients import CoefficientCoder  # noqa: E402
+from kvtc.kernels.codec.coefficients import CoefficientCoder  # noqa: E402
 from helpers.synthetic import synthetic_cache, synthetic_spec  # noqa: E402
 from kvtc.workers.rope import rope_from_config  # noqa: E402
 from kvtc.workers.tiny import build_tiny  # noqa: E402
@@ -144,10 +144,10 @@ def test_reset_empties_raw_and_coded_tokens():
 def calibrated_spec(model, ratio: float, sinks: int = 3, window: int = 5, groups=None, tokens: int = 400) -> CodecSpec:
     """PCA of the model's own cache on a random prompt, fixed-rate blocks within the ratio's budget and ECSQ
     tables fitted on the same projections: a small artifact-like spec carrying both modes."""
-    from kvtc.kernels.ecsq import EcsqGroup
-    from kvtc.kernels.rope import RopeSpec
+    from kvtc.kernels.codec.ecsq import EcsqGroup
+    from kvtc.kernels.codec.rope import RopeSpec
     from helpers.synthetic import budget_blocks
-    from kvtc.kernels.kvtc_cache import cache_tensors
+    from kvtc.kernels.integrations.kvtc_cache import cache_tensors
     from kvtc.pipeline.fit.ecsq import fit_ecsq
 
     cfg = model.config
@@ -262,7 +262,7 @@ def test_ecsq_bytes_within_budget_and_fewer_than_fixed_for_lower_error():
 
 def test_compress_and_restore_cache_with_an_ecsq_codec():
     from kvtc.kernels import read_blob
-    from kvtc.kernels.kvtc_cache import compress_cache, restore_cache
+    from kvtc.kernels.integrations.kvtc_cache import compress_cache, restore_cache
 
     model = build_tiny("llama")
     codec = KVTCCodec(calibrated_spec(model, 4.0))

@@ -1,6 +1,6 @@
 """`kvtc lmcache-server` live: the README's command started on loopback (its values swapped for the test's
 ports, paths and tiny artifacts), a real model's KV stored in vLLM's paged layout through LMCache 0.5.6's
-own multiprocess client in server-driven transfer mode (kvtc.kernels.lmcache_client), L1 cleared, the
+own multiprocess client in server-driven transfer mode (tests/helpers/lmcache_client.py), L1 cleared, the
 chunks looked up, prefetched from L2 and retrieved, and compared with the offline transform; the bytes on
 disk are the KVTC blobs. At TP 1 (a rope-kept artifact) and TP 2 (a --tp 2 artifact, keys RoPE-removed at
 the positions the server resolves), with bad input that must fail a store or miss, never stop the server.
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtc.kernels.blob import read_blob
-from kvtc.kernels.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms, unframe
-from kvtc.kernels.lmcache_client import connect, server_process
+from kvtc.kernels.codec.blob import read_blob
+from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms, unframe
 from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
+from helpers.lmcache_client import connect, server_process
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 256  # the README's server runs LMCache's default chunk size
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.live]
 @pytest.fixture(scope="module")
 def live():
     try:
-        from kvtc.kernels.lmcache_server import check_server
+        from kvtc.kernels.integrations.lmcache_server import check_server
 
         check_server()
     except Exception as exc:  # noqa: BLE001 - whatever keeps LMCache's server from starting here
@@ -132,7 +132,7 @@ def _kv_rank_of(path: Path) -> int:
 
 def _binding_of(path: Path) -> bytes:
     """The key binding a chunk stored in this file must carry: its LMCache key's (from the file name)."""
-    from kvtc.kernels.lmcache_serde import key_binding
+    from kvtc.kernels.integrations.lmcache_serde import key_binding
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _filename_to_object_key
 
     return key_binding(_filename_to_object_key(path.name))

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvtc.kernels import KVTCCodec
-from kvtc.kernels.blob import BlobError, read_blob
-from kvtc.kernels.chunk_serde import (FRAME_BYTES, ChunkSerdeSettings, ChunkTransform, KVRank, Placement, RankedChunkTransforms,
-                                      load_rank_codec, place, stage_layers, unframe)
+from kvtc.kernels.codec.blob import BlobError, read_blob
+from kvtc.kernels.codec.chunk_serde import (FRAME_BYTES, ChunkSerdeSettings, ChunkTransform, KVRank, Placement,
+                                            RankedChunkTransforms, load_rank_codec, place, stage_layers, unframe)
 from helpers.synthetic import synthetic_spec
 from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
 
@@ -270,11 +270,11 @@ def _wait(query, task_id, timeout: float = 120.0):
 
 
 class _Server:
-    """The L2 adapter `lmcache server ARGV` builds (kvtc.kernels.lmcache_server.l2_adapter: LMCache's own
+    """The L2 adapter `lmcache server ARGV` builds (kvtc.kernels.integrations.lmcache_server.l2_adapter: LMCache's own
     argument parsing, L1 manager, adapter factory and serde wrapper), driven through its public interface."""
 
     def __init__(self, argv: list[str]) -> None:
-        from kvtc.kernels.lmcache_server import l2_adapter
+        from kvtc.kernels.integrations.lmcache_server import l2_adapter
 
         self.adapter, self.l1 = l2_adapter(argv)
 
@@ -300,8 +300,8 @@ def _server_argv(l2: str, serde: dict) -> list[str]:
 
 def test_lmcache_server_path_stores_every_chunk_and_disk_holds_the_kvtc_blob(calibrated, tmp_path, capfd):
     pytest.importorskip("lmcache.v1.distributed.l2_adapters.serde_wrapper", reason="LMCache does not import here")
-    from kvtc.kernels.lmcache_serde import key_binding
-    from kvtc.kernels.lmcache_server import main as launcher
+    from kvtc.kernels.integrations.lmcache_serde import key_binding
+    from kvtc.kernels.integrations.lmcache_server import main as launcher
     from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.distributed.serde import get_registered_serde_types
 
@@ -370,7 +370,7 @@ def _decoded(transform: ChunkTransform, data: bytes, like: torch.Tensor) -> torc
 
 def test_factory_takes_both_conventions_and_serializers_take_key_or_not(calibrated):
     pytest.importorskip("lmcache.v1.distributed.serde", reason="LMCache does not import here")
-    from kvtc.kernels.lmcache_serde import KVTCDeserializer, KVTCSerializer, create_kvtc_serde
+    from kvtc.kernels.integrations.lmcache_serde import KVTCDeserializer, KVTCSerializer, create_kvtc_serde
     from lmcache.v1.distributed.api import MemoryLayoutDesc
 
     registry, ref, kv = calibrated
@@ -422,7 +422,7 @@ def _synthetic_chunk(spec, tokens: int, start: int) -> torch.Tensor:
 
 def test_a_first_chunk_keeps_its_sinks_raw_within_the_bound_and_every_chunk_is_bound_to_its_key_and_position():
     from helpers.ecsq_synthetic import synthetic_ecsq_spec
-    from kvtc.kernels.chunk_serde import binding
+    from kvtc.kernels.codec.chunk_serde import binding
 
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
     t = ChunkTransform(KVTCCodec(spec), positions=True)

@@ -1,6 +1,6 @@
-"""Interleaved rANS (kernels/rans.py, kernels/rans_numba.py, kernels/rans_triton.py): tables, bit identity of the
-numpy reference, the compiled host path and the Triton kernels (interpreter) on odd shapes, escapes, codec blobs in
-both ECSQ formats, hostile sections, the work bound (words that cannot hold the declared symbols)."""
+"""Interleaved rANS (kernels/codec/rans.py, kernels/codec/rans_numba.py, kernels/codec/rans_triton.py): tables, bit
+identity of the numpy reference, the compiled host path and the Triton kernels (interpreter) on odd shapes, escapes,
+codec blobs in both ECSQ formats, hostile sections, the work bound (words that cannot hold the declared symbols)."""
 import dataclasses
 import random
 import struct
@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.kernels import BlobError, KVTCCodec, ecsq, rans, read_blob
-from kvtc.kernels.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
-from kvtc.kernels.ecsq import EcsqGroup, SymbolModel
-from kvtc.kernels.rans_triton import decode_device, encode_device
+from kvtc.kernels import BlobError, KVTCCodec, read_blob
+from kvtc.kernels.codec import ecsq, rans
+from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, Section, write_blob
+from kvtc.kernels.codec.ecsq import EcsqGroup, SymbolModel
+from kvtc.kernels.codec.rans_triton import decode_device, encode_device
 from helpers.synthetic import synthetic_cache, synthetic_ecsq, synthetic_spec
 
 CPU = torch.device("cpu")

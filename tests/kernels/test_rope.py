@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.workers.rope import rope_from_config
 
 

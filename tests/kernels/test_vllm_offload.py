@@ -13,8 +13,8 @@ from kvtc.artifacts import publish, pull
 from kvtc.artifacts.groups import parse_groups
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from helpers.toy_artifacts import toy_content
-from kvtc.kernels.codec import KVTCCodec
-from kvtc.kernels.vllm_offload import ChunkCodec, PageFormat, layer_index
+from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+from kvtc.kernels.integrations.vllm_offload import ChunkCodec, PageFormat, layer_index
 
 N, H, D, L = 4, 2, 16, 2  # tokens per GPU block, KV heads, head_dim, layers
 
@@ -75,7 +75,7 @@ PAGE = N * H * 2 * D * 2  # bf16 bytes of one layer's page
 
 
 def _config(registry: str, blocks_per_chunk: int = 2, rank: int = 0, tp: int = 1, **extra) -> OffloadingConfig:
-    extra = {"spec_name": "KVTCOffloadingSpec", "spec_module_path": "kvtc.kernels.vllm_offload",
+    extra = {"spec_name": "KVTCOffloadingSpec", "spec_module_path": "kvtc.kernels.integrations.vllm_offload",
              "kvtc_artifact": "toy@latest", "kvtc_ratio": 4, "kvtc_registry": registry, "kvtc_mode": "fixed",
              "cpu_bytes_to_use": 64 * PAGE * L, **extra}
     return OffloadingConfig(
@@ -167,7 +167,7 @@ def test_the_manager_evicts_least_recently_used_and_refuses_when_pinned(tmp_path
     _, registry = _artifact(tmp_path)
     spec = OffloadingSpecFactory.create_spec(_config(registry, blocks_per_chunk=1, cpu_bytes_to_use=1))
     assert spec.num_slots == 0
-    from kvtc.kernels.vllm_offload import KVTCOffloadingManager
+    from kvtc.kernels.integrations.vllm_offload import KVTCOffloadingManager
 
     manager = KVTCOffloadingManager(2, N, enable_events=True)
     ctx, keys = _request(N, 4)
@@ -255,7 +255,7 @@ def test_slots_grow_with_what_is_stored_not_with_the_host_bytes(tmp_path):
 
 
 def test_a_refused_store_loses_nothing_and_positions_are_never_clamped(tmp_path, caplog):
-    from kvtc.kernels.vllm_offload import KVTCOffloadingManager
+    from kvtc.kernels.integrations.vllm_offload import KVTCOffloadingManager
 
     manager = KVTCOffloadingManager(2, N)
     ctx, keys = _request(N, 4)

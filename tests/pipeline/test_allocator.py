@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtc.artifacts.blocks import block_cost_bits
-from kvtc.kernels.reference import quantize_dequantize
+from kvtc.kernels.codec.reference import quantize_dequantize
 from kvtc.pipeline.fit.allocator import (AllocatorSettings, allocate, allocate_from_tables, budget_bits, error_tables,
                                 solve_budget, validate_ratios)
 from kvtc.pipeline.fit.pca import Basis

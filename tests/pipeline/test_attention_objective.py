@@ -236,7 +236,7 @@ def test_record_repeats_the_objective():
 
 
 def test_calibration_end_to_end_with_the_attention_objective(tmp_path):
-    from kvtc.kernels.codec import KVTCCodec
+    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
     from kvtc.pipeline.job.calibrate import run
     from kvtc.pipeline.operations import quality
     from kvtc.pipeline.settings import JobSettings

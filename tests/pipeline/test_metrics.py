@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtc.kernels.reference import quantize_dequantize
+from kvtc.kernels.codec.reference import quantize_dequantize
 from kvtc.pipeline.fit.allocator import AllocatorSettings, allocate
 from kvtc.pipeline.evaluation.metrics import (default_edges, evaluate, pca_rel_error, quantize_projections,
                               waterfilling_distortion)

@@ -12,8 +12,8 @@ from transformers import DynamicCache
 
 from kvtc import artifacts
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCache, KVTCCodec
-from kvtc.kernels.kvtc_cache import cache_layers, cache_tensors, compress_cache, restore_cache
-from kvtc.kernels.layers import cached_layers, layers_of
+from kvtc.kernels.integrations.kvtc_cache import cache_layers, cache_tensors, compress_cache, restore_cache
+from kvtc.kernels.codec.layers import cached_layers, layers_of
 from kvtc.workers.capture import CaptureSettings
 from kvtc.workers.layers import layer_schema
 from kvtc.workers.models import load_model, load_spec
@@ -129,7 +129,7 @@ def test_fp8_latent_cache_in_and_out_and_widths_checked_before_decoding():
 def test_triton_kernels_and_cache_coder_code_the_rope_key_like_the_torch_codec():
     """The fused kernels (interpreter on CPU) remove and restore RoPE on the values slot of an MLA cache, and
     KVTCCache's coefficient coder decodes each layer's latent and RoPE key as the blob codec does."""
-    from kvtc.kernels.coefficients import CoefficientCoder
+    from kvtc.kernels.codec.coefficients import CoefficientCoder
 
     lm = load_model("tiny:deepseek_v3", device="cpu")
     spec = _near_lossless(lm)
@@ -157,7 +157,7 @@ def _geometry(text: str):
 
 
 def test_chunk_serde_refuses_the_single_plane_latent_layout():
-    from kvtc.kernels.chunk_serde import ChunkTransform
+    from kvtc.kernels.codec.chunk_serde import ChunkTransform
 
     lm = load_model("tiny:minicpm3", device="cpu")
     with pytest.raises(ValueError, match="multi-head latent attention.*kv_size 1"):

@@ -306,3 +306,32 @@ def test_the_kernels_package_imports_nothing_heavy():
     code = ("import sys, kvtc.kernels as k; heavy = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy; assert k.KVTCCodec.__name__ == 'KVTCCodec' and 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_the_codec_imports_no_integration():
+    """kvtc/kernels/codec (the hashed bundle) imports no module of kvtc/kernels/integrations, at module level, inside
+    functions or by name, nor the kvtc.kernels package (whose lazy names include the integrations'): integrations
+    import the codec, never the reverse."""
+    modules = {_module_name(p) for _, p in _module_files()}
+    bad = []
+    for path in sorted((REPO / "kernels" / "codec").rglob("*.py")):
+        targets = _imports(path) | _all_imports(path, modules)
+        bad += [f"{path.relative_to(REPO)} imports {m}" for m in sorted(targets)
+                if m == "kvtc.kernels" or m.startswith("kvtc.kernels.integrations")]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_codec_and_integrations_packages_import_nothing_heavy():
+    """`import kvtc.kernels, kvtc.kernels.codec, kvtc.kernels.integrations` and the bundle hash load no torch, triton,
+    transformers, numba, LMCache or vLLM; the lazy names resolve to the modules in the two folders."""
+    code = ("import sys, kvtc.kernels as k, kvtc.kernels.codec as c, kvtc.kernels.integrations as i\n"
+            "from kvtc.artifacts.bundle import kernel_bundle_hash\n"
+            "assert kernel_bundle_hash() is not None\n"
+            "heavy = [m for m in ('torch', 'triton', 'transformers', 'numba', 'lmcache', 'vllm') if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "assert k.KVTCCodec is c.KVTCCodec and k.KVTCCodec.__module__ == 'kvtc.kernels.codec.kvtc_codec'\n"
+            "assert k.CodecSpec is c.CodecSpec and k.read_blob is c.read_blob and 'torch' in sys.modules\n"
+            "assert 'transformers' not in sys.modules\n"
+            "assert k.KVTCCache is i.KVTCCache and i.KVTCCache.__module__ == 'kvtc.kernels.integrations.kvtc_cache'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 from kvtc import artifacts  # noqa: E402
 from kvtc.kernels import KVTCCodec  # noqa: E402
-from kvtc.kernels.blob import BlobError  # noqa: E402
+from kvtc.kernels.codec.blob import BlobError  # noqa: E402
 
 TINY = dict(model="tiny:llama@2x8x16x16", corpus="pydoc", eval_corpus=None, seq_len=96, window=16, tokens=1536,
             seqs_per_shard=2, heldout_rows=512, ratios=(4.0, 8.0), tokens_curve_points=0, groups="layer")

@@ -12,8 +12,8 @@ from transformers import DynamicCache
 from kvtc import artifacts
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import CodecSpec, CodedBlock, GroupCode, KVTCCache, KVTCCodec
-from kvtc.kernels.kvtc_cache import cache_layers, compress_cache, restore_cache
-from kvtc.kernels.layers import cached_layers, layers_of
+from kvtc.kernels.integrations.kvtc_cache import cache_layers, compress_cache, restore_cache
+from kvtc.kernels.codec.layers import cached_layers, layers_of
 from kvtc.workers.capture import CaptureSettings
 from kvtc.workers.layers import layer_schema
 from kvtc.workers.models import load_model, load_spec
@@ -238,9 +238,9 @@ def test_cache_coder_and_blob_codec_remove_each_layers_own_rope(backend):
     decodes exactly what the blob codec decodes for the same tokens."""
     import dataclasses
 
-    from kvtc.kernels.coefficients import CoefficientCoder
-    from kvtc.kernels.layers import LayerSpec
-    from kvtc.kernels.rope import RopeSpec
+    from kvtc.kernels.codec.coefficients import CoefficientCoder
+    from kvtc.kernels.codec.layers import LayerSpec
+    from kvtc.kernels.codec.rope import RopeSpec
     from helpers.synthetic import synthetic_cache, synthetic_spec
 
     def rope(theta: float) -> RopeSpec:

@@ -17,11 +17,11 @@ import torch
 from kvtc.artifacts.blocks import Block, qtype_bits
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.artifacts.groups import FeatureGroup, check_cover, parse_groups
-from kvtc.kernels.layers import LayerSpec, cached_layers, is_mla, layers_from_json
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.codec.layers import LayerSpec, cached_layers, is_mla, layers_from_json
+from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.artifacts.schema import STREAMS
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-from kvtc.kernels.ecsq import EcsqGroup, SymbolModel, check_decoder
+from kvtc.kernels.codec.ecsq import EcsqGroup, SymbolModel, check_decoder
 
 
 CodedBlock = Block  # the allocation block of kvtc.artifacts.blocks, under the runtime's name
@@ -71,7 +71,7 @@ class CodecSpec:
     """Runtime codec parameters for one artifact at one compression ratio.
 
     rope: the model's RoPE, removed from keys before coding; None for keys calibrated with RoPE kept.
-    layers: the per-layer schema (kvtc.kernels.layers) of a model whose layers differ (kinds, RoPE); None:
+    layers: the per-layer schema (kvtc.kernels.codec.layers) of a model whose layers differ (kinds, RoPE); None:
     every layer full attention with `rope`. Groups cover the layers that keep a KV cache; each layer's
     keys lose that layer's RoPE (none for NoPE layers, none at all when keys were calibrated RoPE-kept).
     tensor_parallel: the artifact's TP layout (None: single-rank). A rank's spec (`for_rank`) codes only

@@ -3,7 +3,7 @@
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "KVTCOffloadingSpec",
-        "spec_module_path": "kvtc.kernels.vllm_offload", "kvtc_artifact": "NAME@production",
+        "spec_module_path": "kvtc.kernels.integrations.vllm_offload", "kvtc_artifact": "NAME@production",
         "kvtc_ratio": 16, "kvtc_registry": "s3://bucket/kvtc", "cpu_bytes_to_use": 8000000000,
         "block_size": 256}}'
 
@@ -53,10 +53,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvtc.kernels.blob import BlobError, read_blob
-from kvtc.kernels.chunk_serde import UNBOUND, binding
-from kvtc.kernels.codec import KVTCCodec
-from kvtc.kernels.layered import restrict
+from kvtc.kernels.codec.blob import BlobError, read_blob
+from kvtc.kernels.codec.chunk_serde import UNBOUND, binding
+from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+from kvtc.kernels.codec.layered import restrict
 
 PAGE_ORDERS = {"LBNHC": "NHC", "BLNHC": "NHC", "LBHNC": "HNC", "BLHNC": "HNC"}
 CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -488,7 +488,7 @@ if VLLM:
 
     class KVTCOffloadingSpec(OffloadingSpec):
         """vLLM's OffloadingConnector spec: `spec_name` "KVTCOffloadingSpec", `spec_module_path`
-        "kvtc.kernels.vllm_offload"; settings in kv_connector_extra_config (see OffloadSettings)."""
+        "kvtc.kernels.integrations.vllm_offload"; settings in kv_connector_extra_config (see OffloadSettings)."""
 
         def __init__(self, config: OffloadingConfig) -> None:
             super().__init__(config)

@@ -7,7 +7,7 @@ Per layer, the first `sinks` positions and the recent tokens stay in the model's
 basis spans every layer of a token, so tokens are coded only once all layers hold them: after the
 last layer's update of a forward, when more than `window + chunk - 1` recent tokens wait, all but
 the last `window` are coded in one chunk (in the codec's mode: packed fixed-rate quantized PCA
-coefficients, or ECSQ's ANS-coded symbols per stream, group and sequence; see kernels/coefficients.py)
+coefficients, or ECSQ's ANS-coded symbols per stream, group and sequence; see kernels/codec/coefficients.py)
 and dropped from every layer. Each update decodes the layer's slice of the
 coded tokens from their coefficients (its own rows of the group's components only); a group's
 dequantized coefficients live only while its layers decode in that forward.
@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer
 
-from kvtc.kernels.blob import read_blob
-from kvtc.kernels.codec import KVTCCodec
-from kvtc.kernels.coefficients import CodedTokens, CoefficientCoder
-from kvtc.kernels.layered import restrict
-from kvtc.kernels.spec import CodecSpec
+from kvtc.kernels.codec.blob import read_blob
+from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+from kvtc.kernels.codec.coefficients import CodedTokens, CoefficientCoder
+from kvtc.kernels.codec.layered import restrict
+from kvtc.kernels.codec.model_config import check_config, spec_kinds
 
 DEFAULT_CHUNK = 64
 
@@ -170,53 +170,6 @@ class KVTCCacheLayer(DynamicLayer):
             self.store.select_batch(index)
 
 
-def _config_dims(config: Any) -> tuple[int, int, int]:
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if getattr(text, "kv_lora_rank", None):  # MLA: one latent "head" per token
-        return text.num_hidden_layers, 1, int(text.kv_lora_rank)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim
-
-
-_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
-
-
-def _kinds(spec: CodecSpec) -> list[str]:
-    return ["full"] * spec.num_layers if spec.layers is None else [l.kind for l in spec.layers]
-
-
-def check_config(spec: CodecSpec, config: Any) -> None:
-    """Raise ValueError unless the model config has the artifact's shape and layer kinds."""
-    layers, kv_heads, head_dim = _config_dims(config)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    mla = bool(getattr(text, "kv_lora_rank", None))
-    if mla or spec.value_dim is not None:
-        rope_width = int(getattr(text, "qk_rope_head_dim", 0) or 0) if mla else None
-        if not mla or (layers, head_dim, rope_width) != (spec.num_layers, spec.head_dim, spec.value_dim):
-            got = f"{layers} layers, latent width {head_dim}, rope width {rope_width}" if mla else \
-                f"{layers} layers x {kv_heads} KV heads x head_dim {head_dim} (no latent)"
-            raise ValueError(f"the codec's artifact {spec.name}@{spec.version} is for a model with {spec.num_layers} "
-                             f"layers, {spec.widths}; this model has {got}: use an artifact calibrated for this model")
-    elif (layers, kv_heads, head_dim) != (spec.num_layers, spec.kv_heads, spec.head_dim):
-        raise ValueError(f"the codec's artifact {spec.name}@{spec.version} is for a model with {spec.num_layers} "
-                         f"layers x {spec.kv_heads} KV heads x head_dim {spec.head_dim}; this model has {layers} x "
-                         f"{kv_heads} x {head_dim}: use an artifact calibrated for this model")
-    types, _ = get_layer_types_and_kwargs(text)
-    kinds = [_KINDS.get(t, "none") for t in types]
-    if mla:
-        kinds = ["mla" if k == "full" else k for k in kinds]
-    if kinds != _kinds(spec):
-        raise ValueError(f"the artifact {spec.name}@{spec.version} was calibrated for layers {_kinds(spec)}; this model "
-                         f"has {kinds}: use an artifact calibrated for this model")
-    params = getattr(text, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(text, "rope_theta", None))
-    if spec.layers is None and spec.rope and theta is not None \
-            and abs(float(theta) - float(spec.rope["theta"])) > 1e-6 * float(theta):
-        raise ValueError(f"the artifact was calibrated with RoPE theta {spec.rope['theta']}, this model uses {theta}: "
-                         "use an artifact calibrated for this model")
-
-
 class KVTCCache(Cache):
     """A transformers Cache holding tokens past the recent window as KVTC coefficients.
 
@@ -243,7 +196,7 @@ class KVTCCache(Cache):
             raise ValueError(f"window and sinks must be >= 0 and chunk >= 1; got window={self.window}, "
                              f"sinks={self.sinks}, chunk={self.chunk}")
         self.codec = codec
-        full = [i for i, kind in enumerate(_kinds(spec)) if kind in ("full", "mla")]
+        full = [i for i, kind in enumerate(spec_kinds(spec)) if kind in ("full", "mla")]
         coded = spec if full == list(range(spec.num_layers)) else restrict(spec, full)
         self.store = _CodedStore(CoefficientCoder(coded, backend or codec.backend, codec.mode, codec.rate_control,
                                                     codec.ecsq_format, codec.basis_dtype))

@@ -1,4 +1,4 @@
-"""`kvtc lmcache-server ARGS` (or `python -m kvtc.kernels.lmcache_server ARGS`): LMCache's own server
+"""`kvtc lmcache-server ARGS` (or `python -m kvtc.kernels.integrations.lmcache_server ARGS`): LMCache's own server
 (`lmcache server ARGS`) with the "kvtc" serde registered and chunk positions recorded.
 
 LMCache has no plugin entry points and builds its L2 adapters before any `--server-module` is
@@ -78,7 +78,7 @@ def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
     from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
     from lmcache.v1.distributed.serde import create_serde_processor
 
-    from kvtc.kernels.lmcache_serde import register
+    from kvtc.kernels.integrations.lmcache_serde import register
 
     register()
     parser = argparse.ArgumentParser(prog="lmcache server")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     try:
         check_server()
-        from kvtc.kernels.lmcache_serde import install_position_hook, register
+        from kvtc.kernels.integrations.lmcache_serde import install_position_hook, register
 
         register()
         install_position_hook()

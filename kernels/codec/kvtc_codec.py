@@ -4,7 +4,7 @@ Cache tensors are (layers, kv_heads, tokens, head_dim) exactly as the model cach
 with RoPE), layers = the layers that keep a KV cache. A cache whose layers hold different token counts
 (sliding-window or chunked layers, layers without a KV cache) is passed per layer, as a sequence of
 (kv_heads, tokens, head_dim) tensors (None for a layer without a cache), and decodes to the same form
-(kernels/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers).
+(kernels/codec/layered.py). Each layer's keys lose that layer's own RoPE (none for NoPE layers).
 Tokens at absolute positions < sinks and the last `window` tokens stay raw; the middle
 is RoPE-removed (keys), centred, projected on each group's kept components, quantized per block,
 packed and entropy-coded. Decode reverses it and re-applies RoPE at the original positions.
@@ -23,16 +23,17 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from kvtc.artifacts.groups import group_columns
-from kvtc.kernels import ecsq
-from kvtc.kernels.blob import (NO_CACHE, TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL,
-                               BlobError, BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
-from kvtc.kernels.bitpack import packed_nbytes
-from kvtc.kernels.entropy import CODERS, PLAIN, decode_sections, encode_section
-from kvtc.kernels.layout import bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes, tensor_bytes
-from kvtc.kernels.backend import BACKENDS, resolve_ops
-from kvtc.kernels.quantize import quantize_pack_blocks
-from kvtc.kernels.layered import decode_layered, encode_layered, layer_counts, restrict
-from kvtc.kernels.spec import STREAMS, CodecSpec
+from kvtc.kernels.codec import ecsq
+from kvtc.kernels.codec.blob import (NO_CACHE, TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL,
+                                     BlobError, BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
+from kvtc.kernels.codec.bitpack import packed_nbytes
+from kvtc.kernels.codec.entropy import CODERS, PLAIN, decode_sections, encode_section
+from kvtc.kernels.codec.layout import (bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes,
+                                       tensor_bytes)
+from kvtc.kernels.codec.backend import BACKENDS, resolve_ops
+from kvtc.kernels.codec.quantize import quantize_pack_blocks
+from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
+from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _FP8 = {torch.float8_e4m3fn: "float8_e4m3fn"}  # cache dtypes coded through their exact bfloat16 values
@@ -259,7 +260,7 @@ class KVTCCodec:
         position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob.
         ValueError for a cache holding NaN or inf anywhere (raw sinks and window included), naming the first.
         budget_scale (ECSQ, rate control): each (stream, group)'s budget times this share in (0, 1], for a
-        caller whose raw tokens come out of the ratio's budget (kernels/chunk_serde.py's shared sinks)."""
+        caller whose raw tokens come out of the ratio's budget (kernels/codec/chunk_serde.py's shared sinks)."""
         start = _position(start)
         if isinstance(budget_scale, bool) or not isinstance(budget_scale, (int, float)) or not 0 < budget_scale <= 1:
             raise ValueError(f"budget_scale must be a share in (0, 1], got {budget_scale!r}")

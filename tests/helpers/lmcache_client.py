@@ -1,4 +1,5 @@
-"""A minimal client of a running LMCache MP server (`kvtc lmcache-server`), for checks and benchmarks.
+"""A minimal client of a running LMCache MP server (`kvtc lmcache-server`), for the live test and benchmarks
+(test code: not part of the installed package; benches put tests/ on sys.path).
 
 It drives the server the way vLLM's `LMCacheMPConnector` does and with LMCache 0.5.6's own client
 classes (the ones behind `lmcache bench server`): each tensor-parallel rank is a worker that registers

@@ -20,11 +20,11 @@ of state (rho_max: the largest frequency of its model); a word adds fewer than 1
 any per-symbol array exists (`Layout`), so a small blob cannot make the decoder allocate for millions of
 symbols.
 
-Speed: `encode` and `decode` run compiled lane loops (kernels/rans_numba.py) where numba imports, and
+Speed: `encode` and `decode` run compiled lane loops (kernels/codec/rans_numba.py) where numba imports, and
 the numpy reference (`encode(..., reference=True)`, `decode_indices`, `fill_escapes`) otherwise; both
 write and read the same bytes.
 
-Tables (`RansTables`) come from the artifact's calibrated symbol models (kernels/ecsq.py): each
+Tables (`RansTables`) come from the artifact's calibrated symbol models (kernels/codec/ecsq.py): each
 model's integer counts are quantized to frequencies summing to 2^PROB_BITS, every symbol >= 1,
 with integer arithmetic only, so every host and device builds the same tables. A model covers
 [-r, r] (r = min(radius, MAX_RADIUS)) plus an escape; escaped values follow as int32 in the
@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtc.kernels.blob import BlobError
+from kvtc.kernels.codec.blob import BlobError
 
 PROB_BITS = 16
 PROB_TOTAL = 1 << PROB_BITS
@@ -158,9 +158,9 @@ def pack_section(lanes: int, states: np.ndarray, counts: np.ndarray, words: np.n
 
 @functools.cache
 def compiled() -> object | None:
-    """kernels/rans_numba (compiled lane loops), or None where numba does not import."""
+    """kernels/codec/rans_numba (compiled lane loops), or None where numba does not import."""
     try:
-        from kvtc.kernels import rans_numba
+        from kvtc.kernels.codec import rans_numba
     except ImportError:
         return None
     return rans_numba
@@ -178,7 +178,7 @@ def warm_up() -> bool:
 
 
 class SymbolModelLike(NamedTuple):
-    """What RansTables reads of a symbol model (kernels/ecsq.SymbolModel has the same fields)."""
+    """What RansTables reads of a symbol model (kernels/codec/ecsq.SymbolModel has the same fields)."""
 
     radius: int
     counts: np.ndarray

@@ -4,8 +4,8 @@
         "serde": {"type": "kvtc", "artifact": "llama-3.1-8b@production", "ratio": 16,
                   "registry": "s3://bucket/kvtc", "model": "meta-llama/Llama-3.1-8B"}}'
 
-(`kvtc lmcache-server` registers it and runs LMCache's own server: kernels/lmcache_server.py.)
-The transform is kernels/chunk_serde.py; this module only adapts it to LMCache's `Serializer` /
+(`kvtc lmcache-server` registers it and runs LMCache's own server: kernels/integrations/lmcache_server.py.)
+The transform is kernels/codec/chunk_serde.py; this module only adapts it to LMCache's `Serializer` /
 `Deserializer` interfaces (`MemoryObj` in and out) and wraps them in LMCache's
 `AsyncSerdeProcessor`. The artifact is pulled and checked when the adapter is built; the key's packed
 `kv_rank` (world size, rank, local world size, local rank: `chunk_serde.KVRank`) picks the placement:
@@ -41,8 +41,8 @@ from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Seri
 from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
 from lmcache.v1.memory_management import MemoryObj
 
-from kvtc.kernels.blob import BlobError
-from kvtc.kernels.chunk_serde import UNBOUND, ChunkSerdeSettings, KVRank, RankedChunkTransforms, binding
+from kvtc.kernels.codec.blob import BlobError
+from kvtc.kernels.codec.chunk_serde import UNBOUND, ChunkSerdeSettings, KVRank, RankedChunkTransforms, binding
 
 SERDE_TYPE = "kvtc"
 TESTED_LMCACHE = ">=0.5.6,<0.6"  # the LMCache releases this plugin is tested with (0.5.6)

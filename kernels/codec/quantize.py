@@ -1,7 +1,7 @@
-"""Quantize + pack one block of PCA coefficients per token (the encode side of kernels/reference.py).
+"""Quantize + pack one block of PCA coefficients per token (the encode side of kernels/codec/reference.py).
 
 z (N, k) float32 holds all coefficients of a group; a block is columns [start, start + size).
-Output: packed (N, ceil(size * bits / 8)) uint8 in kernels/bitpack.py layout, params (N, 2) fp16
+Output: packed (N, ceil(size * bits / 8)) uint8 in kernels/codec/bitpack.py layout, params (N, 2) fp16
 (shift, scale) for intB or (0, scale) for fp8, bit-identical to reference.quantize_block.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtc.kernels.bitpack import pack_codes, packed_nbytes
+from kvtc.kernels.codec.bitpack import pack_codes, packed_nbytes
 from kvtc.artifacts.blocks import qtype_bits
-from kvtc.kernels.reference import FP8_MAX, FP16_MAX, quantize_block
-from kvtc.kernels.spec import CodedBlock
+from kvtc.kernels.codec.reference import FP8_MAX, FP16_MAX, quantize_block
+from kvtc.kernels.codec.spec import CodedBlock
 
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 to nearest even
 
@@ -139,4 +139,4 @@ def quantize_pack_blocks(z: torch.Tensor, blocks: Sequence[CodedBlock], referenc
     return out
 
 
-assert FP8_MAX == 448.0 and FP16_MAX == 65504.0, "kernel constants must follow kernels/reference.py"
+assert FP8_MAX == 448.0 and FP16_MAX == 65504.0, "kernel constants must follow kernels/codec/reference.py"

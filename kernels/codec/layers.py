@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvtc.kernels.rope import RopeSpec
+from kvtc.kernels.codec.rope import RopeSpec
 
 KINDS = ("full", "sliding", "chunked", "none", "mla")
 CACHED_KINDS = ("full", "sliding", "chunked", "mla")

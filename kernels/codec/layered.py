@@ -1,6 +1,6 @@
 """Caches whose layers hold different token counts: sliding-window and chunked layers keep only their
 recent positions, layers without a KV cache hold nothing. Encoded as a per-layer container blob
-(kernels/blob.py, flag bit 1): the layers are cut into segments of equal token count, and each segment
+(kernels/codec/blob.py, flag bit 1): the layers are cut into segments of equal token count, and each segment
 is coded alone as an ordinary blob by the spec restricted to its layers (`restrict`). Groups must not
 straddle segments (`--groups auto` keeps full-attention and sliding layers apart).
 
@@ -17,10 +17,10 @@ from typing import Callable, Sequence
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.kernels.blob import (NO_CACHE, TAG_LAYOUT, TAG_SEGMENT, BlobError, BlobHeader, Section, SectionBound,
-                               SectionKey, read_blob, write_blob)
-from kvtc.kernels.entropy import PLAIN, check_sections, decode_sections
-from kvtc.kernels.spec import CodecSpec
+from kvtc.kernels.codec.blob import (NO_CACHE, TAG_LAYOUT, TAG_SEGMENT, BlobError, BlobHeader, Section, SectionBound,
+                                     SectionKey, read_blob, write_blob)
+from kvtc.kernels.codec.entropy import PLAIN, check_sections, decode_sections
+from kvtc.kernels.codec.spec import CodecSpec
 
 PerLayer = list[torch.Tensor | None]
 

@@ -1,4 +1,4 @@
-"""Interleaved rANS on the host, compiled: numba kernels bit-identical to the numpy reference (kernels/rans.py).
+"""Interleaved rANS on the host, compiled: numba kernels bit-identical to the numpy reference (kernels/codec/rans.py).
 
 The reference advances all lanes in lock-step with one numpy call per operation, so its cost is per
 step of a lane (about 20 calls of a few microseconds each), whatever the lane count; a 256-token

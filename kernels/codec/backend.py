@@ -10,9 +10,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from kvtc.kernels.dequantize import unpack_dequantize, unpack_dequantize_reference
-from kvtc.kernels.quantize import quantize_pack, quantize_pack_reference
-from kvtc.kernels.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
+from kvtc.kernels.codec.dequantize import unpack_dequantize, unpack_dequantize_reference
+from kvtc.kernels.codec.quantize import quantize_pack, quantize_pack_reference
+from kvtc.kernels.codec.rope_center import rope_center, rope_center_reference, rope_restore, rope_restore_reference
 
 BACKENDS = ("auto", "torch", "triton")
 

@@ -1,10 +1,10 @@
 """Interleaved rANS on the device: Triton decode and encode kernels and their launchers.
 
-Same format and tables as kernels/rans.py (the numpy reference, bit-identical). One program
+Same format and tables as kernels/codec/rans.py (the numpy reference, bit-identical). One program
 codes BLOCK consecutive lanes; each step of its loop codes flat symbol positions
 [i W + lane]; the tables (slot -> symbol, packed frequency | cumulative, per-component bases)
 are small static arrays that stay cache-resident. Sections are parsed and checked on the host
-(kernels/rans.Layout) before any launch; the launchers only move a section's bytes to the device
+(kernels/codec/rans.Layout) before any launch; the launchers only move a section's bytes to the device
 and never copy symbols back: `decode_device` returns the symbols on the device, `encode_device`
 returns the coded section's bytes.
 """
@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtc.kernels.blob import BlobError
-from kvtc.kernels.rans import (MAX_LANE_SYMBOLS, MAX_SYMBOL, PROB_BITS, STATE_LOW, Layout, RansTables, check_escapes,
-                               choose_lanes)
+from kvtc.kernels.codec.blob import BlobError
+from kvtc.kernels.codec.rans import (MAX_LANE_SYMBOLS, MAX_SYMBOL, PROB_BITS, STATE_LOW, Layout, RansTables, check_escapes,
+                                     choose_lanes)
 
 BLOCK = 64
 

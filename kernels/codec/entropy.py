@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 
-from kvtc.kernels.blob import BlobError, Section, SectionBound, SectionKey
+from kvtc.kernels.codec.blob import BlobError, Section, SectionBound, SectionKey
 
 PLAIN, ZLIB, RAW_DEFLATE = 0, 1, 2
 CODERS = ("zlib", "plain", "nvcomp")

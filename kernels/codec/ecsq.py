@@ -7,8 +7,8 @@ of the group's symbol models (a quantized Gaussian of the component's scale, sto
 counts so encoder and decoder build identical tables); a model covers symbols [-R, R] plus an
 escape symbol, and escaped values follow in a separate int32 list, so any finite input
 round-trips within one step. Symbols are coded in one of two formats (`ECSQ_FORMATS`):
-"rans" (the default: interleaved rANS with static tables, kernels/rans.py, decoded and encoded by
-Triton kernels on the device, kernels/rans_triton.py, or by the numpy reference on CPU hosts) or
+"rans" (the default: interleaved rANS with static tables, kernels/codec/rans.py, decoded and encoded by
+Triton kernels on the device, kernels/codec/rans_triton.py, or by the numpy reference on CPU hosts) or
 "constriction" (the first format: constriction's ANS coder, model by model, all tokens of the
 components that share a model in one call, on the host).
 
@@ -30,8 +30,8 @@ import torch
 
 from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.kernels import rans
-from kvtc.kernels.blob import BlobError
+from kvtc.kernels.codec import rans
+from kvtc.kernels.codec.blob import BlobError
 
 MAX_SYMBOL = 1 << 30
 PROBABILITY_TOTAL = 1 << 20
@@ -284,7 +284,7 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
         if fmt == "constriction":
             words, escapes = encode_symbols(q.cpu().numpy(), group)
         elif on_device:
-            from kvtc.kernels.rans_triton import encode_device
+            from kvtc.kernels.codec.rans_triton import encode_device
 
             words, escapes = encode_device(q, rans.group_tables(group))
         else:
@@ -345,7 +345,7 @@ def decode_group_to(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup,
     decodes where the symbols are used and only the coded bytes travel."""
     _check_format(fmt)
     if fmt == "rans" and on_device:
-        from kvtc.kernels.rans_triton import decode_device
+        from kvtc.kernels.codec.rans_triton import decode_device
 
         j = _exponent(words)
         q = decode_device(memoryview(words)[_EXPONENT.size:], escapes, tokens, rans.group_tables(group), device)

@@ -1,5 +1,5 @@
 """KV chunks as a storage layer hands them (LMCache: (2, layers, tokens, kv_heads * head_dim)) <->
-bounded-size KVTC bytes. The pure transform behind kernels/lmcache_serde.py; imports no LMCache.
+bounded-size KVTC bytes. The pure transform behind kernels/integrations/lmcache_serde.py; imports no LMCache.
 
 Sinks and window: a chunk is never the end of a sequence, so no recent window is kept raw. A chunk
 that starts before position `sinks` (the artifact's; the first chunk of every sequence) keeps those
@@ -43,7 +43,7 @@ Sections are stored plain (no DEFLATE). The bound of a chunk shape is the same f
 stage that can hold it (a storage layer sizes a chunk by its shape alone, before its key).
 
 Bytes: the frame "<8s16sQ" (magic b"KVTCCHK1", the key's binding digest or zeros, blob length), then
-the blob (kernels/blob.py); with `pad` (the default), zero padding up to the bound, for storage layers
+the blob (kernels/codec/blob.py); with `pad` (the default), zero padding up to the bound, for storage layers
 that read back exactly the bound (LMCache's filesystem adapter); without it, exactly the blob, for
 layers that keep variable-size objects.
 """
@@ -57,9 +57,10 @@ from typing import Any
 
 import torch
 
-from kvtc.kernels.blob import BlobError, BlobHeader, Section, read_blob, write_blob
-from kvtc.kernels.codec import KVTCCodec
-from kvtc.kernels.spec import CodecSpec
+from kvtc.kernels.codec.blob import BlobError, BlobHeader, Section, read_blob, write_blob
+from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+from kvtc.kernels.codec.model_config import check_config
+from kvtc.kernels.codec.spec import CodecSpec
 
 _FRAME = struct.Struct("<8s16sQ")
 FRAME_MAGIC = b"KVTCCHK1"
@@ -255,7 +256,7 @@ def place(spec: CodecSpec, kv: KVRank, partition: tuple[int, ...] | None = None)
 
 def placement_spec(spec: CodecSpec, placement: Placement) -> CodecSpec:
     """The spec coding `placement`'s chunks: its TP rank's heads, restricted to its layers."""
-    from kvtc.kernels.layered import restrict
+    from kvtc.kernels.codec.layered import restrict
 
     out = spec.for_rank(placement.tp_rank) if spec.tensor_parallel is not None else spec
     if (placement.first, placement.end) == (0, spec.num_layers):
@@ -313,8 +314,6 @@ class ChunkTransform:
                              "positions. Serve it through `kvtc lmcache-server` (which records the positions of "
                              "LMCache's chunks), or calibrate with --keys rope-kept for chunk stores")
         if model_config is not None and spec.rank is None:
-            from kvtc.kernels.kvtc_cache import check_config
-
             check_config(spec, model_config)
         self.sinks = spec.sinks if positions else 0  # raw in a first chunk; unknowable without positions
         self.positional = self.needs_positions or self.sinks > 0  # whether a chunk's bytes depend on its start
@@ -521,8 +520,6 @@ class RankedChunkTransforms:
         if self.spec.rank is not None:
             raise ValueError("RankedChunkTransforms takes the artifact's whole-model codec (rank=None)")
         if model_config is not None:
-            from kvtc.kernels.kvtc_cache import check_config
-
             check_config(self.spec, model_config)
         self._codec, self._mode, self._pad, self._positions = codec, mode, pad, positions
         self._sink_budget = sink_budget

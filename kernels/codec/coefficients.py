@@ -1,9 +1,9 @@
 """Quantized PCA coefficients held in memory, and per-layer decode from them.
 
-The blob (kernels/codec.py) is the storage form of a cache; this is its resident form for a cache
+The blob (kernels/codec/kvtc_codec.py) is the storage form of a cache; this is its resident form for a cache
 that keeps running, in the codec's mode: "fixed" holds the same quantized blocks (packed codes +
 fp16 params, no DEFLATE, so they can be dequantized every step); "ecsq" holds, per stream, group
-and sequence, the ECSQ group's ANS words and escapes (kernels/ecsq.py `encode_group`, with the
+and sequence, the ECSQ group's ANS words and escapes (kernels/codec/ecsq.py `encode_group`, with the
 codec's rate control), entropy-decoded when read. Either way a decode of one layer at a time reads
 only that layer's rows of its group's components.
 
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.kernels import ecsq
-from kvtc.kernels.backend import Ops, resolve_ops
-from kvtc.kernels.quantize import quantize_pack_blocks
-from kvtc.kernels.rope import RopeSpec
-from kvtc.kernels.spec import STREAMS, CodecSpec
+from kvtc.kernels.codec import ecsq
+from kvtc.kernels.codec.backend import Ops, resolve_ops
+from kvtc.kernels.codec.quantize import quantize_pack_blocks
+from kvtc.kernels.codec.rope import RopeSpec
+from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 Packed = tuple[torch.Tensor, torch.Tensor]
 

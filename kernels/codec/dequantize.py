@@ -1,6 +1,6 @@
-"""Unpack + dequantize one block (the decode side of kernels/reference.py).
+"""Unpack + dequantize one block (the decode side of kernels/codec/reference.py).
 
-packed (N, nbytes) uint8 in kernels/bitpack.py layout and params (N, 2) fp16 -> z_hat written into
+packed (N, nbytes) uint8 in kernels/codec/bitpack.py layout and params (N, 2) fp16 -> z_hat written into
 columns [start, start + size) of out (N, k) float32, equal to reference.dequantize_block.
 """
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtc.kernels.bitpack import unpack_codes
+from kvtc.kernels.codec.bitpack import unpack_codes
 from kvtc.artifacts.blocks import qtype_bits
-from kvtc.kernels.reference import dequantize_block
+from kvtc.kernels.codec.reference import dequantize_block
 
 
 @triton.jit
