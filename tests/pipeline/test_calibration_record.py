@@ -105,7 +105,7 @@ PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", 
                 "--holdout-fraction", "0.3", "--text-column", "body", "--dtype", "bfloat16", "--sinks", "2",
                 "--window", "32", "--groups", "layers:2", "--sample", "0.5", "--seed", "7", "--keys", "rope-kept",
                 "--block-sizes", "1,32", "--types", "none,int4", "--error-model", "analytic", "--heldout-rows", "999",
-                "--tokens-curve-points", "0", "--accumulators", "2", "--served-sequences", "1", "--tp", "2",
+                "--tokens-curve-points", "0", "--accumulators", "2", "--served-sequences", "2", "--tp", "2",
                 "--basis-budget", "3%", "--max-components", "24", "--objective", "attention",
                 "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none",
                 "--bit-split", "joint"]
