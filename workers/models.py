@@ -87,13 +87,11 @@ def _atomic_save(final: Path, save: Any) -> None:
     stage_folder(final, save, taken=lambda exc: final.exists())
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.nn.Module, Any, str]:
-    from transformers import AutoModelForCausalLM
-
-    digest = sha256_file(path)
-    cached = cache_dir / f"gguf-{digest[:24]}"
+def convert_gguf(path: Path, cache_dir: Path, digest: str | None = None) -> Path:
+    """The GGUF file's weights dequantized once into a safetensors folder of the cache -> that folder."""
+    cached = cache_dir / f"gguf-{(digest or sha256_file(path))[:24]}"
     if not (cached / "config.json").exists():
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
@@ -103,7 +101,23 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.n
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         _atomic_save(cached, model.save_pretrained)
-    model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+    return cached
+
+
+def prepare_weights(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = None) -> None:
+    """Do once, in this process, what every worker of this node would otherwise do at once on a cold cache:
+    a GGUF spec's conversion (other specs load as they are)."""
+    if spec == DEFAULT_SPEC or spec.endswith(".gguf"):
+        path = embedded_gguf_path() if spec == DEFAULT_SPEC else Path(spec).expanduser()
+        if path.is_file():
+            convert_gguf(path, default_cache_dir(cache_dir))
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.nn.Module, Any, str]:
+    from transformers import AutoModelForCausalLM
+
+    digest = sha256_file(path)
+    model = AutoModelForCausalLM.from_pretrained(convert_gguf(path, cache_dir, digest), dtype=dtype)
     return model, gguf_tokenizer(path, cache_dir), digest
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job.pool_run import PoolRun
@@ -160,7 +160,7 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
     from kvtc.pipeline.job.shard_worker import ShardWorker
     from kvtc.artifacts.fingerprint import model_id as fingerprint_id
-    from kvtc.workers.models import resolve_dtype
+    from kvtc.workers.models import prepare_weights, resolve_dtype
 
     cfg, fingerprint = planned.settings, planned.fingerprint
     capture, rt = cfg.capture, cfg.runtime
@@ -206,8 +206,9 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     if in_process:
         workers, pool = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), total)
     else:
-        workers, pool = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs, payloads(store, planner),
-                                    total)
+        ready = lambda: prepare_weights(cfg.model.model, rt.cache_dir)  # noqa: E731
+        workers, pool = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs,
+                                    _after_first(payloads(store, planner), ready), total)
     results = [ShardResult.from_dict(r) for r in pool.results]
     return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
                   pool.startup_s, pool.run_s)
@@ -335,6 +336,17 @@ def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_no
     return plan_gpus(size, gpu_bytes, int(cluster_gpus), gpus_per_node,
                      lambda workers: _memory_estimate(cfg, layers_of(fp), kv, hd, cfg.capture.groups,
                                                       rt.workers or workers).worker, rt.gpus_per_worker)
+
+
+def _after_first(payloads: Iterator[dict], before: Callable[[], None]) -> Iterator[dict]:
+    """`payloads`, with `before()` run once there is a first one (the workers start only then; a job whose
+    shards are all cached runs neither)."""
+    first = next(payloads, None)
+    if first is None:
+        return
+    before()
+    yield first
+    yield from payloads
 
 
 def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict,

@@ -1,0 +1,24 @@
+"""The embedded GGUF is converted once per node, by the driver, before the workers start (not by every
+worker at once on a cold cache); a job with nothing to run converts nothing."""
+from kvtc.pipeline.job.calibrate import _after_first
+from kvtc.workers.models import convert_gguf, embedded_gguf_path, load_model, prepare_weights
+
+
+def test_prepare_weights_converts_once_and_workers_reuse_it(tmp_path):
+    prepare_weights("smollm2-135m", tmp_path)
+    (folder,) = tmp_path.glob("gguf-*")
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert convert_gguf(embedded_gguf_path(), tmp_path) == folder
+    lm = load_model("smollm2-135m", cache_dir=tmp_path)
+    assert lm.num_layers == 30 and (folder / "config.json").stat().st_mtime_ns == stamp
+    prepare_weights("tiny:llama", tmp_path)  # nothing to convert
+    assert list(tmp_path.glob("gguf-*")) == [folder]
+
+
+def test_after_first_runs_its_step_only_when_there_is_work():
+    calls = []
+    assert list(_after_first(iter([]), lambda: calls.append(1))) == [] and calls == []
+    seen = []
+    for item in _after_first(iter([{"a": 1}, {"b": 2}]), lambda: calls.append(len(seen))):
+        seen.append(item)
+    assert seen == [{"a": 1}, {"b": 2}] and calls == [0]
