@@ -84,7 +84,7 @@ def evaluate(names: dict[str, str], registry: str, domains: dict[str, str], args
 
     ratios = tuple(float(r) for r in args.ratios.split(","))
     settings = quality.EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences,
-                                    baselines=(), mode=args.mode)
+                                    baselines=(), mode=args.mode, served=not args.offline_only)
     rows = []
     for label, spec in domains.items():
         for objective, name in names.items():
@@ -150,6 +150,7 @@ def main() -> int:
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--mode", default=None, choices=("ecsq", "fixed"))
+    ap.add_argument("--offline-only", action="store_true", help="score the offline codec only, not the chunk path too")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--capture-cost", type=int, default=0, metavar="N",
                     help="also time the fold's model work on N sequences, mse vs attention, interleaved")
