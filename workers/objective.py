@@ -42,7 +42,7 @@ class Objective:
 
 
 class MseObjective(Objective):
-    """The cache's own squared error: orthonormal bases, one bit total per stream."""
+    """The cache's own squared error: orthonormal bases; a joint bit split shares a total within a stream only."""
 
     name = "mse"
     caption = "errors: the cache's own squared error (--objective mse)"
@@ -72,14 +72,14 @@ class AttentionObjective(Objective):
                 "[sinks, T - window).")
 
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (MseObjective(), AttentionObjective())}
-NAMES = tuple(OBJECTIVES)
+_BY_NAME: dict[str, Objective] = {o.name: o for o in (MseObjective(), AttentionObjective())}
+NAMES = tuple(_BY_NAME)
 
 
 def objective_for(name: str) -> Objective:
     """The objective stored as `name`; ValueError naming the choices for any other."""
     try:
-        return OBJECTIVES[name]
+        return _BY_NAME[name]
     except (KeyError, TypeError):
         hint = " ('auto' is resolved against the model first: kvtc.workers.attention_metric.choose_objective)" \
             if name == "auto" else ""

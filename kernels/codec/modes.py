@@ -9,14 +9,14 @@ from kvtc.kernels.codec.mode import Mode
 from kvtc.kernels.codec.spec import CodecSpec
 
 FIXED, ECSQ = FixedMode(), EcsqMode()
-MODES: dict[str, Mode] = {m.name: m for m in (FIXED, ECSQ)}
-NAMES = tuple(MODES)
+_BY_NAME: dict[str, Mode] = {m.name: m for m in (FIXED, ECSQ)}
+NAMES = tuple(_BY_NAME)
 
 
 def mode_for(name: str) -> Mode:
     """The mode named `name`; ValueError naming the choices for any other."""
     try:
-        return MODES[name]
+        return _BY_NAME[name]
     except (KeyError, TypeError):
         raise ValueError(f"mode must be one of {NAMES}, got {name!r}") from None
 
