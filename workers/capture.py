@@ -32,6 +32,7 @@ import torch
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers
 from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.workers.models import LoadedModel
+from kvtc.workers.objective import objective_for
 
 
 
@@ -141,7 +142,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
     if settings.objective == "auto":
         raise ValueError("objective 'auto' is resolved against the model before capture (kvtc.workers.attention_metric."
                          "choose_objective, which the calibration plan runs); pass 'attention' or 'mse'")
-    metric = metric_capture(lm) if settings.objective == "attention" else None
+    metric = metric_capture(lm) if objective_for(settings.objective).captures_metric else None
     keys, values = _forward_cache(lm, input_ids, metric)
     if metric is not None:
         metric.attend(keys, settings.sinks, values)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
+from kvtc.workers.objective import NAMES, MseObjective
 from kvtc.workers.options import option
 
 if TYPE_CHECKING:
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 KEY_FORMS = ("rope-removed", "rope-kept")
 GROUP_FORMS = ("auto", "model", "layer")
-OBJECTIVES = ("auto", "mse", "attention")
+OBJECTIVES = ("auto", *NAMES)
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,11 @@ class CaptureSettings:
             del d["keys"]  # the default stays out, so shard-store keys written before the option still match
         if self.tp == 1:
             del d["tp"]  # likewise
-        if self.objective == "mse":
-            del d["objective"]  # likewise
+        if self.objective == MseObjective.name:
+            del d["objective"]  # likewise: the objective before the option
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
         """The inverse of `to_dict` (whose missing objective is "mse")."""
-        return cls(**{"objective": "mse", **d})
+        return cls(**{"objective": MseObjective.name, **d})

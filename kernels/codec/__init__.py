@@ -1,9 +1,9 @@
 """The KVTC runtime codec: what a decoder must run to read what an encoder wrote.
 
-Spec (`spec`), codec (`kvtc_codec.KVTCCodec`), blob and chunk formats (`blob`, `layered`, `chunk_serde`),
-the coefficient coder a cache keeps resident (`coefficients`), quantizers (Triton kernels and their torch
-references), RoPE removal, ECSQ and interleaved rANS, and the check of a model config against an artifact
-(`model_config`). Every *.py of this folder, this file included, is the kernel bundle an artifact names
+Spec (`spec`), codec (`kvtc_codec.KVTCCodec`) and its modes (`modes`: `fixed_mode`, `ecsq_mode`), blob and
+chunk formats (`blob`, `layered`, `chunk_serde`), the coefficient coder a cache keeps resident
+(`coefficients`), quantizers (Triton kernels and their torch references), RoPE removal, ECSQ and
+interleaved rANS, and the check of a model config against an artifact (`model_config`). Every *.py of this folder, this file included, is the kernel bundle an artifact names
 (kvtc.artifacts.bundle hashes the folder and ships it in the version folder); nothing here imports
 kvtc.kernels.integrations.
 

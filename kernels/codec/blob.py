@@ -34,11 +34,12 @@ TAG_RAW_HEAD, TAG_RAW_TAIL, TAG_PARAMS, TAG_CODES = 1, 2, 3, 4
 TAG_ECSQ, TAG_ESCAPES = 5, 6  # ECSQ mode: per (stream, group) the ANS words, then the escaped symbols
 TAG_LAYOUT, TAG_SEGMENT = 7, 8  # per-layer container: layer token counts, then one inner blob per segment
 NO_CACHE = 0xFFFFFFFF
-MODES = ("fixed", "ecsq")
-ECSQ_FORMATS = ("constriction", "rans")  # ECSQ symbol formats, by flag bit 2
 FLAG_ECSQ = 1
 FLAG_LAYERED = 2
 FLAG_RANS = 4
+MODE_FLAGS = {"fixed": 0, "ecsq": FLAG_ECSQ}  # each codec mode's flag (kernels/codec/modes.py)
+MODES = tuple(MODE_FLAGS)  # by flag bit 0
+ECSQ_FORMATS = ("constriction", "rans")  # ECSQ symbol formats, by flag bit 2
 _PREFIX = struct.Struct("<4sHHII")
 _FIELDS = struct.Struct("<dBIIIIQIIIII")
 _SECTION = struct.Struct("<BBHHBQQI")
@@ -121,8 +122,8 @@ def write_blob(header: BlobHeader, sections: list[Section]) -> bytes:
     for s in sections:
         meta.append(_SECTION.pack(*s.key, s.coding, len(s.stored), s.raw_len, zlib.crc32(s.stored)))
     meta_b = b"".join(meta)
-    flags = (FLAG_ECSQ if header.mode == "ecsq" else 0) | (FLAG_LAYERED if header.layered else 0)
-    if header.mode == "ecsq" and header.ecsq_format == "rans":
+    flags = MODE_FLAGS[header.mode] | (FLAG_LAYERED if header.layered else 0)
+    if flags & FLAG_ECSQ and header.ecsq_format == "rans":
         flags |= FLAG_RANS
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(meta_b), zlib.crc32(meta_b))
     return b"".join([prefix, meta_b, *(bytes(s.stored) for s in sections)])

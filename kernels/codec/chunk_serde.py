@@ -60,6 +60,7 @@ import torch
 from kvtc.kernels.codec.blob import BlobError, BlobHeader, Section, read_blob, write_blob
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.model_config import check_config
+from kvtc.kernels.codec.modes import default_mode
 from kvtc.kernels.codec.spec import CodecSpec
 
 _FRAME = struct.Struct("<8s16sQ")
@@ -320,7 +321,7 @@ class ChunkTransform:
         self.spec = replace(spec, sinks=self.sinks, window=0)
         self.label = label or f"artifact {spec.name}@{spec.version}"
         if mode is None:  # the codec's mode where this serde knows its size bound
-            mode = codec.mode if codec.mode in MODES else ("ecsq" if spec.ecsq is not None else "fixed")
+            mode = codec.mode if codec.mode in MODES else default_mode(spec).name
         if mode not in MODES:
             raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {MODES}, not {mode!r}")
         options = dict(backend=codec.backend, level=0, ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype)

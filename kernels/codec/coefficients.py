@@ -1,11 +1,11 @@
 """Quantized PCA coefficients held in memory, and per-layer decode from them.
 
 The blob (kernels/codec/kvtc_codec.py) is the storage form of a cache; this is its resident form for a cache
-that keeps running, in the codec's mode: "fixed" holds the same quantized blocks (packed codes +
-fp16 params, no DEFLATE, so they can be dequantized every step); "ecsq" holds, per stream, group
-and sequence, the ECSQ group's ANS words and escapes (kernels/codec/ecsq.py `encode_group`, with the
-codec's rate control), entropy-decoded when read. Either way a decode of one layer at a time reads
-only that layer's rows of its group's components.
+that keeps running, in the codec's mode (kernels/codec/modes.py, which owns each mode's form): "fixed" holds
+the same quantized blocks (packed codes + fp16 params, no DEFLATE, so they can be dequantized every step);
+"ecsq" holds, per stream, group and sequence, the ECSQ group's ANS words and escapes (kernels/codec/ecsq.py
+`encode_group`, with the codec's rate control), entropy-decoded when read. Either way a decode of one layer
+at a time reads only that layer's rows of its group's components.
 
 Shapes: a layer's cache (B, H, T, D); a token block of all layers (L, B, H, n, D); coefficients of
 a group z (B * n, kept) float32, rows in (batch, token) order.
@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec.backend import Ops, resolve_ops
-from kvtc.kernels.codec.quantize import quantize_pack_blocks
+from kvtc.kernels.codec.modes import mode_for
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
@@ -51,23 +50,12 @@ class CodedTokens:
     def nbytes(self) -> int:
         """Bytes held: the tensors' (fixed), or the ANS words and escapes (ecsq; payload bytes, not
         counting Python's ~33-byte header per bytes object)."""
-        if self.mode == "ecsq":
-            return sum(len(w) + len(e) for groups in self.blocks.values() for seqs in groups for w, e in seqs)
-        return sum(t.numel() * t.element_size() for groups in self.blocks.values() for blocks in groups
-                   for pair in blocks if pair is not None for t in pair)
+        return mode_for(self.mode).resident_nbytes(self.blocks)
 
     def select_batch(self, index: torch.Tensor) -> "CodedTokens":
         """Keep (or repeat, reorder) sequences: index (B',) into the batch."""
-        if self.mode == "ecsq":
-            rows = [int(i) for i in index.tolist()]
-            blocks = {s: tuple(tuple(seqs[i] for i in rows) for seqs in groups) for s, groups in self.blocks.items()}
-            return CodedTokens(self.start, self.tokens, len(rows), blocks, self.mode, self.device)
-        def pick(x: torch.Tensor) -> torch.Tensor:
-            return x.reshape(self.batch, self.tokens, -1)[index.to(x.device)].reshape(-1, x.shape[-1]).contiguous()
-
-        blocks = {s: tuple(tuple(None if p is None else (pick(p[0]), pick(p[1])) for p in bl) for bl in groups)
-                  for s, groups in self.blocks.items()}
-        return CodedTokens(self.start, self.tokens, int(index.numel()), blocks)
+        blocks = mode_for(self.mode).select(self.blocks, self.batch, self.tokens, index)
+        return CodedTokens(self.start, self.tokens, int(index.numel()), blocks, self.mode, self.device)
 
 
 class CoefficientCoder:
@@ -81,14 +69,12 @@ class CoefficientCoder:
 
     def __init__(self, spec: CodecSpec, backend: str = "auto", mode: str = "fixed", rate_control: bool = True,
                  ecsq_format: str = "rans", basis_dtype: torch.dtype | None = None) -> None:
-        if mode not in ("fixed", "ecsq"):
-            raise ValueError(f"mode must be 'fixed' or 'ecsq', got {mode!r}")
-        if mode == "ecsq" and spec.ecsq is None:
-            raise ValueError(f"mode 'ecsq' needs a spec with ECSQ tables; {spec.name}@{spec.version} has none "
-                             f"for ratio {spec.ratio:g}")
+        self._mode = mode_for(mode)
+        self._mode.check(spec)
+        self._mode.check_resident(spec)
         self.spec = spec
         self.backend = backend
-        self.mode, self.rate_control, self.ecsq_format = mode, rate_control, ecsq_format
+        self.rate_control, self.ecsq_format = rate_control, ecsq_format
         self.basis_dtype = basis_dtype  # None: the cache's dtype on CUDA, float32 elsewhere (as KVTCCodec)
         self.layer_ropes: list[RopeSpec | None] = spec.layer_ropes  # each layer's own RoPE (None: NoPE / kept)
         self._on_device: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -101,11 +87,11 @@ class CoefficientCoder:
                 row = g.group.layer_offset(layer, spec.kv_heads, spec.head_dim)
                 self.layer_parts.setdefault(layer, []).append((gi, row, heads))
         self.layer_group = {layer: parts[0][:2] for layer, parts in self.layer_parts.items()}
-        for stream in STREAMS if mode == "fixed" else ():
-            for g in spec.streams[stream]:
-                if any(b.qtype not in _BLOCK_TYPES for b in g.blocks):
-                    raise ValueError(f"{stream} group {g.group.label}: block types {sorted({b.qtype for b in g.blocks})} "
-                                     f"are not all per-block min/max or fp8 types {_BLOCK_TYPES}")
+
+    @property
+    def mode(self) -> str:
+        """The mode it encodes in: "fixed" or "ecsq" (kernels/codec/modes.py)."""
+        return self._mode.name
 
     def _group(self, stream: str, gi: int, device: torch.device, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,17 +99,17 @@ class CoefficientCoder:
         dt = self.basis_dtype or (dtype if device.type == "cuda" else torch.float32)
         key = (stream, str(device), gi, str(dt))
         if key not in self._on_device:
-            g = self.spec.streams[stream][gi]
+            code = self._mode.codes(self.spec, stream)[gi]
+            comps = code.components[:, :code.kept].to(device=device, dtype=dt).contiguous()
             # the codec centres with the fixed-rate groups' mean in both modes
-            comps = self.spec.ecsq[stream][gi].components if self.mode == "ecsq" else g.components[:, :g.kept]
-            self._on_device[key] = (g.mean.to(device), comps.to(device=device, dtype=dt).contiguous())
+            self._on_device[key] = (self.spec.streams[stream][gi].mean.to(device), comps)
         return self._on_device[key]
 
     def _decoding(self, stream: str, gi: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The mode's kept decoding matrix (the decoder, or the components of an orthonormal basis) as `_group`
         holds the components; an orthonormal basis shares the components' tensor."""
         mean, comps = self._group(stream, gi, device, dtype)
-        code = self.spec.ecsq[stream][gi] if self.mode == "ecsq" else self.spec.streams[stream][gi]
+        code = self._mode.codes(self.spec, stream)[gi]
         if code.decoder is None:
             return comps
         key = ("decoding", stream, str(device), gi, str(comps.dtype))
@@ -180,40 +166,13 @@ class CoefficientCoder:
                 mean, comps = self._group(stream, gi, dev, x.dtype)
                 feat = self._features(stream, cache, g.group, mean, ops, start, n, B)
                 z = (feat.to(comps.dtype) @ comps).float().contiguous()
-                if self.mode == "ecsq":
-                    groups.append(self._encode_ecsq(z, stream, gi, B, n))
-                    continue
-                coded = quantize_pack_blocks(z, g.blocks, reference=ops.name == "torch")
-                groups.append(tuple(None if c is None else (c[0].contiguous(), c[1].contiguous()) for c in coded))
+                groups.append(self._mode.encode_resident(self, z, stream, gi, ops, B, n))
             blocks[stream] = tuple(groups)
         return CodedTokens(start, n, B, blocks, self.mode, str(dev))
 
-    def _encode_ecsq(self, z: torch.Tensor, stream: str, gi: int, batch: int, n: int
-                     ) -> tuple[tuple[bytes, bytes], ...]:
-        """z (B*n, kept) -> per sequence (words, escapes), budgeted like the codec's sections for n tokens."""
-        g = self.spec.ecsq[stream][gi]
-        budget = g.budget_bytes(self.spec.ratio, n) if self.rate_control else None
-        on_dev = z.device.type == "cuda" and self._ops(z.device).name == "triton"
-        return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget, self.ecsq_format, on_dev) for b in range(batch))
-
     def coefficients(self, coded: CodedTokens, stream: str, gi: int) -> torch.Tensor:
         """Dequantized coefficients z (B * n, kept) float32 of one group."""
-        if coded.mode == "ecsq":
-            g, dev = self.spec.ecsq[stream][gi], torch.device(coded.device)
-            parts, on_dev = [], dev.type == "cuda" and self._ops(dev).name == "triton"
-            for words, escapes in coded.blocks[stream][gi]:
-                q, step = ecsq.decode_group_to(words, escapes, coded.tokens, g, self.ecsq_format, dev, on_dev)
-                parts.append(ecsq.dequantize(q, step, self._offsets(stream, gi, dev)))
-            return torch.cat(parts)
-        g = self.spec.streams[stream][gi]
-        parts = coded.blocks[stream][gi]
-        dev = next((p[0].device for p in parts if p is not None), torch.device("cpu"))
-        z = torch.zeros(coded.batch * coded.tokens, g.kept, dtype=torch.float32, device=dev)
-        ops = self._ops(dev)
-        for b, pair in zip(g.blocks, parts):
-            if pair is not None:
-                ops.unpack_dequantize(pair[0], pair[1], b.qtype, z, b.start, b.size)
-        return z
+        return mode_for(coded.mode).coefficients(self, coded, stream, gi)
 
     def decode_layer(self, coded: CodedTokens, z: torch.Tensor, stream: str, layer: int, dtype: torch.dtype
                      ) -> torch.Tensor:
@@ -243,5 +202,3 @@ def _group_cache(cache: torch.Tensor, group: FeatureGroup, kv_heads: int) -> tor
         return cache[a:a + len(group.layers), h0:h1]
     return cache[list(group.layers), h0:h1]
 
-
-_BLOCK_TYPES = ("int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8", "none")

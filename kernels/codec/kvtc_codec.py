@@ -24,15 +24,15 @@ import torch
 
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels.codec import ecsq
-from kvtc.kernels.codec.blob import (NO_CACHE, TAG_CODES, TAG_ECSQ, TAG_ESCAPES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL,
-                                     BlobError, BlobHeader, Section, SectionBound, SectionKey, read_blob, write_blob)
-from kvtc.kernels.codec.bitpack import packed_nbytes
-from kvtc.kernels.codec.entropy import CODERS, PLAIN, decode_sections, encode_section
+from kvtc.kernels.codec.blob import (NO_CACHE, TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader,
+                                     Section, SectionBound, SectionKey, read_blob, write_blob)
+from kvtc.kernels.codec.entropy import CODERS, decode_sections, encode_section
 from kvtc.kernels.codec.layout import (bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes,
                                        tensor_bytes)
 from kvtc.kernels.codec.backend import BACKENDS, resolve_ops
-from kvtc.kernels.codec.quantize import quantize_pack_blocks
 from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
+from kvtc.kernels.codec.mode import Mode
+from kvtc.kernels.codec.modes import mode_for, resolve_mode
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -85,7 +85,7 @@ class KVTCCodec:
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         self.backend, self.level, self.coder, self.max_tokens = backend, level, coder, max_tokens
-        self.mode = _resolve_mode(self.spec, mode)
+        self._mode: Mode = resolve_mode(self.spec, mode)
         if ecsq_format not in ecsq.ECSQ_FORMATS:
             raise ValueError(f"ecsq_format must be one of {ecsq.ECSQ_FORMATS}, got {ecsq_format!r}")
         self.ecsq_format = ecsq_format
@@ -99,6 +99,11 @@ class KVTCCodec:
         self._per_layer_rope = not shared
         self._subs: dict[tuple[int, ...], KVTCCodec] = {}
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
+
+    @property
+    def mode(self) -> str:
+        """The mode new blobs are written in: "ecsq" or "fixed" (kernels/codec/modes.py)."""
+        return self._mode.name
 
     @classmethod
     def from_registry(cls, ref: str, ratio: float, registry: Any = None, *, public_key: Any = None,
@@ -161,7 +166,7 @@ class KVTCCodec:
             mean = torch.empty(self.spec.stream_features(stream), dtype=torch.float32, device=device)
             for c, g in zip(cols, groups):
                 mean[c] = g.mean.to(device)
-            codes = self.spec.ecsq[stream] if mode == "ecsq" else groups
+            codes = mode_for(mode).codes(self.spec, stream)
             parts = [(c, _held(g.components[:, : g.kept], device, dtype, g, "components"), g) for c, g in zip(cols, codes)]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
@@ -212,6 +217,19 @@ class KVTCCodec:
         with self._stage("entropy", device):
             coding, stored = encode_section(raw, self.level, self.coder)
         return Section(key, coding, len(raw), stored)
+
+    @staticmethod
+    def _block_bytes(packed: torch.Tensor, params: torch.Tensor) -> tuple[bytes, bytes]:
+        """A fixed-rate block's per-token params and packed codes as their sections' raw bytes (TAG_PARAMS, TAG_CODES)."""
+        return params_bytes(params), codes_bytes(packed)
+
+    @staticmethod
+    def _block_tensors(data: dict, si: int, gi: int, bi: int, mid: int, dev: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed codes and params of `mid` tokens that one block's sections hold (`_block_bytes` inverted)."""
+        packed = codes_from_bytes(data[SectionKey(TAG_CODES, si, gi, bi)], mid, dev)
+        params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
+        return packed, params
 
     def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         s = self.spec
@@ -301,19 +319,7 @@ class KVTCCodec:
                     if stream == self.spec.rope_stream and self._per_layer_rope:
                         xm = self._remove_rope(xm, positions)
                     feat = ops.rope_center(xm, cos, sin, mean, layout)
-                if self.mode == "ecsq":
-                    sections += self._encode_ecsq(feat, si, stream, dev, ops.name, parts, budget_scale)
-                    continue
-                for gi, (cols, comps, code) in enumerate(parts):
-                    with self._stage("project", dev):
-                        z = (feat[:, cols].to(comps.dtype) @ comps).float().contiguous()
-                    with self._stage("quantize_pack", dev):
-                        coded = quantize_pack_blocks(z, code.blocks, reference=ops.name == "torch")
-                        coded = [(params_bytes(c[1]), codes_bytes(c[0])) if c else None for c in coded]
-                    for bi, c in enumerate(coded):
-                        if c is not None:
-                            sections.append(self._section(SectionKey(TAG_PARAMS, si, gi, bi), c[0], dev))
-                            sections.append(self._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
+                sections += self._mode.encode(self, feat, si, stream, dev, ops, parts, budget_scale)
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
                             s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format)
@@ -325,46 +331,18 @@ class KVTCCodec:
             return self.device_entropy and ops_name == "triton"
         return dev.type == "cuda" and ops_name == "triton"
 
-    def _encode_ecsq(self, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops_name: str,
-                     parts: list, budget_scale: float = 1.0) -> list[Section]:
-        """Centred features (mid, p) of one stream -> per group: coded symbols section, escapes section."""
-        out, on_dev = [], self.on_device(dev, ops_name)
-        for gi, (cols, comps, g) in enumerate(parts):
-            with self._stage("project", dev):
-                z = (feat[:, cols].to(comps.dtype) @ comps).float()
-            budget = int(g.budget_bytes(self.spec.ratio, z.shape[0]) * budget_scale) \
-                if self.rate_control else None
-            with self._stage("entropy", dev):
-                words, escapes = ecsq.encode_group(z, g, budget, self.ecsq_format, on_dev)
-            out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
-            out.append(self._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
-        return out
-
     def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
+        """An ECSQ group's centroid offsets on `device`, held once."""
         key = (f"offsets:{stream}:{gi}", str(device))
         if key not in self._on_device:
             self._on_device[key] = (self.spec.ecsq[stream][gi].offsets.to(device), [])
         return self._on_device[key][0]
 
-    def _decode_ecsq(self, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
-                     fmt: str, on_dev: bool, parts: list) -> None:
-        """Fill feat (mid, p) with one stream's reconstructed centred features; parts: _params(decode=True)."""
-        for gi, (cols, comps, g) in enumerate(parts):
-            off = self._offsets(stream, gi, dev)
-            with self._stage("entropy_decode", dev):
-                q, step = ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
-                                               data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, fmt, dev, on_dev)
-            with self._stage("dequantize", dev):
-                zhat = ecsq.dequantize(q, step, off)
-            with self._stage("project", dev):
-                feat[:, cols] = zhat.to(comps.dtype) @ comps.T
-
     def section_bounds(self, header: BlobHeader, sections: list[Section] | None = None) -> list[SectionBound]:
         """Every section a blob with this header must hold, in order, each with the most raw bytes it may
         inflate to (from the header: token count, kept components, symbol models). The raw sinks and window
-        are common to every mode; the coded middle's sections come from the mode's bound function
-        (`_MODE_BOUNDS`; a new mode adds its own there). `sections`: the blob's table, for a mode whose
-        bound on one section depends on another's stored length."""
+        are common to every mode; the coded middle's sections come from the blob's mode (Mode.section_bounds).
+        `sections`: the blob's table, for a mode whose bound on one section depends on another's stored length."""
         L, H, T = header.layers, header.kv_heads, header.tokens
         widths = (header.head_dim, self.spec.dim("values") if self.spec.value_dim is not None else header.head_dim)
         item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
@@ -372,50 +350,18 @@ class KVTCCodec:
         out = [SectionBound(SectionKey(tag, si, 0, 0), L * H * n * widths[si] * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
         if mid:
-            out += _MODE_BOUNDS[header.mode](self, mid, {s.key: s for s in sections or ()}, header)
+            out += mode_for(header.mode).section_bounds(self, mid, {s.key: s for s in sections or ()}, header)
         return out
 
     def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
         """(key, raw length; None where only a bound is known) of every section, in order (see section_bounds)."""
         return [(b.key, b.max_raw if b.exact else None) for b in self.section_bounds(header)]
 
-    def _fixed_bounds(self, mid: int, _table: dict, _header: BlobHeader) -> list[SectionBound]:
-        out = []
-        for si, stream in enumerate(STREAMS):
-            for gi, g in enumerate(self.spec.streams[stream]):
-                for bi, b in enumerate(g.blocks):
-                    if b.bits:
-                        out.append(SectionBound(SectionKey(TAG_PARAMS, si, gi, bi), mid * 4))
-                        out.append(SectionBound(SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
-        return out
-
-    def _ecsq_bounds(self, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
-        if self.spec.ecsq is None:
-            raise BlobError(f"blob was written in the ECSQ mode; artifact {self.spec.name}@{self.spec.version} has "
-                            f"no ECSQ tables for ratio {self.spec.ratio:g}")
-        out = []
-        for si, stream in enumerate(STREAMS):
-            for gi, g in enumerate(self.spec.ecsq[stream]):
-                key = SectionKey(TAG_ECSQ, si, gi, 0)
-                words = table[key].raw_len if key in table and table[key].coding == PLAIN else None
-                words_max, escapes_max = ecsq.section_bounds(g, mid, words, header.ecsq_format)
-                out.append(SectionBound(key, words_max, exact=False, plain=True))
-                out.append(SectionBound(SectionKey(TAG_ESCAPES, si, gi, 0), escapes_max, exact=False))
-        return out
-
     def _check_capacity(self, header: BlobHeader, sections: list[Section]) -> None:
-        """BlobError when the sections given cannot hold the tokens the header declares (ECSQ: a lower bound
-        on the words each token's symbols cost; the fixed mode's sections are exact sizes, bounded by their
-        stored bytes in read_blob), checked before any per-token array is built."""
+        """BlobError when the sections given cannot hold the tokens the header declares (Mode.check_capacity),
+        checked before any per-token array is built."""
         _, mid, _ = self.split(header.tokens, header.start)
-        if header.mode != "ecsq" or not mid or self.spec.ecsq is None:
-            return
-        table = {s.key: s for s in sections}
-        for si, stream in enumerate(STREAMS):
-            for gi, g in enumerate(self.spec.ecsq[stream]):
-                words = table.get(SectionKey(TAG_ECSQ, si, gi, 0))
-                if words is not None:
-                    ecsq.check_capacity(g, mid, len(words.stored), header.ecsq_format)
+        mode_for(header.mode).check_capacity(self, mid, sections, header)
 
     def _check_header(self, h: BlobHeader) -> None:
         s = self.spec
@@ -478,25 +424,13 @@ class KVTCCodec:
                                     "blob is corrupt or forged")
                 out[si][:, :, lo:hi] = raw.to(dev).to(dtype)
         if mid:
-            ops = resolve_ops(self.backend, dev)
+            ops, mode = resolve_ops(self.backend, dev), mode_for(header.mode)
             positions = torch.arange(header.start + head, header.start + head + mid, device=dev)
             for si, stream in enumerate(STREAMS):
                 D = widths[si]
                 mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype), decode=True)
                 feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
-                if header.mode == "ecsq":
-                    self._decode_ecsq(data, si, stream, mid, feat, dev, header.ecsq_format,
-                                      self.on_device(dev, ops.name), parts)
-                for gi, (cols, comps, code) in enumerate(parts if header.mode == "fixed" else ()):
-                    zhat = torch.zeros(mid, code.kept, dtype=torch.float32, device=dev)
-                    with self._stage("dequantize", dev):
-                        for bi, b in enumerate(code.blocks):
-                            if b.bits:
-                                packed = codes_from_bytes(data[SectionKey(TAG_CODES, si, gi, bi)], mid, dev)
-                                params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
-                                ops.unpack_dequantize(packed, params, b.qtype, zhat, b.start, b.size)
-                    with self._stage("project", dev):
-                        feat[:, cols] = zhat.to(comps.dtype) @ comps.T  # comps: the group's decoding matrix
+                mode.decode(self, data, si, stream, mid, feat, dev, header, ops, parts)
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_restore", dev):
                     if stream == self.spec.rope_stream and self._per_layer_rope:
@@ -550,19 +484,3 @@ def _usable_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device={device!r} is not available here (CUDA devices: "
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); pass 'cpu' or an existing GPU")
     return dev
-
-
-_MODE_BOUNDS = {"fixed": KVTCCodec._fixed_bounds, "ecsq": KVTCCodec._ecsq_bounds}
-
-
-def _resolve_mode(spec: CodecSpec, mode: str | None) -> str:
-    """None -> "ecsq" where the spec carries ECSQ tables, else "fixed"; an unavailable mode is a clear error."""
-    if mode is None:
-        return "ecsq" if spec.ecsq is not None else "fixed"
-    if mode not in ("ecsq", "fixed"):
-        raise ValueError(f"mode must be 'ecsq' or 'fixed', got {mode!r}")
-    if mode == "ecsq" and spec.ecsq is None:
-        raise ValueError(f"artifact {spec.name}@{spec.version} has no ECSQ tables for ratio {spec.ratio:g} (calibrated "
-                         f"before the ECSQ mode existed, or without it): recalibrate with this release, e.g. "
-                         f"`kvtc recalibrate {spec.name} --corpus SPEC` (cached shards are reused), or use mode='fixed'")
-    return mode

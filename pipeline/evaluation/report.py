@@ -15,6 +15,7 @@ import math
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.schema import STREAMS
 from kvtc.pipeline.evaluation.charts import caption, figure, png
+from kvtc.workers.objective import recorded_objective
 
 SPLIT_LABELS = {"heldout": "held-out, in-domain", "eval": "eval corpus"}
 
@@ -228,7 +229,7 @@ def _charts(curves: dict, allocations: dict, cal: dict, curve: dict, features: i
 
     return {
         "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", []), curve.get("ratio"),
-                                                            cal.get("tokens"), cal.get("objective") == "attention"),
+                                                            cal.get("tokens"), recorded_objective(cal).captures_metric),
         "charts/error_by_position.png": chart_error_by_position(curves.get("error_by_position", []),
                                                                 curves.get("error_by_position_pca"),
                                                                 sinks=cal.get("sinks"), window=cal.get("window"),
@@ -249,9 +250,8 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
     features = None
     if model and groups:
         features = FeatureGroup.from_json(groups[0]).dim(int(model["num_kv_heads"]), int(model["head_dim"]))
-    attention = cal.get("objective") == "attention"
-    with caption("errors in the attention metric (keys: query-weighted; values: W_O-weighted), the metric this "
-                 "artifact was calibrated in" if attention else "errors: the cache's own squared error (--objective mse)"):
+    objective = recorded_objective(cal)
+    with caption(objective.caption):
         charts = _charts(curves, allocations, cal, curve, features)
     md = [f"# {title}", ""]
     if model:
@@ -260,12 +260,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
     if calibration:
         md.append(f"Calibration: {calibration.get('tokens')} tokens, seq_len {calibration.get('seq_len')}, sinks "
                   f"{calibration.get('sinks')}, window {calibration.get('window')}, groups {calibration.get('groups')}.")
-    metric = ("Relative error in the attention metric (calibrated with --objective attention): sqrt(sum e^T M e / "
-              "sum x^T M x), M per layer and KV head: keys, the queries' scaled second moments per RoPE pair; values, "
-              f"sum_h W_O,h^T W_O,h ({json.dumps(cal.get('attention_metric'))}); positions [sinks, T - window)."
-              if attention else "Relative error: ||X - X_hat||_F / ||X||_F over held-out tokens (positions "
-              "[sinks, T - window)), whole p-vector, keys RoPE-removed.")
-    md += ["", metric, "", "## Reconstruction error", "", error_table(metrics), "",
+    md += ["", objective.error_text(cal), "", "## Reconstruction error", "", error_table(metrics), "",
            "## Gap to the Gaussian reverse water-filling bound", "", limit_table(limit_rows(metrics)), ""]
     for rel, data in charts.items():
         if data is None:

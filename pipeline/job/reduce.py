@@ -39,6 +39,7 @@ from kvtc.pipeline.job.reduce_tasks import Placement, rows_name, run_groups
 from kvtc.pipeline.job.shard_records import ShardEntry
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
+from kvtc.workers.objective import objective_for
 from kvtc.workers.stats import STREAMS
 
 MIN_HELDOUT_ROWS = 16
@@ -108,6 +109,7 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
     t0 = time.perf_counter()
     cfg, store = inp.settings, inp.store
     alloc, cap, red = cfg.allocator, cfg.capture, cfg.reduce
+    objective = objective_for(cap.objective)
     tokens_requested = int(cfg.plan.tokens or 0)
     notes: list[str] = []
     by_index = sorted(inp.shards, key=lambda s: s.index)
@@ -152,7 +154,7 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
             task = GroupTask(index=len(tasks), stream=stream, group=g, p=p, accumulators=tuple(names),
                              ratios=tuple(red.ratios), allocator=alloc.to_dict(), sinks=cap.sinks, window=cap.window,
                              threads=threads, device=solver.device, budget=budget,
-                             metric=red.attention_metric.to_json() if cap.objective == "attention" else None,
+                             metric=objective.task_metric(red.attention_metric),
                              solver=asdict(solver), curve=curve)
             tasks.append(task)
             peaks.append(task_bytes(p, bound, n_rows, solver, task.prefixes_held, task.curve_k))
@@ -162,11 +164,12 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
         rows = held.group(task.stream, columns_of[task.stream][task.group], evals, cap.sinks, cap.window)
         store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})
         del rows
-    weights = split_weights(inp, groups, names) if cap.objective == "attention" and alloc.bit_split == "joint" else None
-    if cap.objective == "attention" and alloc.bit_split == "joint" and weights is None:
+    weighed = objective.weighs_bases and alloc.bit_split == "joint"
+    weights = split_weights(inp, groups, names) if weighed else None
+    if weighed and weights is None:
         notes.append("the statistics hold no keys' reach (captured by an earlier release): keys and values keep "
                      "their own totals, shared between groups only; recalibrate with a fresh --store to share them")
-    pools = split_pools(tasks, groups, "attention" if weights else "mse", alloc.bit_split)
+    pools = split_pools(tasks, groups, alloc.bit_split, across_streams=bool(weights))
 
     eval_rows = 0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum())
     del held, evals
@@ -188,13 +191,13 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
                    tasks, plan, split)
 
 
-def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], unit: str, bit_split: str) -> dict:
+def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], bit_split: str, across_streams: bool) -> dict:
     """{task index: pool} of the bases whose bits one total covers, or {} when no pool holds two: a rank's
-    (KV head range's) bases with the attention objective's weights (`unit` "attention"); else, the streams'
-    errors having no common unit, a stream's within it."""
+    (KV head range's) bases where weights put the streams' errors in one unit (`across_streams`, the
+    attention objective's); else, the streams' errors having no common unit, a stream's within it."""
     if bit_split != "joint":
         return {}
-    pools = {t.index: (groups[t.group].heads,) + (() if unit == "attention" else (t.stream,)) for t in tasks}
+    pools = {t.index: (groups[t.group].heads,) + (() if across_streams else (t.stream,)) for t in tasks}
     sizes: dict = {}
     for pool in pools.values():
         sizes[pool] = sizes.get(pool, 0) + 1
@@ -346,7 +349,7 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
         dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
         heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
         settings=cfg.computational(), objective=cap.objective, objective_reason=objective_reason or None, bit_split=split,
-        attention_metric=cfg.reduce.attention_metric.to_json() if cap.objective == "attention" else None,
+        attention_metric=objective_for(cap.objective).task_metric(cfg.reduce.attention_metric),
         tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
     )
 

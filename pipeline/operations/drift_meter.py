@@ -20,6 +20,7 @@ from kvtc.pipeline.fit.metric import Whitening, decode_root, metric_file
 from kvtc.pipeline.fit.pca import Basis
 from kvtc.pipeline.job.shards import make_shards
 from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
+from kvtc.workers.objective import MseObjective, recorded_objective
 
 
 def total_variances(art) -> dict[tuple[str, int], float]:
@@ -34,7 +35,7 @@ def total_variances(art) -> dict[tuple[str, int], float]:
 
 def metric_whitenings(art) -> dict[tuple[str, int], Whitening]:
     """An --objective attention artifact's whitening per (stream, group) ({} for the cache's own error)."""
-    if art.manifest["calibration"].get("objective") != "attention":
+    if not recorded_objective(art.manifest["calibration"]).captures_metric:
         return {}
     dims = stream_dims(art.manifest["model"])
     return {(stream, g): decode_root(str(art.file(metric_file(stream, g))), int(art.basis(stream, g)[0].shape[0]),
@@ -113,8 +114,9 @@ def sample_rows(lm, manifest: dict, corpus: str, tokens: int, exclude: set[str],
     yields (keys (n, p), values (n, p), tokens) float32 rows at positions [sinks, seq_len - window)."""
     rec = CalibrationRecord.from_manifest(manifest)
     seq_len = rec.seq_len
-    settings = CaptureSettings(**{**rec.capture(), "objective": "mse"})  # the rows only: an attention artifact's
-    check_seq_len(lm, seq_len, settings)                                  # metric is its stored one
+    # the rows only: an attention artifact's metric is its stored one
+    settings = CaptureSettings(**{**rec.capture(), "objective": MseObjective.name})
+    check_seq_len(lm, seq_len, settings)
     used = 0
     for shard in make_shards(corpus, lm.tokenizer, seq_len=seq_len, seqs_per_shard=rec.seqs_per_shard,
                              seed=rec.seed, text_column=text_column, holdout_fraction=0.0,

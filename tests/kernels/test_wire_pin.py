@@ -1,0 +1,66 @@
+"""The blob's bytes, pinned: a fixed cache coded with a tiny hand-built spec in each mode (and ECSQ symbol format)
+hashes to what the codec wrote when this test was recorded. Every value is exact in float32 (an identity basis,
+dyadic cache, mean and step, integer symbol counts, no RoPE, sections stored plain), so the bytes depend on the
+wire format alone, not on a machine's BLAS or zlib. A change of format must change FORMAT_VERSION and these."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from kvtc.artifacts.groups import FeatureGroup
+from kvtc.kernels import CodecSpec, KVTCCodec
+from kvtc.kernels.codec.ecsq import EcsqGroup, SymbolModel
+from kvtc.kernels.codec.spec import STREAMS, CodedBlock, GroupCode
+
+L, H, D, T, RADIUS = 2, 2, 8, 21, 12
+P = L * H * D
+BLOCKS = (CodedBlock(0, 4, "fp8", 8), CodedBlock(4, 8, "int4", 4), CodedBlock(12, 4, "none", 0),
+          CodedBlock(16, 8, "int2", 2))
+PINNED = {
+    ("fixed", "rans"): "71b574cf7c3d5f78d6088c5acf13608a45277b0afd913d5588c41133eb50c191",
+    ("ecsq", "rans"): "856171db23fce2b28328fb7b8e05ae7e4e0ce4e84da37dda587664835efef147",
+    ("ecsq", "constriction"): "763798ab1d2a52189e5402c81e18225ba7269272221e31cbdcf94de0cbd337c4",
+}
+
+
+def _spec() -> CodecSpec:
+    group = FeatureGroup.span(0, L)
+    mean = torch.tensor([((i * 5) % 9 - 4) / 8 for i in range(P)], dtype=torch.float32)
+    eye = torch.eye(P, dtype=torch.float32)
+    counts = np.array([64 + 32 * (RADIUS - abs(s)) for s in range(-RADIUS, RADIUS + 1)] + [3], dtype=np.int64)
+    models = (SymbolModel(RADIUS, counts), SymbolModel(2, np.array([1, 4, 9, 4, 1, 2], dtype=np.int64)))
+    kept = 24
+    model = np.array([0] * 16 + [1] * 8, dtype=np.int64)
+    offsets = torch.full((kept, 2), 0.125)
+    streams = {s: (GroupCode(group, mean, eye[:, :kept].contiguous(), BLOCKS),) for s in STREAMS}
+    ecsq = {s: (EcsqGroup(group, mean, eye[:, :kept].contiguous(), 0.25, model, offsets, models, budget_bits=16 * P),)
+            for s in STREAMS}
+    return CodecSpec(name="pin", version="v1", ratio=4.0, model_id="pin-model", num_layers=L, kv_heads=H, head_dim=D,
+                     sinks=2, window=3, rope=None, streams=streams, ecsq=ecsq)
+
+
+def _cache() -> tuple[torch.Tensor, torch.Tensor]:
+    """Dyadic values in [-4, 4] from a formula (no random generator whose stream could change)."""
+    def stream(a: int, b: int) -> torch.Tensor:
+        v = [((t * a + i * b + t * i) % 129 - 64) / 16 for t in range(T) for i in range(P)]
+        return torch.tensor(v, dtype=torch.float32).reshape(T, L, H, D).permute(1, 2, 0, 3).contiguous()
+
+    return stream(37, 11), stream(23, 7)
+
+
+def _blob(mode: str, fmt: str) -> bytes:
+    codec = KVTCCodec(_spec(), backend="torch", level=0, mode=mode, ecsq_format=fmt)
+    return codec.encode(*_cache(), start=1)  # one raw sink token, three raw window tokens
+
+
+@pytest.mark.parametrize("mode, fmt", sorted(PINNED))
+def test_blob_bytes_are_pinned(mode, fmt):
+    blob = _blob(mode, fmt)
+    assert hashlib.sha256(blob).hexdigest() == PINNED[(mode, fmt)]
+    keys, values = KVTCCodec(_spec(), backend="torch", mode=mode).decode(blob)
+    k0, v0 = _cache()
+    assert torch.equal(keys[:, :, :1], k0[:, :, :1]) and torch.equal(values[:, :, -3:], v0[:, :, -3:])
+    assert keys.shape == k0.shape and bool(torch.isfinite(keys).all() and torch.isfinite(values).all())
