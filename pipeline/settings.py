@@ -115,9 +115,11 @@ class ReduceSettings:
     served_sequences: int = option(1, "held-out sequences scored through the chunk path the servers use, beside the "
                                       "offline codec, before publishing (report and metrics: what serving will cost; "
                                       "each scores up to 128 tokens after its coded prefix; 0: off)", kind=int)
-    attention_balance: str = option("layer", "--objective attention: the unit whose metric is scaled to mean 1 "
-                                              "(layer: the squared error's balance between layers kept; head; model: "
-                                              "as measured)", choices=BALANCES)
+    attention_balance: str = option("sensitivity", "--objective attention: how the metric's blocks are scaled "
+                                                    "(sensitivity: each (layer, KV head) by the model's measured KL "
+                                                    "per unit of error, needs --sensitivity >= 1; layer: each layer "
+                                                    "to mean 1, the squared error's balance between layers kept; "
+                                                    "head; model: as measured)", choices=BALANCES)
     attention_floor: float = option(0.05, "--objective attention: share of each block's mean weight added to every "
                                           "direction (no direction is free)", kind=float)
     attention_weighting: str = option("concentration", "--objective attention: concentration weighs each KV head by "
@@ -336,6 +338,11 @@ def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | 
         capture = recorded_settings.get("capture")
         if isinstance(capture, dict) and "objective" not in capture:  # recorded before the option: what it ran
             recorded_settings["capture"] = {**capture, "objective": rec.objective}
+        if isinstance(capture, dict) and "sensitivity" not in capture:  # recorded before the KL sensitivity was
+            recorded_settings["capture"] = {**recorded_settings["capture"], "sensitivity": 0}
+            reduce = recorded_settings.get("reduce")
+            if isinstance(reduce, dict) and "attention_balance" not in reduce:
+                recorded_settings["reduce"] = {**reduce, "attention_balance": "layer"}
         allocator = recorded_settings.get("allocator")
         if isinstance(allocator, dict) and "bit_split" not in allocator:  # likewise: every basis its own share
             recorded_settings["allocator"] = {**allocator, "bit_split": "even"}

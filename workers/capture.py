@@ -133,8 +133,10 @@ def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor, metric: Any = None
     return keys, values
 
 
-def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings) -> CapturedKV:
-    """input_ids (B, T) -> CapturedKV with N = B * rows-per-sequence rows, on the model's device."""
+def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, sensitivity: int = 0) -> CapturedKV:
+    """input_ids (B, T) -> CapturedKV with N = B * rows-per-sequence rows, on the model's device; with the
+    attention metric, the KL sensitivity of the batch's first `sensitivity` sequences joins its sums
+    (kvtc.workers.sensitivity: one backward pass each)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     b, t = input_ids.shape
@@ -146,6 +148,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
     keys, values = _forward_cache(lm, input_ids, metric)
     if metric is not None:
         metric.attend(keys, settings.sinks, values)
+    extra = _sensitivity(lm, input_ids, settings, sensitivity) if metric is not None and sensitivity > 0 else {}
     pos = _select_positions(input_ids, settings).to(lm.device)
     k = pos.shape[1]
     bi = torch.arange(b, device=lm.device)[:, None].expand(b, k)
@@ -171,9 +174,19 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
         positions=flat_pos.to(torch.int64),
         sequence=bi.reshape(-1).to(torch.int64),
         source_dtype=str(lm.dtype).removeprefix("torch."),
-        metric=None if metric is None else metric.sums(),
+        metric=None if metric is None else {**metric.sums(), **extra},
         metric_tokens=0 if metric is None else metric.tokens,
     )
+
+
+def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, n: int) -> dict[str, torch.Tensor]:
+    from kvtc.workers.sensitivity import kl_sensitivity
+
+    out: dict[str, torch.Tensor] = {}
+    for row in input_ids[:n]:
+        for name, t in kl_sensitivity(lm, row[None], settings.sinks, settings.window, settings.seed).items():
+            out[name] = out[name] + t if name in out else t
+    return out
 
 
 def raw_cache(lm: LoadedModel, input_ids: torch.Tensor, metric: Any = None) -> tuple[torch.Tensor, torch.Tensor]:

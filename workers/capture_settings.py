@@ -39,12 +39,17 @@ class CaptureSettings:
                                     "distinct encode and decode matrices; mse: the cache's own squared error; auto: "
                                     "attention where its metric can be built, else mse (the manifest says which and "
                                     "why)", choices=OBJECTIVES)
+    sensitivity: int = option(1, "--objective attention: sequences per shard whose KL sensitivity (the Fisher "
+                                 "information of each layer's keys and values) is measured, one backward pass each, "
+                                 "for --attention-balance sensitivity (0: off)", kind=int)
     tp: int = option(1, "tensor-parallel ranks the model is served at: one basis per rank's KV heads (and per layer "
                         "group), as vLLM and SGLang shard them; ranks holding the same heads share one", kind=int)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
+        if not isinstance(self.sensitivity, int) or self.sensitivity < 0:
+            raise ValueError(f"--sensitivity must be an integer >= 0 (sequences per shard), got {self.sensitivity!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.keys not in KEY_FORMS:
@@ -97,9 +102,11 @@ class CaptureSettings:
             del d["tp"]  # likewise
         if self.objective == MseObjective.name:
             del d["objective"]  # likewise: the objective before the option
+        if self.sensitivity == 0 or self.objective == MseObjective.name:
+            del d["sensitivity"]  # likewise: what ran before the KL sensitivity was (mse never captures it)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
-        """The inverse of `to_dict` (whose missing objective is "mse")."""
-        return cls(**{"objective": MseObjective.name, **d})
+        """The inverse of `to_dict` (whose missing objective is "mse", missing sensitivity 0)."""
+        return cls(**{"objective": MseObjective.name, "sensitivity": 0, **d})

@@ -66,6 +66,9 @@ def _degenerate_metric(key: str, t: np.ndarray) -> str | None:
     variance; the whitening divides by it."""
     if key == "reach":  # zero where a head attends to its sinks only: a weight, never a divisor
         return "holds a negative energy" if t.size and float(t.min()) < 0 else None
+    if key.startswith("sensitivity_"):  # a Fisher information: a weight (kvtc.pipeline.fit.metric clamps it)
+        diagonal = t if key == "sensitivity_keys" else np.diagonal(t, axis1=-2, axis2=-1)
+        return "holds a negative Fisher information" if diagonal.size and float(diagonal.min()) < 0 else None
     diagonal = t if key in ("keys", "concentration") else np.diagonal(t, axis1=-2, axis2=-1)
     weight = diagonal if key == "concentration" else diagonal.sum(axis=-1)
     if diagonal.size and float(diagonal.min()) < 0:
@@ -291,10 +294,15 @@ class CalibrationStats:
 
         shape = (len(cached_layers(layers_of(self.fingerprint))), int(self.fingerprint["num_kv_heads"]),
                  int(self.fingerprint["head_dim"]))
-        want = {"keys": shape, "values": shape + shape[-1:], "concentration": shape[:2], "reach": shape[:2]}
-        for later in ("concentration", "reach"):
+        want = {"keys": shape, "values": shape + shape[-1:], "concentration": shape[:2], "reach": shape[:2],
+                "sensitivity_keys": shape, "sensitivity_values": shape + shape[-1:]}
+        for later in ("concentration", "reach", "sensitivity_keys", "sensitivity_values"):
             if later not in meta["metric"]:
-                del want[later]  # captured before the attention concentration (or the keys' reach) was
+                del want[later]  # captured before the attention concentration (or the keys' reach) was, or with
+                # --sensitivity 0
+        if ("sensitivity_keys" in want) != ("sensitivity_values" in want):
+            raise CorruptStats(name, f"attention-metric entries {meta['metric']} hold one of the KL sensitivity's two "
+                               "sums without the other")
         if sorted(meta["metric"]) != sorted(want) or not isinstance(meta.get("metric_tokens"), int) \
                 or meta["metric_tokens"] < 1:
             raise CorruptStats(name, f"attention-metric entries {meta['metric']} / tokens {meta.get('metric_tokens')!r} "

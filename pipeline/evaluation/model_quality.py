@@ -280,7 +280,9 @@ def _metric_blocks(metric, layers: int, heads: int) -> dict:
     sums = {k: v.numpy() for k, v in metric.sums().items()}
     out = {}
     for stream in ("keys", "values"):
-        m = AttentionMetric().blocks(sums, metric.tokens, stream, group, [group], heads)
+        # one fixed metric, comparable across artifacts whatever balance their calibration ran (the KL
+        # sensitivity needs a backward pass the evaluation does not run)
+        m = AttentionMetric("layer").blocks(sums, metric.tokens, stream, group, [group], heads)
         out[stream] = torch.from_numpy(m.reshape(layers, heads, *m.shape[-2:]))
     return out
 

@@ -133,7 +133,10 @@ def attention_weights(metric, sums: dict[str, np.ndarray], tokens: int, groups: 
     a_tj^2 |W_O,h (v_j - o_t)|^2 per query head (captured beside the concentration). Per KV head of n_q query
     heads, one unit of the keys' metric (c Q, Q the queries' scaled second moments) is R / (n_q c) output
     units; in whitened units (each block divided by its balance divisor n) a key unit weighs
-    n_k R / (n_q c n_v) value units. A basis's weight is the mean of its blocks'."""
+    n_k R / (n_q c n_v) value units. A basis's weight is the mean of its blocks'. With the "sensitivity"
+    balance every block is already in one unit, the model's KL: every weight is 1."""
+    if metric.balance == "sensitivity":  # every block is already in the model's KL (metric.AttentionMetric.sensitivity)
+        return {(stream, g): 1.0 for g in range(len(groups)) for stream in ("keys", "values")}
     if "reach" not in sums:
         return None
     reach = np.asarray(sums["reach"], dtype=np.float64)

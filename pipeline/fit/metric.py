@@ -7,12 +7,16 @@ per layer and KV head: diag of the queries' scaled second moments for keys, sum_
 unchanged on the whitened rows, and the artifact stores encode E = S U and decode D = S^-1 U (p, k):
 z = (x - mean) @ E, x_hat = mean + z_hat @ D^T.
 
-balance: "layer" scales each layer's blocks to mean diagonal 1 (the squared error's balance between layers
-is kept, the metric reshapes the error within a layer), "head" likewise per (layer, KV head), "model" keeps
-the measured scale. floor: added to each block's diagonal, times the block's mean diagonal, so that no
+balance: "sensitivity" (the default) scales each (layer, KV head) block to what the model's output feels: the
+block's shape is the metric's, its scale tr(M^-1 F) / d, the KL an error of one whitened unit in every
+direction costs (F: the measured Fisher information of that layer's cached keys or values,
+kvtc.workers.sensitivity), in one unit for every block of the model (keys and values alike); "layer" scales
+each layer's blocks to mean diagonal 1 (the squared error's balance between layers is kept, the metric
+reshapes the error within a layer), "head" likewise per (layer, KV head), "model" keeps the measured scale. floor: added to each block's diagonal, times the block's mean diagonal, so that no
 direction is free and S^-1 stays bounded. weighting: "concentration" multiplies each KV head's blocks by how
 much of one position's error reaches a query (its mean sum of squared attention weights past the sinks:
-sharp heads pass an error whole, diffuse ones average it away), "none" leaves heads alike.
+sharp heads pass an error whole, diffuse ones average it away), "none" leaves heads alike (a per-head scale:
+under "sensitivity" only the Fisher information sets it).
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import numpy as np
 
 from kvtc.artifacts.groups import FeatureGroup, layer_slots
 
-BALANCES = ("layer", "head", "model")
+BALANCES = ("sensitivity", "layer", "head", "model")
+SENSITIVITY_FLOOR = 1e-4  # of the group's largest block scale: a head the model barely feels still costs something
 WEIGHTINGS = ("concentration", "none")
 
 
@@ -33,7 +38,7 @@ def row_offset(p: int, i: int) -> int:
 
 @dataclass(frozen=True)
 class AttentionMetric:
-    balance: str = "layer"
+    balance: str = "sensitivity"
     floor: float = 0.05
     weighting: str = "concentration"
 
@@ -56,14 +61,42 @@ class AttentionMetric:
         d = m.shape[-1]
         scale = np.maximum(np.einsum("lhii->lh", m) / d, 1e-300)
         m = m + self.floor * scale[..., None, None] * np.eye(d)
+        if self.balance == "sensitivity":
+            m = m * self.sensitivity(metric, m, stream, group, groups)[..., None, None]
         return m.reshape(-1, d, d)
+
+    def sensitivity(self, metric: dict[str, np.ndarray], m: np.ndarray, stream: str, group: FeatureGroup,
+                    groups: list[FeatureGroup]) -> np.ndarray:
+        """(layers, heads, d, d) balanced, floored blocks -> (layers, heads): each block's scale in the model's KL,
+        tr(M^-1 F) / d over the model's mean value Fisher diagonal (one unit for every stream and group), at least
+        SENSITIVITY_FLOOR of the group's largest."""
+        if "sensitivity_values" not in metric or "sensitivity_keys" not in metric:
+            raise ValueError("the statistics hold no KL sensitivity (captured with --sensitivity 0 or by an earlier "
+                             "release); recalibrate with a fresh --store and --sensitivity 1, or pass "
+                             "--attention-balance layer")
+        fisher = np.asarray(metric[f"sensitivity_{stream}"], dtype=np.float64)
+        d = m.shape[-1]
+        if stream == "keys":  # a diagonal per block
+            fisher = fisher[..., :, None] * np.eye(d)
+        ref = float(np.einsum("lhii->", np.asarray(metric["sensitivity_values"], dtype=np.float64)))
+        ref /= max(int(np.prod(metric["sensitivity_values"].shape[:-1])), 1)
+        slots = layer_slots(groups)
+        h0, h1 = group.head_range(fisher.shape[1])
+        f = np.stack([fisher[slots[layer], h0:h1] for layer in group.layers])  # (layers, heads, d, d)
+        w = np.einsum("lhij,lhji->lh", np.linalg.inv(m), f) / d / max(ref, 1e-300)
+        top = float(w.max(initial=0.0))
+        if not ref > 0 or not top > 0 or not np.isfinite(w).all():
+            raise ValueError(f"the measured KL sensitivity of the {stream} of layers {list(group.layers)} is zero or "
+                             "not finite (the model does not feel them on the sensitivity sequences); pass "
+                             "--attention-balance layer")
+        return np.maximum(w, SENSITIVITY_FLOOR * top)
 
     def divisors(self, m: np.ndarray) -> np.ndarray:
         """(layers, heads, d, d) weighted blocks -> (layers, heads): what the balance divides each block by."""
         diag = np.einsum("lhii->lhi", m)
         if self.balance == "layer":
             return np.broadcast_to(np.maximum(diag.mean(axis=(1, 2)), 1e-300)[:, None], diag.shape[:2])
-        if self.balance == "head":
+        if self.balance in ("head", "sensitivity"):  # sensitivity: then scaled by the Fisher information
             return np.maximum(diag.mean(axis=2), 1e-300)
         return np.ones(diag.shape[:2])
 

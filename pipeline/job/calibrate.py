@@ -114,6 +114,9 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
 
     objective, objective_reason = choose_objective(capture.objective, info.config, info.layers)  # a meta-device model
     capture = replace(capture, objective=objective)
+    if objective == "attention" and cfg.reduce.attention_balance == "sensitivity" and capture.sensitivity < 1:
+        raise ValueError("--attention-balance sensitivity scales the metric by the model's measured KL sensitivity, "
+                         "which --sensitivity 0 does not capture; pass --sensitivity 1 or another --attention-balance")
     cfg = replace(cfg, capture=capture)  # recorded as run: a recalibration repeats the objective that ran
     width = info.num_kv_heads * info.head_dim
     text_config = getattr(info.config, "text_config", None) or info.config

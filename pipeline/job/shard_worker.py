@@ -119,10 +119,12 @@ class ShardWorker:
             total = self.totals[name] = CalibrationStats.new(self.lm.fingerprint, self.settings)
         rows, capture_s, fold_s = 0, 0.0, 0.0
         load_s = time.perf_counter() - t0
+        sensitivity = self.settings.sensitivity  # the shard's first sequences: the same ones on every rerun
         try:
             for batch in self._batches(shard):
                 t1 = time.perf_counter()
-                captured = capture_kv(self.lm, batch, self.settings)
+                captured = capture_kv(self.lm, batch, self.settings, min(sensitivity, int(batch.shape[0])))
+                sensitivity = max(0, sensitivity - int(batch.shape[0]))
                 t2 = time.perf_counter()
                 total.update(captured)
                 fold_s += time.perf_counter() - t2

@@ -107,7 +107,7 @@ PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", 
                 "--block-sizes", "1,32", "--types", "none,int4", "--error-model", "analytic", "--heldout-rows", "999",
                 "--tokens-curve-points", "0", "--accumulators", "2", "--served-sequences", "2", "--tp", "2",
                 "--basis-budget", "3%", "--max-components", "24", "--objective", "attention",
-                "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none",
+                "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none", "--sensitivity", "2",
                 "--bit-split", "joint"]
 
 
@@ -135,6 +135,23 @@ def test_every_setting_of_a_parent_survives_recalibration():
     assert len(flags) == sum(len(parent.computational()[g]) for g in COMPUTATIONAL) - len(_internal())
     changed_again, _ = build_configs(manifest, _parsed("recalibrate", ["--accumulators", "3"]), "v1")
     assert changed_again.reduce.accumulators == 3 and changed_again.plan == parent.plan
+
+
+def test_a_parent_recorded_before_the_kl_sensitivity_recalibrates_as_it_ran():
+    """Its capture recorded no --sensitivity (none was measured) and its reduce the per-layer balance."""
+    import json
+
+    parent = JobSettings.of(**_parsed("calibrate", ["--objective", "attention", "--attention-balance", "layer"]))
+    recorded = json.loads(json.dumps(parent.computational()))
+    del recorded["capture"]["sensitivity"]
+    manifest = _manifest(_record(settings=recorded))
+    again = settings_from_manifest(manifest)
+    assert again.capture.sensitivity == 0 and again.reduce.attention_balance == "layer"
+    del recorded["reduce"]["attention_balance"]
+    again = settings_from_manifest(_manifest(_record(settings=recorded)))
+    assert again.capture.sensitivity == 0 and again.reduce.attention_balance == "layer"
+    fresh = settings_from_manifest(_manifest(_record(settings=JobSettings().computational())))
+    assert fresh.capture.sensitivity == 1 and fresh.reduce.attention_balance == "sensitivity"
 
 
 def _internal() -> set[str]:

@@ -54,12 +54,12 @@ def test_attention_weights_follow_the_keys_reach_through_the_output_projection()
     groups = [FeatureGroup((0, 1))]
     sums = {"keys": np.full((layers, heads, d), 2.0) * 10, "values": np.tile(np.eye(d), (layers, heads, 1, 1)) * 10,
             "concentration": np.full((layers, heads), 0.5) * 10, "reach": np.full((layers, heads), 3.0) * 10}
-    w = attention_weights(AttentionMetric(), sums, 10, groups, heads, query_heads=1)
+    w = attention_weights(AttentionMetric("layer"), sums, 10, groups, heads, query_heads=1)
     # keys: c Q = 1 per dim (n_k 1), values: c G = 0.5 (n_v 0.5); a key unit is R / (n_q c) = 6 output units
     assert w[("values", 0)] == 1.0 and w[("keys", 0)] == pytest.approx(1 * 3 / (1 * 0.5) / 0.5)
-    assert attention_weights(AttentionMetric(), sums, 10, groups, heads, query_heads=3)[("keys", 0)] == \
+    assert attention_weights(AttentionMetric("layer"), sums, 10, groups, heads, query_heads=3)[("keys", 0)] == \
         pytest.approx(w[("keys", 0)] / 3)
-    assert attention_weights(AttentionMetric(), {k: v for k, v in sums.items() if k != "reach"}, 10, groups, heads,
+    assert attention_weights(AttentionMetric("layer"), {k: v for k, v in sums.items() if k != "reach"}, 10, groups, heads,
                              1) is None  # statistics of an earlier release: no exchange rate
 
 
