@@ -102,12 +102,13 @@ def _select_positions(input_ids: torch.Tensor, settings: CaptureSettings) -> tor
     return torch.stack(rows)
 
 
-def full_cache(lm: LoadedModel) -> Any:
-    """The model's own cache, except that sliding-window and chunked layers keep every position."""
+def full_cache(lm: LoadedModel, cls: type | None = None) -> Any:
+    """The model's own cache (a DynamicCache, or its subclass `cls`), except that sliding-window and chunked
+    layers keep every position."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    cache = DynamicCache(config=lm.model.config)
+    cache = (cls or DynamicCache)(config=lm.model.config)
     for i, layer in enumerate(lm.layers):
         if layer.kind in ("sliding", "chunked") and i < len(cache.layers):
             cache.layers[i] = DynamicLayer()

@@ -23,33 +23,26 @@ import zlib
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from kvtc.kernels.codec.layers import cached_layers
 from kvtc.workers.attention_metric import pair_mean
+from kvtc.workers.capture import full_cache
 
 
-def _leaf_cache(lm: Any) -> Any:
-    """A full cache (kvtc.workers.capture.full_cache) whose incoming keys and values become grad leaves."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+class LeafCache(DynamicCache):
+    """A cache whose incoming keys and values become grad leaves (`leaves`: {layer: (keys, values)})."""
 
-    class LeafCache(DynamicCache):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            k = key_states.detach().requires_grad_(True)
-            v = value_states.detach().requires_grad_(True)
-            self.leaves[layer_idx] = (k, v)
-            return super().update(k, v, layer_idx, *args, **kwargs)
-
-    cache = LeafCache(config=lm.model.config)
-    for i, layer in enumerate(lm.layers):
-        if layer.kind in ("sliding", "chunked") and i < len(cache.layers):
-            cache.layers[i] = DynamicLayer()
-    return cache
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k = key_states.detach().requires_grad_(True)
+        v = value_states.detach().requires_grad_(True)
+        self.leaves[layer_idx] = (k, v)
+        return super().update(k, v, layer_idx, *args, **kwargs)
 
 
 def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -65,7 +58,7 @@ def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, se
     lo, hi = sinks, t - window
     if hi <= lo:
         return {"sensitivity_keys": keys, "sensitivity_values": values}
-    cache = _leaf_cache(lm)
+    cache = full_cache(lm, LeafCache)
     ids = input_ids.to(lm.device)
     with torch.enable_grad():
         out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
