@@ -27,4 +27,4 @@ calibrate: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(ARGS)
+	TRITON_INTERPRET=1 $(PY) -P -m pytest -q $(ARGS)  # -P: the checkout root off sys.path, so its kernels/ never shadows the Hugging Face kernels package

@@ -31,6 +31,7 @@ import torch
 
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers
 from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.workers.full_cache import full_cache
 from kvtc.workers.models import LoadedModel
 from kvtc.workers.objective import objective_for
 
@@ -100,19 +101,6 @@ def _select_positions(input_ids: torch.Tensor, settings: CaptureSettings) -> tor
         gen = torch.Generator().manual_seed((settings.seed * 1_000_003 + zlib.crc32(seq.tobytes())) % (1 << 62))
         rows.append(base[torch.randperm(n, generator=gen)[:k].sort().values])
     return torch.stack(rows)
-
-
-def full_cache(lm: LoadedModel, cls: type | None = None) -> Any:
-    """The model's own cache (a DynamicCache, or its subclass `cls`), except that sliding-window and chunked
-    layers keep every position."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    cache = (cls or DynamicCache)(config=lm.model.config)
-    for i, layer in enumerate(lm.layers):
-        if layer.kind in ("sliding", "chunked") and i < len(cache.layers):
-            cache.layers[i] = DynamicLayer()
-    return cache
 
 
 def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor, metric: Any = None

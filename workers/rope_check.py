@@ -40,7 +40,7 @@ def _interleave(halves: torch.Tensor) -> torch.Tensor:
 
 def rope_round_trip(lm: LoadedModel, input_ids: torch.Tensor) -> dict[int, float]:
     """input_ids (B, T) -> {coded layer: max |f_model(remove(K)) - K| / max |K|} (0.0 for NoPE layers)."""
-    from kvtc.workers.capture import full_cache
+    from kvtc.workers.full_cache import full_cache
 
     module, originals = _rotary_functions(lm)
     current: list[int] = [-1]

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from kvtc.kernels.codec.layers import cached_layers
 from kvtc.workers.attention_metric import pair_mean
-from kvtc.workers.capture import full_cache
+from kvtc.workers.full_cache import full_cache
 
 
 class LeafCache(DynamicCache):
