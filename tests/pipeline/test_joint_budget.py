@@ -100,7 +100,7 @@ def test_an_artifact_whose_split_does_not_add_up_is_refused_when_published_and_w
     from kvtc import artifacts
     from kvtc.artifacts import tables
     from kvtc.artifacts.errors import CorruptArtifactError
-    from tests.kernels.test_decoder import whitened_content
+    from helpers.whitened import whitened_content
 
     content = whitened_content(name="split", ecsq=False)
     key = next(iter(content.allocations))
