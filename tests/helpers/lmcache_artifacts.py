@@ -2,7 +2,8 @@
 that asks calibrates; tests/kernels/test_lmcache_serde.py and tests/kernels/test_lmcache_live.py both use them).
 
 - "tiny-kept": tiny:llama (3 layers x 2 KV heads x head_dim 16), keys RoPE-kept, one basis for the
-  model (--groups auto), ECSQ tables at CR 4;
+  model (--groups auto), ECSQ tables at CR 4, each stream its own share (--bit-split even: its tests bound the
+  ECSQ mode's squared error by the fixed mode's at equal bytes);
 - "tiny-tp2": the same model calibrated the default way (keys RoPE-removed) for --tp 2 with one basis
   per layer (--groups layer), so it serves two tensor-parallel ranks and pipeline stages;
 - "tiny-attn": the same model with `--objective attention` (separate encode and decode matrices), keys
@@ -26,7 +27,7 @@ def artifacts(root: Path) -> dict[str, str]:
         from kvtc.pipeline.settings import JobSettings
 
         out = {"registry": str(root / "reg")}
-        for key, name, options in (("kept", "tiny-kept", dict(keys="rope-kept", sinks=0)),
+        for key, name, options in (("kept", "tiny-kept", dict(keys="rope-kept", sinks=0, bit_split="even")),
                                    ("tp2", "tiny-tp2", dict(tp=2, groups="layer", sinks=0)),
                                    ("attn", "tiny-attn", dict(objective="attention", sinks=4))):
             cfg = JobSettings.of(model=MODEL, corpus="pydoc", eval_corpus=None, seq_len=64, tokens=1024,

@@ -64,14 +64,22 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
     rows = {(r["ratio"]): r for r in summary["ratios"]}
     assert rows[4.0]["keys"]["rel_error"] < rows[8.0]["keys"]["rel_error"] < 1.0
     assert "eval_rel_error" in rows[4.0]["values"]
-    # the codec's default mode first (ECSQ: its tables exist), fixed-rate beside it, ECSQ no worse
-    for row in rows.values():
+    # the codec's default mode first (ECSQ: its tables exist), fixed-rate beside it (each basis's own share), ECSQ
+    # no worse wherever the joint split gave it at least that share (the other stream pays in the cache's own error
+    # what it saves in the model's)
+    def at_least_own(r: float, stream: str) -> bool:
+        return art.ecsq(r, stream)["budget_bits"] >= int(16 * p // r)
+
+    for r, row in rows.items():
         assert row["mode"] == "ecsq"
+        assert any(at_least_own(r, s) for s in ("keys", "values"))
         for stream in ("keys", "values"):
             entry = row[stream]
-            assert entry["rel_error"] == entry["ecsq"]["rel_error"] <= entry["fixed"]["rel_error"]
+            assert entry["rel_error"] == entry["ecsq"]["rel_error"]
             assert entry["kept"] == entry["ecsq"]["kept"] and entry["fixed"]["kept"] > 0
-            assert entry["bound_rel_error"] < entry["fixed"]["rel_error"]
+            if at_least_own(r, stream):
+                assert entry["ecsq"]["rel_error"] <= entry["fixed"]["rel_error"]
+                assert entry["bound_rel_error"] < entry["fixed"]["rel_error"]
     run_info = summary["run"]
     assert run_info["shards_run"] > 0 and run_info["shards_cached"] == 0 and run_info["checkpoint_bytes_per_shard"] > 0 and run_info["stats_bytes"] > 0
     # ECSQ mode: tables beside the allocations, within budget, better than fixed-rate, and its chart
@@ -81,7 +89,8 @@ def test_publishes_artifact_with_allocations_within_budget(baseline):
             table = art.ecsq(r, stream)
             assert 0 < table["bits_per_token"] <= table["budget_bits"]
             assert table["kept"] <= arrays[stream][2].shape[1]
-        assert rows[8.0][stream]["ecsq"]["rel_error"] < rows[8.0][stream]["fixed"]["rel_error"]
+        if at_least_own(8.0, stream):
+            assert rows[8.0][stream]["ecsq"]["rel_error"] < rows[8.0][stream]["fixed"]["rel_error"]
         assert rows[8.0][stream]["bound_rel_error"] <= rows[8.0][stream]["ecsq"]["rel_error"]
     assert {r["mode"] for r in art.curve("rate_distortion")} == {"fixed", "ecsq", "bound_heldout", "bound_calibration"}
     assert {r["cap"] for r in art.curve("basis_size")} == {6, 12, 24, 48, 0}
