@@ -178,7 +178,10 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
         spectra = run_groups([replace(t, solve_only=True) for t in tasks], store, placement, peaks, budget,
                              ReduceProgress([f"{t.stream} group {t.group} (solve)" for t in tasks], [t.p for t in tasks]),
                              keep_rows=True)
-        tasks, split = joint_tasks(tasks, spectra, pools, weights or {}, alloc)
+        unit = ("the model's KL (the sensitivity balance: keys and values in one unit)"
+                if weights and red.attention_metric.balance == "sensitivity" else
+                "attention output error (keys weighed against values)" if weights else "each stream's squared error")
+        tasks, split = joint_tasks(tasks, spectra, pools, weights or {}, alloc, unit)
     progress = ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     results = run_groups(tasks, store, placement, peaks, budget, progress)
     by_tokens = stream_prefix_rows([(r.stream, r.by_tokens) for r in results])
@@ -215,9 +218,10 @@ def split_weights(inp: ReduceInput, groups: list[FeatureGroup], names: list[str]
     return attention_weights(inp.settings.reduce.attention_metric, sums, tokens, groups, kv_heads, query_heads)
 
 
-def joint_tasks(tasks: list[GroupTask], spectra: list, pools: dict, weights: dict, alloc) -> tuple[list[GroupTask], dict]:
+def joint_tasks(tasks: list[GroupTask], spectra: list, pools: dict, weights: dict, alloc,
+                unit: str) -> tuple[list[GroupTask], dict]:
     """The tasks with their shares of each ratio's total (`joint_budget.split_budget`), and the split as the
-    manifest records it."""
+    manifest records it (`unit`: the common unit the weights put the bases' errors in)."""
     from kvtc.artifacts.blocks import budget_bits, cheapest_block_bits
     from kvtc.pipeline.fit.joint_budget import BasisSpectrum, split_budget
 
@@ -228,8 +232,7 @@ def joint_tasks(tasks: list[GroupTask], spectra: list, pools: dict, weights: dic
     ratios = tasks[0].ratios
     shares = [split_budget(bases, r) for r in ratios]
     out = [replace(t, budgets=tuple(int(shares[j][i]) for j in range(len(ratios)))) for i, t in enumerate(tasks)]
-    split = {"split": "joint", "unit": "attention output error (keys weighed against values)" if weights else
-             "each stream's squared error", "weights": [[t.stream, t.group, float(b.weight)] for t, b in zip(tasks, bases)],
+    split = {"split": "joint", "unit": unit, "weights": [[t.stream, t.group, float(b.weight)] for t, b in zip(tasks, bases)],
              "bits": [{"ratio": float(r), "stream": t.stream, "group": t.group, "bits": int(shares[j][i]),
                        "own": budget_bits(t.p, r)} for j, r in enumerate(ratios) for i, t in enumerate(tasks)]}
     return out, split
