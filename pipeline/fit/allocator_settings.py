@@ -62,9 +62,9 @@ class AllocatorSettings:
     basis_budget: float = option(0.0, "basis memory a server may hold, as a share of the model's parameters (e.g. 3%%): "
                                       "caps the components per group both allocators may use", parse=_share,
                                  show=lambda v: f"{100 * v:g}%" if v else "none")
-    bit_split: str = option("even", "even: every basis gets floor(16 p / CR) bits per token; joint: the ECSQ mode's "
-                                    "total is split between keys, values and layer groups where it lowers the "
-                                    "model's error most (with --objective mse, between a stream's groups)",
+    bit_split: str = option("joint", "joint: the ECSQ mode's total is split between keys, values and layer groups "
+                                     "where it lowers the model's error most (with --objective mse, between a "
+                                     "stream's groups); even: every basis gets floor(16 p / CR) bits per token",
                             choices=BIT_SPLITS)
 
     def __post_init__(self) -> None:

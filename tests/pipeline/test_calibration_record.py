@@ -108,7 +108,7 @@ PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", 
                 "--tokens-curve-points", "0", "--accumulators", "2", "--served-sequences", "2", "--tp", "2",
                 "--basis-budget", "3%", "--max-components", "24", "--objective", "attention",
                 "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none", "--sensitivity", "2",
-                "--bit-split", "joint"]
+                "--bit-split", "even"]
 
 
 def _parsed(command: str, flags: list[str]) -> dict:

@@ -114,3 +114,30 @@ def test_an_artifact_whose_split_does_not_add_up_is_refused_when_published_and_w
     monkeypatch.setattr(tables, "decode_allocations", lambda *a: {**real(*a), key: skewed[key]})
     with pytest.raises(CorruptArtifactError, match="add up to"):
         art.allocations()
+
+
+def test_a_joint_calibration_shares_each_ratios_total_in_the_models_kl_and_its_tables_keep_their_shares(tmp_path):
+    """End to end on a tiny model (attention objective, sensitivity balance): the reduce solves every basis, sets
+    the shares, fits each table within its own; the manifest records them; reading checks them."""
+    from kvtc import artifacts
+    from kvtc.pipeline.job.calibrate import run
+    from kvtc.pipeline.settings import JobSettings
+
+    ratios = (4.0, 8.0)
+    cfg = JobSettings.of(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=64, window=8, sinks=2,
+                         tokens=1024, seqs_per_shard=4, heldout_rows=512, ratios=ratios, tokens_curve_points=0,
+                         served_sequences=0, bit_split="joint", registry=str(tmp_path / "reg"),
+                         store=str(tmp_path / "store"), name="joint")
+    summary = run(cfg, in_process=True)
+    art = artifacts.pull(f"joint@{summary['version']}", registry=str(tmp_path / "reg"))
+    split = art.manifest["calibration"]["bit_split"]
+    assert split["split"] == "joint" and "KL" in split["unit"]  # the sensitivity balance: one unit, weights 1
+    assert all(w == 1.0 for _, _, w in split["weights"])
+    p = art.manifest["model"]["num_kv_heads"] * art.manifest["model"]["head_dim"] * art.manifest["model"]["num_layers"]
+    for r in ratios:
+        shares = {row["stream"]: row["bits"] for row in split["bits"] if row["ratio"] == r}
+        assert sum(shares.values()) == 2 * budget_bits(p, r)  # the ratio's total, exactly
+        for stream, bits in shares.items():
+            table = art.ecsq(r, stream)
+            assert table["budget_bits"] == bits and 0 < table["bits_per_token"] <= bits
+            assert art.allocation_info(r, stream)["budget_bits"] == budget_bits(p, r)  # the fixed mode: its own
