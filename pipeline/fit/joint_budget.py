@@ -120,6 +120,15 @@ def split_budget(bases: list[BasisSpectrum], ratio: float) -> list[int]:
     return out
 
 
+def split_unit(metric, weighed: bool) -> str:
+    """The common unit a joint split puts its bases' errors in, as the manifest records it."""
+    if not weighed:
+        return "each stream's squared error"
+    if metric.balance == "sensitivity":
+        return "the model's KL (the sensitivity balance: keys and values in one unit)"
+    return "attention output error (keys weighed against values)"
+
+
 def attention_weights(metric, sums: dict[str, np.ndarray], tokens: int, groups: list, kv_heads: int,
                       query_heads: int) -> dict[tuple[str, int], float] | None:
     """Each basis's weight in the attention objective: the model's output error per unit of the basis's

@@ -178,10 +178,7 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
         spectra = run_groups([replace(t, solve_only=True) for t in tasks], store, placement, peaks, budget,
                              ReduceProgress([f"{t.stream} group {t.group} (solve)" for t in tasks], [t.p for t in tasks]),
                              keep_rows=True)
-        unit = ("the model's KL (the sensitivity balance: keys and values in one unit)"
-                if weights and red.attention_metric.balance == "sensitivity" else
-                "attention output error (keys weighed against values)" if weights else "each stream's squared error")
-        tasks, split = joint_tasks(tasks, spectra, pools, weights or {}, alloc, unit)
+        tasks, split = joint_tasks(tasks, spectra, pools, weights or {}, alloc, red.attention_metric)
     progress = ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     results = run_groups(tasks, store, placement, peaks, budget, progress)
     by_tokens = stream_prefix_rows([(r.stream, r.by_tokens) for r in results])
@@ -219,11 +216,11 @@ def split_weights(inp: ReduceInput, groups: list[FeatureGroup], names: list[str]
 
 
 def joint_tasks(tasks: list[GroupTask], spectra: list, pools: dict, weights: dict, alloc,
-                unit: str) -> tuple[list[GroupTask], dict]:
+                metric) -> tuple[list[GroupTask], dict]:
     """The tasks with their shares of each ratio's total (`joint_budget.split_budget`), and the split as the
-    manifest records it (`unit`: the common unit the weights put the bases' errors in)."""
+    manifest records it."""
     from kvtc.artifacts.blocks import budget_bits, cheapest_block_bits
-    from kvtc.pipeline.fit.joint_budget import BasisSpectrum, split_budget
+    from kvtc.pipeline.fit.joint_budget import BasisSpectrum, split_budget, split_unit
 
     bases = [BasisSpectrum(t.stream, t.group, t.p, eig, min(len(eig), alloc.max_components or t.p),
                            weights.get((t.stream, t.group), 1.0), pools[t.index],
@@ -232,7 +229,7 @@ def joint_tasks(tasks: list[GroupTask], spectra: list, pools: dict, weights: dic
     ratios = tasks[0].ratios
     shares = [split_budget(bases, r) for r in ratios]
     out = [replace(t, budgets=tuple(int(shares[j][i]) for j in range(len(ratios)))) for i, t in enumerate(tasks)]
-    split = {"split": "joint", "unit": unit, "weights": [[t.stream, t.group, float(b.weight)] for t, b in zip(tasks, bases)],
+    split = {"split": "joint", "unit": split_unit(metric, bool(weights)), "weights": [[t.stream, t.group, float(b.weight)] for t, b in zip(tasks, bases)],
              "bits": [{"ratio": float(r), "stream": t.stream, "group": t.group, "bits": int(shares[j][i]),
                        "own": budget_bits(t.p, r)} for j, r in enumerate(ratios) for i, t in enumerate(tasks)]}
     return out, split

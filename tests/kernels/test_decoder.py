@@ -24,6 +24,7 @@ from kvtc.kernels.codec.spec import GroupCode
 from helpers.toy_artifacts import forge_version, toy_content
 from helpers.whitened import D, FULL, H, L, P, PARTIAL, WHITENED, features, whitened_content
 
+
 def _cache(tokens: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values) (L, H, T, D) float32 whose layer l rows are features' group l."""
     f = features(tokens, seed)
