@@ -149,8 +149,8 @@ class ReduceSettings:
 class RuntimeSettings:
     """Where and how fast the job runs; nothing here changes what it computes. registry: where it
     publishes; name: the artifact's name (None: from the model spec); store: the shard statistics
-    cache; address: a Ray cluster; workers, threads_per_worker: the actor pool; cache_dir: model
-    cache; parent: the version a recalibration derives from."""
+    cache (store_shared: a path every node mounts); address: a Ray cluster; workers, threads_per_worker:
+    the actor pool; cache_dir: model cache; parent: the version a recalibration derives from."""
 
     registry: str | None = option(None, "registry root: a path or fsspec URI (default $KVTC_REGISTRY or ./registry)")
     name: str | None = option(None, "artifact name (default: derived from the model spec)")
@@ -161,6 +161,9 @@ class RuntimeSettings:
                                                "its weights, statistics and activations, from its config, dtype and "
                                                "the GPU memory; refused when too few)", kind=int)
     store: str | None = option(None, "shard statistics cache: a path or fsspec URI (default $KVTC_CACHE/shards)")
+    store_shared: bool = option(False, "--store is a path every node of the Ray cluster mounts (NFS, a shared "
+                                       "volume); without it a local path is refused on a multi-node cluster",
+                                kind=bool)
     cache_dir: str | None = option(None, "model cache dir (default $KVTC_CACHE)")
     verbose: bool = option(False, "show the workers' model conversion and loading output and per-group solver "
                                   "lines (default: one progress bar per stage; worker output goes to Ray's log)",

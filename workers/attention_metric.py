@@ -32,6 +32,12 @@ _OUTPUT = ("o_proj", "dense", "out_proj")
 QUERY_ROWS = 256  # attention concentration: at most about this many query rows per sequence are scored
 
 
+def query_rows(steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(R,) int64: the query positions whose attention concentration is scored, an even sample of about
+    QUERY_ROWS of a forward's `steps` (every one up to that length)."""
+    return torch.arange(0, steps, max(1, steps // QUERY_ROWS), device=device)
+
+
 @dataclass(frozen=True)
 class AttentionModules:
     """One coded layer's attention: the module whose output is its queries, the output projection, the
@@ -150,7 +156,7 @@ class MetricCapture:
         self.keys: torch.Tensor | None = None
         self.concentration: torch.Tensor | None = None
         self.reach: torch.Tensor | None = None
-        self.queries: dict[int, torch.Tensor] = {}
+        self.queries: dict[int, torch.Tensor] = {}  # slot -> (B, R, heads, d): the `query_rows` of the last forward
         self.tokens = 0
         self.shape = (0, 0)
 
@@ -184,7 +190,7 @@ class MetricCapture:
             if q.ndim == 4 and tuple(q.shape[:3]) == (batch, m.heads, steps) and steps != m.heads:
                 q = q.transpose(1, 2)  # a query norm applied after the heads were moved first (Gemma 3)
             q = q.reshape(batch, steps, m.heads, spec.head_dim).to(torch.float32)
-            self.queries[slot] = q
+            self.queries[slot] = q[:, query_rows(steps, q.device)]  # only the rows `attend` scores
             q = q.reshape(-1, m.heads, spec.head_dim)
             if slot == 0:
                 self.tokens += q.shape[0]
@@ -200,12 +206,12 @@ class MetricCapture:
         out = torch.zeros(len(self.mods), self.keys.shape[1], dtype=torch.float64)
         reach = torch.zeros_like(out)
         for slot, m in enumerate(self.mods):
-            spec, q = self.layers[m.layer], self.queries.pop(slot)  # (B, T, heads, d), RoPE not applied
+            spec, q = self.layers[m.layer], self.queries.pop(slot)  # (B, R, heads, d) rows, RoPE not applied
             k = keys[slot].to(torch.float32)
-            t = q.shape[1]
+            t = k.shape[-2]
             positions = torch.arange(t, device=q.device)
-            rows = positions[::max(1, t // QUERY_ROWS)]  # an even sample of the queries: the sum scales by t / rows
-            q = q.permute(0, 2, 1, 3)[:, :, rows]
+            rows = query_rows(t, q.device)  # an even sample of the queries: the sum scales by t / rows
+            q = q.permute(0, 2, 1, 3)
             if spec.rope is not None:
                 q = spec.rope.apply(q, rows)
             group = m.heads // spec.kv_heads

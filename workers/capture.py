@@ -134,21 +134,27 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
         raise ValueError("objective 'auto' is resolved against the model before capture (kvtc.workers.attention_metric."
                          "choose_objective, which the calibration plan runs); pass 'attention' or 'mse'")
     metric = metric_capture(lm) if objective_for(settings.objective).captures_metric else None
+    # first, while nothing else is held: its backward is the capture's largest working set
+    extra = _sensitivity(lm, input_ids, settings, sensitivity) if metric is not None and sensitivity > 0 else {}
     keys, values = _forward_cache(lm, input_ids, metric)
     if metric is not None:
         metric.attend(keys, settings.sinks, values)
-    extra = _sensitivity(lm, input_ids, settings, sensitivity) if metric is not None and sensitivity > 0 else {}
     pos = _select_positions(input_ids, settings).to(lm.device)
     k = pos.shape[1]
     bi = torch.arange(b, device=lm.device)[:, None].expand(b, k)
     with torch.inference_mode():
-        # per-layer (B, H, T, D) -> rows (N, L, H, D), N = B*k in (sequence, position) order
         def gather(per_layer: list[torch.Tensor]) -> torch.Tensor:
-            stacked = torch.stack([x.to(lm.device) for x in per_layer]).permute(1, 3, 0, 2, 4)  # (B, T, L, H, D)
-            rows = stacked[bi, pos].reshape(b * k, *stacked.shape[2:])  # (N, L, H, D)
-            return rows.to(torch.float32)
+            """per-layer (B, H, T, D) -> rows (N, L, H, D) float32, N = B*k in (sequence, position) order,
+            written layer by layer (no stacked copy of the whole cache)."""
+            first = per_layer[0]
+            rows = torch.empty(b, k, len(per_layer), *first.shape[1:2], first.shape[-1], dtype=torch.float32,
+                               device=lm.device)
+            for slot, x in enumerate(per_layer):
+                rows[:, :, slot] = x.to(lm.device).transpose(1, 2)[bi, pos]  # (B, k, H, D)
+            return rows.reshape(b * k, *rows.shape[2:])
 
         rows = {"keys": gather(keys), "values": gather(values)}
+        del keys, values  # the model's cache: the rows are all the capture keeps
         flat_pos = pos.reshape(-1)
         if settings.keys == "rope-removed":
             for slot, i in enumerate(cached_layers(lm.layers)):

@@ -350,11 +350,14 @@ def load_model(
 ) -> LoadedModel:
     """Load a model by spec (see ACCEPTED_FORMS) in eval mode on `device` (default: CUDA if torch sees one).
     gpu_budgets {GPU index: weight bytes}: spread the model over those GPUs (kvtc.workers.placement);
-    its device is then the first GPU, where the capture gathers every layer's cache."""
+    its device is then the first GPU, where the capture gathers every layer's cache (ignored where torch sees
+    no GPU: Ray's GPU ids are logical, and a node may declare GPUs it does not have)."""
     from transformers import AutoModelForCausalLM
 
     from kvtc.workers import placement
 
+    if gpu_budgets and not torch.cuda.is_available():  # GPUs Ray declared, none torch sees: the CPU runs it
+        gpu_budgets = None
     dev = torch.device("cuda", min(gpu_budgets)) if gpu_budgets else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     info = load_spec(spec, cache_dir)

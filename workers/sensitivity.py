@@ -16,11 +16,23 @@ more layers of SmolLM2, one in the last none). Measured per sequence with one ba
 -> {"sensitivity_keys": (coded layers, kv_heads, head_dim) diagonal, each RoPE pair's two dims averaged (the
 pair sum |g|^2 is the same in the cached and the RoPE-removed frames), "sensitivity_values": (coded layers,
 kv_heads, head_dim, head_dim)}, float64 on the CPU: additive like the attention metric's sums.
+
+Memory (what one shard worker holds for it; kvtc.pipeline.job.fold_plan plans it): linear in T, never T x vocab
+or T x T. The parameters do not require grad during the pass (no layer saves its input for a weight gradient);
+each coded decoder layer is checkpointed (torch.utils.checkpoint, non-reentrant: its input is kept, its
+activations recomputed in the backward, one layer at a time); the logits, their softmax and the loss are
+computed `block` positions at a time from the final hidden states (the model's own head, `ModelHead`), each
+block's backward into the hidden states done before the next block, then one backward from the hidden states
+to the cache. Each layer's gradients are reduced to its sums as they arrive and freed. On the CPU the labels
+are the unblocked pass's (multinomial's exponential draws consume the generator row by row); the sums equal
+the unblocked pass's within float noise (tests/workers/test_sensitivity_blocked.py).
 """
 from __future__ import annotations
 
+import functools
 import zlib
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -30,8 +42,20 @@ from kvtc.workers.attention_metric import pair_mean
 from kvtc.workers.full_cache import full_cache
 
 
+LOGIT_BLOCK_BYTES = 64 << 20  # one float32 (positions x vocab) logits block; about six such live at once
+
+
+def logit_block(vocab: int) -> int:
+    """Positions per logits block: LOGIT_BLOCK_BYTES of float32 logits, at least 16."""
+    return max(16, LOGIT_BLOCK_BYTES // (4 * max(1, vocab)))
+
+
 class LeafCache(DynamicCache):
-    """A cache whose incoming keys and values become grad leaves (`leaves`: {layer: (keys, values)})."""
+    """A cache whose incoming keys and values become grad leaves (`leaves`: {layer: (keys, values)}).
+
+    One update per layer (a whole sequence, no past): the leaves are returned as the layer's keys and values and
+    kept only in `leaves`. A later update of the same layer is the checkpointed layer's recomputation: it gets the
+    same leaves, so the gradient reaches them."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -39,14 +63,86 @@ class LeafCache(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        k = key_states.detach().requires_grad_(True)
-        v = value_states.detach().requires_grad_(True)
-        self.leaves[layer_idx] = (k, v)
-        return super().update(k, v, layer_idx, *args, **kwargs)
+        if layer_idx not in self.leaves:
+            self.leaves[layer_idx] = (key_states.detach().requires_grad_(True),
+                                      value_states.detach().requires_grad_(True))
+        return self.leaves[layer_idx]
 
 
-def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """input_ids (1, T) -> the sequence's Fisher sums (module docstring); zeros when no position is coded."""
+class _GivenHidden(torch.nn.Module):
+    """Stands in for a causal LM's base model: returns the hidden states it was given (and no router logits, for
+    the mixture-of-experts heads that read them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+class ModelHead:
+    """The causal LM's own head on given final hidden states (its forward, with the base model swapped for the
+    states): whatever it applies after the base (lm_head, logit scales, final softcapping) is the model's."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @contextmanager
+    def attached(self) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """-> logits(hidden (1, b, hidden_size)) -> (1, b, vocab), while the base model is swapped out."""
+        base, given = self.model.model, _GivenHidden()
+        self.model.model = given
+        try:
+            def logits(hidden: torch.Tensor) -> torch.Tensor:
+                given.hidden = hidden
+                ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+                return self.model(input_ids=ids, use_cache=False).logits
+            yield logits
+        finally:
+            self.model.model = base
+
+
+@contextmanager
+def _frozen(model: torch.nn.Module) -> Iterator[None]:
+    """The model's parameters do not require grad inside (so no layer saves inputs for a weight gradient)."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextmanager
+def _checkpointed(layers: torch.nn.ModuleList, indices: list[int]) -> Iterator[None]:
+    """Layers `indices` run under non-reentrant activation checkpointing inside (their forward wrapped)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for i in indices:
+        layers[i].forward = functools.partial(checkpoint, layers[i].forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for i in indices:
+            del layers[i].forward
+
+
+def _labels_seed(seed: int, input_ids: torch.Tensor) -> int:
+    return (seed * 1_000_003 + zlib.crc32(input_ids.cpu().numpy().tobytes())) % (1 << 62)
+
+
+def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, seed: int = 0,
+                   block: int | None = None, checkpoint: bool = True) -> dict[str, torch.Tensor]:
+    """input_ids (1, T) -> the sequence's Fisher sums (module docstring); zeros when no position is coded.
+    block: positions per logits block (default `logit_block(vocab)`); checkpoint: recompute each coded layer's
+    activations in the backward (False: keep them all, as an unblocked pass does)."""
+    from kvtc.workers.attention_metric import decoder_layers
+
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"kl_sensitivity takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
     coded = cached_layers(lm.layers)
@@ -58,27 +154,40 @@ def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, se
     lo, hi = sinks, t - window
     if hi <= lo:
         return {"sensitivity_keys": keys, "sensitivity_values": values}
+    block = block or logit_block(int(lm.model.get_output_embeddings().weight.shape[0]))
     cache = full_cache(lm, LeafCache)
     ids = input_ids.to(lm.device)
-    with torch.enable_grad():
-        out = lm.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        logits = out.logits[0].float()  # (T, vocab)
-        gen = torch.Generator(device=logits.device).manual_seed(
-            (seed * 1_000_003 + zlib.crc32(input_ids.cpu().numpy().tobytes())) % (1 << 62))
-        labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)[:, 0]
-        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    layers = decoder_layers(lm.base) if checkpoint else torch.nn.ModuleList()
+    with torch.enable_grad(), _frozen(lm.model), _checkpointed(layers, coded if checkpoint else []):
+        hidden = lm.base(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state  # (1, T, hidden)
         missing = [i for i in coded if i not in cache.leaves]
         if missing:
             raise RuntimeError(f"layer {missing[0]} wrote no keys and values through the cache; the KL sensitivity "
                                "needs every coded layer's cache (pass --sensitivity 0 and --attention-balance layer)")
-        leaves = [x for i in coded for x in cache.leaves[i]]
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    for slot, i in enumerate(coded):
-        gk, gv = grads[2 * slot], grads[2 * slot + 1]
-        if gk is not None:
-            gk = gk[0, :, lo:hi].to(torch.float64)  # (kv_heads, n, d), RoPE applied as cached
-            keys[slot] = pair_mean((gk * gk).sum(1), lm.layers[i]).cpu()
-        if gv is not None:
-            gv = gv[0, :, lo:hi].to(torch.float64)
-            values[slot] = torch.einsum("hni,hnj->hij", gv, gv).cpu()
+        given = hidden.detach().requires_grad_(True)
+        gen = torch.Generator(device=hidden.device).manual_seed(_labels_seed(seed, input_ids))
+        with ModelHead(lm.model).attached() as head:
+            for a in range(0, t, block):
+                logits = head(given[:, a:a + block])[0].float()  # (b, vocab)
+                labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)[:, 0]
+                torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward(inputs=[given])
+                del logits, labels
+
+        def reduce_into(slot: int, spec: Any, stream: str) -> Callable[[torch.Tensor], None]:
+            def hook(leaf: torch.Tensor) -> None:
+                g = leaf.grad[0, :, lo:hi].to(torch.float64)  # (kv_heads, n, d), RoPE applied as cached
+                if stream == "keys":
+                    keys[slot] = pair_mean((g * g).sum(1), spec).cpu()
+                else:
+                    values[slot] = torch.einsum("hni,hnj->hij", g, g).cpu()
+                leaf.grad = None
+            return hook
+
+        leaves = []
+        for slot, i in enumerate(coded):
+            for stream, leaf in zip(("keys", "values"), cache.leaves[i]):
+                leaf.register_post_accumulate_grad_hook(reduce_into(slot, lm.layers[i], stream))
+                leaves.append(leaf)
+        grad, given = given.grad, None
+        torch.autograd.backward(hidden, grad_tensors=grad, inputs=leaves)  # a leaf it does not reach keeps zeros
     return {"sensitivity_keys": keys, "sensitivity_values": values}

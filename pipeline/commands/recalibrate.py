@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvtc.pipeline.commands import module_doc
+from kvtc.pipeline.commands.json_stdout import stdout_to_stderr
 from kvtc.pipeline.settings_args import add_settings_arguments, settings_options
 
 OPERATION = "kvtc.pipeline.operations.recalibrate"
@@ -35,8 +36,9 @@ def _handler(args: argparse.Namespace) -> int:
 
     given = settings_options(args)
     try:
-        result = operation.recalibrate(args.target, given, args.if_drift, args.drift_tokens, tuple(args.alias),
-                                       args.tolerance, args.force)
+        with stdout_to_stderr(args.json):  # --json: stdout holds the result alone
+            result = operation.recalibrate(args.target, given, args.if_drift, args.drift_tokens, tuple(args.alias),
+                                           args.tolerance, args.force)
     except ModelMismatchError as exc:
         print(f"kvtc recalibrate: {exc}", file=sys.stderr)
         return EXIT_MODEL

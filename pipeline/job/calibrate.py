@@ -21,7 +21,9 @@ from kvtc.pipeline.job.reduce_tasks import Placement, clear
 from kvtc.pipeline.job.shard_records import ShardEntry, ShardResult
 from kvtc.pipeline.job.shards import plan_shards, shard_plan
 from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
+from kvtc.pipeline.job.store_reach import alive_nodes, check_store_reach
 
+from kvtc.pipeline.resource_bounds import Machine, check_cluster, check_job
 from kvtc.pipeline.settings import DEFAULT_CPU_TOKENS, DEFAULT_GPU_TOKENS, JobSettings
 
 
@@ -84,6 +86,8 @@ class Folded:
     duplicates: list[str]
     startup_s: float
     fold_s: float
+    workers_lost: int = 0  # workers whose node was lost mid-fold
+    shards_rerun: int = 0  # their shards, run again on the workers left
 
 
 def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
@@ -101,6 +105,8 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     from kvtc.workers.models import load_spec
 
     t0 = time.perf_counter()
+    machine = Machine.of(cfg.runtime)
+    check_job(cfg, machine if not in_process else replace(machine, cluster=False))  # resource arguments, instantly
     alloc, capture, rt = cfg.allocator, cfg.capture, cfg.runtime
     registry = artifacts.Registry(rt.registry).uri
     artifacts.check_writable(registry)
@@ -154,7 +160,8 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
                    time.perf_counter() - t0, info.config, objective_reason)
 
 
-def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False, gpu_plan=None) -> Folded:
+def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False, gpu_plan=None,
+                worker_cuda: bool | None = None) -> Folded:
     """Fold: run the planned shards through the model (a Ray actor pool, Ray already started, by this
     job when `ray_started`; or this process) into the stored accumulators and held-out rows; cached
     shards are not run again."""
@@ -196,7 +203,8 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
         yield from finished
 
     # the workers' dtype scopes the statistics: bfloat16 on GPU workers, float32 on CPU ones (unless --dtype)
-    worker_gpu = torch.cuda.is_available() if in_process else gpus >= 1
+    # worker_cuda: whether torch sees the GPUs Ray gives the workers (ray_pool.GpuInventory.cuda)
+    worker_gpu = torch.cuda.is_available() if in_process else (gpus >= 1 if worker_cuda is None else worker_cuda)
     model_dtype = str(resolve_dtype(cfg.model.dtype, torch.device("cuda" if worker_gpu else "cpu"))).removeprefix("torch.")
     store = ShardStore(planned.store_root, fingerprint_id(fingerprint), capture_key(capture.to_dict(), model_dtype))
     planner = FoldPlanner(AccumulatorPlan(cfg.reduce.accumulators), store)
@@ -214,7 +222,7 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
                                     _after_first(payloads(store, planner), ready), total)
     results = [ShardResult.from_dict(r) for r in pool.results]
     return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
-                  pool.startup_s, pool.run_s)
+                  pool.startup_s, pool.run_s, pool.workers_lost, pool.rerun)
 
 
 def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
@@ -233,21 +241,28 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
             print(f"kvtc calibrate: worker output goes to {ray_pool.worker_log_dir()} (--verbose shows it here)",
                   file=sys.stderr)
     try:
-        gpu_plan = None
+        gpu_plan, worker_cuda = None, None
         if not in_process:
+            check_store_reach(planned.store_root, rt.store_shared, alive_nodes())  # before any model work
+            if planned.settings.runtime.address or os.environ.get("RAY_ADDRESS"):  # a joined cluster: its nodes
+                check_cluster(rt, ray.nodes())
             gpus = ray_pool.cluster_gpus()
             if rt.gpus_per_worker and gpus < 1:
                 raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: Ray reports no GPU in the cluster; "
                                  "omit it to run on CPUs, or join a cluster with GPUs (--address)")
             if gpus >= 1:  # before any model work: refuse a model the workers' GPUs cannot hold
-                gpu_plan = _gpu_plan(planned, gpus, *ray_pool.gpu_inventory())
-        folded = fold_shards(planned, in_process, gpus, started, gpu_plan)
+                inventory = ray_pool.gpu_inventory()
+                gpu_plan = _gpu_plan(planned, gpus, inventory.gpu_bytes, inventory.gpus_per_node, inventory.cuda)
+                worker_cuda = inventory.cuda
+        folded = fold_shards(planned, in_process, gpus, started, gpu_plan, worker_cuda)
         inp = ReduceInput(cfg, planned.fingerprint, folded.store, folded.shards, folded.accumulators, folded.model_dtype,
                           planned.model_config, planned.objective_reason)
         # the reduce runs on the fold's workers (their actors are gone: the model's memory is free), one group per worker
         placement = Placement(0 if in_process else folded.workers, rt.threads_per_worker, folded.on_cluster_gpu,
                               gpu_plan.gpu_bytes if gpu_plan is not None else 0,
                               cluster=not in_process and bool(rt.address or os.environ.get("RAY_ADDRESS")))
+        if not in_process:  # a node that joined during the fold would not see the store either
+            check_store_reach(planned.store_root, rt.store_shared, alive_nodes(), "before the reduce")
         reduced = reduce(inp, placement)
         published = publish(inp, reduced, planned.registry, alias_latest)
         clear(reduced.tasks, folded.store)  # published: the groups' checkpoints and results go
@@ -270,10 +285,13 @@ def run_figures(planned: Planned, folded: Folded, reduced: Reduced, published: P
     pool_s = folded.fold_s
     out = {
         "workers": folded.workers,
+        "placement": placement_figures(results),
         "threads_per_worker": rt.threads_per_worker,
         "accumulators": planned.settings.reduce.accumulators,
         "shards_run": sum(not r.skipped for r in results),
         "shards_cached": sum(s.cached for s in folded.shards),
+        "workers_lost": folded.workers_lost,
+        "shards_rerun": folded.shards_rerun,
         "tokens_run": run_tokens,
         "startup_seconds": round(folded.startup_s, 2),
         "pool_seconds": round(pool_s, 2),
@@ -303,6 +321,16 @@ def run_figures(planned: Planned, folded: Folded, reduced: Reduced, published: P
     return out
 
 
+def placement_figures(results: list[ShardResult]) -> list[dict]:
+    """Where the shards ran: one row per (node, GPU ids, torch device) with its shard count, in first-seen order."""
+    rows: dict[tuple[str, str, str], int] = {}
+    for r in results:
+        if not r.skipped:
+            key = (r.node, r.gpus, r.device)
+            rows[key] = rows.get(key, 0) + 1
+    return [{"node": node, "gpus": gpus, "device": device, "shards": n} for (node, gpus, device), n in rows.items()]
+
+
 def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, total=None) -> PoolRun:
     """The shards one after another in this process; the model loads only when a shard must run.
     total: the shards expected (a callable, read as they run), the bar's total."""
@@ -324,8 +352,9 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, total=None)
     return PoolRun(results, startup_s, time.perf_counter() - t0)
 
 
-def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_node: int):
-    """GPUs per worker (memory_plan.plan_gpus) for the model's weights in the workers' dtype."""
+def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_node: int, cuda: bool = True):
+    """GPUs per worker (memory_plan.plan_gpus) for the model's weights in the workers' dtype (the CPU's where
+    the GPUs are Ray's logical ones and torch sees none: `cuda` False)."""
     import torch
 
     from kvtc.kernels.codec.layers import layers_of
@@ -335,7 +364,8 @@ def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_no
 
     cfg, fp = planned.settings, planned.fingerprint
     rt, kv, hd = cfg.runtime, int(fp["num_kv_heads"]), int(fp["head_dim"])
-    size = model_size(planned.model_config, resolve_dtype(cfg.model.dtype, torch.device("cuda")), cfg.plan.seq_len)
+    device = torch.device("cuda" if cuda else "cpu")
+    size = model_size(planned.model_config, resolve_dtype(cfg.model.dtype, device), cfg.plan.seq_len)
     return plan_gpus(size, gpu_bytes, int(cluster_gpus), gpus_per_node,
                      lambda workers: _memory_estimate(cfg, layers_of(fp), kv, hd, cfg.capture.groups,
                                                       rt.workers or workers).worker, rt.gpus_per_worker)

@@ -19,6 +19,7 @@ import functools
 from dataclasses import dataclass
 
 from kvtc.pipeline.fit.heldout_rows import GroupRows
+from kvtc.pipeline.job.fault_hooks import hold_if_asked
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask, drop_solved, run_group, spectrum_name
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_plan import GIB, admit
@@ -103,6 +104,7 @@ def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict
     """Body of a Ray task: `run_stored` on the task's worker; returns the result's name."""
     import torch
 
+    hold_if_asked("reduce")
     task = GroupTask.from_json(task_json)
     if task.device == "cuda" and not torch.cuda.is_available():  # Ray's GPU ids say nothing about torch
         task = GroupTask.from_json({**task_json, "device": "cpu"})

@@ -31,8 +31,8 @@ class ShardEntry:
 @dataclass(frozen=True)
 class ShardResult:
     """One shard run by a worker: tokens run, rows folded (train) or stored (held-out, eval), bytes written,
-    seconds; a training shard also its capture, fold and checkpoint seconds. skipped: the shard's
-    accumulator was already complete, nothing ran."""
+    seconds; a training shard also its capture, fold and checkpoint seconds; where it ran (node, GPU ids,
+    torch device). skipped: the shard's accumulator was already complete, nothing ran."""
 
     shard_id: str
     index: int
@@ -45,6 +45,9 @@ class ShardResult:
     capture_s: float = 0.0
     fold_s: float = 0.0
     checkpoint_s: float = 0.0
+    node: str = ""  # the Ray node the worker ran on ("" in-process)
+    gpus: str = ""  # the GPU ids Ray gave the worker, comma separated
+    device: str = ""  # where torch ran it (cuda:0, or cpu where no CUDA is present, whatever Ray's GPU ids)
 
     def __post_init__(self) -> None:
         _check_role(self.role)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvtc.artifacts.errors import InputError
+from kvtc.pipeline.job.fault_hooks import current_node, hold_if_asked
 from kvtc.pipeline.job.shard_records import ShardResult
 from kvtc.pipeline.job.shards import Shard
 from kvtc.pipeline.job.store import ShardStore, capture_key
@@ -63,9 +64,11 @@ class ShardWorker:
         self.batch_size = batch_size
         self.rows_per_heldout_shard = rows_per_heldout_shard
         self.totals: dict[str, CalibrationStats] = {}
+        self.placement = {"node": current_node(), "gpus": ",".join(map(str, _ray_gpu_ids())), "device": str(self.lm.device)}
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        """The Ray node this worker runs on ("" outside Ray): the pool moves its work if that node is lost."""
+        return current_node()
 
     def _maybe_die(self, shard: Shard) -> None:
         spec = os.environ.get(KILL_ENV)
@@ -88,13 +91,15 @@ class ShardWorker:
         self._maybe_die(shard)
         if role == "train":
             nbytes, rows, split = self._fold(shard, payload["acc"], payload.get("after"))
+            hold_if_asked("fold")  # a test removes this node here: checkpointed, the result not yet returned
             if rows is None:
-                return ShardResult(shard.id, shard.index, role, 0, 0, 0, time.perf_counter() - t0, skipped=True).to_dict()
+                return ShardResult(shard.id, shard.index, role, 0, 0, 0, time.perf_counter() - t0, skipped=True,
+                                   **self.placement).to_dict()
         else:
             nbytes, rows = self._store_rows(shard)
             split = {}
         return ShardResult(shard_id=shard.id, index=shard.index, role=role, tokens_run=int(shard.input_ids.size),
-                           rows=rows, bytes=nbytes, seconds=time.perf_counter() - t0, **split).to_dict()
+                           rows=rows, bytes=nbytes, seconds=time.perf_counter() - t0, **split, **self.placement).to_dict()
 
     def _total(self, name: str) -> CalibrationStats | None:
         if name not in self.totals:
@@ -158,3 +163,13 @@ class ShardWorker:
         }
         meta = {"shard_id": shard.id, "seq_len": int(shard.input_ids.shape[1])}
         return self.store.put(shard.id, "rows", tensors, meta), int(tensors["keys"].shape[0])
+
+
+def _ray_gpu_ids() -> list:
+    """The GPU ids Ray assigned this worker ([] outside Ray or without GPUs)."""
+    try:
+        import ray
+
+        return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", [])) if ray.is_initialized() else []
+    except Exception:  # a Ray without accelerator ids here: nothing to report
+        return []

@@ -1,0 +1,37 @@
+"""Whether every node of the job's Ray cluster reaches the shard store.
+
+Shard workers write accumulators and held-out rows to the store and the reduce's group tasks read
+them back on whatever node they run. A store given as a plain path (fsspec protocol "file") is a
+different directory on every node unless all of them mount it: on a cluster of more than one node
+such a store is refused unless declared shared (`--store-shared`).
+"""
+from __future__ import annotations
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+def is_node_local(store_root: str) -> bool:
+    """True for a plain path or a file:// URI (a node's own disk), False for any other fsspec URI."""
+    fs, _ = fsspec.core.url_to_fs(store_root)
+    return isinstance(fs, LocalFileSystem)
+
+
+def alive_nodes() -> int:
+    """Alive nodes of the Ray cluster this process has joined."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def check_store_reach(store_root: str, shared: bool, nodes: int, when: str = "") -> None:
+    """Refuse a node-local store (a plain path, not declared `shared`) on a cluster of `nodes` > 1.
+    `when`: what the job is about to do, for the message (e.g. "before the reduce")."""
+    if nodes <= 1 or shared or not is_node_local(store_root):
+        return
+    at = f" {when}" if when else ""
+    raise ValueError(
+        f"--store {store_root} is a local path, and the Ray cluster has {nodes} alive nodes{at}: each node would "
+        "write its shard statistics to its own disk and the reduce would not find them. Pass --store an fsspec URI "
+        "every node reaches (e.g. s3://bucket/kvtc-cache), or, if every node mounts this path (NFS, a shared "
+        "volume), say so with --store-shared")
