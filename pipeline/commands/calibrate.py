@@ -7,7 +7,7 @@ import json
 import warnings
 
 from kvtc.pipeline.commands import module_doc
-from kvtc.pipeline.commands.json_stdout import stdout_to_stderr
+from kvtc.pipeline.json_stdout import stdout_to_stderr
 from kvtc.pipeline.resource_bounds import Machine, check_job
 from kvtc.pipeline.settings_args import add_settings_arguments, settings_from_args
 from kvtc.workers.model_limits import context_limit

@@ -7,7 +7,7 @@ import json
 import sys
 
 from kvtc.pipeline.commands import module_doc
-from kvtc.pipeline.commands.json_stdout import stdout_to_stderr
+from kvtc.pipeline.json_stdout import stdout_to_stderr
 from kvtc.pipeline.settings_args import add_settings_arguments, settings_options
 
 OPERATION = "kvtc.pipeline.operations.recalibrate"

@@ -7,14 +7,15 @@ such a store is refused unless declared shared (`--store-shared`).
 """
 from __future__ import annotations
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
+from fsspec.core import split_protocol
+
+LOCAL_PROTOCOLS = (None, "file", "local")
 
 
 def is_node_local(store_root: str) -> bool:
-    """True for a plain path or a file:// URI (a node's own disk), False for any other fsspec URI."""
-    fs, _ = fsspec.core.url_to_fs(store_root)
-    return isinstance(fs, LocalFileSystem)
+    """True for a plain path or a file:// URI (a node's own disk), False for any other fsspec URI; in a chained
+    URI (`simplecache::s3://...`) the last one is where the objects live."""
+    return split_protocol(store_root.split("::")[-1])[0] in LOCAL_PROTOCOLS
 
 
 def alive_nodes() -> int:

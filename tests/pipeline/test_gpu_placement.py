@@ -74,3 +74,16 @@ def test_the_gpu_plan_sizes_cpu_fallback_workers_in_float32(gpu_node):
     on_cuda = _gpu_plan(planned, 2, 64 << 20, 2, cuda=True)
     on_cpu = _gpu_plan(planned, 2, 64 << 20, 2, cuda=False)
     assert on_cpu.weights > 1.99 * on_cuda.weights  # float32 parameters (a few buffers stay as they are)
+
+
+@pytest.mark.parametrize("flat, message", [(dict(workers=3), "room for 2 worker"),
+                                           (dict(threads_per_worker=3), "largest node has 2 CPUs"),
+                                           (dict(gpus_per_worker=3), "largest node has 2 GPU")])
+def test_the_joined_cluster_refuses_workers_no_node_can_place(gpu_node, tmp_path, flat, message):
+    """Checked against the nodes once joined, before any model work: no actor waits forever for room."""
+    import kvtc.workers.models as models
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model work started before the check"))
+        with pytest.raises(ValueError, match=message):
+            _run(gpu_node, tmp_path, **flat)
