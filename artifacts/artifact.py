@@ -11,8 +11,9 @@ import numpy as np
 
 from kvtc.artifacts import bundle, ecsq_tables, tables
 from kvtc.artifacts.errors import ArtifactNotFoundError, CorruptArtifactError, IntegrityError
-from kvtc.artifacts.blocks import Block, check_budget_split
-from kvtc.artifacts.groups import FeatureGroup, parse_groups, stream_dims
+from kvtc.artifacts.bit_split import check_table_budgets
+from kvtc.artifacts.blocks import Block
+from kvtc.artifacts.groups import FeatureGroup, parse_groups
 from kvtc.artifacts.local_files import sha256_handle
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, check_digest, decode_manifest
 from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, open_untrusted, read_limited
@@ -219,15 +220,9 @@ class Artifact:
         return self._allocations
 
     def _check_budgets(self, tables_: dict, what: str) -> None:
-        """A joint split that does not add up to each ratio's total is refused (CorruptArtifactError)."""
-        dim = stream_dims(self.manifest["model"])
-        groups = parse_groups(self.manifest["calibration"]["groups"])
-        dims = {(stream, g): group.dim(*dim[stream]) for stream in dim for g, group in enumerate(groups)}
-        try:
-            check_budget_split({k: t["budget_bits"] for k, t in tables_.items()}, dims,
-                               {g: group.heads for g, group in enumerate(groups)}, f"{self.name}@{self.version} {what}")
-        except ValueError as exc:
-            raise CorruptArtifactError(str(exc)) from None
+        """Budgets that do not add up to each ratio's total, or are not what the manifest's joint split gave each
+        basis, are refused (CorruptArtifactError; `bit_split.check_table_budgets`)."""
+        check_table_budgets(self.manifest, tables_, what, f"{self.name}@{self.version}")
 
     def ecsq_tables(self) -> dict:
         """{(ratio, stream, group): ECSQ table} ({} for an artifact calibrated before the ECSQ mode)."""

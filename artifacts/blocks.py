@@ -67,14 +67,15 @@ def check_budget_split(budgets: dict, dims: dict, ranks: dict, what: str) -> Non
 
     budgets {(ratio, stream, group): bits per token}; dims {(stream, group): p}; ranks {group: the rank (its KV
     head range) whose total it shares}. Per ratio and rank, the bases' bits sum to the sum of floor(16 p / CR),
-    and each basis's lie in [0, 16 p]. ValueError naming the ratio and rank otherwise."""
+    and each basis's lie in [1, 16 p] (no basis goes without bits: the codec reads 0 as "unset"). ValueError naming
+    the ratio and rank otherwise."""
     totals: dict[tuple, list[int]] = {}
     for (ratio, stream, group), bits in budgets.items():
         p = dims.get((stream, group))
         if p is None:
             continue  # a table without a basis: the caller's own check names it
-        if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 0 <= int(bits) <= 16 * p:
-            raise ValueError(f"{what} ({ratio:g}, {stream!r}, {group}): budget {bits!r} bits is outside [0, 16 p = {16 * p}]")
+        if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= int(bits) <= 16 * p:
+            raise ValueError(f"{what} ({ratio:g}, {stream!r}, {group}): budget {bits!r} bits is outside [1, 16 p = {16 * p}]")
         acc = totals.setdefault((float(ratio), ranks.get(group)), [0, 0])
         acc[0] += int(bits)
         acc[1] += budget_bits(p, float(ratio))

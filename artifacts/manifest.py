@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtc.artifacts import bundle, ecsq_tables, tables
+from kvtc.artifacts.bit_split import check_bit_split
 from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.schema import SCHEMA_VERSION, ArtifactContent, check_name, normalize_block, to_json
 
@@ -228,6 +229,7 @@ def decode_manifest(data: bytes, where: str, name: str | None = None, version: s
         if want is not None and manifest[key] != want:
             raise IntegrityError(f"{where}: manifest says {key} {manifest[key]!r} but was stored as {want!r} "
                                  "(a version folder copied or renamed); refusing it")
+    check_bit_split(manifest, where)  # the joint split, wherever a manifest is read (CorruptArtifactError)
     return manifest
 
 

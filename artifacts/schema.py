@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtc.artifacts.blocks import check_budget_split, normalize_block
+from kvtc.artifacts.blocks import normalize_block
 from kvtc.artifacts.ecsq_tables import check_table
 from kvtc.artifacts.groups import FeatureGroup, parse_groups, stream_dims
 
@@ -108,10 +108,11 @@ class ArtifactContent:
             self._check_allocation(key, alloc)
         for key, table in self.ecsq.items():  # ECSQ mode hook
             self._check_ecsq(key, table)
-        dims = {key: int(np.asarray(b[2]).shape[0]) for key, b in self.bases.items()}
-        ranks = {g: group.heads for g, group in enumerate(self.group_layers())}
+        from kvtc.artifacts.bit_split import check_table_budgets  # deferred: it reads groups and blocks like this module
+
+        sections = {"calibration": self.calibration, "model": self.model, "bases": list(self.bases)}
         for what, tables_ in (("allocation", self.allocations), ("ECSQ table", self.ecsq)):
-            check_budget_split({k: t["budget_bits"] for k, t in tables_.items()}, dims, ranks, what)
+            check_table_budgets(sections, tables_, what, f"artifact {self.name!r}")
         for name, rows in self.curves.items():
             check_name("curve name", name)
             if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):

@@ -9,7 +9,13 @@ refusal). Each case must end in a clear error or a correct result, with nothing 
 prints how each family ended, and the cost of the verified pull against hashing the same files (the
 baseline, measured in the same run).
 
-    .venv/bin/python bench/hostile.py [--blobs 20000] [--race-seconds 10] [--round-three] [--round-four] [--geometry 30,3,64]
+    .venv/bin/python bench/hostile.py [--blobs 20000] [--race-seconds 10] [--round-three] [--round-four] [--round-five]
+                                      [--geometry 30,3,64]
+
+Issue 49's families (--round-five runs only them, `--side calibration|serving` one side's): forged joint budget
+records and ECSQ budgets read by every reader, reduce checkpoints swapped or copied from another job, sensitivity
+sums out of range, malformed GGUF files and a damaged conversion cache, environment variables Ray crashes on, and
+command lines that loaded a model before refusing. A family registers with `@round_five(side)`.
 
 Issue 35's families (run first; --round-four runs only them): Parquet bombs in every file of an artifact,
 NaN and inf bit patterns in raw sections of every cache dtype, non-finite values given to encode, bases and
@@ -40,6 +46,7 @@ import warnings
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fixtures: tests/helpers
@@ -526,8 +533,8 @@ def _reset_peak() -> bool:
         return False
 
 
-def measured(family: str, label: str, input_bytes: int, case) -> Ended:
-    """Run `case()` -> (how, clean) under a 10 s deadline, measuring its peak RSS above the RSS before it."""
+def measured(family: str, label: str, input_bytes: int, case, deadline: int = 10) -> Ended:
+    """Run `case()` -> (how, clean) under a deadline (10 s), measuring its peak RSS above the RSS before it."""
     import gc
 
     gc.collect()
@@ -535,10 +542,10 @@ def measured(family: str, label: str, input_bytes: int, case) -> Ended:
     base = _status("VmRSS")
     t = time.perf_counter()
     try:
-        with _deadline(10):
+        with _deadline(deadline):
             how, clean = case()
     except TimeoutError:
-        how, clean = "HUNG (10 s)", False
+        how, clean = f"HUNG ({deadline} s)", False
     except Exception as exc:  # would be a bug: the case itself decides what is expected
         how, clean = f"CRASH {type(exc).__name__}: {str(exc)[:80]}", False
     seconds = time.perf_counter() - t
@@ -1072,6 +1079,748 @@ def round_three_table(ended: list[Ended]) -> str:
     return "\n".join(lines)
 
 
+# ---- issue 49 (round five): budgets, checkpoints, sums and inputs bound to what they claim ----
+#
+# One registry of families, each a function (tmp) -> [Ended] tagged with its side: the calibration and registry
+# side's are below; the serving side's (chunks after a server restart, the vLLM tier's budget, extreme finite
+# chunks, decode memory) join the same round with `@round_five("serving")` and appear in the same table.
+
+ROUND_FIVE: list[tuple[str, object]] = []  # (side, family function), in the order they run
+SIDES: dict[str, str] = {}  # family name (as its cases name it) -> side, filled as the round runs
+CORRECT = ("correct", "recomputed", "rebuilt", "reused", "listed")  # a case that ends in a correct result
+
+
+def round_five(side: str):
+    """Register a family of the fifth round (`side`: "calibration" or "serving")."""
+    def register(family):
+        ROUND_FIVE.append((side, family))
+        return family
+    return register
+
+
+class _WouldRun(Exception):
+    """A command line that was not refused reached the job (stubbed: nothing runs)."""
+
+
+@contextlib.contextmanager
+def _job_stubbed():
+    """The calibration job and Ray start replaced by a raise, so a command line that is not refused costs nothing."""
+    from kvtc.pipeline.job import calibrate as job
+
+    def would_run(*_, **__):
+        raise _WouldRun("WOULD RUN THE JOB")
+
+    saved = job.run
+    job.run = would_run
+    try:
+        yield
+    finally:
+        job.run = saved
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _refused_cli(argv: list[str], code: int, words: tuple[str, ...]) -> tuple[str, bool]:
+    """A command line run in this process: (how, clean) where clean is exit `code` in one line naming `words`."""
+    rc, err = _cli(*argv)
+    one = len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    named = all(w in err for w in words)
+    ok = rc == code and one and named
+    return (f"exit {rc}" + (", one line" if one else ", NOT one line") + ("" if named else ", NOT NAMED")), ok
+
+
+@round_five("calibration")
+def joint_budget_records(tmp: Path) -> list[Ended]:
+    """A re-digested (unsigned) artifact whose joint split record (calibration.bit_split) or ECSQ budgets were
+    edited: huge, string, NaN, negative or zero shares, shares off the total, a ratio missing or foreign, a basis
+    twice, a misrecorded own share, ECSQ budgets of 0 or against the record. Read by `show`, `verify`, `report`,
+    `export` and the codec's load: each a clean integrity error (exit 6), never exit 1, never a fallback."""
+    from helpers.joint_artifacts import RECORD_FORGERIES, TABLE_FORGERIES, forged_ecsq, joint_content
+    from kvtc.artifacts.errors import IntegrityError as Integrity
+
+    joint, even = joint_content(), joint_content(joint=False)
+    out = []
+
+    def readers(reg: Registry, version: str, tables_only: bool) -> dict:
+        ref, folder = f"joint@{version}", str(tmp / f"out-{uuid.uuid4().hex[:8]}")
+        cli_readers = {"verify": ["verify", ref]} if tables_only else {
+            "show": ["show", ref], "verify": ["verify", ref], "report": ["report", ref, "--out", folder],
+            "export": ["export", ref, "--ratio", "8", "--format", "sglang", "--to", folder]}
+        found = {name: (lambda argv=argv: _refused_cli([*argv, "--registry", reg.uri], 6, ("joint@",)))
+                 for name, argv in cli_readers.items()}
+        found["codec load"] = lambda: _refused(lambda: KVTCCodec.from_registry(ref, 8.0, registry=reg), Integrity,
+                                               ("joint@",))
+        return found
+
+    for label, edit in RECORD_FORGERIES.items():
+        reg = Registry(str(tmp / f"jr-{uuid.uuid4().hex[:8]}"))
+        version = publish(joint, reg).version
+        size = len(forge_version(reg, "joint", version, edit))
+        for reader, case in readers(reg, version, False).items():
+            out.append(measured("joint budget record", f"{label}: {reader}", size, case))
+    for label, (on_joint, edit) in TABLE_FORGERIES.items():
+        content = joint if on_joint else even
+        reg = Registry(str(tmp / f"jt-{uuid.uuid4().hex[:8]}"))
+        version = publish(content, reg).version
+        data = forged_ecsq(content, edit)
+        forge_version(reg, "joint", version, lambda m: None, {"ecsq.parquet": data})
+        for reader, case in readers(reg, version, True).items():
+            out.append(measured("joint budget record", f"{label}: {reader}", len(data), case))
+    reg = Registry(str(tmp / f"jok-{uuid.uuid4().hex[:8]}"))
+    version = publish(joint, reg).version
+
+    def untampered() -> tuple[str, bool]:
+        codec = KVTCCodec.from_registry(f"joint@{version}", 8.0, registry=reg)
+        shares = {s: codec.spec.ecsq[s][0].budget_bits for s in ("keys", "values")}
+        rc, _ = _cli("verify", f"joint@{version}", "--registry", reg.uri)
+        want = {s: int(joint.ecsq[(8.0, s, 0)]["budget_bits"]) for s in ("keys", "values")}
+        ok = rc == 0 and shares == want
+        return ("correct: verified, the codec runs each share" if ok else f"WRONG: exit {rc}, shares {shares}"), ok
+    out.append(measured("joint budget record", "untampered joint artifact: verify and codec", 0, untampered))
+    return out
+
+
+@round_five("calibration")
+def reduce_checkpoints(tmp: Path) -> list[Ended]:
+    """A reduce stopped with its checkpoints in the store, then resumed after a writer of the store (no key)
+    swapped the keys and values solve checkpoints, swapped the spectra, swapped the results, or copied another
+    job's checkpoint (another task, another model) under this job's name: each object named once on stderr,
+    recomputed, and the reduce's result is the untampered run's, bit for bit."""
+    from helpers import reduce_checkpoints as rc
+    from kvtc.pipeline.job.store import ShardStore
+
+    with contextlib.redirect_stderr(io.StringIO()):  # the reduce's progress lines
+        baseline = rc.reduce_once(rc.make_store(tmp / "ck-base"), rc.make_tasks())
+        spectra = [e for e, _ in rc.reduce_once(rc.make_store(tmp / "ck-spectra"), rc.make_tasks(), solve_only=True)]
+    tasks = rc.make_tasks()
+    solo = [dataclasses.replace(t, solve_only=True) for t in tasks]
+
+    def resumed(prepare, solve_only: bool = False, named: int = 2):
+        def case() -> tuple[str, bool]:
+            store = rc.make_store(tmp / f"ck-{uuid.uuid4().hex[:8]}")
+            with contextlib.redirect_stderr(io.StringIO()):
+                prepare(store)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                got = rc.reduce_once(store, tasks, solve_only=solve_only)
+            lines = [line for line in err.getvalue().splitlines() if line.startswith("kvtc:")]
+            same = all(np.array_equal(a[0], b) for a, b in zip(got, spectra)) if solve_only else \
+                rc.same_results(got, baseline)
+            once = len(lines) == named and len(set(lines)) == named
+            ok = same and once
+            return ((f"recomputed, {len(lines)} object(s) named once, the untampered result" if ok else
+                     f"{'SAME' if same else 'ANOTHER'} RESULT, {len(lines)} line(s) named") if same or once else
+                    "ANOTHER RESULT USED"), ok
+        return case
+
+    def solved_then(edit):
+        def prepare(store):
+            rc.reduce_once(store, tasks, solve_only=True)
+            edit(store)
+        return prepare
+
+    def results_then(edit):
+        def prepare(store):
+            rc.reduce_once(store, tasks)
+            edit(store)
+        return prepare
+
+    def other_job(ratios, model_id="m"):
+        def prepare(store):
+            other = ShardStore(store.root, model_id, "c")
+            if model_id != "m":
+                rc.make_store(store.root)  # the key exists already; the other scope gets its own accumulator
+            stats = store.get_acc("acc0")
+            other.put_acc("accB", stats)
+            theirs = rc.make_tasks(ratios, accumulator="accB")
+            rc.reduce_once(other, theirs, solve_only=True, seed=1)
+            rc.copy_from(other, rc.solved_name(theirs[0]), store, rc.solved_name(tasks[0]))
+        return prepare
+
+    def legacy(store):
+        from kvtc.workers.stats_file import write_stats
+
+        path = rc.object_path(store, rc.solved_name(tasks[0]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:  # authenticated, but naming no task: an earlier release's checkpoint
+            write_stats(f, {"mean": np.zeros(rc.P), "eigenvalues": np.ones(rc.P), "components": np.eye(rc.P)},
+                        {"solved": {"method": "exact", "k": rc.P, "device": "cpu", "sum_s": 0.0, "eig_s": 0.0},
+                         "total_variance": float(rc.P), "n": 400, "by_tokens": None}, store.hmac_key)
+
+    cases = {
+        "solve checkpoints of keys and values swapped": (solved_then(lambda st: rc.swap(
+            st, rc.solved_name(tasks[0]), rc.solved_name(tasks[1]))), False, 2),
+        "spectra of keys and values swapped": (solved_then(lambda st: rc.swap(
+            st, rc.spectrum_name(solo[0]), rc.spectrum_name(solo[1]))), True, 2),
+        "results of keys and values swapped": (results_then(lambda st: rc.swap(
+            st, rc.result_name(tasks[0]), rc.result_name(tasks[1]))), False, 2),
+        "another job's solve checkpoint (other ratios) copied in": (other_job((8.0,)), False, 1),
+        "another model's solve checkpoint copied in": (other_job((4.0,), "m2"), False, 1),
+        "an earlier release's checkpoint (no binding)": (legacy, False, 1),
+    }
+    return [measured("reduce checkpoints", label, 0, resumed(prepare, solve_only, named), deadline=60)
+            for label, (prepare, solve_only, named) in cases.items()]
+
+
+def _sensitivity_stats(tensor: str | None = None, factor: float = 1.0):
+    stats = _toy_stats()
+    metric = {"keys": np.ones((1, 1, 4)), "values": np.eye(4)[None, None], "concentration": np.ones((1, 1)),
+              "sensitivity_keys": np.full((1, 1, 4), 0.5), "sensitivity_values": np.eye(4)[None, None] * 0.5}
+    if tensor is not None:
+        metric[tensor] = metric[tensor] * factor
+    stats.metric = {k: torch.from_numpy(v) for k, v in metric.items()}
+    stats.metric_tokens = 3
+    return stats
+
+
+@round_five("calibration")
+def sensitivity_sums(tmp: Path) -> list[Ended]:
+    """KL sensitivity sums (`sensitivity_keys`, `sensitivity_values`) forged to x1e300 or x1e-300 and re-signed
+    with the store's key: named (object and tensor), moved aside, absent to the next run; the same sums in range
+    read back. End to end on a tiny model: the forged rerun refused naming them (exit 2 kind), the next rerun
+    recomputes them and publishes the untampered run's bases."""
+    from kvtc.pipeline.job.store import ShardStore
+    from kvtc.workers.stats_file import DegenerateStats
+
+    out = []
+    for tensor in ("sensitivity_keys", "sensitivity_values"):
+        for factor in (1e300, 1e-300):
+            store = ShardStore(str(tmp / f"se-{uuid.uuid4().hex[:8]}"), "m", "c")
+            store.put_acc("a0", _sensitivity_stats(tensor, factor))
+
+            def case(store=store, tensor=tensor):
+                how, ok = _refused(lambda: store.get_acc("a0", keys=[]), DegenerateStats,
+                                   ("a0.stats", f"metric/{tensor}"))
+                aside = os.path.exists(store._acc_path("a0") + ".corrupt") and store.acc_shards("a0") is None
+                return (how + (", moved aside" if aside else ", NOT MOVED ASIDE")), ok and aside
+            out.append(measured("sensitivity sums", f"{tensor} x{factor:g}", 0, case))
+    store = ShardStore(str(tmp / f"se-{uuid.uuid4().hex[:8]}"), "m", "c")
+    store.put_acc("a0", _sensitivity_stats())
+
+    def sound() -> tuple[str, bool]:
+        got = store.get_acc("a0", keys=[]).metric["sensitivity_values"]
+        ok = bool(torch.equal(got, _sensitivity_stats().metric["sensitivity_values"]))
+        return ("correct: read back" if ok else "WRONG"), ok
+    out.append(measured("sensitivity sums", "sums in range", 0, sound))
+    out.append(measured("sensitivity sums", "end to end: x1e300 forged between two calibrations of tiny:llama", 0,
+                        lambda: _sensitivity_end_to_end(tmp), deadline=300))
+    return out
+
+
+def _sensitivity_end_to_end(tmp: Path) -> tuple[str, bool]:
+    from kvtc.artifacts import pull as pull_version
+    from kvtc.pipeline.job.calibrate import run
+    from kvtc.pipeline.job.store import ShardStore
+    from kvtc.pipeline.settings import JobSettings
+    from kvtc.workers.stats_file import DegenerateStats
+
+    root = tmp / f"e2e-{uuid.uuid4().hex[:8]}"
+
+    def calibrate() -> dict:
+        cfg = JobSettings.of(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=64, window=8, sinks=2,
+                             tokens=1024, seqs_per_shard=4, heldout_rows=512, ratios=(4.0, 8.0),
+                             tokens_curve_points=0, served_sequences=0, registry=str(root / "reg"),
+                             store=str(root / "store"), name="sens")
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run(cfg, in_process=True)
+
+    first = calibrate()
+    accs = sorted(root.glob("store/*/*/acc/*.stats"))
+    for path in accs:
+        store = ShardStore(str(root / "store"), path.parent.parent.parent.name, path.parent.parent.name)
+        stats = store.get_acc(path.stem)
+        stats.metric["sensitivity_values"] = stats.metric["sensitivity_values"] * 1e300
+        store.put_acc(path.stem, stats)
+    try:
+        calibrate()
+        return "FORGED SUMS USED", False
+    except DegenerateStats as exc:
+        named = "sensitivity_values" in str(exc) and ".stats" in str(exc)
+    aside = any(p.with_name(p.name + ".corrupt").exists() for p in accs)
+    third = calibrate()
+    reg = str(root / "reg")
+    a, b = (pull_version(f"sens@{s['version']}", registry=reg) for s in (first, third))
+    same = all(np.array_equal(a.basis(s, 0)[2], b.basis(s, 0)[2]) for s in ("keys", "values"))
+    ok = named and aside and same
+    return (("recomputed: refused naming the tensor, moved aside, rerun publishes the same bases" if ok else
+             f"NOT CLEAN (named={named}, aside={aside}, same={same})"), ok)
+
+
+_GGUF_CUTS = {"magic and version only": 8, "cut inside the tokenizer's arrays (1 MB)": 1 << 20,
+              "cut inside the tensor infos": -5000, "cut inside the tensor data (50 MB)": 50_000_000}
+
+
+def _gguf_inputs(tmp: Path) -> dict[str, Path]:
+    """Malformed GGUF files: the embedded file cut at several points, and small forged headers."""
+    from kvtc.workers.model_limits import embedded_gguf, read_gguf_header
+
+    source = embedded_gguf()
+    start = read_gguf_header(source).data_start
+    out = {}
+    with open(source, "rb") as f:
+        for label, cut in _GGUF_CUTS.items():
+            f.seek(0)
+            path = tmp / f"cut-{uuid.uuid4().hex[:6]}.gguf"
+            path.write_bytes(f.read(start + cut if cut < 0 else cut))
+            out[label] = path
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 3) + b"abc" + struct.pack("<I", 9)
+    forged = {"a u8 array of 2^40 items past the end": head + struct.pack("<IQ", 0, 1 << 40),
+              "a string array of 2^40 items past the end": head + struct.pack("<IQ", 8, 1 << 40),
+              "version 7": b"GGUF" + struct.pack("<IQQ", 7, 0, 0),
+              "not a GGUF file": b"PK\x03\x04" + bytes(60),
+              "a tensor of unknown type 99": b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", 1) + b"t"
+              + struct.pack("<IQIQ", 1, 32, 99, 0)}
+    for label, data in forged.items():
+        path = tmp / f"forged-{uuid.uuid4().hex[:6]}.gguf"
+        path.write_bytes(data)
+        out[label] = path
+    return out
+
+
+@round_five("calibration")
+def gguf_files(tmp: Path) -> list[Ended]:
+    """Malformed GGUF files given to `kvtc calibrate --model` and to `load_spec`: a clean refusal (exit 2)
+    naming the file, before transformers reads it, never exit 1."""
+    from kvtc.workers.models import load_spec
+
+    out = []
+    with _job_stubbed():
+        for label, path in _gguf_inputs(tmp).items():
+            size = path.stat().st_size
+            out.append(measured("GGUF files", f"{label}: kvtc calibrate", size, lambda path=path: _refused_cli(
+                ["calibrate", "--model", str(path), "--registry", str(tmp / "reg")], 2, (path.name,))))
+            out.append(measured("GGUF files", f"{label}: load_spec", size, lambda path=path: _refused(
+                lambda: load_spec(str(path), cache_dir=tmp / "cache"), ValueError, (path.name,))))
+    return out
+
+
+@round_five("calibration")
+def gguf_conversion_cache(tmp: Path) -> list[Ended]:
+    """The conversion cache (gguf-<digest>/ with model.safetensors, its record beside) truncated, a weight
+    changed, its record missing (an earlier release) or an unlisted file planted: named once, rebuilt. The
+    dequantization itself is stubbed (a small safetensors file): the cache logic is what is tried."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from kvtc.workers import models
+    from kvtc.workers.model_limits import embedded_gguf
+
+    source = embedded_gguf()
+    digest = models.sha256_file(source)
+    calls = []
+
+    def fake_convert(path, folder, digest):
+        calls.append(folder)
+        save_file({"w": np.arange(4096, dtype=np.float32)}, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        models.write_conversion_record(folder, digest)
+
+    def weights(folder: Path) -> Path:
+        return folder / "model.safetensors"
+
+    def truncate(folder: Path) -> None:
+        data = weights(folder).read_bytes()
+        weights(folder).write_bytes(data[: len(data) // 2])
+
+    def change_weight(folder: Path) -> None:
+        data = bytearray(weights(folder).read_bytes())
+        data[-4:] = struct.pack("<f", 1e30)
+        weights(folder).write_bytes(bytes(data))
+
+    cases = {"truncated model.safetensors": truncate, "a weight changed (same size)": change_weight,
+             "no record (an earlier release's conversion)": lambda f: (f / models.CONVERSION_RECORD).unlink(),
+             "an unlisted safetensors file planted": lambda f: (f / "extra.safetensors").write_bytes(b"x"),
+             "the record says another GGUF": lambda f: (f / models.CONVERSION_RECORD).write_text(
+                 json.dumps({"source_sha256": "0" * 64, "files": {}}))}
+    real, out = models._convert, []
+    models._convert = fake_convert
+    try:
+        def fresh() -> tuple[str, bool]:
+            cache = tmp / f"cv-{uuid.uuid4().hex[:8]}"
+            folder = models.convert_gguf(source, cache, digest)
+            again = models.convert_gguf(source, cache, digest)
+            ok = folder == again and len(calls) == 1 and models.conversion_problem(folder, digest) is None
+            return ("reused: converted once, recorded, verified" if ok else f"NOT REUSED ({len(calls)} conversions)"), ok
+        calls.clear()
+        out.append(measured("GGUF conversion cache", "a sound cache", 0, fresh))
+        for label, damage in cases.items():
+            cache = tmp / f"cv-{uuid.uuid4().hex[:8]}"
+            folder = models.convert_gguf(source, cache, digest)
+            damage(folder)
+
+            def case(cache=cache, folder=folder):
+                calls.clear()
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err):
+                    got = models.convert_gguf(source, cache, digest)
+                    models.convert_gguf(source, cache, digest)
+                lines = [line for line in err.getvalue().splitlines() if line.strip()]
+                ok = got == folder and len(calls) == 1 and len(lines) == 1 and folder.name in lines[0] \
+                    and models.conversion_problem(folder, digest) is None
+                return ("rebuilt, named once" if ok else f"NOT CLEAN ({len(calls)} conversions, {len(lines)} lines)"), ok
+            out.append(measured("GGUF conversion cache", label, 0, case))
+    finally:
+        models._convert = real
+    return out
+
+
+_ENV_CASES = {  # variable, value, the command line that reads it
+    "RAY_memory_usage_threshold=abc (Ray segfaulted)": ("RAY_memory_usage_threshold", "abc", "calibrate"),
+    "RAY_memory_usage_threshold=nan": ("RAY_memory_usage_threshold", "nan", "calibrate"),
+    "RAY_memory_usage_threshold=-1": ("RAY_memory_usage_threshold", "-1", "calibrate"),
+    "RAY_memory_usage_threshold=0.0001": ("RAY_memory_usage_threshold", "0.0001", "calibrate"),
+    "RAY_memory_usage_threshold=1.5": ("RAY_memory_usage_threshold", "1.5", "calibrate"),
+    "RAY_task_oom_retries=many": ("RAY_task_oom_retries", "many", "calibrate"),
+    "RAY_USAGE_STATS_ENABLED=maybe": ("RAY_USAGE_STATS_ENABLED", "maybe", "calibrate"),
+    "RAY_ADDRESS=nohostport": ("RAY_ADDRESS", "nohostport", "calibrate"),
+    "KVTC_TEST_KILL_ON_SHARD=x": ("KVTC_TEST_KILL_ON_SHARD", "x", "calibrate"),
+    "KVTC_REQUIRE_SIGNATURE=yes": ("KVTC_REQUIRE_SIGNATURE", "yes", "list"),
+    "KVTC_REQUIRE_KERNELS=true": ("KVTC_REQUIRE_KERNELS", "true", "list"),
+    "KVTC_TEST_HOLD_ON_NODE=reduce": ("KVTC_TEST_HOLD_ON_NODE", "reduce", "calibrate"),
+    "KVTC_PUBLIC_KEY=/nonexistent.pem": ("KVTC_PUBLIC_KEY", "/nonexistent.pem", "list"),
+    "KVTC_CACHE=a file": ("KVTC_CACHE", "", "list"),
+}
+
+
+@round_five("calibration")
+def environment_variables(tmp: Path) -> list[Ended]:
+    """RAY_* and KVTC_* variables kvtc reads or hands to Ray, set to values nothing can use: refused before Ray
+    starts (exit 2), the line naming the variable."""
+    reg = tmp / "env-reg"
+    reg.mkdir(exist_ok=True)
+    afile = tmp / "env-file"
+    afile.write_text("x")
+    out = []
+    with _job_stubbed():
+        for label, (name, value, command) in _ENV_CASES.items():
+            argv = ["calibrate", "--registry", str(reg)] if command == "calibrate" else ["list", "--registry", str(reg)]
+
+            def case(name=name, value=value or str(afile), argv=argv):
+                with _env(**{name: value}):
+                    return _refused_cli(argv, 2, (name,))
+            out.append(measured("environment variables", label, 0, case))
+    return out
+
+
+_SLOW_REFUSALS = [  # bad command lines the plan stage refused only after loading the model's config and tokenizer
+    ["calibrate", "--tp", "7"], ["calibrate", "--model", "tiny:llama", "--tp", "3"],
+    ["calibrate", "--sinks", "600", "--window", "600", "--seq-len", "1024"], ["calibrate", "--ratios", "20000"],
+    ["calibrate", "--model", "nonexistent-spec"], ["calibrate", "--model", "org/notcached"],
+    ["calibrate", "--model", "tiny:nope"], ["calibrate", "--model", "tiny:llama@0x0x0"],
+    ["calibrate", "--model", "/nonexistent.gguf"], ["calibrate", "--model", "/tmp"],
+    ["calibrate", "--corpus", "/nonexistent.txt"], ["calibrate", "--eval-corpus", "/nonexistent/*.jsonl"],
+    ["calibrate", "--objective", "attention", "--sensitivity", "0"], ["calibrate", "--sensitivity", "0"],
+    ["calibrate", "--basis-budget", "1e-9%"], ["calibrate", "--store", "{afile}"], ["calibrate", "--cache-dir", "{afile}"],
+    ["eval", "toy"], ["eval", "toy", "--model", "nonexistent"], ["drift", "toy"], ["drift", "toy", "--model", "x/y/z"],
+    ["recalibrate", "toy"], ["recalibrate", "toy", "--model", "tiny:nope"],
+]
+
+_CHILD = r"""
+import builtins, contextlib, io, json, sys, time
+t0 = time.perf_counter()
+real = builtins.__import__
+def guarded(name, *a, **k):  # the job and Ray replaced by a raise: a line that is not refused runs nothing
+    mod = real(name, *a, **k)
+    for target, attr in (("kvtc.pipeline.job.calibrate", "run"), ("ray", "init"), ("kvtc.workers.models", "load_model")):
+        m = sys.modules.get(target)
+        if m is not None and not getattr(m, "_kvtc_guarded", False) and hasattr(m, attr):
+            setattr(m, attr, lambda *x, **y: (_ for _ in ()).throw(RuntimeError("WOULD RUN")))
+            m._kvtc_guarded = True
+    return mod
+builtins.__import__ = guarded
+from kvtc.pipeline import cli
+err = io.StringIO()
+with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    rc = cli.main(json.loads(sys.argv[1]))
+peak = next(int(l.split()[1]) << 10 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"rc": rc, "err": err.getvalue(), "seconds": time.perf_counter() - t0, "peak": peak}))
+"""
+
+
+def _cold_cli(argv: list[str]) -> dict:
+    """A command line in a fresh interpreter (cold imports, as a user runs it): rc, stderr, seconds, peak RSS."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-P", "-c", _CHILD, json.dumps(argv)], capture_output=True, text=True,
+                          timeout=60, start_new_session=True)
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"rc": done.returncode, "err": done.stderr[-300:], "seconds": 60.0, "peak": 0}
+
+
+@round_five("calibration")
+def command_lines(tmp: Path) -> list[Ended]:
+    """`kvtc list` of a registry path that does not exist (exit 2 naming it) and of an empty one (exit 0, nothing
+    listed); the bad command lines that took 2.2-10.6 s to refuse, each in a fresh interpreter: exit 2, one line,
+    under 2 s. Peak RSS: above a refusal that loads nothing (`kvtc show ../x`)."""
+    reg = tmp / "cl-reg"
+    publish(toy_content(), reg)
+    empty = tmp / "cl-empty"
+    empty.mkdir()
+    afile = tmp / "cl-file"
+    afile.write_text("x")
+    out = [measured("command lines", "kvtc list --registry /nonexistent", 0, lambda: _refused_cli(
+        ["list", "--registry", str(tmp / "nonexistent")], 2, ("nonexistent", "does not exist")))]
+
+    def listed_empty() -> tuple[str, bool]:
+        rc, err = _cli("list", "--registry", str(empty))
+        return ("listed nothing, exit 0" if rc == 0 and not err.strip() else f"exit {rc}: {err[:60]}"), rc == 0
+    out.append(measured("command lines", "kvtc list of an empty registry", 0, listed_empty))
+    base = _cold_cli(["show", "../x", "--registry", str(reg)])["peak"]
+    for argv in _SLOW_REFUSALS:
+        argv = [a.replace("{afile}", str(afile)) for a in argv] + ["--registry", str(reg)]
+        got = _cold_cli(argv)
+        lines = got["err"].strip().splitlines()
+        ok = got["rc"] == 2 and len(lines) == 1 and "Traceback" not in got["err"] and got["seconds"] < 2.0
+        how = f"exit {got['rc']}, {'one line' if len(lines) == 1 else f'{len(lines)} lines'}, {got['seconds']:.2f} s cold"
+        out.append(Ended("command lines", " ".join(argv[:-2]), how if ok else f"NOT CLEAN: {how}: {got['err'][:80]}",
+                         ok, 0, max(0, got["peak"] - base), got["seconds"]))
+    return out
+
+
+# ---- issue 49, the serving side: extreme finite chunks, the runtime without constriction, decode memory,
+# chunks after a restart (keyed frames), the vLLM tier's budget, a bad --l2-adapter ----
+
+def _serving_spec():
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    return synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+
+
+@round_five("serving")
+def extreme_finite_chunks(tmp: Path) -> list[Ended]:
+    """Chunks holding a key and a value token at the dtype's maximum (fp32 3.4e38, bf16 3.39e38), 1e38, 1e10 and
+    -1e35, first and later, through the chunk store's transform, the vLLM tier's chunk codec and KVTCCache's coder:
+    each stored and loaded back finite (never "corrupt or forged"), or refused in one line."""
+    from helpers.lmcache_artifacts import chunk
+    from helpers.synthetic import synthetic_cache
+    from kvtc.kernels.codec.chunk_serde import ChunkTransform, binding
+    from kvtc.kernels.integrations.kvtc_cache import _CodedStore
+    from kvtc.kernels.codec.coefficients import CoefficientCoder
+    from kvtc.kernels.integrations.vllm_offload import ChunkCodec
+
+    spec = _serving_spec()
+    t = ChunkTransform(KVTCCodec(spec), positions=True)
+    tier = ChunkCodec(KVTCCodec(spec), [0, 1])
+    store = _CodedStore(CoefficientCoder(spec, "torch", "ecsq"))
+    out = []
+    for dtype, value in ((torch.float32, torch.finfo(torch.float32).max), (torch.bfloat16, 3.39e38),
+                         (torch.float32, 1e38), (torch.float32, 1e10), (torch.bfloat16, -1e35)):
+        for start in (0, 16):
+            def case(dtype=dtype, value=value, start=start) -> tuple[str, bool]:
+                kv = chunk(*synthetic_cache(spec, 16, torch.float32, start=start)).to(dtype)
+                kv[0, 1, 5, :] = value
+                kv[1, 0, 3, :] = value
+                data = t.serialize(kv, start=start, key=binding(b"k", start))
+                back = torch.empty_like(kv)
+                t.deserialize(data, back, start=None, key=binding(b"k", start))
+                k, v = kv[0].reshape(2, 16, 2, 8).permute(0, 2, 1, 3), kv[1].reshape(2, 16, 2, 8).permute(0, 2, 1, 3)
+                tk, tv = tier.decode(tier.encode(k, v, start + 32), torch.device("cpu"), start + 32)
+                coded = store.encode(k[:, None], v[:, None], start + 32)
+                fine = all(bool(torch.isfinite(x.float()).all()) for x in (back, tk, tv))
+                return (f"correct: stored and loaded finite ({coded.mode} in KVTCCache)" if fine else "NOT FINITE"), fine
+            out.append(measured("extreme finite chunks", f"{str(dtype)[6:]} {value:.3g} at {start}", 16 * 64, case))
+    return out
+
+
+_NO_CONSTRICTION = """
+import sys
+sys.modules["constriction"] = None
+sys.path.insert(0, sys.argv[1])
+import torch
+from helpers.ecsq_synthetic import synthetic_ecsq_spec
+from helpers.synthetic import synthetic_cache
+from kvtc.kernels import KVTCCodec
+spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+codec = KVTCCodec(spec)
+keys, values = synthetic_cache(spec, 40, torch.float32, start=0)
+k, v = codec.decode(codec.encode(keys, values, start=0))
+print("decoded", float((k - keys).norm() / keys.norm()) < 0.3)
+"""
+
+
+@round_five("serving")
+def runtime_without_constriction(tmp: Path) -> list[Ended]:
+    """A default-mode (rans) blob encoded and decoded in a process where constriction cannot be imported."""
+    import subprocess
+
+    script = tmp / "no_constriction.py"
+    script.write_text(_NO_CONSTRICTION)
+
+    def case() -> tuple[str, bool]:
+        run = subprocess.run([sys.executable, "-P", str(script), str(Path(__file__).resolve().parents[1] / "tests")],
+                             capture_output=True, text=True, timeout=300)
+        ok = run.returncode == 0 and "decoded True" in run.stdout
+        return ("correct: decoded without constriction" if ok else f"FAILED: {run.stderr.strip()[-120:]}"), ok
+    return [measured("runtime without constriction", "rans blob, constriction unimportable", 0, case, deadline=300)]
+
+
+@round_five("serving")
+def decode_memory(tmp: Path) -> list[Ended]:
+    """ECSQ blobs of a small artifact (2 layers x 4 KV heads x 16 dims, float32) declaring 8K to 131K tokens,
+    decoded here: correct when decode's peak RSS stays within 2.5 x its output (bench/decode_memory.py measures
+    each in a fresh process, before and after)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import decode_memory as dm
+
+    codec = dm._codec()
+    codec.decode(dm._tiny_blob(codec))
+    out = []
+    for tokens in (8192, 32768, 131072):
+        path = tmp / f"decode-{tokens}.blob"
+        dm._blob(tokens, path)
+        blob = path.read_bytes()
+
+        def case(blob=blob) -> tuple[str, bool]:
+            import gc
+
+            gc.collect()
+            _reset_peak()
+            before = _status("VmRSS")
+            keys, values = codec.decode(blob)
+            grown = _status("VmHWM") - before
+            size = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+            ok = grown <= 2.5 * size
+            return f"{'correct' if ok else 'TOO LARGE'}: peak {grown / size:.2f} x the output of {size / 1e6:.0f} MB", ok
+        out.append(measured("decode memory", f"{tokens} tokens, blob {len(blob) / 1e6:.1f} MB", len(blob), case,
+                            deadline=120))
+    return out
+
+
+@round_five("serving")
+def chunks_after_a_restart(tmp: Path) -> list[Ended]:
+    """A RoPE-removed chunk stored under a deployment chunk key, loaded by a fresh transform (a restarted server:
+    no position recorded) at its blob's position; then forged or altered by a writer of the store without the key
+    (unkeyed frame, MAC of another blob, one bit flipped, another key, no key configured): each a miss naming why."""
+    from helpers.lmcache_artifacts import chunk
+    from helpers.synthetic import synthetic_cache
+    from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, ChunkTransform, binding, load_chunk_key
+
+    spec = _serving_spec()
+    key = load_chunk_key(tmp / "chunk-key")
+    kv = chunk(*synthetic_cache(spec, 16, torch.float32, start=32))
+    k = binding(b"chunk", 32)
+    stored = ChunkTransform(KVTCCodec(spec), positions=True, chunk_key=key).serialize(kv, start=32, key=k)
+    other = ChunkTransform(KVTCCodec(spec), positions=True, chunk_key=key).serialize(kv * 2, start=48, key=k)
+    flipped = bytearray(stored)
+    flipped[FRAME_BYTES + 40] ^= 1
+    unkeyed = ChunkTransform(KVTCCodec(spec), positions=True).serialize(kv * 3, start=32, key=k)
+    cases = [("restarted server, same key", stored, key, k, None),
+             ("unkeyed frame forged", unkeyed, key, k, "unkeyed frame"),
+             ("another blob under the MAC", stored[:FRAME_BYTES] + other[FRAME_BYTES:], key, k, "does not verify"),
+             ("one bit of the blob flipped", bytes(flipped), key, k, "does not verify"),
+             ("read for another key", stored, key, binding(b"other", 32), "does not verify"),
+             ("server without the key", stored, None, k, "is keyed")]
+    out = []
+    for label, data, chunk_key, asked, says in cases:
+        def case(data=data, chunk_key=chunk_key, asked=asked, says=says) -> tuple[str, bool]:
+            fresh = ChunkTransform(KVTCCodec(spec), positions=True, chunk_key=chunk_key)
+            dst = torch.zeros_like(kv)
+            try:
+                fresh.deserialize(data, dst, start=None, key=asked)
+            except BlobError as exc:
+                one = "\n" not in str(exc)
+                return f"refused: {str(exc)[:60]}", says is not None and says in str(exc) and one and not dst.any()
+            ok = says is None and float((dst - kv).norm() / kv.norm()) < 0.3
+            return ("correct: loaded at its blob's position" if ok else "LOADED A FORGED CHUNK"), ok
+        out.append(measured("chunks after a restart", label, len(data), case))
+    return out
+
+
+@round_five("serving")
+def vllm_tier_budget(tmp: Path) -> list[Ended]:
+    """Many short distinct prompts (each one first chunk, its sinks raw) through the vLLM tier's manager and worker
+    at 16- and 256-token chunks: correct when the blobs the worker holds stay within cpu_bytes_to_use."""
+    try:
+        import vllm.v1.kv_offload.base  # noqa: F401
+    except ImportError:
+        return [Ended("vLLM tier budget", "vLLM not installed", "skipped", True)]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vllm_budget as vb
+
+    t = vb._tests()
+    _, registry = t._artifact(tmp / "vllm")
+    out = []
+    for blocks, budget in ((4, 1 << 20), (64, 4 << 20)):
+        def case(blocks=blocks, budget=budget) -> tuple[str, bool]:
+            r = vb.measure(t, registry, blocks, budget)
+            ok = r["worker_bytes"] <= budget
+            return f"{'correct' if ok else 'OVER BUDGET'}: holds {r['worker_bytes'] / budget:.2f} x the budget", ok
+        out.append(measured("vLLM tier budget", f"{blocks * t.N}-token chunks", 0, case, deadline=300))
+    return out
+
+
+@round_five("serving")
+def bad_l2_adapters(tmp: Path) -> list[Ended]:
+    """`kvtc lmcache-server` with a bad --l2-adapter (not JSON, not an object, an unknown type, a kvtc serde
+    without its artifact, a chunk key that cannot be created): exit 2 in one line."""
+    import subprocess
+
+    try:
+        import lmcache.v1.distributed.config  # noqa: F401
+    except ImportError:
+        return [Ended("bad --l2-adapter", "LMCache not installed", "skipped", True)]
+    out = []
+    for label, adapter in (("not JSON", "{bad"), ("a list", "[1]"), ("unknown type", '{"type": "nope"}'),
+                           ("serde without artifact", '{"type": "fs", "base_path": "/tmp/x", "serde": {"type": "kvtc"}}'),
+                           ("key file in a missing folder", json.dumps({"type": "fs", "base_path": str(tmp), "serde": {
+                               "type": "kvtc", "artifact": "a", "ratio": 8, "key_file": "/nonexistent/k"}}))):
+        def case(adapter=adapter) -> tuple[str, bool]:
+            run = subprocess.run([sys.executable, "-P", "-m", "kvtc.kernels.integrations.lmcache_server", "--host",
+                                  "127.0.0.1", "--port", "6999", "--l1-size-gb", "0.1", "--eviction-policy", "LRU",
+                                  "--l2-adapter", adapter], capture_output=True, text=True, timeout=300)
+            lines = (run.stdout + run.stderr).strip().splitlines()
+            ok = run.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvtc lmcache-server: error:")
+            return f"exit {run.returncode}, {len(lines)} line(s)", ok
+        out.append(measured("bad --l2-adapter", label, len(adapter), case, deadline=300))
+    return out
+
+
+def round_five_table(ended: list[Ended]) -> str:
+    """Per family: cases, refused cleanly, correct results, defects; the longest refusal and the largest peak RSS
+    a refusal added (inputs under 1 MB, and over); the longest correct result (a recomputation or rebuild)."""
+    lines = ["| side | family | cases | refused cleanly | correct | defect | longest refusal | largest peak RSS of a "
+             "refusal, < 1 MB | same, >= 1 MB | longest correct result |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for family in dict.fromkeys(e.family for e in ended):
+        cases = [e for e in ended if e.family == family]
+        correct = [e for e in cases if e.clean and e.how.startswith(CORRECT)]
+        refused = [e for e in cases if e not in correct]  # clean refusals and defects
+        small = [e.peak_bytes for e in refused if e.input_bytes < 1 << 20]
+        big = [e.peak_bytes for e in refused if e.input_bytes >= 1 << 20]
+        clean = sum(e.clean for e in refused)
+        lines.append(f"| {SIDES.get(family, '')} | {family} | {len(cases)} | {clean} | {len(correct)} | "
+                     f"{len(refused) - clean} | {max((e.seconds for e in refused), default=0.0):.2f} s | "
+                     f"{max(small, default=0) / 2**20:.1f} MB | {'-' if not big else f'{max(big) / 2**20:.1f} MB'} | "
+                     f"{'-' if not correct else f'{max(e.seconds for e in correct):.2f} s'} |")
+    lines += [f"DEFECT: {e.family}: {e.label}: {e.how}" for e in ended if not e.clean]
+    return "\n".join(lines)
+
+
+def run_round_five(tmp: Path, sides: tuple[str, ...] = ("calibration", "serving")) -> list[Ended]:
+    """Every registered family of the fifth round on `sides`, in registration order."""
+    out: list[Ended] = []
+    for side, family in ROUND_FIVE:
+        if side in sides:
+            ended = family(tmp)
+            SIDES.update({e.family: side for e in ended})
+            out += ended
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blobs", type=int, default=20000)
@@ -1080,10 +1829,26 @@ def main() -> None:
                         "store and output folder, nested containers, amplification), with their cost table")
     parser.add_argument("--round-four", action="store_true", help="only issue 35's families (Parquet bombs, "
                         "non-finite values, whitening and drift, degenerate statistics), with their table")
+    parser.add_argument("--round-five", action="store_true", help="only issue 49's families (joint budget records, "
+                        "reduce checkpoints, sensitivity sums, GGUF files and their conversion cache, environment "
+                        "variables, command lines; and the serving side's where registered), with their table")
+    parser.add_argument("--side", choices=["calibration", "serving", "both"], default="both",
+                        help="--round-five: the families of one side only")
     parser.add_argument("--geometry", default="30,3,64", help="layers,kv_heads,head_dim of the amplification cases "
                         "(default: the embedded SmolLM2's)")
     args = parser.parse_args()
     geometry = tuple(int(x) for x in args.geometry.split(","))
+    if args.round_five:
+        with tempfile.TemporaryDirectory() as scratch:
+            tmp = Path(scratch)
+            os.environ["KVTC_CACHE"] = str(tmp / "cache")
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fifth = run_round_five(tmp, ("calibration", "serving") if args.side == "both" else (args.side,))
+            print(round_five_table(fifth))
+            print(f"\nissue 49's families: {len(fifth)} cases in {time.perf_counter() - t0:.1f} s")
+        return
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(scratch)
         os.environ["KVTC_CACHE"] = str(tmp / "cache")

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
-from urllib.parse import urlsplit
 
 from kvtc.artifacts.blocks import check_ratios
+from kvtc.pipeline.env_checks import check_address, check_environment
 
 COUNTS = ("workers", "threads_per_worker", "gpus_per_worker", "tp", "tokens", "eval_tokens", "seq_len", "seqs_per_shard",
           "drift_tokens", "max_runs", "heldout_rows", "accumulators", "continuation", "sequences")
@@ -25,7 +24,7 @@ REFS = ("ref", "target", "artifact")
 KEY_FILES = ("key", "quality")
 MAX_FEATURES = 1 << 24  # no model's p (layers x kv heads x head_dim) comes near this
 CHEAPEST_BLOCK_BITS = 18  # one int2 component plus a 16-bit scale: the cheapest block any allocator pays for
-ADDRESS_TIMEOUT_S = 5.0
+RAY_COMMANDS = ("kvtc.pipeline.commands.calibrate", "kvtc.pipeline.commands.recalibrate")  # they start or join Ray
 
 
 def _flag(dest: str) -> str:
@@ -46,28 +45,6 @@ def parse_ratios(text: str, flag: str = "--ratios") -> tuple[float, ...]:
             raise ValueError(f"{flag}: compression ratio {r:g} leaves no model enough bits for one quantized "
                              f"component; use a ratio <= {16 * MAX_FEATURES / CHEAPEST_BLOCK_BITS:.0f} (8 to 64 is usual)")
     return ratios
-
-
-def check_address(address: str, timeout: float = ADDRESS_TIMEOUT_S) -> None:
-    """Refuse a Ray address whose host:port does not accept a TCP connection within `timeout`."""
-    if address in ("auto", "local") or not address.strip():
-        if not address.strip():
-            raise ValueError("--address is empty; omit it to start a local Ray, or pass HOST:PORT")
-        return
-    parts = urlsplit(address if "://" in address else f"ray://{address}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host, port = None, None
-    if not host or not port:
-        raise ValueError(f"--address {address!r} is not HOST:PORT, ray://HOST:PORT, auto or local")
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except OSError as exc:
-        raise ConnectionError(f"--address {address}: nothing answers at {host}:{port} within {timeout:g} s "
-                              f"({exc.strerror or type(exc).__name__}); start the cluster (`ray start --head`) or "
-                              "fix the address") from None
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -109,9 +86,9 @@ def check_args(args: argparse.Namespace) -> None:
     for dest in REFS:
         if isinstance(values.get(dest), str):
             split_ref(values[dest])
-    for dest in ("to", "out"):
+    for dest in ("to", "out", "store", "cache_dir"):
         path = values.get(dest)
-        if path and os.path.exists(path) and not os.path.isdir(path):
+        if path and "://" not in path and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{_flag(dest)} {path} is an existing file; pass a directory (it is created if missing)")
     for dest in KEY_FILES:
         path = values.get(dest)
@@ -125,3 +102,4 @@ def check_args(args: argparse.Namespace) -> None:
         load_private_key(os.environ["KVTC_SIGNING_KEY"])
     if values.get("address") is not None:
         check_address(values["address"])
+    check_environment(starts_ray="address" in values or getattr(values.get("func"), "__module__", "") in RAY_COMMANDS)

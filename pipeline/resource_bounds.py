@@ -82,7 +82,8 @@ def check_job(settings: JobSettings, machine: Machine, context_limit: int | None
             raise ValueError(f"--threads-per-worker {threads}: this machine has {machine.cpus} CPUs, so no worker could "
                              f"start; use at most {machine.cpus}, or join a cluster with larger nodes (--address)")
         if gpw and machine.gpus < gpw:
-            raise ValueError(f"--gpus-per-worker {gpw}: this machine has {machine.gpus} GPU(s); omit it to run on "
+            have = f"{machine.gpus} GPU(s)" if machine.gpus else "no GPU torch can see"
+            raise ValueError(f"--gpus-per-worker {gpw}: this machine has {have}; omit it to run on "
                              f"{'the GPUs there are' if machine.gpus else 'CPUs'}, or join a cluster with GPUs (--address)")
         if rt.workers:
             most = machine.cpus // threads

@@ -13,16 +13,21 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import struct
+import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtc.artifacts.local_files import sha256_handle, stage_folder
+from kvtc.artifacts.local_files import atomic_write, sha256_handle, stage_folder
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.workers.layers import layer_schema, layer_types
+from kvtc.workers.model_limits import read_gguf_header
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
 from kvtc.artifacts.local_files import cache_root
 
@@ -87,20 +92,83 @@ def _atomic_save(final: Path, save: Any) -> None:
     stage_folder(final, save, taken=lambda exc: final.exists())
 
 
-def convert_gguf(path: Path, cache_dir: Path, digest: str | None = None) -> Path:
-    """The GGUF file's weights dequantized once into a safetensors folder of the cache -> that folder."""
-    cached = cache_dir / f"gguf-{(digest or sha256_file(path))[:24]}"
-    if not (cached / "config.json").exists():
-        from transformers import AutoConfig, AutoModelForCausalLM
+CONVERSION_RECORD = "kvtc-conversion.json"  # in a converted folder: the GGUF's digest and every file's sha256 and size
 
+
+def _folder_files(folder: Path) -> dict[str, Path]:
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != CONVERSION_RECORD}
+
+
+def conversion_problem(folder: Path, digest: str, only: tuple[str, ...] | None = None) -> str | None:
+    """What is wrong with a converted folder of the GGUF of sha256 `digest`, or None when it matches the record
+    written with it (the GGUF's digest, and every file's size and sha256; `only`: just these files). A folder
+    that does not exist: "is missing"."""
+    if not folder.is_dir():
+        return "is missing"
+    try:
+        record = json.loads((folder / CONVERSION_RECORD).read_text())
+        files = record["files"]
+        if record["source_sha256"] != digest or not isinstance(files, dict):
+            return "was converted from another file"
+    except FileNotFoundError:
+        return f"has no {CONVERSION_RECORD} (converted by an earlier release, or not by kvtc)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"has an unreadable {CONVERSION_RECORD} ({type(exc).__name__})"
+    present = _folder_files(folder)
+    if only is None and sorted(present) != sorted(files):
+        return f"holds files {sorted(present)}, not the recorded {sorted(files)}"
+    for rel in only or sorted(files):
+        entry, path = files.get(rel), present.get(rel)
+        if path is None or not isinstance(entry, dict):
+            return f"lacks {rel}"
+        if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
+            return f"holds a {rel} that is not the one converted (changed or truncated)"
+    return None
+
+
+def _convert(path: Path, folder: Path, digest: str) -> None:
+    """Dequantize the GGUF into `folder` (safetensors and config), then record what was written beside it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
         config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
                                                      dtype=torch.float32)
-        # The weights are already dequantized; drop the GGUF quantizer so save_pretrained accepts them.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        _atomic_save(cached, model.save_pretrained)
+    except (struct.error, EOFError, IndexError, OverflowError) as exc:
+        raise ValueError(f"model file {path} cannot be read as GGUF ({type(exc).__name__}: {exc}); pass a complete "
+                         ".gguf file") from None
+    # The weights are already dequantized; drop the GGUF quantizer so save_pretrained accepts them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    write_conversion_record(folder, digest)
+
+
+def write_conversion_record(folder: Path, digest: str) -> None:
+    """Record the GGUF's digest and every file of a converted folder (written atomically, inside it)."""
+    files = {rel: {"sha256": sha256_file(p), "size": p.stat().st_size} for rel, p in _folder_files(folder).items()}
+    atomic_write(folder / CONVERSION_RECORD, json.dumps({"source_sha256": digest, "files": files}, indent=1,
+                                                        sort_keys=True).encode())
+
+
+def convert_gguf(path: Path, cache_dir: Path, digest: str | None = None) -> Path:
+    """The GGUF file's weights dequantized once into a safetensors folder of the cache -> that folder, verified
+    against the record written with it (`conversion_problem`): a folder that does not match (truncated, a weight
+    changed, converted by an earlier release) is named once on stderr, set aside and converted again."""
+    digest = digest or sha256_file(path)
+    cached = cache_dir / f"gguf-{digest[:24]}"
+    problem = conversion_problem(cached, digest)
+    if problem is None:
+        return cached
+    if os.path.lexists(cached):
+        print(f"kvtc: the converted model {cached} {problem}; converting {path.name} again", file=sys.stderr)
+        aside = cached.with_name(f"{cached.name}.corrupt-{uuid.uuid4().hex[:8]}")
+        os.replace(cached, aside)
+        shutil.rmtree(aside, ignore_errors=True)  # derived from the GGUF: nothing is lost
+    read_gguf_header(path)  # a malformed file: a clean refusal naming it, before transformers reads it
+    _atomic_save(cached, lambda folder: _convert(path, folder, digest))
     return cached
 
 
@@ -228,9 +296,13 @@ def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
     from transformers import AutoConfig
 
     cached = cache_dir / f"gguf-{digest[:24]}"
-    if (cached / "config.json").exists():
+    if conversion_problem(cached, digest, only=("config.json",)) is None:
         return AutoConfig.from_pretrained(cached)
-    return with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+    try:
+        return with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+    except (struct.error, EOFError, IndexError, OverflowError) as exc:
+        raise ValueError(f"model file {path} cannot be read as GGUF ({type(exc).__name__}: {exc}); pass a complete "
+                         ".gguf file") from None
 
 
 def gguf_fields(path: Path) -> dict[str, Any]:
@@ -279,6 +351,7 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
         path = embedded_gguf_path() if spec == DEFAULT_SPEC else Path(spec).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {spec}")
+        read_gguf_header(path)  # the whole header, before transformers' reader (a cut file: ValueError naming it)
         digest = sha256_file(path)
         config, tok = _gguf_config(path, digest, root), gguf_tokenizer(path, root)
         source, how = f"gguf:{path.name}", ("gguf", str(path))

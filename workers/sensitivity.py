@@ -24,8 +24,10 @@ activations recomputed in the backward, one layer at a time); the logits, their 
 computed `block` positions at a time from the final hidden states (the model's own head, `ModelHead`), each
 block's backward into the hidden states done before the next block, then one backward from the hidden states
 to the cache. Each layer's gradients are reduced to its sums as they arrive and freed. On the CPU the labels
-are the unblocked pass's (multinomial's exponential draws consume the generator row by row); the sums equal
-the unblocked pass's within float noise (tests/workers/test_sensitivity_blocked.py).
+are the unblocked pass's (multinomial's exponential draws consume the generator row by row) and the sums equal
+its sums within float noise (tests/workers/test_sensitivity_blocked.py: bit for bit on the tiny models); on CUDA
+each block's draw advances the generator's offset on its own, so the labels are another draw of the same
+distributions.
 """
 from __future__ import annotations
 

@@ -60,15 +60,41 @@ def _check_variances(name: str, tensor: str, packed: np.ndarray, p: int) -> None
                               f"({float(diagonal.min()):.3g})")
 
 
-def _degenerate_metric(key: str, t: np.ndarray) -> str | None:
+# A Fisher sum adds squares of float32 (or narrower) gradients, widened to float64: a nonzero diagonal entry is at
+# least the square of float32's smallest subnormal (2^-149, halved by the RoPE pair mean) and at most the square of
+# its largest finite value per token. Outside that no capture wrote it: forged, or damaged.
+FISHER_LEAST = 2.0 ** -300
+FISHER_MOST_PER_TOKEN = 2.0 ** 256
+
+
+def _fisher_out_of_range(t: np.ndarray, diagonal: np.ndarray, tokens: int) -> str | None:
+    """Where a Fisher sum (`t`, its `diagonal`) lies outside what any capture of `tokens` tokens can sum, or None."""
+    most = FISHER_MOST_PER_TOKEN * max(int(tokens), 1)
+    big = np.abs(t)
+    if big.size and float(big.max()) > most:
+        at = np.unravel_index(int(big.argmax()), big.shape)
+        return (f"holds {float(t[at]):.3g} at (layer slot, KV head, ...) {tuple(int(i) for i in at)}, beyond any sum "
+                f"of {tokens} squared float32 gradients ({most:.3g})")
+    live = diagonal[diagonal != 0]
+    if live.size and float(live.min()) < FISHER_LEAST:
+        at = np.unravel_index(int(np.where(diagonal != 0, diagonal, np.inf).argmin()), diagonal.shape)
+        return (f"holds {float(diagonal[at]):.3g} at (layer slot, KV head, ...) {tuple(int(i) for i in at)}, below the "
+                f"square of float32's smallest gradient ({FISHER_LEAST:.3g})")
+    return None
+
+
+def _degenerate_metric(key: str, t: np.ndarray, tokens: int = 1) -> str | None:
     """What makes an attention-metric sum unusable, or None: every (layer, KV head) block needs a positive
     weight (keys: query second moments, values: the output projection's Gram, concentration) and no negative
-    variance; the whitening divides by it."""
+    variance; the whitening divides by it. A Fisher sum (the KL sensitivity) needs no negative information and
+    every value within what `tokens` tokens of float32 gradients can sum (`_fisher_out_of_range`)."""
     if key == "reach":  # zero where a head attends to its sinks only: a weight, never a divisor
         return "holds a negative energy" if t.size and float(t.min()) < 0 else None
     if key.startswith("sensitivity_"):  # a Fisher information: a weight (kvtc.pipeline.fit.metric clamps it)
         diagonal = t if key == "sensitivity_keys" else np.diagonal(t, axis1=-2, axis2=-1)
-        return "holds a negative Fisher information" if diagonal.size and float(diagonal.min()) < 0 else None
+        if diagonal.size and float(diagonal.min()) < 0:
+            return "holds a negative Fisher information"
+        return _fisher_out_of_range(t, diagonal, tokens)
     diagonal = t if key in ("keys", "concentration") else np.diagonal(t, axis1=-2, axis2=-1)
     weight = diagonal if key == "concentration" else diagonal.sum(axis=-1)
     if diagonal.size and float(diagonal.min()) < 0:
@@ -312,7 +338,7 @@ class CalibrationStats:
             if t.shape != shp or t.dtype != torch.float64 or not bool(torch.isfinite(t).all()):
                 raise CorruptStats(name, f"attention-metric {key} is {tuple(t.shape)} {t.dtype}, expected finite "
                                    f"float64 {shp}")
-            problem = _degenerate_metric(key, t.numpy())
+            problem = _degenerate_metric(key, t.numpy(), int(meta["metric_tokens"]))
             if problem:
                 raise DegenerateStats(name, f"metric/{key}", problem)
             self.metric[key] = t

@@ -23,7 +23,13 @@ Binding: a blob records the artifact (name, version), ratio, placement (the mode
 rank's KV heads and the stage's layers) and start position it was coded for, and the frame carries a
 digest of the storage key it was stored under (`binding`). `deserialize` compares them with the
 transform and with what the caller knows of the key (its position, its digest): any disagreement is a
-BlobError, which a storage layer counts as a miss; nothing is written to the destination then.
+BlobError, which a storage layer counts as a miss; nothing is written to the destination then. Where the
+caller knows no position for the key (a server restarted on the same store), the blob's own start is used
+once the frame binds the chunk to the key asked for. With a deployment chunk key (`key_file`, or the file
+$KVTC_CHUNK_KEY_FILE names: 32 random bytes created once with mode 0600, shared by every server of the
+store and kept outside it) the frame carries instead a MAC of the key's binding and the whole blob under
+that key (magic b"KVTCCHK2"), so a writer of the store cannot make or alter a chunk that loads for any key;
+a server with a key refuses unkeyed frames, one without a key refuses keyed ones.
 
 Placement: a storage layer keys chunks by a rank (LMCache packs world size, global rank, local world
 size and local rank into `ObjectKey.kv_rank`: `KVRank.decode`). With an artifact calibrated for T
@@ -50,8 +56,13 @@ layers that keep variable-size objects.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
+import secrets
+import stat
 import struct
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,12 +75,15 @@ from kvtc.kernels.codec.modes import default_mode
 from kvtc.kernels.codec.spec import CodecSpec
 
 _FRAME = struct.Struct("<8s16sQ")
-FRAME_MAGIC = b"KVTCCHK1"
+FRAME_MAGIC = b"KVTCCHK1"  # the key's unkeyed binding digest (no chunk key configured)
+KEYED_MAGIC = b"KVTCCHK2"  # a MAC, under the deployment's chunk key, of the key's binding and the blob
+CHUNK_KEY_ENV = "KVTC_CHUNK_KEY_FILE"
+CHUNK_KEY_BYTES = 32
 FRAME_BYTES = _FRAME.size
 UNBOUND = bytes(16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition",
-           "sink_budget")
+           "sink_budget", "key_file")
 MODES = ("ecsq", "fixed")
 SINK_BUDGETS = ("extra", "shared")
 MIN_SHARED_SCALE = 0.75  # shared sinks where the first chunk keeps at least this share of its budget, else extra
@@ -83,6 +97,60 @@ def binding(*parts: object) -> bytes:
         b = bytes(part) if isinstance(part, (bytes, bytearray, memoryview)) else repr(part).encode()
         h.update(struct.pack("<Q", len(b)) + b)
     return h.digest()
+
+
+def keyed_binding(chunk_key: bytes, key: bytes, blob: bytes | memoryview) -> bytes:
+    """16-byte MAC (keyed BLAKE2b) under the deployment's chunk key of a storage key's `binding` and the blob:
+    without the chunk key no writer of the store can make a chunk that loads for any key, or alter one."""
+    h = hashlib.blake2b(key=chunk_key, digest_size=16, person=b"kvtc-chunk-mac")
+    h.update(bytes(key))
+    h.update(blob)
+    return h.digest()
+
+
+def load_chunk_key(path: str | os.PathLike) -> bytes:
+    """The deployment's chunk key at `path` (CHUNK_KEY_BYTES random bytes): read it, or create it once,
+    exclusively, with mode 0600. ValueError naming the file when it cannot serve: not a regular file, readable by
+    group or others, or not CHUNK_KEY_BYTES long. Keep it outside the chunk store: a writer of the store who can
+    read it can forge chunks."""
+    path = os.fspath(path)
+    for _ in range(40):
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            fresh = secrets.token_bytes(CHUNK_KEY_BYTES)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            except FileExistsError:
+                continue  # created by another server a moment ago: read theirs
+            except OSError as exc:
+                raise ValueError(f"kvtc chunk key {path} cannot be created ({exc.strerror}); create its folder or "
+                                 "point key_file elsewhere") from None
+            with os.fdopen(fd, "wb") as f:
+                f.write(fresh)
+                f.flush()
+                os.fsync(f.fileno())
+            return fresh
+        except OSError as exc:
+            raise ValueError(f"kvtc chunk key {path} cannot be read ({exc.strerror}): it must be a regular file of "
+                             f"{CHUNK_KEY_BYTES} bytes, mode 0600") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
+            os.close(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"kvtc chunk key {path} is not a regular file")
+            raise ValueError(f"kvtc chunk key {path} is readable or writable by others (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}): chmod 600 it")
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(CHUNK_KEY_BYTES + 1)
+        if not data:
+            time.sleep(0.05)  # being written by the server that created it
+            continue
+        if len(data) != CHUNK_KEY_BYTES:
+            raise ValueError(f"kvtc chunk key {path} holds {len(data)} bytes, not {CHUNK_KEY_BYTES}: restore it, or "
+                             "delete it to start a fresh key (every stored chunk is then a miss)")
+        return data
+    raise ValueError(f"kvtc chunk key {path} could not be created or read")
 
 
 def nonfinite_where(kv: torch.Tensor) -> str | None:
@@ -117,7 +185,9 @@ class ChunkSerdeSettings:
     mode ("ecsq" | "fixed"; default: the artifact's), pad (pad every chunk to the size bound),
     pp_partition (layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION; default: vLLM's),
     sink_budget ("extra": a first chunk's raw sinks come on top of its budget, and the bound counts them;
-    "shared": they come out of its own budget, so the bound, and every padded chunk, is a later chunk's)."""
+    "shared": they come out of its own budget, so the bound, and every padded chunk, is a later chunk's),
+    key_file (the deployment's chunk key, created once with mode 0600; default: $KVTC_CHUNK_KEY_FILE, else no key:
+    every server sharing a store must use the same key, kept outside the store)."""
 
     artifact: str
     ratio: float
@@ -129,6 +199,7 @@ class ChunkSerdeSettings:
     pad: bool = True
     pp_partition: tuple[int, ...] | None = None
     sink_budget: str = "extra"
+    key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifact, str) or not self.artifact:
@@ -146,6 +217,14 @@ class ChunkSerdeSettings:
         if self.sink_budget not in SINK_BUDGETS:
             raise ValueError(f'kvtc serde "sink_budget" must be one of {SINK_BUDGETS}, got {self.sink_budget!r}')
         object.__setattr__(self, "pp_partition", _partition(self.pp_partition))
+        if self.key_file is not None and (not isinstance(self.key_file, str) or not self.key_file):
+            raise ValueError(f'kvtc serde "key_file" must be a path (the deployment\'s chunk key), got {self.key_file!r}')
+
+    def chunk_key(self) -> bytes | None:
+        """The deployment's chunk key: `key_file`, else the file KVTC_CHUNK_KEY_FILE names (created once, 0600);
+        None where neither is set (chunks then carry the unkeyed binding digest)."""
+        path = self.key_file or os.environ.get(CHUNK_KEY_ENV) or None
+        return None if path is None else load_chunk_key(path)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, object]) -> "ChunkSerdeSettings":
@@ -278,17 +357,24 @@ def placement_spec(spec: CodecSpec, placement: Placement) -> CodecSpec:
 
 
 def unframe(data: bytes | bytearray | memoryview) -> tuple[bytes, memoryview]:
-    """A stored chunk's bytes -> (its key binding, its blob); BlobError if the frame is not kvtc's."""
+    """A stored chunk's bytes -> (its key binding or keyed MAC, its blob); BlobError if the frame is not kvtc's."""
+    _, bound, blob = unframe_keyed(data)
+    return bound, blob
+
+
+def unframe_keyed(data: bytes | bytearray | memoryview) -> tuple[bool, bytes, memoryview]:
+    """A stored chunk's bytes -> (whether its frame is keyed, its binding or MAC, its blob); BlobError if the frame
+    is not kvtc's."""
     view = memoryview(data).cast("B")
     if len(view) < _FRAME.size:
         raise BlobError(f"kvtc chunk of {len(view)} bytes is too short")
     magic, bound, n = _FRAME.unpack(view[:_FRAME.size])
-    if magic != FRAME_MAGIC:
-        raise BlobError(f"not a kvtc chunk (frame magic {bytes(magic)!r}, expected {FRAME_MAGIC!r}): written by "
-                        "another serde or an older kvtc release")
+    if magic not in (FRAME_MAGIC, KEYED_MAGIC):
+        raise BlobError(f"not a kvtc chunk (frame magic {bytes(magic)!r}, expected {FRAME_MAGIC!r} or "
+                        f"{KEYED_MAGIC!r}): written by another serde or an older kvtc release")
     if n > len(view) - _FRAME.size:
         raise BlobError(f"kvtc chunk declares {n} blob bytes, holds {len(view) - _FRAME.size}")
-    return bytes(bound), view[_FRAME.size:_FRAME.size + n]
+    return magic == KEYED_MAGIC, bytes(bound), view[_FRAME.size:_FRAME.size + n]
 
 
 class ChunkTransform:
@@ -300,8 +386,11 @@ class ChunkTransform:
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
                  pad: bool = True, positions: bool = False, label: str | None = None,
-                 sink_budget: str = "extra") -> None:
+                 sink_budget: str = "extra", chunk_key: bytes | None = None) -> None:
         spec = codec.spec
+        if chunk_key is not None and len(chunk_key) != CHUNK_KEY_BYTES:
+            raise ValueError(f"a chunk key is {CHUNK_KEY_BYTES} bytes, got {len(chunk_key)}")
+        self.chunk_key = chunk_key
         if sink_budget not in SINK_BUDGETS:
             raise ValueError(f"sink_budget must be one of {SINK_BUDGETS}, got {sink_budget!r}")
         if spec.value_dim is not None:
@@ -467,30 +556,57 @@ class ChunkTransform:
             raise ValueError(f"a chunk's key binding is 16 bytes (chunk_serde.binding), got {len(key)}")
         blob = self.encode(kv, start)
         size = self.serialized_size(tuple(kv.shape), kv.dtype) if size is None else size
-        out = _FRAME.pack(FRAME_MAGIC, bytes(key), len(blob)) + blob
+        if self.chunk_key is None:
+            out = _FRAME.pack(FRAME_MAGIC, bytes(key), len(blob)) + blob
+        else:
+            out = _FRAME.pack(KEYED_MAGIC, keyed_binding(self.chunk_key, key, blob), len(blob)) + blob
         if len(out) > size:
             raise RuntimeError(f"kvtc serde wrote {len(out)} bytes, above its bound {size}")
         return out + bytes(size - len(out)) if self.pad else out
+
+    def _verified(self, data: bytes | bytearray | memoryview, key: bytes | None) -> bool:
+        """Check a stored chunk's frame against the key asked for (None: not checked) -> whether the chunk is
+        bound to that key, so its blob's start can be trusted. Keyed frames verify their MAC under this transform's
+        chunk key; with a chunk key, unkeyed frames are refused (anyone who can write the store can make one)."""
+        keyed, bound, blob = unframe_keyed(data)
+        if keyed:
+            if self.chunk_key is None:
+                raise BlobError("the stored chunk is keyed (written by a server with a chunk key) and this one has "
+                                f"none: set the serde's key_file (or {CHUNK_KEY_ENV}) to the deployment's key; "
+                                "not loaded")
+            want = keyed_binding(self.chunk_key, UNBOUND if key is None else key, blob)
+            if not hmac.compare_digest(bound, want):
+                raise BlobError("the stored chunk's keyed binding does not verify: written under another key, "
+                                "altered, or made without the deployment's chunk key; not loaded")
+            return key is not None
+        if self.chunk_key is not None:
+            raise BlobError("the stored chunk has an unkeyed frame and this server has a chunk key: written by a "
+                            "server without the key, or by a writer of the store; not loaded")
+        if key is not None and bound != bytes(key):
+            raise BlobError("the stored chunk was written under another key (its key binding differs): a file "
+                            "copied or moved between keys; not loaded")
+        return key is not None
 
     def deserialize(self, data: bytes | bytearray | memoryview, out: torch.Tensor, start: int | None = None,
                     key: bytes | None = None) -> None:
         """Bytes from `serialize` (trailing bytes ignored) -> written into out (2, L, T, H * D) in its
         dtype (RoPE re-applied at the positions the blob records). start: the position the storage layer
-        knows for the key (required with positions and RoPE removed); key: the key's `binding` (None: not
+        knows for the key; None: the blob's own, trusted where the frame binds the chunk to `key` (a server that
+        restarted knows no positions), else refused with RoPE removed; key: the key's `binding` (None: not
         checked). BlobError if corrupt, not this placement's, or bound to another key or position; `out`
         is left untouched then."""
         tokens = self.check(tuple(out.shape), out.dtype)
-        bound, blob = unframe(data)
-        if key is not None and bound != bytes(key):
-            raise BlobError("the stored chunk was written under another key (its key binding differs): a file "
-                            "copied or moved between keys; not loaded")
+        bound = self._verified(data, key)
+        blob = unframe(data)[1]
         header, _ = read_blob(blob)
         codec = self.whole if self.shared and header.sinks == 0 else self.codec  # a first chunk coded whole
         if self.positional:
-            if start is None and self.needs_positions:
+            if start is None and self.needs_positions and not bound:
                 raise BlobError(f"the chunk's position is unknown, and {self.label} re-applies RoPE at it; "
                                 "not loaded")
-            if start is not None and header.start != start:
+            if start is None:
+                start = header.start  # recorded by the server that stored it, and bound to the key asked for
+            if header.start != start:
                 raise BlobError(f"the stored chunk was coded for position {header.start}, its key is at position "
                                 f"{start}; not loaded")
         keys, values = codec.decode(blob, device=out.device, max_tokens=tokens)
@@ -516,14 +632,15 @@ class RankedChunkTransforms:
     partition: layers per pipeline stage (None: vLLM's default partition)."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None, pad: bool = True,
-                 positions: bool = False, partition: tuple[int, ...] | None = None, sink_budget: str = "extra") -> None:
+                 positions: bool = False, partition: tuple[int, ...] | None = None, sink_budget: str = "extra",
+                 chunk_key: bytes | None = None) -> None:
         self.spec = codec.spec
         if self.spec.rank is not None:
             raise ValueError("RankedChunkTransforms takes the artifact's whole-model codec (rank=None)")
         if model_config is not None:
             check_config(self.spec, model_config)
         self._codec, self._mode, self._pad, self._positions = codec, mode, pad, positions
-        self._sink_budget = sink_budget
+        self._sink_budget, self._chunk_key = sink_budget, chunk_key
         self.partition = _partition(partition)
         self._lock = threading.Lock()
         self._built: dict[Placement, ChunkTransform | ValueError] = {}
@@ -542,8 +659,9 @@ class RankedChunkTransforms:
             model_config = AutoConfig.from_pretrained(settings.model)
         codec = load_rank_codec(settings.artifact, settings.ratio, None, registry=settings.registry,
                                 backend=settings.backend)
+        chunk_key = settings.chunk_key()
         return cls(codec, model_config, mode=settings.mode, pad=settings.pad, positions=positions,
-                   partition=settings.pp_partition, sink_budget=settings.sink_budget)
+                   partition=settings.pp_partition, sink_budget=settings.sink_budget, chunk_key=chunk_key)
 
     def transform(self, placement: Placement) -> ChunkTransform:
         with self._lock:
@@ -555,7 +673,7 @@ class RankedChunkTransforms:
                 codec = KVTCCodec(spec, backend=c.backend, ecsq_format=c.ecsq_format, basis_dtype=c.basis_dtype)
                 built = ChunkTransform(codec, mode=self._mode, pad=self._pad, positions=self._positions,
                                        label=f"artifact {self.spec.name}@{self.spec.version} {placement.describe(self.spec)}",
-                                       sink_budget=self._sink_budget)
+                                       sink_budget=self._sink_budget, chunk_key=self._chunk_key)
             except ValueError as exc:
                 built = exc
             with self._lock:

@@ -232,7 +232,7 @@ def section_bounds(group: EcsqGroup, tokens: int, words_len: int | None = None, 
     else:
         words_max = _EXPONENT.size + 4 * (len(_INITIAL) + 1 + (symbols * _MAX_SYMBOL_BITS + 31) // 32)
     escapes = symbols
-    if words_len is not None and group.escape_bits > 0 and fmt != "rans":
+    if fmt != "rans" and words_len is not None and group.escape_bits > 0:  # rans: no constriction needed
         bits = 8 * max(0, words_len - _EXPONENT.size) + 64
         escapes = min(escapes, int(bits / group.escape_bits) + 1)
     return words_max, 4 * escapes

@@ -6,7 +6,7 @@ stream) then its escapes; resident, the same two byte strings per sequence, entr
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -43,19 +43,24 @@ class EcsqMode(Mode):
             out.append(codec._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
         return out
 
-    def decode(self, codec: Any, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
-               header: BlobHeader, ops: Any, parts: list) -> None:
-        on_dev = codec.on_device(dev, ops.name)
-        for gi, (cols, comps, g) in enumerate(parts):
-            off = codec._offsets(stream, gi, dev)
+    def decoder(self, codec: Any, data: dict, si: int, stream: str, mid: int, dev: torch.device, header: BlobHeader,
+                ops: Any, parts: list) -> Callable[[int, int, torch.Tensor], None]:
+        on_dev, symbols = codec.on_device(dev, ops.name), []
+        for gi, (_, _, g) in enumerate(parts):
             with codec._stage("entropy_decode", dev):
-                q, step = ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
-                                               data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, header.ecsq_format,
-                                               dev, on_dev)
-            with codec._stage("dequantize", dev):
-                zhat = ecsq.dequantize(q, step, off)
-            with codec._stage("project", dev):
-                feat[:, cols] = zhat.to(comps.dtype) @ comps.T
+                symbols.append(ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
+                                                    data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, header.ecsq_format,
+                                                    dev, on_dev))
+
+        def rows(a: int, b: int, feat: torch.Tensor) -> None:
+            for gi, (cols, comps, _) in enumerate(parts):
+                q, step = symbols[gi]
+                with codec._stage("dequantize", dev):
+                    zhat = ecsq.dequantize(q[a:b], step, codec._offsets(stream, gi, dev))
+                with codec._stage("project", dev):
+                    feat[:, cols] = zhat.to(comps.dtype) @ comps.T
+
+        return rows
 
     def section_bounds(self, codec: Any, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
         spec = codec.spec

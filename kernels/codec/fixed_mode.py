@@ -6,7 +6,7 @@ same packed codes and fp16 params as tensors, so they can be dequantized every s
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,17 +47,22 @@ class FixedMode(Mode):
                     out.append(codec._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
         return out
 
-    def decode(self, codec: Any, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
-               header: BlobHeader, ops: Any, parts: list) -> None:
-        for gi, (cols, comps, code) in enumerate(parts):
-            zhat = torch.zeros(mid, code.kept, dtype=torch.float32, device=dev)
-            with codec._stage("dequantize", dev):
-                for bi, b in enumerate(code.blocks):
-                    if b.bits:
-                        packed, params = codec._block_tensors(data, si, gi, bi, mid, dev)
-                        ops.unpack_dequantize(packed, params, b.qtype, zhat, b.start, b.size)
-            with codec._stage("project", dev):
-                feat[:, cols] = zhat.to(comps.dtype) @ comps.T  # comps: the group's decoding matrix
+    def decoder(self, codec: Any, data: dict, si: int, stream: str, mid: int, dev: torch.device, header: BlobHeader,
+                ops: Any, parts: list) -> Callable[[int, int, torch.Tensor], None]:
+        held = [[codec._block_tensors(data, si, gi, bi, mid, dev) if b.bits else None for bi, b in enumerate(code.blocks)]
+                for gi, (_, _, code) in enumerate(parts)]
+
+        def rows(a: int, b: int, feat: torch.Tensor) -> None:
+            for gi, (cols, comps, code) in enumerate(parts):
+                zhat = torch.zeros(b - a, code.kept, dtype=torch.float32, device=dev)
+                with codec._stage("dequantize", dev):
+                    for block, pair in zip(code.blocks, held[gi]):
+                        if pair is not None:
+                            ops.unpack_dequantize(pair[0][a:b], pair[1][a:b], block.qtype, zhat, block.start, block.size)
+                with codec._stage("project", dev):
+                    feat[:, cols] = zhat.to(comps.dtype) @ comps.T  # comps: the group's decoding matrix
+
+        return rows
 
     def section_bounds(self, codec: Any, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
         out = []

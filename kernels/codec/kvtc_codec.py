@@ -30,6 +30,7 @@ from kvtc.kernels.codec.entropy import CODERS, decode_sections, encode_section
 from kvtc.kernels.codec.layout import (bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes,
                                        tensor_bytes)
 from kvtc.kernels.codec.backend import BACKENDS, resolve_ops
+from kvtc.kernels.codec.extremes import refuse_beyond, saturate
 from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
 from kvtc.kernels.codec.mode import Mode
 from kvtc.kernels.codec.modes import mode_for, resolve_mode
@@ -272,6 +273,25 @@ class KVTCCodec:
             r = self.spec.layer_ropes[i]
             out[j] = x[j] if r is None else r.apply(x[j], positions)
 
+    def _restore(self, stream: str, feat: torch.Tensor, mean: torch.Tensor, out: torch.Tensor, first: int, ops: Any,
+                 stored: torch.dtype) -> None:
+        """feat (n, p) centred RoPE-removed features of tokens at positions first.. -> out (L, H, n, D): mean
+        added, RoPE applied, values rounded past the stored dtype's range kept finite; BlobError on NaN."""
+        L, H, n, D = out.shape
+        positions = torch.arange(first, first + n, device=feat.device)
+        cos, sin, layout = self._cos_sin(stream, positions)
+        with self._stage("rope_restore", feat.device):
+            if stream == self.spec.rope_stream and self._per_layer_rope:
+                plain = torch.empty(L, H, n, D, dtype=torch.float32, device=feat.device)
+                ops.rope_restore(feat, None, None, mean, plain, layout)
+                self._apply_rope(plain, positions, out)
+            else:
+                ops.rope_restore(feat, cos, sin, mean, out, layout)
+            finite = torch.finfo(stored).max  # values rounded past the dtype's range stay finite
+            out.clamp_(-finite, finite)
+            if bool(torch.isnan(out).any()):
+                raise BlobError(f"the coded {stream} decode to NaN: the blob's parameters are corrupt or forged")
+
     def encode(self, keys: torch.Tensor | Sequence[torch.Tensor | None], values: torch.Tensor | Sequence[torch.Tensor | None],
                start: int = 0, *, budget_scale: float = 1.0) -> bytes:
         """keys, values (L, H, T, D) fp16/bf16/fp32 (L: the layers that keep a KV cache), token 0 at absolute
@@ -316,6 +336,10 @@ class KVTCCodec:
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
                     xm = x[:, :, head:head + mid]
+                    if self.mode == "fixed":
+                        xm = saturate(xm)  # kernels/codec/extremes.py: never a transform that overflows
+                    else:
+                        refuse_beyond(xm, stream)
                     if stream == self.spec.rope_stream and self._per_layer_rope:
                         xm = self._remove_rope(xm, positions)
                     feat = ops.rope_center(xm, cos, sin, mean, layout)
@@ -425,28 +449,41 @@ class KVTCCodec:
                 out[si][:, :, lo:hi] = raw.to(dev).to(dtype)
         if mid:
             ops, mode = resolve_ops(self.backend, dev), mode_for(header.mode)
-            positions = torch.arange(header.start + head, header.start + head + mid, device=dev)
             for si, stream in enumerate(STREAMS):
                 D = widths[si]
                 mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype), decode=True)
-                feat = torch.empty(mid, L * H * D, dtype=torch.float32, device=dev)
-                mode.decode(self, data, si, stream, mid, feat, dev, header, ops, parts)
-                cos, sin, layout = self._cos_sin(stream, positions)
-                with self._stage("rope_restore", dev):
-                    if stream == self.spec.rope_stream and self._per_layer_rope:
-                        plain = torch.empty(L, H, mid, D, dtype=torch.float32, device=dev)
-                        ops.rope_restore(feat, None, None, mean, plain, layout)
-                        self._apply_rope(plain, positions, out[si][:, :, head:head + mid])
-                    else:
-                        ops.rope_restore(feat, cos, sin, mean, out[si][:, :, head:head + mid], layout)
-                    finite = torch.finfo(stored).max  # values rounded past the dtype's range stay finite
-                    middle = out[si][:, :, head:head + mid]
-                    middle.clamp_(-finite, finite)
-                    if bool(torch.isnan(middle).any()):
-                        raise BlobError(f"the coded {stream} decode to NaN: the blob's parameters are corrupt or forged")
+                rows = mode.decoder(self, data, si, stream, mid, dev, header, ops, parts)
+                # bounded blocks: the peak is the output, the stream's symbols and one block's features
+                for a, b in token_blocks(mid, decode_block_tokens(L * H * D, mid)):
+                    feat = torch.empty(b - a, L * H * D, dtype=torch.float32, device=dev)
+                    rows(a, b, feat)
+                    self._restore(stream, feat, mean, out[si][:, :, head + a:head + b], header.start + head + a, ops,
+                                  stored)
+                del rows
         if stored != dtype:
             return out[0].to(stored), out[1].to(stored)
         return out[0], out[1]
+
+
+DECODE_BLOCK_BYTES = (1 << 20, 1 << 25)  # a block of one stream's float32 features: 1 MiB to 32 MiB
+DECODE_BLOCKS = 32  # a stream is decoded in about this many blocks between those sizes
+MIN_BLOCK_TOKENS = 64  # and never in blocks of fewer tokens (a BLAS rounds a few rows as it rounds many)
+
+
+def decode_block_tokens(features: int, tokens: int) -> int:
+    """Coded tokens decode reconstructs at once, of `tokens`, for a stream of `features` features per token: about
+    1/32 of the stream's features (dequantizing and projecting a block holds several times its features), within
+    DECODE_BLOCK_BYTES, so decode's peak is about the output, its symbols and one block."""
+    per_token = 4 * max(1, features)
+    lo, hi = DECODE_BLOCK_BYTES
+    return max(MIN_BLOCK_TOKENS, min(tokens, min(hi, max(lo, tokens * per_token // DECODE_BLOCKS)) // per_token))
+
+
+def token_blocks(tokens: int, block: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of about `block` tokens (never fewer than `block` but for the last) covering `tokens`, evenly."""
+    count = max(1, tokens // max(1, block))
+    size = -(-tokens // count)
+    return [(a, min(tokens, a + size)) for a in range(0, tokens, size)]
 
 
 def _position(start: object) -> int:

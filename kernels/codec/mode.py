@@ -12,7 +12,7 @@ mode projects on or reconstructs with, the group's code) as KVTCCodec._params ho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -48,6 +48,13 @@ class Mode:
     def decode(self, codec: Any, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
                header: BlobHeader, ops: Any, parts: list) -> None:
         """Fill feat (mid, p) with one stream's reconstructed centred features; parts: _params(decode=True)."""
+        self.decoder(codec, data, si, stream, mid, dev, header, ops, parts)(0, mid, feat)
+
+    def decoder(self, codec: Any, data: dict, si: int, stream: str, mid: int, dev: torch.device, header: BlobHeader,
+                ops: Any, parts: list) -> Callable[[int, int, torch.Tensor], None]:
+        """One stream's coded middle read once (its symbols or packed codes, compact), as a function that fills
+        feat (b - a, p) with the reconstructed centred features of coded tokens [a, b): decode works in
+        bounded blocks of tokens, each row reconstructed exactly as a whole-stream decode would."""
         raise NotImplementedError
 
     def section_bounds(self, codec: Any, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:

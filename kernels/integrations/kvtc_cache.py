@@ -50,6 +50,27 @@ class _CodedStore:
         self.coder = coder
         self.chunks: list[CodedTokens] = []
         self._z: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._fixed: CoefficientCoder | None = coder if coder.mode == "fixed" else None
+
+    def fixed(self) -> CoefficientCoder:
+        """The fixed-rate coder of the same spec (built on first use), for chunks the ECSQ mode cannot code."""
+        if self._fixed is None:
+            c = self.coder
+            self._fixed = CoefficientCoder(c.spec, c.backend, "fixed", c.rate_control, c.ecsq_format, c.basis_dtype)
+        return self._fixed
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedTokens:
+        """Tokens in the coder's mode, or fixed-rate where the ECSQ mode cannot code them (values thousands of
+        times the calibration's, a 1e10 spike), as the chunk stores do; fixed-rate saturates what it cannot hold."""
+        try:
+            return self.coder.encode(keys, values, start)
+        except (ValueError, OverflowError, RuntimeError):
+            if self.coder.mode == "fixed":
+                raise
+            return self.fixed().encode(keys, values, start)
+
+    def _coder(self, chunk: CodedTokens) -> CoefficientCoder:
+        return self.coder if chunk.mode == self.coder.mode else self.fixed()
 
     @property
     def tokens(self) -> int:
@@ -75,9 +96,9 @@ class _CodedStore:
             per_group = {}
             for gi in groups:
                 if (stream, gi) not in self._z:
-                    self._z[(stream, gi)] = [self.coder.coefficients(c, stream, gi) for c in self.chunks]
+                    self._z[(stream, gi)] = [self._coder(c).coefficients(c, stream, gi) for c in self.chunks]
                 per_group[gi] = self._z[(stream, gi)]
-            out.append(torch.cat([self.coder.decode_layer(c, {gi: zs[i] for gi, zs in per_group.items()}, stream,
+            out.append(torch.cat([self._coder(c).decode_layer(c, {gi: zs[i] for gi, zs in per_group.items()}, stream,
                                                           layer, dtype) for i, c in enumerate(self.chunks)], dim=2))
             for gi in groups:
                 if layer == max(self.coder.spec.streams["keys"][gi].group.layers):
@@ -245,7 +266,7 @@ class KVTCCache(Cache):
         pairs = [layer.take_oldest(n) for layer in self._coded]
         keys = torch.stack([k for k, _ in pairs])
         values = torch.stack([v for _, v in pairs])
-        self.store.add(self.store.coder.encode(keys, values, start))
+        self.store.add(self.store.encode(keys, values, start))
 
     @property
     def coded_tokens(self) -> int:

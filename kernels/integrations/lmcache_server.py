@@ -17,6 +17,7 @@ pip install --no-deps lmcache==0.5.6 (see docs/serving.md, "LMCache's own pins":
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from typing import Any
 
@@ -64,6 +65,58 @@ def check_server() -> None:
             raise _missing(name, exc, name) from exc
 
 
+class ArgumentsError(ValueError):
+    """A server argument LMCache or the kvtc serde refuses (named in one line, exit 2)."""
+
+
+def check_adapters(argv: list[str]) -> None:
+    """Every --l2-adapter value a JSON object, and each kvtc serde's settings and chunk key (ChunkSerdeSettings;
+    the artifact is pulled when LMCache builds the adapter): ArgumentsError naming the first refused, before
+    LMCache is imported (a bad command line is refused in well under 2 s)."""
+    import json
+
+    from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings
+
+    adapters = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--l2-adapter"]
+    adapters += [a.split("=", 1)[1] for a in argv if a.startswith("--l2-adapter=")]
+    for i, text in enumerate(adapters, 1):
+        try:
+            adapter = json.loads(text)
+        except ValueError as exc:
+            raise ArgumentsError(f"--l2-adapter #{i} is not JSON ({exc}): pass one JSON object, e.g. "
+                                 """'{"type": "fs", "base_path": "/cache", "serde": {"type": "kvtc", ...}}'""") from None
+        if not isinstance(adapter, dict):
+            raise ArgumentsError(f"--l2-adapter #{i} must be a JSON object, got {type(adapter).__name__}")
+        serde = adapter.get("serde")
+        if isinstance(serde, dict) and serde.get("type") == "kvtc":
+            try:
+                ChunkSerdeSettings.from_kwargs(serde).chunk_key()
+            except (ValueError, TypeError) as exc:
+                raise ArgumentsError(f"--l2-adapter #{i}: {' '.join(str(exc).split())}") from None
+
+
+def check_arguments(argv: list[str]) -> None:
+    """The storage arguments as LMCache's own parser reads them (`add_storage_manager_args`,
+    `parse_args_to_config`: --l1-size-gb, --eviction-policy, every --l2-adapter's fields), its log silenced:
+    ArgumentsError naming the first refused, before LMCache starts anything."""
+    import argparse
+
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
+
+    parser = argparse.ArgumentParser(prog="lmcache server", add_help=False)
+    add_storage_manager_args(parser)
+    logging.disable(logging.CRITICAL)
+    try:
+        known, _ = parser.parse_known_args(argv)
+        parse_args_to_config(known)
+    except SystemExit as exc:  # argparse's own message is already printed
+        raise ArgumentsError("the arguments above are refused by LMCache's parser") from exc
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ArgumentsError(" ".join(str(exc).split())) from None
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
     """The `index`-th L2 adapter `lmcache server ARGV` would build, with the kvtc serde registered, built
     by LMCache's own calls (its storage-manager argument parser and config, its L1 manager, `create_l2_adapter`
@@ -95,13 +148,23 @@ def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Register the kvtc serde and the position hook, then run `lmcache server` with argv (default
-    sys.argv[1:]). Exit 2 with one line on stderr where LMCache or a server dependency is missing;
+    sys.argv[1:]). Exit 2 with one line on stderr where LMCache or a server dependency is missing, or where
+    LMCache's parser or the kvtc serde refuses a storage argument (a bad --l2-adapter JSON: check_arguments);
     `--help` prints this help (and that line, if any) and exits 0 even then."""
     args = list(sys.argv[1:] if argv is None else argv)
     wants_help = any(a in ("-h", "--help") for a in args)
     if wants_help:
         print(__doc__.strip())
         sys.stdout.flush()
+    else:
+        try:
+            check_adapters(args)
+        except ArgumentsError as exc:
+            print(f"kvtc lmcache-server: error: {exc}", file=sys.stderr)
+            return 2
+    quiet = not wants_help and logging.getLogger().getEffectiveLevel() > logging.DEBUG
+    if quiet:  # LMCache's import-time INFO lines; a refusal is then the one line below
+        logging.disable(logging.INFO)
     try:
         check_server()
         from kvtc.kernels.integrations.lmcache_serde import install_position_hook, register
@@ -114,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"kvtc lmcache-server: error: {_missing(getattr(exc, 'name', None) or '?', exc)}", file=sys.stderr)
         return 0 if wants_help else 2
+    finally:
+        logging.disable(logging.NOTSET)
+    if not wants_help:
+        try:
+            check_arguments(args)
+        except ArgumentsError as exc:
+            print(f"kvtc lmcache-server: error: {exc}", file=sys.stderr)
+            return 2
     from lmcache.cli.main import main as lmcache_main
 
     try:

@@ -60,7 +60,9 @@ from kvtc.kernels.codec.layered import restrict
 
 PAGE_ORDERS = {"LBNHC": "NHC", "BLNHC": "NHC", "LBHNC": "HNC", "BLHNC": "HNC"}
 CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-SLOT_SLACK = 1.05  # a chunk's blob: the ratio's budget plus header and raw sinks
+SLOT_SLACK = 1.05  # a chunk's blob: the ratio's budget plus header and raw sinks (slot_count's estimate)
+BOUND_SLACK = 1.01  # a blob's bound, over DEFLATE's worst case expansion of fixed-rate sections
+OBJECT_BYTES = 256  # Python's bytes object, its dict entry and key binding, per stored chunk
 MAX_POSITION = 1 << 62
 _log = logging.getLogger(__name__)
 
@@ -149,8 +151,8 @@ class ChunkCodec:
         if self.codec.mode == "ecsq":
             try:
                 return self.codec.encode(keys, values, start=start)
-            except ValueError:
-                pass  # beyond any ECSQ step: fixed-rate below
+            except (ValueError, OverflowError, RuntimeError):
+                pass  # beyond any ECSQ step or symbol range: fixed-rate below (which saturates, never overflows)
         return self.fixed.encode(keys, values, start=start)
 
     def decode(self, blob: bytes, device: torch.device, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,11 +210,53 @@ class OffloadSettings:
 
 def slot_count(settings: OffloadSettings, worker_kv_bytes_per_block: int, blocks_per_chunk: int,
                world_size: int) -> int:
-    """Stored chunks `cpu_bytes_to_use` holds: each chunk's raw bytes (all workers) over the ratio, with slack."""
+    """Stored chunks `cpu_bytes_to_use` holds: each chunk's raw bytes (all workers) over the ratio, with slack
+    (an estimate: SlotPlan sizes the tier from the codec's true bounds)."""
     if worker_kv_bytes_per_block <= 0:
         raise ValueError("vLLM reported no KV bytes per block; the kvtc offloading spec cannot size its slots")
     per_chunk = math.ceil(worker_kv_bytes_per_block * blocks_per_chunk * world_size / settings.ratio * SLOT_SLACK)
     return settings.cpu_bytes_to_use // per_chunk
+
+
+UNITS_PER_CHUNK = 64  # the budget is counted in units of 1/64 of a later chunk's bound, so first chunks fit closely
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How `cpu_bytes_to_use` holds chunks: `units` units of `unit_bytes`; a later chunk (its largest blob over all
+    workers, with per-object slack) takes `chunk_units`, a first chunk (start < `sinks`: its sinks raw)
+    `first_chunk_units`. The manager counts units so, and the tier never holds more than its budget."""
+
+    units: int
+    unit_bytes: int
+    chunk_units: int
+    first_chunk_units: int
+    sinks: int
+
+    @property
+    def num_slots(self) -> int:
+        """Later chunks the budget holds."""
+        return self.units // self.chunk_units
+
+    @classmethod
+    def for_codec(cls, settings: OffloadSettings, chunk_codec: "ChunkCodec", tokens: int, dtype: torch.dtype,
+                  world_size: int) -> "SlotPlan":
+        """From the rank's codec: its size bounds of a first and a later chunk of `tokens` tokens in `dtype`
+        (ECSQ's rate-control bound and the fixed-rate fallback's exact size, kernels/codec/chunk_serde.py)."""
+        from kvtc.kernels.codec.chunk_serde import ChunkTransform
+
+        t = ChunkTransform(chunk_codec.codec, positions=True, mode=chunk_codec.codec.mode)
+        sinks = min(t.sinks, tokens)
+
+        def bound(start: int) -> int:
+            fixed = t.fixed_size(tokens, dtype, start)
+            blob = fixed if t.mode == "fixed" else max(fixed, t.ecsq_bound(tokens, dtype, start))
+            return math.ceil(blob * BOUND_SLACK) + OBJECT_BYTES  # DEFLATE's worst case; Python's object and slot
+
+        later = bound(sinks) * world_size
+        first = bound(0) * world_size if sinks else later
+        unit = -(-later // UNITS_PER_CHUNK)
+        return cls(settings.cpu_bytes_to_use // unit, unit, UNITS_PER_CHUNK, -(-first // unit), sinks)
 
 
 try:  # vLLM's offloading interfaces (0.33); without vLLM the page transform above still imports
@@ -228,10 +272,12 @@ if VLLM:
     class KVTCLoadStoreSpec(LoadStoreSpec):
         """Where chunks live (slot per chunk) and each chunk's first token position."""
 
-        def __init__(self, slots: Sequence[int], starts: Sequence[int], bindings: Sequence[bytes] | None = None) -> None:
+        def __init__(self, slots: Sequence[int], starts: Sequence[int], bindings: Sequence[bytes] | None = None,
+                     drop: Sequence[int] = ()) -> None:
             self.slots = np.asarray(slots, dtype=np.int64)
             self.starts = np.asarray(starts, dtype=np.int64)
             self.bindings = list(bindings) if bindings is not None else [UNBOUND] * len(self.slots)
+            self.drop = [int(x) for x in drop]  # a store's: slots the manager freed since, whose blobs go first
             if self.slots.shape != self.starts.shape or len(self.bindings) != len(self.slots):
                 raise ValueError("a kvtc load/store spec needs one start position and one key binding per slot")
 
@@ -244,19 +290,28 @@ if VLLM:
         start: int
         ready: bool = False
         pins: int = 0
+        cost: int = 1  # units of the budget it holds (SlotPlan: a first chunk, its sinks raw, takes more)
 
     def key_binding(key: Any) -> bytes:
         """The binding digest of a vLLM offload key (bytes), stored beside its blob and checked on load."""
         return binding(b"vllm-offload", key)
 
     class KVTCOffloadingManager(OffloadingManager):
-        """At most `num_slots` stored chunks, least recently used evicted first; entered from one thread.
-        Slots are numbered as chunks arrive (nothing is allocated per slot up front)."""
+        """Stored chunks within `units` units of the budget, least recently used evicted first; entered from one
+        thread. A chunk takes `chunk_units`, one starting before `sinks` (its sinks raw) `first_chunk_units`
+        (SlotPlan). Slots are numbered as chunks arrive (nothing is allocated per slot up front)."""
 
-        def __init__(self, num_slots: int, tokens_per_chunk: int, enable_events: bool = False) -> None:
-            if num_slots < 1:
-                raise ValueError(f"the kvtc offloading tier has room for {num_slots} chunks; raise cpu_bytes_to_use")
-            self.num_slots, self.tokens_per_chunk = num_slots, tokens_per_chunk
+        def __init__(self, units: int, tokens_per_chunk: int, enable_events: bool = False, *, chunk_units: int = 1,
+                     first_chunk_units: int | None = None, sinks: int = 0) -> None:
+            first_chunk_units = chunk_units if first_chunk_units is None else first_chunk_units
+            if units < max(1, chunk_units, first_chunk_units):
+                raise ValueError(f"the kvtc offloading tier has room for {units // max(1, chunk_units)} chunks; "
+                                 "raise cpu_bytes_to_use")
+            self.units, self.tokens_per_chunk = units, tokens_per_chunk
+            self.chunk_units, self.first_chunk_units, self.sinks = chunk_units, first_chunk_units, sinks
+            self.num_slots = units // chunk_units
+            self._used = 0  # units held by stored and pending chunks
+            self._undropped: list[int] = []  # freed slots whose blobs the worker still holds (dropped at the next store)
             self._free: list[int] = []  # slots freed by evictions and failed stores, reused first
             self._next = 0  # slots [0, _next) have been handed out
             self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -264,7 +319,10 @@ if VLLM:
             self._warned: set[str] = set()
 
         def _available(self) -> int:
-            return len(self._free) + self.num_slots - self._next
+            return self.units - self._used
+
+        def _cost(self, start: int) -> int:
+            return self.first_chunk_units if start < self.sinks else self.chunk_units
 
         def _slot(self) -> int:
             if self._free:
@@ -318,21 +376,29 @@ if VLLM:
                 self._warn(str(exc))
                 return None
             wanted = set(keys)
-            short = len(new) - self._available()
-            victims = []
-            if short > 0:
-                victims = [k for k, e in self._entries.items() if e.ready and not e.pins and k not in wanted][:short]
-                if len(victims) < short:
-                    return None
+            costs = [self._cost(start) for start in starts]
+            short = sum(costs) - self._available()
+            victims, freed = [], 0
+            for k, e in self._entries.items() if short > 0 else ():
+                if freed >= short:
+                    break
+                if e.ready and not e.pins and k not in wanted:
+                    victims.append(k)
+                    freed += e.cost
+            if freed < short:
+                return None
             for k in victims:
-                self._free.append(self._entries.pop(k).slot)
+                self._release(self._entries.pop(k))
             if victims and self._events is not None:
                 self._events.append(OffloadingEvent(victims, Medium.CPU, removed=True))
             slots = [self._slot() for _ in new]
-            for k, slot, start in zip(new, slots, starts):
-                self._entries[k] = _Entry(slot, start)
+            for k, slot, start, cost in zip(new, slots, starts, costs):
+                self._entries[k] = _Entry(slot, start, cost=cost)
+                self._used += cost
+            reused = set(slots)
+            drop, self._undropped = [x for x in self._undropped if x not in reused], []
             return PrepareStoreOutput(keys_to_store=new, store_spec=KVTCLoadStoreSpec(
-                slots, starts, [key_binding(k) for k in new]), evicted_keys=victims)
+                slots, starts, [key_binding(k) for k in new], drop), evicted_keys=victims)
 
         def complete_store(self, keys, req_context, success: bool = True) -> None:
             stored = []
@@ -344,7 +410,7 @@ if VLLM:
                     e.ready = True
                     stored.append(k)
                 else:
-                    self._free.append(self._entries.pop(k).slot)
+                    self._release(self._entries.pop(k))
             if stored and self._events is not None:
                 self._events.append(OffloadingEvent(stored, Medium.CPU, removed=False))
 
@@ -355,9 +421,14 @@ if VLLM:
             events, self._events = (self._events or []), ([] if self._events is not None else None)
             return events
 
+        def _release(self, entry: _Entry) -> None:
+            self._free.append(entry.slot)
+            self._undropped.append(entry.slot)
+            self._used -= entry.cost
+
         def reset_cache(self) -> None:
             self._entries.clear()
-            self._free, self._next = [], 0
+            self._free, self._next, self._used, self._undropped = [], 0, 0, []
 
     class KVTCOffloadingWorker(OffloadingWorker):
         """Codes chunks of GPU blocks into host-memory blobs and back, on the worker that owns the blocks,
@@ -431,6 +502,9 @@ if VLLM:
             if len(ids) != n * len(dst_spec.slots):
                 raise ValueError(f"store of {len(dst_spec.slots)} chunks got {len(ids)} GPU blocks, not "
                                  f"{n} per chunk")
+            with self._lock:  # evicted or failed chunks' blobs: the host memory the budget no longer counts
+                for slot in getattr(dst_spec, "drop", ()):
+                    self.blobs.pop(slot, None)
 
             def store() -> int:
                 size = 0
@@ -501,15 +575,46 @@ if VLLM:
                 raise ValueError("the kvtc offloading spec codes full-attention layers; this model's cache group is "
                                  "sliding-window or chunked")
             self.tokens_per_chunk = group.tokens_per_block * self.blocks_per_chunk
-            self.num_slots = slot_count(self.settings, config.worker_kv_bytes_per_block, self.blocks_per_chunk,
-                                        config.parallel.world_size)
+            slot_count(self.settings, config.worker_kv_bytes_per_block, self.blocks_per_chunk,
+                       config.parallel.world_size)  # vLLM's block bytes checked before any artifact is pulled
+            self._codec: KVTCCodec | None = None
+            self._plan: SlotPlan | None = None
             self._manager: KVTCOffloadingManager | None = None
             self._worker: KVTCOffloadingWorker | None = None
 
+        @property
+        def plan(self) -> SlotPlan:
+            """The tier's slots, from the codec's size bounds (the artifact pulled on first use)."""
+            if self._plan is None:
+                self._plan = SlotPlan.for_codec(self.settings, self.chunk_codec(), self.tokens_per_chunk,
+                                                self.cache_dtype(), self.config.parallel.world_size)
+            return self._plan
+
+        @property
+        def num_slots(self) -> int:
+            return self.plan.num_slots
+
+        def cache_dtype(self) -> torch.dtype:
+            dtype = CACHE_DTYPES.get(self.config.model.dtype)
+            if dtype is None:
+                raise ValueError(f"KV cache dtype {self.config.model.dtype!r} is not supported by the kvtc "
+                                 "offloading tier (float16, bfloat16, float32)")
+            return dtype
+
+        def chunk_codec(self) -> ChunkCodec:
+            """This rank's chunk codec, its artifact pulled and verified once per process."""
+            if self._codec is None:
+                self._codec = self.load_codec()
+            layers = [layer_index(name) for name in self.config.groups[0].layer_names]
+            return ChunkCodec(self._codec, layers)
+
         def get_manager(self) -> KVTCOffloadingManager:
             if self._manager is None:
-                self._manager = KVTCOffloadingManager(self.num_slots, self.tokens_per_chunk,
-                                                      self.kv_events_config.enable_kv_cache_events)
+                plan = self.plan
+                self._manager = KVTCOffloadingManager(plan.units, self.tokens_per_chunk,
+                                                      self.kv_events_config.enable_kv_cache_events,
+                                                      chunk_units=plan.chunk_units,
+                                                      first_chunk_units=plan.first_chunk_units, sinks=plan.sinks)
             return self._manager
 
         def load_codec(self) -> KVTCCodec:
@@ -526,13 +631,8 @@ if VLLM:
 
         def get_worker(self, kv_caches: CanonicalKVCaches) -> KVTCOffloadingWorker:
             if self._worker is None:
-                codec = self.load_codec()
-                layers = [layer_index(name) for name in self.config.groups[0].layer_names]
-                chunk_codec = ChunkCodec(codec, layers)
-                dtype = CACHE_DTYPES.get(self.config.model.dtype)
-                if dtype is None:
-                    raise ValueError(f"KV cache dtype {self.config.model.dtype!r} is not supported by the kvtc "
-                                     "offloading tier (float16, bfloat16, float32)")
+                chunk_codec = self.chunk_codec()
+                codec, dtype = self._codec, self.cache_dtype()
                 page = PageFormat.for_layout(self.config.kv_cache_layout, kv_heads=codec.spec.kv_heads,
                                              tokens=self.config.groups[0].tokens_per_block,
                                              head_dim=codec.spec.head_dim, dtype=dtype)

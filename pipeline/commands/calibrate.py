@@ -10,7 +10,7 @@ from kvtc.pipeline.commands import module_doc
 from kvtc.pipeline.json_stdout import stdout_to_stderr
 from kvtc.pipeline.resource_bounds import Machine, check_job
 from kvtc.pipeline.settings_args import add_settings_arguments, settings_from_args
-from kvtc.workers.model_limits import context_limit
+from kvtc.pipeline.early_checks import check_calibration
 
 JOB = "kvtc.pipeline.job.calibrate"
 
@@ -45,7 +45,8 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def _handler(args: argparse.Namespace) -> int:
     cfg = settings_from_args(args)  # settings refused here, before the job (torch, Ray) is imported
-    check_job(cfg, Machine.of(cfg.runtime), context_limit(cfg.model.model))  # resources too, in well under a second
+    facts = check_calibration(cfg)  # the model spec, corpus files and what its header tells, before any load
+    check_job(cfg, Machine.of(cfg.runtime), facts.context)  # resources too, in well under a second
     from kvtc.pipeline.job import calibrate as job
 
     warnings.formatwarning = _one_line_warning  # the message, not the source line that raised it

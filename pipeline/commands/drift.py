@@ -38,6 +38,9 @@ def add_drift_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
+    from kvtc.pipeline.early_checks import check_artifact_model
+
+    check_artifact_model(args.target, args.registry, args.model)  # a bad spec refused before torch loads
 
     try:
         report = check_drift(args.target, args.corpus, args.registry, args.tokens, args.threshold, args.model,

@@ -38,7 +38,12 @@ def registry(args: argparse.Namespace):
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    import os
+
     reg = registry(args)
+    if reg.local and not os.path.isdir(reg.root):  # a typo lists nothing: refused, not "(no artifacts)"
+        raise FileNotFoundError(f"registry {reg.uri} does not exist (a local path with no folder there); pass the "
+                                "registry's path with --registry or $KVTC_REGISTRY")
     if not args.name:
         names = {}
         for n in reg.names():
@@ -118,6 +123,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="kvtc-verify-") as scratch:
             artifact = pull(args.ref, registry=reg, cache_dir=scratch, public_key=args.key,
                             require_signature=args.require_signature or None)
+            artifact.allocations()  # their budgets against the manifest's joint split (bit_split.check_table_budgets)
+            artifact.ecsq_tables()
     except Exception:
         if adopted:
             reg.fs.rm_file(f"{reg.version_path(name, version)}/manifest.sha256")  # adopt only what verifies

@@ -82,17 +82,29 @@ def metric_whitening(store: ShardStore, names: list[str], stream: str, group: in
 
 def metric_sums(store: ShardStore, names: list[str]):
     """The attention-metric sums of the accumulators `names` -> (sums {key: array}, query tokens, the last
-    accumulator's statistics, moments not read)."""
+    accumulator's statistics, moments not read). Every accumulator is read before any error is raised: all that
+    are corrupt or out of range are moved aside at once (one rerun recomputes them all), and the first is raised
+    naming how many more were set aside."""
+    from kvtc.workers.stats_file import CorruptStats
+
     sums: dict[str, np.ndarray] = {}
-    tokens, stats = 0, None
+    tokens, stats, bad = 0, None, []
     for name in names:
-        stats = store.get_acc(name, keys=[])
+        try:
+            stats = store.get_acc(name, keys=[])
+        except CorruptStats as exc:  # moved aside by the store
+            bad.append(exc)
+            continue
         if not stats.metric:
             raise ValueError(f"statistics object {name} holds no attention metric; it was captured with --objective "
                              "mse: recalibrate with a fresh --store or with --objective mse")
         for key, t in stats.metric.items():
             sums[key] = sums[key] + t.numpy() if key in sums else t.numpy().copy()
         tokens += stats.metric_tokens
+    if len(bad) > 1:
+        bad[0].args = (f"{bad[0].args[0]} ({len(bad) - 1} more statistics object(s) moved aside with it)",)
+    if bad:
+        raise bad[0]
     if stats is None:
         raise ValueError("no training statistics to reduce; the corpus gave no training shard")
     return sums, tokens, stats

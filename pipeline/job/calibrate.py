@@ -69,6 +69,7 @@ class Planned:
     seconds: float
     model_config: Any = None  # the model's transformers config (the GPU plan sizes its weights)
     objective_reason: str = ""  # why the objective that runs was chosen (the manifest records it)
+    fold: Any = None  # the CPU shard workers' memory sizer (fold_plan.FoldSizer); None: GPU workers or a cluster
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Folded:
     fold_s: float
     workers_lost: int = 0  # workers whose node was lost mid-fold
     shards_rerun: int = 0  # their shards, run again on the workers left
+    fold_plan: dict | None = None  # fold_plan.FoldPlan.to_dict() of a Ray fold whose workers memory admitted
 
 
 def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
@@ -140,6 +142,7 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     for group in capture.group_layers(info.layers, info.num_kv_heads):
         for heads, dim in set(stream_dims(info.fingerprint).values()):  # an MLA model's RoPE key is narrower
             validate_ratios(cfg.reduce.ratios, group.dim(heads, dim), cfg.allocator)
+    fold = None
     if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
         if rt.gpus_per_worker and not in_process and not torch.cuda.is_available():
             raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: this machine has no GPU torch can see and no "
@@ -150,6 +153,11 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
         vm = psutil.virtual_memory()  # the line Ray's memory monitor kills at, less what the node already uses
         check_fits(est, node_budget(int(vm.total), int(vm.total - vm.available)), info.num_layers, width, capture.groups,
                    lambda k: _memory_estimate(cfg, info.layers, kv, hd, f"layers:{k}", local_workers))
+        if not torch.cuda.is_available():  # CPU workers: the fold's plan (fold_plan), refused here if one cannot fit
+            from kvtc.pipeline.job.fold_plan import RAY_PROCESSES, job_sizer, node_now
+
+            fold = job_sizer(cfg, info)
+            fold.plan(local_workers, *node_now(0 if in_process else RAY_PROCESSES))  # Ray's run admits the workers
     if cfg.plan.tokens is None:
         on_gpu = torch.cuda.is_available()
         tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS
@@ -157,7 +165,7 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
               file=sys.stderr)
         cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
     return Planned(cfg, registry, rt.store or default_store_uri(), info.tokenizer, info.fingerprint,
-                   time.perf_counter() - t0, info.config, objective_reason)
+                   time.perf_counter() - t0, info.config, objective_reason, fold)
 
 
 def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False, gpu_plan=None,
@@ -214,15 +222,17 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
         fingerprint=fingerprint, model_dtype=model_dtype,
     )
     total = lambda: max(1, expected[0])  # noqa: E731
+    fold_plan = None
     if in_process:
         workers, pool = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), total)
     else:
         ready = lambda: prepare_weights(cfg.model.model, rt.cache_dir)  # noqa: E731
-        workers, pool = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs,
-                                    _after_first(payloads(store, planner), ready), total)
+        workers, pool, fold_plan = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs,
+                                               _after_first(payloads(store, planner), ready), total, planned.fold)
     results = [ShardResult.from_dict(r) for r in pool.results]
     return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
-                  pool.startup_s, pool.run_s, pool.workers_lost, pool.rerun)
+                  pool.startup_s, pool.run_s, pool.workers_lost, pool.rerun,
+                  fold_plan.to_dict() if fold_plan is not None else None)
 
 
 def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[dict, dict]:
@@ -292,6 +302,7 @@ def run_figures(planned: Planned, folded: Folded, reduced: Reduced, published: P
         "shards_cached": sum(s.cached for s in folded.shards),
         "workers_lost": folded.workers_lost,
         "shards_rerun": folded.shards_rerun,
+        "fold_plan": folded.fold_plan,
         "tokens_run": run_tokens,
         "startup_seconds": round(folded.startup_s, 2),
         "pool_seconds": round(pool_s, 2),
@@ -383,10 +394,11 @@ def _after_first(payloads: Iterator[dict], before: Callable[[], None]) -> Iterat
 
 
 def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict,
-                payloads, total=None) -> tuple[int, PoolRun]:
-    """(workers, results) of the shards on a Ray actor pool (Ray already started, by this job when
+                payloads, total=None, fold=None) -> tuple[int, PoolRun, Any]:
+    """(workers, results, fold plan) of the shards on a Ray actor pool (Ray already started, by this job when
     `started`); fold tasks are pinned to the actor that owns their accumulator. With GPUs, each worker
-    takes `gpu_plan.gpus` of them and spreads the model over them when more than one."""
+    takes `gpu_plan.gpus` of them and spreads the model over them when more than one. `fold` (a
+    fold_plan.FoldSizer, CPU workers on this node): as many workers as the node's memory holds now."""
     import ray
 
     from kvtc.pipeline.job import ray_pool
@@ -394,12 +406,19 @@ def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, wor
     cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     rt = cfg.runtime
     workers = rt.workers or (gpu_plan.workers if gpu_plan else max(1, cpus // rt.threads_per_worker))
+    fold_plan = None
+    if fold is not None and gpu_plan is None:  # Ray's own processes now count as used
+        from kvtc.pipeline.job.fold_plan import node_now
+
+        fold_plan = fold.plan(workers, *node_now())
+        print(fold_plan.line(), file=sys.stderr)
+        workers = fold_plan.workers
     if gpu_plan is not None and gpu_plan.gpus > 1:
         worker_kwargs = {**worker_kwargs, "gpu_budgets": gpu_plan.max_memory()}
     pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=rt.threads_per_worker,
                                  gpus_per_worker=float(gpu_plan.gpus) if gpu_plan else 0.0, env_inherited=started)
     return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool,
-                                      route=lambda payload: payload.get("acc_index"), total=total)
+                                      route=lambda payload: payload.get("acc_index"), total=total), fold_plan
 
 
 if __name__ == "__main__":  # the former `ray job submit` entry: say where the command went instead of doing nothing

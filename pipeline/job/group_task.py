@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import sys
 
 from dataclasses import asdict, dataclass, field
 
@@ -90,10 +91,23 @@ class GroupTask:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def settings(self) -> dict:
+        """What the task computes (not its memory budget, solver choice or pass): its checkpoints' identity."""
+        return {k: v for k, v in self.to_json().items() if k not in self.PLACEMENT + self.PASS}
+
     def key(self) -> str:
-        """What the task computes, for its checkpoints' names (not its memory budget or solver choice)."""
-        what = {k: v for k, v in self.to_json().items() if k not in self.PLACEMENT + self.PASS}
-        return f"{self.stream}-g{self.group}-{hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]}"
+        """`settings` hashed, for its checkpoints' names."""
+        digest = hashlib.sha256(json.dumps(self.settings(), sort_keys=True).encode()).hexdigest()[:16]
+        return f"{self.stream}-g{self.group}-{digest}"
+
+    def bound(self, kind: str) -> dict:
+        """What a stored object of this task (`kind`: solved, spectrum, result) is bound to inside its authenticated
+        footer (`ShardStore.put_basis`): the kind, stream, group and settings, and a result its pass's budgets.
+        An object copied from another task, stream, pass or job then fails its check and is recomputed."""
+        out = {"kind": kind, "stream": self.stream, "group": self.group, "settings": self.settings()}
+        if kind == "result":
+            out["budgets"] = None if self.budgets is None else list(self.budgets)
+        return out
 
     def pass_key(self) -> str:
         """`key` and the pass: what a result is stored under."""
@@ -197,7 +211,7 @@ def whitened_rows(rows: GroupRows, whitening: Whitening) -> GroupRows:
     return GroupRows(w(rows.rows), rows.positions, rows.seq_len, None if rows.evals is None else w(rows.evals))
 
 
-def _solved_name(task: GroupTask) -> str:
+def solved_name(task: GroupTask) -> str:
     return f"solved-{task.key()}"
 
 
@@ -205,21 +219,22 @@ def save_solved(store: ShardStore, task: GroupTask, basis: Basis, solved: Solved
                 by_tokens: list[dict] | None = None) -> None:
     """The solve's basis, float64, checkpointed before the fit (with the curve's partials measured during it):
     a retried task, or the joint split's second pass, resumes after it."""
-    store.put_basis(_solved_name(task), {"mean": basis.mean, "eigenvalues": basis.eigenvalues,
+    store.put_basis(solved_name(task), {"mean": basis.mean, "eigenvalues": basis.eigenvalues,
                                          "components": basis.components},
                     {"solved": asdict(solved), "total_variance": basis.total_variance, "n": basis.n,
-                     "by_tokens": by_tokens})
+                     "by_tokens": by_tokens}, task.bound("solved"))
 
 
 def load_solved(store: ShardStore, task: GroupTask) -> tuple[Basis, Solved, list[dict] | None] | None:
     """The checkpointed solve of this task (basis, how, the curve's partials or None), or None (absent; a
     corrupt one is set aside by the store)."""
-    name = _solved_name(task)
+    name = solved_name(task)
     if not store.has_basis(name):
         return None
     try:
-        arrays, meta = store.get_basis(name)
-    except ValueError:  # CorruptStats: moved aside, solve again
+        arrays, meta = store.get_basis(name, task.bound("solved"))
+    except ValueError as exc:  # CorruptStats (unreadable, or another task's): moved aside, solve again
+        print(f"kvtc: {exc}; solving it again", file=sys.stderr)
         return None
     basis = Basis(arrays["mean"], arrays["eigenvalues"], arrays["components"], float(meta["total_variance"]),
                   int(meta["n"]))
@@ -227,7 +242,7 @@ def load_solved(store: ShardStore, task: GroupTask) -> tuple[Basis, Solved, list
 
 
 def drop_solved(store: ShardStore, task: GroupTask) -> None:
-    store.drop_basis(_solved_name(task))
+    store.drop_basis(solved_name(task))
 
 
 def prefix_partials(task: GroupTask, prefixes: list[Moments], rows: GroupRows, solved: Basis | None = None) -> list[dict]:
@@ -301,7 +316,7 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
             solves.append(solved)
             if task.solve_only:
                 store.put_basis(spectrum_name(task), {"eigenvalues": basis.eigenvalues},
-                                {"k": basis.k, "exact": solved.method == "exact", "n": basis.n})
+                                {"k": basis.k, "exact": solved.method == "exact", "n": basis.n}, task.bound("spectrum"))
                 return None
             fitted = fit_group(task.stream, task.group, basis, task.ratios, alloc, rows, task.sinks, task.window,
                                task.budgets)

@@ -16,11 +16,12 @@ runs again alone, from its checkpoint; killed again alone, the job stops and say
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.job.fault_hooks import hold_if_asked
-from kvtc.pipeline.job.group_task import GroupResult, GroupTask, drop_solved, run_group, spectrum_name
+from kvtc.pipeline.job.group_task import GroupResult, GroupTask, drop_solved, run_group, solved_name, spectrum_name
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_plan import GIB, admit
 from kvtc.pipeline.job.store import ShardStore
@@ -52,9 +53,14 @@ def result_name(task: GroupTask) -> str:
     return spectrum_name(task) if task.solve_only else f"result-{task.pass_key()}"
 
 
+def result_bound(task: GroupTask) -> dict:
+    """What the task's stored result is bound to (`GroupTask.bound`): its spectrum's, or its result's."""
+    return task.bound("spectrum" if task.solve_only else "result")
+
+
 def run_stored(task: GroupTask, store: ShardStore) -> str:
     """Run one task from the store (its rows written by the driver) into the store: the result's name.
-    A result already there (an earlier attempt, or a stopped job) is taken as it is."""
+    A result already there (an earlier attempt, or a stopped job) is taken as it is (`vet_stored` checked it)."""
     name = result_name(task)
     if store.has_basis(name):
         return name
@@ -63,9 +69,27 @@ def run_stored(task: GroupTask, store: ShardStore) -> str:
     del arrays
     if task.solve_only:  # the spectrum is stored; the checkpoint stays for the pass with budgets
         return name
-    store.put_basis(name, *result.arrays_and_meta())
+    store.put_basis(name, *result.arrays_and_meta(), result_bound(task))
     drop_solved(store, task)
     return name
+
+
+def vet_stored(tasks: list[GroupTask], store: ShardStore) -> list[str]:
+    """Before any task runs, each task's stored result and solve checkpoint must be bound to that task (its name,
+    stream, group, settings, pass and this job's store scope, inside the authenticated footer): one that is not (a
+    keys and values checkpoint swapped, another job's copied under this name, an earlier release's) is moved aside
+    and named once on stderr, so the task computes it again. Reads footers only. -> the messages."""
+    out = []
+    for task in tasks:
+        for name, bound in ((result_name(task), result_bound(task)), (solved_name(task), task.bound("solved"))):
+            if not store.has_basis(name):
+                continue
+            try:
+                store.check_basis(name, bound)
+            except ValueError as exc:  # CorruptStats: moved aside by the store
+                out.append(f"kvtc: {exc}; recomputing it")
+                print(out[-1], file=sys.stderr)
+    return out
 
 
 def clear(tasks: list[GroupTask], store: ShardStore) -> None:
@@ -124,6 +148,7 @@ def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, 
     planned peak bytes; `budget`: bytes the tasks may hold together."""
     progress = progress or ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
     try:
+        vet_stored(tasks, store)
         stored = [i for i, task in enumerate(tasks) if store.has_basis(result_name(task))]
         for i in stored:  # a stopped job's finished groups: taken as they are
             progress.resumed(i)
@@ -142,7 +167,7 @@ def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, 
             store.drop_basis(rows_name(task))
     results = []
     for task, name in zip(tasks, names):
-        arrays, meta = store.get_basis(name)
+        arrays, meta = store.get_basis(name, result_bound(task))
         results.append((arrays["eigenvalues"], meta) if task.solve_only else GroupResult.from_stored(arrays, meta))
     return results
 

@@ -24,6 +24,7 @@ from kvtc.pipeline.job.shard_records import ShardResult
 from kvtc.pipeline.job.shards import Shard
 from kvtc.pipeline.job.store import ShardStore, capture_key
 from kvtc.workers.capture import CaptureSettings, capture_kv
+from kvtc.workers.malloc import release_large_frees
 from kvtc.artifacts.fingerprint import model_id as fingerprint_id
 from kvtc.workers.models import load_model
 from kvtc.workers.objective import MseObjective
@@ -48,6 +49,7 @@ class ShardWorker:
         gpu_budgets: dict[int, int] | None = None,
     ) -> None:
         torch.set_num_threads(threads)
+        release_large_frees()  # a long sequence's freed activations go back to the system (kvtc.workers.malloc)
         self.lm = load_model(model, dtype=dtype, cache_dir=cache_dir, gpu_budgets=gpu_budgets)
         if fingerprint is not None and fingerprint_id(fingerprint) != fingerprint_id(self.lm.fingerprint):
             raise InputError(f"the worker loaded {model!r} with another fingerprint than the driver's "

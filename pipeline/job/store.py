@@ -47,6 +47,7 @@ KEY_FILE = ".store-key"
 _KEY_BYTES = 32
 _KEYS: dict[str, bytes] = {}  # per store root, loaded once per process
 _ROWS_HEADER_LIMIT = 1 << 26  # a held-out rows entry's safetensors header (JSON of three tensors)
+BINDING = "kvtc_object"  # a basis object's footer metadata: what it is bound to (`ShardStore.basis_binding`)
 
 
 def _data_end(header: bytes, uri: str) -> int:
@@ -287,20 +288,63 @@ class ShardStore:
         _, base = self._fs_and_base
         return f"{base}/bases/{name}.basis"
 
-    def put_basis(self, name: str, tensors: dict[str, np.ndarray], metadata: dict) -> int:
-        """Write a basis object whole (checksummed arrays + JSON metadata); returns its bytes."""
+    def basis_binding(self, name: str, bound: dict | None = None) -> dict:
+        """What a basis object is bound to inside its authenticated footer: its name, this store's scope (model
+        and capture settings: the job's identity) and the caller's `bound` (a task's stream, group, settings)."""
+        return json.loads(json.dumps({"name": name, "model_id": self.model_id, "capture_key": self.capture_key,
+                                      **(bound or {})}, sort_keys=True))
+
+    def put_basis(self, name: str, tensors: dict[str, np.ndarray], metadata: dict, bound: dict | None = None) -> int:
+        """Write a basis object whole (checksummed arrays + JSON metadata, bound to `name`, this store's scope and
+        `bound`: `basis_binding`); returns its bytes."""
         fs, base = self._fs_and_base
         path = self._basis_path(name)
         fs.makedirs(f"{base}/bases", exist_ok=True)
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         with fs.open(tmp, "wb") as f:
-            n = write_stats(f, tensors, metadata, self.hmac_key)
+            n = write_stats(f, tensors, {**metadata, BINDING: self.basis_binding(name, bound)}, self.hmac_key)
         fs.mv(tmp, path)
         return n
 
-    def get_basis(self, name: str) -> tuple[dict[str, np.ndarray], dict]:
-        """Arrays and metadata of a basis object, checksums verified (CorruptStats names it)."""
-        uri = f"{self.root.rstrip('/')}/{self.model_id}/{self.capture_key}/bases/{name}.basis"
+    def _basis_uri(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{self.model_id}/{self.capture_key}/bases/{name}.basis"
+
+    def _check_binding(self, name: str, footer: dict, bound: dict | None) -> None:
+        """CorruptStats unless the object's footer binds it to `name`, this store's scope and `bound` (None: the
+        name and scope only): an object copied from another name, job or task is authenticated content, but not
+        what it claims to be."""
+        want, got = self.basis_binding(name, bound), footer["metadata"].get(BINDING)
+        if bound is None and isinstance(got, dict):  # the caller names no task: its name and scope only
+            got = {k: got.get(k) for k in want}
+        if got != want:
+            if not isinstance(got, dict):
+                problem = "it names no task (written by an earlier release)"
+            else:
+                diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+                problem = (f"it was written as {got.get('name')!r}" if got.get("name") != name else "it was written")
+                problem += f" for another {'job' if {'model_id', 'capture_key'} & set(diff) else 'task'} " \
+                           f"(differing: {', '.join(diff)}); copied or swapped"
+            raise CorruptStats(self._basis_uri(name), problem)
+
+    def check_basis(self, name: str, bound: dict | None = None) -> None:
+        """Read a basis object's footer only (authenticated) and check what it is bound to; CorruptStats naming it
+        (the object moved aside) otherwise."""
+        uri = self._basis_uri(name)
+        try:
+            try:
+                handle, _ = self._open(self._basis_path(name), "basis object")
+            except IntegrityError as exc:
+                raise CorruptStats(uri, str(exc)) from None
+            with handle as f:
+                self._check_binding(name, read_footer(f, uri, self.hmac_key), bound)
+        except CorruptStats:
+            self._move_aside(self._basis_path(name))
+            raise
+
+    def get_basis(self, name: str, bound: dict | None = None) -> tuple[dict[str, np.ndarray], dict]:
+        """Arrays and metadata of a basis object, checksums verified and its binding checked (`check_basis`);
+        CorruptStats names it (the object moved aside)."""
+        uri = self._basis_uri(name)
         try:
             try:
                 handle, _ = self._open(self._basis_path(name), "basis object")
@@ -308,6 +352,7 @@ class ShardStore:
                 raise CorruptStats(uri, str(exc)) from None
             with handle as f:
                 footer = read_footer(f, uri, self.hmac_key)
+                self._check_binding(name, footer, bound)
                 return {key: read_tensor(f, footer, key, uri) for key in footer["tensors"]}, footer["metadata"]
         except CorruptStats:
             self._move_aside(self._basis_path(name))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from fsspec.core import split_protocol
 
 LOCAL_PROTOCOLS = (None, "file", "local")
+PROCESS_PROTOCOLS = ("memory",)  # held by one process: no Ray worker, on any node, reaches it
 
 
 def is_node_local(store_root: str) -> bool:
@@ -28,9 +29,12 @@ def alive_nodes() -> int:
 def check_store_reach(store_root: str, shared: bool, nodes: int, when: str = "") -> None:
     """Refuse a node-local store (a plain path, not declared `shared`) on a cluster of `nodes` > 1.
     `when`: what the job is about to do, for the message (e.g. "before the reduce")."""
+    at = f" {when}" if when else ""
+    if split_protocol(store_root.split("::")[-1])[0] in PROCESS_PROTOCOLS:
+        raise ValueError(f"--store {store_root} lives in this process's memory{at}, and the job's Ray workers are other "
+                         "processes; pass a path or an fsspec URI every node reaches (e.g. s3://bucket/kvtc-cache)")
     if nodes <= 1 or shared or not is_node_local(store_root):
         return
-    at = f" {when}" if when else ""
     raise ValueError(
         f"--store {store_root} is a local path, and the Ray cluster has {nodes} alive nodes{at}: each node would "
         "write its shard statistics to its own disk and the reduce would not find them. Pass --store an fsspec URI "

@@ -111,13 +111,14 @@ class Live:
 
 
 @contextmanager
-def running(tmp_path: Path, ref: str, registry: str):
+def running(tmp_path: Path, ref: str, registry: str, serde: dict | None = None, log_name: str = "server.log"):
+    """The README's server on `tmp_path`/l2 (kept between servers of one test: a restart reads what it holds)."""
     l2 = tmp_path / "l2"
-    l2.mkdir()
+    l2.mkdir(exist_ok=True)
     port = _free_port()
     args = readme_command(port=port, http_port=_free_port(), l1_size_gb=0.1, base_path=l2,
-                          serde={"artifact": ref, "ratio": RATIO, "registry": registry})
-    log = tmp_path / "server.log"
+                          serde={"artifact": ref, "ratio": RATIO, "registry": registry, **(serde or {})})
+    log = tmp_path / log_name
     with server_process(args, log) as proc:
         yield Live(proc, f"tcp://127.0.0.1:{port}", l2, log)
 
@@ -285,6 +286,56 @@ def test_attention_artifact_served_live_keeps_the_sinks_raw_and_a_chunk_copied_b
             assert client.lookup("swapped", ids) == 0
             client.end_session("swapped")
             live.wait_for(lambda: "written under another key" in live.text(), "the swapped chunk logged")
+        finally:
+            client.close()
+        live.alive()
+
+
+def test_chunks_stored_before_a_restart_load_after_it_and_a_keyed_store_refuses_forged_chunks(found, tmp_path):
+    """Issue 49: a RoPE-removed artifact's chunks, stored by one server, hit on a second one started on the same
+    L2 folder (which has recorded no position: each comes from its blob, bound to its key by the keyed frame);
+    a chunk rewritten without the deployment's key is a miss."""
+    from kvtc.kernels.codec.chunk_serde import FRAME_MAGIC, KEYED_MAGIC, load_chunk_key
+
+    registry, ref = found["registry"], found["attn"]
+    ids, keys, values = model_cache(TOKENS)
+    serde = {"key_file": str(tmp_path / "chunk-key")}
+    transform = RankedChunkTransforms.from_settings(ChunkSerdeSettings.from_kwargs(
+        {"artifact": ref, "ratio": RATIO, "registry": registry, **serde}), positions=True)(None)
+    assert transform.needs_positions and transform.chunk_key == load_chunk_key(tmp_path / "chunk-key")
+    offline = []
+    for start in range(0, TOKENS, CHUNK):
+        c = chunk(keys[:, :, start:start + CHUNK], values[:, :, start:start + CHUNK])
+        out = torch.empty_like(c)
+        transform.deserialize(transform.serialize(c, start=start), out, start=start)
+        offline.append(out)
+    with running(tmp_path, ref, registry, serde) as live:
+        client = live.client("tiny")
+        try:
+            _round_trip(client, live, "tiny", ids, [slice(None)], keys, values)
+        finally:
+            client.close()
+    files = sorted((tmp_path / "l2").glob("tiny@*.data"))
+    assert len(files) == TOKENS // CHUNK and all(p.read_bytes()[:8] == KEYED_MAGIC for p in files)
+    with running(tmp_path, ref, registry, serde, log_name="restarted.log") as live:
+        client = live.client("tiny", base=7100)
+        try:
+            blocks = list(range(TOKENS // 16))
+            client.zero(0, blocks)
+            assert client.lookup("after-restart", ids) == TOKENS // CHUNK  # every chunk, no position recorded
+            assert client.retrieve("after-restart", ids, blocks) == [True]
+            client.end_session("after-restart")
+            assert torch.equal(chunk(*client.read(0, blocks)), torch.cat(offline, dim=2))
+            assert "position is unknown" not in live.text()
+            # a writer of the L2 folder without the key: the second chunk re-framed unkeyed under its own key
+            victim = next(p for p in files if _blob(p.read_bytes()).start == CHUNK)
+            data = bytearray(victim.read_bytes())
+            data[:8], data[8:24] = FRAME_MAGIC, _binding_of(victim)
+            victim.write_bytes(bytes(data))
+            client.clear_l1()
+            assert client.lookup("forged", ids) < TOKENS // CHUNK
+            client.end_session("forged")
+            live.wait_for(lambda: "unkeyed frame" in live.text(), "the forged chunk logged")
         finally:
             client.close()
         live.alive()

@@ -27,6 +27,12 @@ def test_a_local_store_is_refused_on_several_nodes_unless_declared_shared():
     assert "s3://" in message and "--store-shared" in message
 
 
+def test_a_memory_store_is_refused_on_any_ray_run():
+    """memory:// lives in one process: the workers, other processes, would each write to their own."""
+    with pytest.raises(ValueError, match="lives in this process's memory"):
+        check_store_reach("memory://kvtc/shards", shared=True, nodes=1)
+
+
 def _workers(n: int, in_flight: int = 2) -> ray_pool._Workers:
     return ray_pool._Workers([f"actor{i}" for i in range(n)], [f"node{i}" for i in range(n)], in_flight)
 

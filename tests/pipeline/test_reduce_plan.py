@@ -96,7 +96,7 @@ def test_the_plan_refuses_a_geometry_whose_reduce_cannot_fit_before_any_model_wo
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Small)
     cfg = JobSettings.of(model="tiny:llama@32x8x128x32", corpus="pydoc", eval_corpus=None, tokens=4096, seq_len=512,
-                         ratios=(8.0,), accumulators=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"),
+                         seqs_per_shard=4, ratios=(8.0,), accumulators=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"),
                          name="big")
     with pytest.raises(ValueError, match=r"GiB for the reduce .*--groups layers:\d+"):
         calibrate.plan_job(cfg, in_process=True)

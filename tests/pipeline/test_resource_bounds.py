@@ -39,7 +39,7 @@ def test_workers_threads_and_gpus_against_this_machine():
     assert "room for 2 worker(s)" in _refused(TWO_CPUS, "--workers 3", workers=3)
     assert "--workers 4 or fewer" in _refused(GPU_NODE, "--workers 5", workers=5, gpus_per_worker=2)
     _refused(TWO_CPUS, "--threads-per-worker 3: this machine has 2 CPUs", threads_per_worker=3)
-    _refused(TWO_CPUS, "--gpus-per-worker 1: this machine has 0 GPU", gpus_per_worker=1)
+    _refused(TWO_CPUS, "--gpus-per-worker 1: this machine has no GPU torch can see", gpus_per_worker=1)
     _refused(GPU_NODE, "--gpus-per-worker 9", gpus_per_worker=9)
 
 

@@ -226,7 +226,8 @@ def test_calibrate_refuses_an_uncodable_layer_kind_before_model_work(tmp_path, c
     config.save_pretrained(model)
     embedded_tokenizer().save_pretrained(model)
     monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
-    rc = cli.main(["calibrate", "--model", str(model), "--tokens", "2048", "--registry", str(tmp_path / "reg")])
+    rc = cli.main(["calibrate", "--model", str(model), "--tokens", "2048", "--seqs-per-shard", "1",
+                   "--registry", str(tmp_path / "reg")])
     err = capsys.readouterr().err
     assert rc != 0 and "multi-head latent attention" in err and "layer 1" in err and "Traceback" not in err
     assert not (tmp_path / "reg").exists() or not any((tmp_path / "reg").rglob("manifest.json"))

@@ -149,6 +149,7 @@ def test_calibrate_refuses_the_sensitivity_balance_without_its_capture_before_mo
     from kvtc.pipeline.settings import JobSettings
 
     cfg = JobSettings.of(model="tiny:llama", corpus="pydoc", seq_len=64, window=8, tokens=512, sensitivity=0,
+                         seqs_per_shard=2,
                          registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="x")
     with pytest.raises(ValueError, match="--sensitivity 0"):
         run(cfg, in_process=True)
