@@ -1,7 +1,6 @@
 """Test-wide environment. TRITON_INTERPRET must be set before any kernel module is imported."""
 import os
 import socket
-import time
 import uuid
 
 import pytest
@@ -15,15 +14,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 def _wait_listening(port: int, timeout: float = 30.0) -> None:
     """The moto server's thread binds after start() returns; a loaded machine takes a while."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    from helpers.multinode import wait_listening
+
+    wait_listening(port, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import importlib.util
 import io
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,24 +25,6 @@ from helpers.joint_artifacts import RECORD_FORGERIES, TABLE_FORGERIES, joint_con
 from helpers.toy_artifacts import forge_version
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def hostile():
-    spec = importlib.util.spec_from_file_location("kvtc_bench_hostile", REPO / "bench" / "hostile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
-
-@pytest.fixture
-def tmp(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("KVTC_PUBLIC_KEY", raising=False)
-    monkeypatch.delenv("KVTC_REQUIRE_SIGNATURE", raising=False)
-    return tmp_path
 
 
 def _clean(ended, families: set[str]) -> None:

@@ -5,7 +5,6 @@ come from bench/hostile.py (`--round-five`)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import struct
 import sys
@@ -19,24 +18,6 @@ from kvtc.workers import models
 from kvtc.workers.model_limits import embedded_gguf, gguf_context_length, model_facts, read_gguf_header
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def hostile():
-    spec = importlib.util.spec_from_file_location("kvtc_bench_hostile", REPO / "bench" / "hostile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
-
-@pytest.fixture
-def tmp(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
-    for name in ("KVTC_PUBLIC_KEY", "KVTC_REQUIRE_SIGNATURE", "RAY_memory_usage_threshold", "RAY_ADDRESS"):
-        monkeypatch.delenv(name, raising=False)
-    return tmp_path
 
 
 def _clean(ended, family: str) -> None:

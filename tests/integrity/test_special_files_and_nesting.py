@@ -5,10 +5,8 @@ containers; short inputs declaring long caches; hostile manifest settings; and t
 so the bench and the tests exercise the same cases."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,24 +16,6 @@ from helpers.toy_artifacts import forge_version, toy_content
 from kvtc.pipeline import cli
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def hostile():
-    spec = importlib.util.spec_from_file_location("kvtc_bench_hostile", REPO / "bench" / "hostile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-
-
-@pytest.fixture
-def tmp(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("KVTC_PUBLIC_KEY", raising=False)
-    monkeypatch.delenv("KVTC_REQUIRE_SIGNATURE", raising=False)
-    return tmp_path
 
 
 def _all_clean(ended) -> None:
