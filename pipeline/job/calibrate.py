@@ -158,6 +158,10 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
 
             fold = job_sizer(cfg, info)
             fold.plan(local_workers, *node_now(0 if in_process else RAY_PROCESSES))  # Ray's run admits the workers
+    else:  # a cluster: its CPU workers are admitted per node once joined (fold_plan.admit_on_nodes)
+        from kvtc.pipeline.job.fold_plan import job_sizer
+
+        fold = job_sizer(cfg, info)
     if cfg.plan.tokens is None:
         on_gpu = torch.cuda.is_available()
         tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS
@@ -406,17 +410,22 @@ def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, wor
     cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     rt = cfg.runtime
     workers = rt.workers or (gpu_plan.workers if gpu_plan else max(1, cpus // rt.threads_per_worker))
-    fold_plan = None
+    fold_plan, memory = None, 0
     if fold is not None and gpu_plan is None:  # Ray's own processes now count as used
-        from kvtc.pipeline.job.fold_plan import node_now
+        from kvtc.pipeline.job.fold_plan import admit_on_nodes, node_now
 
-        fold_plan = fold.plan(workers, *node_now())
+        if rt.address or os.environ.get("RAY_ADDRESS"):  # a joined cluster: per node, each actor asking for its peak
+            fold_plan = admit_on_nodes(fold, workers, rt.threads_per_worker, ray.nodes())
+            memory = fold_plan.worker_bytes
+        else:
+            fold_plan = fold.plan(workers, *node_now())
         print(fold_plan.line(), file=sys.stderr)
         workers = fold_plan.workers
     if gpu_plan is not None and gpu_plan.gpus > 1:
         worker_kwargs = {**worker_kwargs, "gpu_budgets": gpu_plan.max_memory()}
     pool = ray_pool.PoolSettings(workers=workers, threads_per_worker=rt.threads_per_worker,
-                                 gpus_per_worker=float(gpu_plan.gpus) if gpu_plan else 0.0, env_inherited=started)
+                                 gpus_per_worker=float(gpu_plan.gpus) if gpu_plan else 0.0, env_inherited=started,
+                                 memory=memory)
     return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool,
                                       route=lambda payload: payload.get("acc_index"), total=total), fold_plan
 

@@ -277,6 +277,25 @@ def smollm2_worker_bytes(seq_len: int, accumulators: int = 4, workers: int = 2) 
 RAY_PROCESSES = 640 << 20  # a local Ray's own processes (GCS, raylet, agents), not yet started when the job plans
 
 
+def admit_on_nodes(sizer: FoldSizer, wanted: int, threads: int, nodes: Sequence[dict]) -> FoldPlan:
+    """A joined cluster's fold: the most workers, up to `wanted`, that its alive `nodes` (ray.nodes()) can place
+    with each worker's peak inside a node's Ray `memory` resource and its `threads` inside the node's CPUs (each
+    actor then asks Ray for that memory, so Ray packs no more on a node); ValueError before any model work when no
+    node holds one, naming the longest --seq-len the largest node would."""
+    alive = [n.get("Resources") or {} for n in nodes if n.get("Alive")]
+    largest = max((int(r.get("memory", 0)) for r in alive), default=0)
+    for n in range(max(1, wanted), 0, -1):
+        peak = sizer.worker_bytes(n)
+        room = sum(min(int(r.get("CPU", 0)) // threads, int(r.get("memory", 0)) // max(1, peak)) for r in alive)
+        if room >= n:
+            return FoldPlan(n, max(1, wanted), peak, largest, sizer.shape.seq_len, sizer.objective)
+    fits = sizer.longest_fitting(largest)
+    hint = f"the longest --seq-len one worker fits there is {fits}" if fits else "no --seq-len fits one worker there"
+    raise ValueError(f"--seq-len {sizer.shape.seq_len}: one shard worker needs about {sizer.worker_bytes(1) / GIB:.1f} "
+                     f"GiB, more than the largest node's Ray memory ({largest / GIB:.1f} GiB of {len(alive)} alive "
+                     f"node(s)); {hint}; or add nodes with more memory")
+
+
 def node_now(reserve: int = 0) -> tuple[int, int, int]:
     """(budget, total, used) bytes of this node now: what workers may hold together under Ray's kill line
     (reduce_plan.node_budget), `reserve` bytes more counted as used (processes about to start)."""

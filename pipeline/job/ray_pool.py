@@ -32,6 +32,7 @@ class PoolSettings:
     in_flight: int = 2
     gpus_per_worker: float = 0.0
     env_inherited: bool = False  # the workers inherit this process's KVTC_* environment (a local Ray it started)
+    memory: int = 0  # bytes each actor asks Ray for (its planned peak; 0: none), so a node takes what it holds
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -224,6 +225,7 @@ def run_pool(
         num_gpus=settings.gpus_per_worker,
         max_restarts=-1,
         max_task_retries=-1,
+        **({"memory": settings.memory} if settings.memory else {}),
         **actor_env_options(kvtc_env, job_env_vars, settings.env_inherited),
     )
     actors = [remote_cls.remote(**actor_kwargs) for _ in range(settings.workers)]

@@ -104,3 +104,18 @@ def test_the_plans_constants_are_the_workers():
     from kvtc.workers.sensitivity import LOGIT_BLOCK_BYTES
 
     assert fold_plan.LOGIT_BLOCK_BYTES == LOGIT_BLOCK_BYTES and fold_plan.METRIC_QUERY_ROWS == QUERY_ROWS
+
+
+def test_a_cluster_admits_workers_per_node_by_its_ray_memory_and_refuses_what_no_node_holds():
+    """Joined cluster: a node takes as many workers as its Ray `memory` and CPUs hold (each actor then asks for its
+    peak); a dead node counts for nothing; no node holding one worker is refused, naming the --seq-len that fits."""
+    sizer = _sizer()
+    node = lambda cpus, gib, alive=True: {"Alive": alive, "Resources": {"CPU": cpus, "memory": int(gib * GIB)}}  # noqa: E731
+    plan = fold_plan.admit_on_nodes(sizer, 8, 1, [node(8, 5), node(8, 10), node(64, 100, alive=False)])
+    peak = sizer.worker_bytes(plan.workers)
+    assert plan.worker_bytes == peak and 2 <= plan.workers == (5 * GIB) // peak + (10 * GIB) // peak < 8  # memory binds
+    assert fold_plan.admit_on_nodes(sizer, 8, 4, [node(8, 100)]).workers == 2  # CPUs bind: 8 // 4
+    with pytest.raises(ValueError, match=r"largest node's Ray memory \(3.5 GiB of 1 alive node\(s\)\); the longest "
+                                         r"--seq-len one worker fits there is 6570"):
+        fold_plan.admit_on_nodes(sizer, 2, 1, [node(8, 3.5)])
+
