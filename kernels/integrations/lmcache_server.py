@@ -75,8 +75,6 @@ def check_adapters(argv: list[str]) -> None:
     LMCache is imported (a bad command line is refused in well under 2 s)."""
     import json
 
-    from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings
-
     adapters = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--l2-adapter"]
     adapters += [a.split("=", 1)[1] for a in argv if a.startswith("--l2-adapter=")]
     for i, text in enumerate(adapters, 1):
@@ -89,6 +87,8 @@ def check_adapters(argv: list[str]) -> None:
             raise ArgumentsError(f"--l2-adapter #{i} must be a JSON object, got {type(adapter).__name__}")
         serde = adapter.get("serde")
         if isinstance(serde, dict) and serde.get("type") == "kvtc":
+            from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings  # torch: only once a kvtc serde is named
+
             try:
                 ChunkSerdeSettings.from_kwargs(serde).chunk_key()
             except (ValueError, TypeError) as exc:
