@@ -329,21 +329,16 @@ class ShardStore:
     def check_basis(self, name: str, bound: dict | None = None) -> None:
         """Read a basis object's footer only (authenticated) and check what it is bound to; CorruptStats naming it
         (the object moved aside) otherwise."""
-        uri = self._basis_uri(name)
-        try:
-            try:
-                handle, _ = self._open(self._basis_path(name), "basis object")
-            except IntegrityError as exc:
-                raise CorruptStats(uri, str(exc)) from None
-            with handle as f:
-                self._check_binding(name, read_footer(f, uri, self.hmac_key), bound)
-        except CorruptStats:
-            self._move_aside(self._basis_path(name))
-            raise
+        self._read_basis(name, bound, arrays=False)
 
     def get_basis(self, name: str, bound: dict | None = None) -> tuple[dict[str, np.ndarray], dict]:
         """Arrays and metadata of a basis object, checksums verified and its binding checked (`check_basis`);
         CorruptStats names it (the object moved aside)."""
+        return self._read_basis(name, bound, arrays=True)
+
+    def _read_basis(self, name: str, bound: dict | None, arrays: bool):
+        """The footer checked against its binding, then with `arrays` -> (arrays, metadata); a bad object is moved
+        aside and CorruptStats names it."""
         uri = self._basis_uri(name)
         try:
             try:
@@ -353,6 +348,8 @@ class ShardStore:
             with handle as f:
                 footer = read_footer(f, uri, self.hmac_key)
                 self._check_binding(name, footer, bound)
+                if not arrays:
+                    return None
                 return {key: read_tensor(f, footer, key, uri) for key in footer["tensors"]}, footer["metadata"]
         except CorruptStats:
             self._move_aside(self._basis_path(name))

@@ -271,13 +271,7 @@ def test_attention_artifact_served_live_keeps_the_sinks_raw_and_a_chunk_copied_b
             heads = {_blob(p.read_bytes()).start: _blob(p.read_bytes()) for p in files}
             assert sorted(heads) == [0, CHUNK] and heads[0].head_raw == 4 and heads[CHUNK].head_raw == 0
             got = chunk(*client.read(0, list(range(TOKENS // 16))))
-            offline = []
-            for start in range(0, TOKENS, CHUNK):
-                c = chunk(keys[:, :, start:start + CHUNK], values[:, :, start:start + CHUNK])
-                out = torch.empty_like(c)
-                transform.deserialize(transform.serialize(c, start=start), out, start=start)
-                offline.append(out)
-            assert torch.equal(got, torch.cat(offline, dim=2))  # exactly the offline chunk transform
+            assert torch.equal(got, _offline(transform, keys, values))  # exactly the offline chunk transform
             assert torch.equal(got[:, :, :4], chunk(keys, values)[:, :, :4])  # the sinks, exactly
             # the chunk at 256 copied over the chunk at 0: not loaded (its key and position differ)
             by_start = {_blob(p.read_bytes()).start: p for p in files}
@@ -303,12 +297,7 @@ def test_chunks_stored_before_a_restart_load_after_it_and_a_keyed_store_refuses_
     transform = RankedChunkTransforms.from_settings(ChunkSerdeSettings.from_kwargs(
         {"artifact": ref, "ratio": RATIO, "registry": registry, **serde}), positions=True)(None)
     assert transform.needs_positions and transform.chunk_key == load_chunk_key(tmp_path / "chunk-key")
-    offline = []
-    for start in range(0, TOKENS, CHUNK):
-        c = chunk(keys[:, :, start:start + CHUNK], values[:, :, start:start + CHUNK])
-        out = torch.empty_like(c)
-        transform.deserialize(transform.serialize(c, start=start), out, start=start)
-        offline.append(out)
+    offline = _offline(transform, keys, values)
     with running(tmp_path, ref, registry, serde) as live:
         client = live.client("tiny")
         try:
@@ -325,7 +314,7 @@ def test_chunks_stored_before_a_restart_load_after_it_and_a_keyed_store_refuses_
             assert client.lookup("after-restart", ids) == TOKENS // CHUNK  # every chunk, no position recorded
             assert client.retrieve("after-restart", ids, blocks) == [True]
             client.end_session("after-restart")
-            assert torch.equal(chunk(*client.read(0, blocks)), torch.cat(offline, dim=2))
+            assert torch.equal(chunk(*client.read(0, blocks)), offline)
             assert "position is unknown" not in live.text()
             # a writer of the L2 folder without the key: the second chunk re-framed unkeyed under its own key
             victim = next(p for p in files if _blob(p.read_bytes()).start == CHUNK)
@@ -339,3 +328,15 @@ def test_chunks_stored_before_a_restart_load_after_it_and_a_keyed_store_refuses_
         finally:
             client.close()
         live.alive()
+
+
+def _offline(transform, keys, values) -> torch.Tensor:
+    """The offline chunk transform of every CHUNK of the cache, decoded and concatenated along the tokens."""
+    out = []
+    for start in range(0, TOKENS, CHUNK):
+        c = chunk(keys[:, :, start:start + CHUNK], values[:, :, start:start + CHUNK])
+        decoded = torch.empty_like(c)
+        transform.deserialize(transform.serialize(c, start=start), decoded, start=start)
+        out.append(decoded)
+    return torch.cat(out, dim=2)
+
