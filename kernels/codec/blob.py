@@ -3,7 +3,9 @@
 Layout (little endian):
   prefix   "<4sHHII": magic b"KVTC", format version, flags (bit 0: ECSQ mode; 0: fixed-rate mode;
            bit 1: per-layer container, see below; bit 2, with bit 0: ECSQ symbols in the interleaved
-           rANS format, else constriction's), meta length, CRC32 of meta
+           rANS format, else constriction's; bit 3: the raw sinks (TAG_RAW_HEAD) stored as int8 codes with a
+           float32 scale per token vector, kernels/codec/sinks_int8.py, else in the cache's dtype), meta
+           length, CRC32 of meta
   meta     name, version, model id (each u16 length + UTF-8), then "<dBIIIIQIIIII": ratio, dtype code,
            layers, kv_heads, tokens, head_dim, start position, sinks, window, raw head tokens,
            raw tail tokens, section count; then per section "<BBHHBQQI": tag, stream, group, block,
@@ -37,9 +39,11 @@ NO_CACHE = 0xFFFFFFFF
 FLAG_ECSQ = 1
 FLAG_LAYERED = 2
 FLAG_RANS = 4
+FLAG_SINKS_INT8 = 8
 MODE_FLAGS = {"fixed": 0, "ecsq": FLAG_ECSQ}  # each codec mode's flag (kernels/codec/modes.py)
 MODES = tuple(MODE_FLAGS)  # by flag bit 0
 ECSQ_FORMATS = ("constriction", "rans")  # ECSQ symbol formats, by flag bit 2
+SINK_FORMATS = ("cache", "int8")  # the raw sinks' format, by flag bit 3
 _PREFIX = struct.Struct("<4sHHII")
 _FIELDS = struct.Struct("<dBIIIIQIIIII")
 _SECTION = struct.Struct("<BBHHBQQI")
@@ -90,12 +94,15 @@ class BlobHeader:
     mode: str = "fixed"
     layered: bool = False
     ecsq_format: str = "constriction"  # the ECSQ mode's symbol format; ignored by the fixed mode
+    sink_format: str = "cache"  # the raw sinks' format: the cache's dtype, or int8 codes and a scale per vector
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"blob mode must be one of {MODES}, got {self.mode!r}")
         if self.ecsq_format not in ECSQ_FORMATS:
             raise ValueError(f"blob ECSQ format must be one of {ECSQ_FORMATS}, got {self.ecsq_format!r}")
+        if self.sink_format not in SINK_FORMATS:
+            raise ValueError(f"blob sink format must be one of {SINK_FORMATS}, got {self.sink_format!r}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,8 @@ def write_blob(header: BlobHeader, sections: list[Section]) -> bytes:
     flags = MODE_FLAGS[header.mode] | (FLAG_LAYERED if header.layered else 0)
     if flags & FLAG_ECSQ and header.ecsq_format == "rans":
         flags |= FLAG_RANS
+    if header.sink_format == "int8":
+        flags |= FLAG_SINKS_INT8
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(meta_b), zlib.crc32(meta_b))
     return b"".join([prefix, meta_b, *(bytes(s.stored) for s in sections)])
 
@@ -163,7 +172,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     if fmt != FORMAT_VERSION:
         raise BlobError(f"blob format version {fmt} is not supported by this reader (version {FORMAT_VERSION}); "
                         "decode it with the kernels release that wrote it")
-    if flags & ~(FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS) or (flags & FLAG_RANS and not flags & FLAG_ECSQ):
+    if flags & ~(FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS | FLAG_SINKS_INT8) or (flags & FLAG_RANS and not flags & FLAG_ECSQ):
         raise BlobError(f"blob has unknown flags {flags:#x}")
     r.what = "metadata"
     meta = r.take(meta_len)
@@ -175,7 +184,8 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     if f[1] >= len(DTYPES):
         raise BlobError(f"blob has unknown dtype code {f[1]}")
     header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11], mode=MODES[flags & FLAG_ECSQ],
-                        layered=bool(flags & FLAG_LAYERED), ecsq_format=ECSQ_FORMATS[(flags & FLAG_RANS) >> 2])
+                        layered=bool(flags & FLAG_LAYERED), ecsq_format=ECSQ_FORMATS[(flags & FLAG_RANS) >> 2],
+                        sink_format=SINK_FORMATS[(flags & FLAG_SINKS_INT8) >> 3])
     count = f[11]
     if count > _MAX_SECTIONS or count * _SECTION.size > len(meta) - m.pos:
         raise BlobError(f"blob section table declares {count} sections, metadata holds fewer")

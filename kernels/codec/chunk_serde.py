@@ -6,11 +6,15 @@ that starts before position `sinks` (the artifact's; the first chunk of every se
 first tokens raw inside its blob, as the main job's protocol keeps them: the attention sinks' error is
 above 100% (the seed's second chart) and every later query attends to them. That needs positions: a
 transform built with `positions=False` (a store that hands chunks by content hash alone) cannot tell
-the first chunk from the others and codes every token (README, "Serving": what that costs). With
-`sink_budget="extra"` (the default) the raw sinks come on top of the first chunk's budget and the size
-bound counts them, so a store that pads every chunk to the bound pays them on every chunk; with "shared"
-they come out of the first chunk's own budget (its other tokens at a coarser ECSQ step; coded whole,
-sinks included, where the budget cannot hold them) and the bound is a later chunk's.
+the first chunk from the others and codes every token (docs/serving.md: what that costs). With
+`sink_budget="shared"` (the default) the raw sinks come out of the first chunk's own budget (its other
+tokens at a coarser ECSQ step; coded whole, sinks included, where the budget cannot hold them), so the
+size bound, and every chunk a padding store keeps, is a later chunk's: the ratio's bytes. Where a first
+chunk would keep less than MIN_SHARED_SCALE of its budget (short chunks at a high ratio) or is coded
+fixed-rate, its sinks come on top as with "extra", said once in the log: the bound then counts them and a
+store that pads every chunk to the bound pays them on every chunk. `sink_format="int8"` (the default)
+stores the sinks as int8 codes with a float32 scale per token vector (kernels/codec/sinks_int8.py): about
+half the bytes of bfloat16, at about 1% error.
 
 Keys and RoPE: an artifact calibrated with `--keys rope-kept` codes keys as cached, whatever their
 position. One calibrated with RoPE removed (the default) needs each chunk's position: the caller
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import stat
@@ -74,6 +79,7 @@ from kvtc.kernels.codec.model_config import check_config
 from kvtc.kernels.codec.modes import default_mode
 from kvtc.kernels.codec.spec import CodecSpec
 
+_log = logging.getLogger("kvtc.chunk_serde")
 _FRAME = struct.Struct("<8s16sQ")
 FRAME_MAGIC = b"KVTCCHK1"  # the key's unkeyed binding digest (no chunk key configured)
 KEYED_MAGIC = b"KVTCCHK2"  # a MAC, under the deployment's chunk key, of the key's binding and the blob
@@ -83,10 +89,11 @@ FRAME_BYTES = _FRAME.size
 UNBOUND = bytes(16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition",
-           "sink_budget", "key_file")
+           "sink_budget", "sink_format", "key_file")
 MODES = ("ecsq", "fixed")
-SINK_BUDGETS = ("extra", "shared")
-MIN_SHARED_SCALE = 0.75  # shared sinks where the first chunk keeps at least this share of its budget, else extra
+SINK_BUDGETS = ("shared", "extra")
+SINK_FORMATS = ("int8", "cache")
+MIN_SHARED_SCALE = 0.5  # shared sinks where the first chunk keeps at least this share of its budget, else extra
 
 
 def binding(*parts: object) -> bytes:
@@ -184,8 +191,10 @@ class ChunkSerdeSettings:
     local dir whose config is checked against the artifact), max_workers (LMCache's thread pool),
     mode ("ecsq" | "fixed"; default: the artifact's), pad (pad every chunk to the size bound),
     pp_partition (layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION; default: vLLM's),
-    sink_budget ("extra": a first chunk's raw sinks come on top of its budget, and the bound counts them;
-    "shared": they come out of its own budget, so the bound, and every padded chunk, is a later chunk's),
+    sink_budget ("shared", the default: a first chunk's raw sinks come out of its own budget, so the bound, and
+    every padded chunk, is a later chunk's; "extra": they come on top of its budget, and the bound counts them),
+    sink_format ("int8", the default: raw sinks as int8 codes with a scale per token vector; "cache": in the
+    chunk's dtype),
     key_file (the deployment's chunk key, created once with mode 0600; default: $KVTC_CHUNK_KEY_FILE, else no key:
     every server sharing a store must use the same key, kept outside the store)."""
 
@@ -198,7 +207,8 @@ class ChunkSerdeSettings:
     mode: str | None = None
     pad: bool = True
     pp_partition: tuple[int, ...] | None = None
-    sink_budget: str = "extra"
+    sink_budget: str = "shared"
+    sink_format: str = "int8"
     key_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -216,6 +226,8 @@ class ChunkSerdeSettings:
             raise ValueError(f'kvtc serde "pad" must be true or false, got {self.pad!r}')
         if self.sink_budget not in SINK_BUDGETS:
             raise ValueError(f'kvtc serde "sink_budget" must be one of {SINK_BUDGETS}, got {self.sink_budget!r}')
+        if self.sink_format not in SINK_FORMATS:
+            raise ValueError(f'kvtc serde "sink_format" must be one of {SINK_FORMATS}, got {self.sink_format!r}')
         object.__setattr__(self, "pp_partition", _partition(self.pp_partition))
         if self.key_file is not None and (not isinstance(self.key_file, str) or not self.key_file):
             raise ValueError(f'kvtc serde "key_file" must be a path (the deployment\'s chunk key), got {self.key_file!r}')
@@ -386,13 +398,15 @@ class ChunkTransform:
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
                  pad: bool = True, positions: bool = False, label: str | None = None,
-                 sink_budget: str = "extra", chunk_key: bytes | None = None) -> None:
+                 sink_budget: str = "shared", sink_format: str = "int8", chunk_key: bytes | None = None) -> None:
         spec = codec.spec
         if chunk_key is not None and len(chunk_key) != CHUNK_KEY_BYTES:
             raise ValueError(f"a chunk key is {CHUNK_KEY_BYTES} bytes, got {len(chunk_key)}")
         self.chunk_key = chunk_key
         if sink_budget not in SINK_BUDGETS:
             raise ValueError(f"sink_budget must be one of {SINK_BUDGETS}, got {sink_budget!r}")
+        if sink_format not in SINK_FORMATS:
+            raise ValueError(f"sink_format must be one of {SINK_FORMATS}, got {sink_format!r}")
         if spec.value_dim is not None:
             raise ValueError(f"artifact {spec.name}@{spec.version} is for a multi-head latent attention model "
                              f"({spec.widths}): servers move its cache as one latent plane per token (kv_size 1), "
@@ -414,15 +428,17 @@ class ChunkTransform:
         if mode not in MODES:
             raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {MODES}, not {mode!r}")
         options = dict(backend=codec.backend, level=0, ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype)
-        self.codec = KVTCCodec(self.spec, mode=mode, **options)
+        self.codec = KVTCCodec(self.spec, mode=mode, sink_format=sink_format, **options)
         self.mode = self.codec.mode
-        self.fixed = self.codec if self.mode == "fixed" else KVTCCodec(self.spec, mode="fixed", **options)
+        self.fixed = self.codec if self.mode == "fixed" else KVTCCodec(self.spec, mode="fixed", sink_format=sink_format,
+                                                                      **options)
         self.pad = pad
         # shared: a first chunk's raw sinks come out of its own budget (ECSQ at a coarser step), or, where they
         # cannot, it is coded whole, sinks included (fixed-rate, a later chunk's size): the bound is a later chunk's
         self.shared = sink_budget == "shared" and self.sinks > 0
         self.whole = KVTCCodec(replace(self.spec, sinks=0), mode="fixed", **options) if self.shared else None
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
+        self._told: set[tuple[int, torch.dtype]] = set()
 
     @classmethod
     def from_settings(cls, settings: ChunkSerdeSettings, kv_rank: int | None = None, *,
@@ -458,7 +474,8 @@ class ChunkTransform:
         found = self._size_cache.get(key)
         if found is None:
             header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPE_NAMES[dtype], s.num_layers, s.kv_heads,
-                                tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode)  # fixed-width
+                                tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode,
+                                sink_format=codec.sink_format if head else "cache")  # fixed-width
             expected = codec.expected_sections(header)
             frame = len(write_blob(header, [Section(k, 0, 0, b"") for k, _ in expected]))
             found = self._size_cache.setdefault(key, (frame, sum(n or 0 for _, n in expected), mid))
@@ -473,9 +490,31 @@ class ChunkTransform:
 
     def _shares(self, tokens: int, dtype: torch.dtype) -> bool:
         """Whether a first chunk of this shape pays its raw sinks from its own budget: shared sinks, the ECSQ
-        mode, and at least MIN_SHARED_SCALE of the budget left for its other tokens (at CR 32 a 256-token
-        chunk would keep about half: too coarse, so its sinks come on top as with "extra")."""
-        return self.shared and self.mode == "ecsq" and self._shared_scale(tokens, dtype, 0) >= MIN_SHARED_SCALE
+        mode, and at least MIN_SHARED_SCALE of the budget left for its other tokens. Elsewhere its sinks come on
+        top as with "extra" (short chunks at a high ratio; the fixed-rate mode, whose sizes are exact), said once
+        per chunk shape in the log."""
+        if not self.shared:
+            return False
+        scale = self._shared_scale(tokens, dtype, 0) if self.mode == "ecsq" else 0.0
+        if scale >= MIN_SHARED_SCALE:
+            return True
+        if (tokens, dtype) not in self._told:
+            self._told.add((tokens, dtype))
+            why = (f"would keep {scale:.0%} of its budget for its other tokens, below {MIN_SHARED_SCALE:.0%}"
+                   if self.mode == "ecsq" else "is coded fixed-rate, whose sizes are exact")
+            _log.warning("%s: a first chunk of %d tokens %s; its %d raw sinks come on top of its budget (sink_budget "
+                         "\"extra\"), so chunks padded to the size bound store %.1fx below bf16 at CR %g", self.label,
+                         tokens, why, self.sinks, self._padded_ratio(tokens, dtype), self.spec.ratio)
+        return False
+
+    def _padded_ratio(self, tokens: int, dtype: torch.dtype) -> float:
+        """A chunk's bytes in bfloat16 over the size bound with sinks on top (what a padding store keeps)."""
+        s = self.spec
+        starts = (0, self.sinks) if self.sinks else (0,)
+        sizes = (self._sizes(self.fixed, tokens, dtype, a) for a in starts)
+        fixed = max(head + exact for head, exact, _ in sizes)
+        bound = fixed if self.mode == "fixed" else max(fixed, *(self._ecsq_bound_at(tokens, dtype, a) for a in starts))
+        return 2 * s.num_layers * tokens * s.kv_heads * s.head_dim * 2 / (bound + FRAME_BYTES)
 
     def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int) -> float:
         """The share of its ECSQ budget a first chunk may spend so that it fits a later chunk's bound (0: none)."""
@@ -546,7 +585,9 @@ class ChunkTransform:
                     pass  # beyond any ECSQ step or symbol range: coded fixed-rate below
             if blob is not None and len(blob) <= bound:
                 return blob
-        return (self.whole if first else self.fixed).encode(x[0], x[1], start=start)
+        if first and self.fixed_size(tokens, kv.dtype, start) > self.blob_bound(tokens, kv.dtype):
+            return self.whole.encode(x[0], x[1], start=start)  # fixed-rate with raw sinks would exceed the bound
+        return self.fixed.encode(x[0], x[1], start=start)
 
     def serialize(self, kv: torch.Tensor, size: int | None = None, start: int | None = None,
                   key: bytes = UNBOUND) -> bytes:
@@ -632,15 +673,15 @@ class RankedChunkTransforms:
     partition: layers per pipeline stage (None: vLLM's default partition)."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None, pad: bool = True,
-                 positions: bool = False, partition: tuple[int, ...] | None = None, sink_budget: str = "extra",
-                 chunk_key: bytes | None = None) -> None:
+                 positions: bool = False, partition: tuple[int, ...] | None = None, sink_budget: str = "shared",
+                 sink_format: str = "int8", chunk_key: bytes | None = None) -> None:
         self.spec = codec.spec
         if self.spec.rank is not None:
             raise ValueError("RankedChunkTransforms takes the artifact's whole-model codec (rank=None)")
         if model_config is not None:
             check_config(self.spec, model_config)
         self._codec, self._mode, self._pad, self._positions = codec, mode, pad, positions
-        self._sink_budget, self._chunk_key = sink_budget, chunk_key
+        self._sink_budget, self._sink_format, self._chunk_key = sink_budget, sink_format, chunk_key
         self.partition = _partition(partition)
         self._lock = threading.Lock()
         self._built: dict[Placement, ChunkTransform | ValueError] = {}
@@ -661,7 +702,8 @@ class RankedChunkTransforms:
                                 backend=settings.backend)
         chunk_key = settings.chunk_key()
         return cls(codec, model_config, mode=settings.mode, pad=settings.pad, positions=positions,
-                   partition=settings.pp_partition, sink_budget=settings.sink_budget, chunk_key=chunk_key)
+                   partition=settings.pp_partition, sink_budget=settings.sink_budget,
+                   sink_format=settings.sink_format, chunk_key=chunk_key)
 
     def transform(self, placement: Placement) -> ChunkTransform:
         with self._lock:
@@ -673,7 +715,8 @@ class RankedChunkTransforms:
                 codec = KVTCCodec(spec, backend=c.backend, ecsq_format=c.ecsq_format, basis_dtype=c.basis_dtype)
                 built = ChunkTransform(codec, mode=self._mode, pad=self._pad, positions=self._positions,
                                        label=f"artifact {self.spec.name}@{self.spec.version} {placement.describe(self.spec)}",
-                                       sink_budget=self._sink_budget, chunk_key=self._chunk_key)
+                                       sink_budget=self._sink_budget, sink_format=self._sink_format,
+                                       chunk_key=self._chunk_key)
             except ValueError as exc:
                 built = exc
             with self._lock:

@@ -122,7 +122,7 @@ class EcsqGroup:
     @functools.cached_property
     def escape_bits(self) -> float:
         """The fewest bits an escape symbol costs in the words under any used model (measured on the coder)."""
-        import constriction
+        import constriction  # noqa: PLC0415 - only the constriction format needs it (a rans-only runtime may lack it)
 
         costs = []
         for m, cols, model in zip(self.models, self.columns, self.coders):
@@ -135,7 +135,7 @@ class EcsqGroup:
     @functools.cached_property
     def coders(self) -> tuple:
         """Per model, constriction's lookup-table categorical model."""
-        import constriction
+        import constriction  # noqa: PLC0415 - only the constriction format needs it (a rans-only runtime may lack it)
 
         return tuple(constriction.stream.model.Categorical(m.counts / m.counts.sum(), perfect=False)
                      for m in self.models)
@@ -160,7 +160,7 @@ def dequantize(q: torch.Tensor, step: float, offsets: torch.Tensor) -> torch.Ten
 
 def encode_symbols(q: np.ndarray, group: EcsqGroup) -> tuple[bytes, bytes]:
     """symbols (N, kept) int32 -> (ANS words as little-endian bytes, escaped symbols as int32 bytes)."""
-    import constriction
+    import constriction  # noqa: PLC0415 - only the constriction format needs it (a rans-only runtime may lack it)
 
     coder = constriction.stream.stack.AnsCoder(np.array(_INITIAL, dtype=np.uint32))
     chunks = []
@@ -179,7 +179,7 @@ def decode_symbols(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup) 
     """Inverse of encode_symbols -> symbols (tokens, kept) int32; BlobError for a stream that does
     not decode to exactly `tokens` rows ending in the coder's initial state (truncated, corrupt,
     leftover words) or escapes that do not fit the models."""
-    import constriction
+    import constriction  # noqa: PLC0415 - only the constriction format needs it (a rans-only runtime may lack it)
 
     if len(words) % 4 or len(escapes) % 4 or len(words) < 4 * len(_INITIAL):
         raise BlobError("ECSQ section lengths must be multiples of 4 bytes and hold at least the coder's state: "
@@ -284,7 +284,7 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
         if fmt == "constriction":
             words, escapes = encode_symbols(q.cpu().numpy(), group)
         elif on_device:
-            from kvtc.kernels.codec.rans_triton import encode_device
+            from kvtc.kernels.codec.rans_triton import encode_device  # noqa: PLC0415 - triton loads only to code on a device
 
             words, escapes = encode_device(q, rans.group_tables(group))
         else:
@@ -345,7 +345,7 @@ def decode_group_to(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup,
     decodes where the symbols are used and only the coded bytes travel."""
     _check_format(fmt)
     if fmt == "rans" and on_device:
-        from kvtc.kernels.codec.rans_triton import decode_device
+        from kvtc.kernels.codec.rans_triton import decode_device  # noqa: PLC0415 - triton loads only to code on a device
 
         j = _exponent(words)
         q = decode_device(memoryview(words)[_EXPONENT.size:], escapes, tokens, rans.group_tables(group), device)

@@ -18,8 +18,8 @@ CODERS = ("zlib", "plain", "nvcomp")
 def nvcomp_available() -> bool:
     """True when the optional nvCOMP package (nvidia-nvcomp-cu12) and a CUDA device are both present."""
     try:
-        import torch
-        from nvidia import nvcomp  # noqa: F401
+        import torch  # noqa: PLC0415 - the light blob reader loads torch only for nvCOMP
+        from nvidia import nvcomp  # noqa: F401, PLC0415 - optional (nvidia-nvcomp-cu12)
     except ImportError:
         return False
     return torch.cuda.is_available()
@@ -27,9 +27,9 @@ def nvcomp_available() -> bool:
 
 def _nvcomp_deflate(raw: bytes) -> bytes:
     """GPU DEFLATE via nvCOMP (raw RFC 1951 bitstream). Not exercised by CPU-only test runs."""
-    import numpy as np
-    import torch
-    from nvidia import nvcomp
+    import numpy as np  # noqa: PLC0415 - the nvCOMP path only: the light blob reader needs none of these
+    import torch  # noqa: PLC0415 - as above
+    from nvidia import nvcomp  # noqa: PLC0415 - as above (optional)
 
     codec = nvcomp.Codec(algorithm="Deflate", bitstream_kind=nvcomp.BitstreamKind.RAW)
     dev = torch.frombuffer(bytearray(raw), dtype=torch.uint8).cuda()

@@ -25,7 +25,7 @@ import torch
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec.blob import (NO_CACHE, TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader,
-                                     Section, SectionBound, SectionKey, read_blob, write_blob)
+                                     SINK_FORMATS, Section, SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.codec.entropy import CODERS, decode_sections, encode_section
 from kvtc.kernels.codec.layout import (bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes,
                                        tensor_bytes)
@@ -34,6 +34,7 @@ from kvtc.kernels.codec.extremes import refuse_beyond, saturate
 from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
 from kvtc.kernels.codec.mode import Mode
 from kvtc.kernels.codec.modes import mode_for, resolve_mode
+from kvtc.kernels.codec.sinks_int8 import int8_bytes, sinks_from_int8, sinks_to_int8
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -61,6 +62,8 @@ class KVTCCodec:
     encoded on the device by Triton kernels where the cache lives on CUDA, by the numpy reference
     elsewhere) or "constriction" (the first format, host only). Decode follows the blob's format.
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
+    sink_format: the raw sinks in new blobs: "cache" (the cache's dtype) or "int8" (codes and a float32 scale
+    per token vector, about half of bfloat16: kernels/codec/sinks_int8.py). Decode follows the blob's format.
     basis_dtype: dtype of the components held on the device (only the columns the mode's code uses);
     None: the cache's dtype on CUDA, float32 on CPU.
     rank: a tensor-parallel rank of an artifact calibrated with --tp: the codec then takes and returns
@@ -72,7 +75,7 @@ class KVTCCodec:
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
                  rate_control: bool = True, ecsq_format: str = "rans",
-                 basis_dtype: torch.dtype | None = None, rank: int | None = None) -> None:
+                 basis_dtype: torch.dtype | None = None, rank: int | None = None, sink_format: str = "cache") -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -90,6 +93,9 @@ class KVTCCodec:
         if ecsq_format not in ecsq.ECSQ_FORMATS:
             raise ValueError(f"ecsq_format must be one of {ecsq.ECSQ_FORMATS}, got {ecsq_format!r}")
         self.ecsq_format = ecsq_format
+        if sink_format not in SINK_FORMATS:
+            raise ValueError(f"sink_format must be one of {SINK_FORMATS}, got {sink_format!r}")
+        self.sink_format = sink_format
         self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
         if basis_dtype not in (None, *_DTYPES):
             raise ValueError(f"basis_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {basis_dtype!r}")
@@ -258,7 +264,7 @@ class KVTCCodec:
             self._subs[layers] = KVTCCodec(restrict(self.spec, layers), backend=self.backend, level=self.level,
                                            coder=self.coder, max_tokens=self.max_tokens, mode=self.mode,
                                            rate_control=self.rate_control, ecsq_format=self.ecsq_format,
-                                           basis_dtype=self.basis_dtype)
+                                           basis_dtype=self.basis_dtype, sink_format=self.sink_format)
             self._subs[layers].device_entropy = self.device_entropy
         return self._subs[layers]
 
@@ -324,10 +330,14 @@ class KVTCCodec:
         head, mid, tail = self.split(T, start)
         ops = resolve_ops(self.backend, dev)
         sections = []
+        sink_format = self.sink_format if head else "cache"
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
             if hi > lo:
                 for si, x in enumerate((keys, values)):
-                    sections.append(self._section(SectionKey(tag, si, 0, 0), tensor_bytes(x[:, :, lo:hi].to(cache_dtype)), dev))
+                    raw = x[:, :, lo:hi]
+                    raw = sinks_to_int8(raw) if tag == TAG_RAW_HEAD and sink_format == "int8" else \
+                        tensor_bytes(raw.to(cache_dtype))
+                    sections.append(self._section(SectionKey(tag, si, 0, 0), raw, dev))
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
@@ -346,7 +356,8 @@ class KVTCCodec:
                 sections += self._mode.encode(self, feat, si, stream, dev, ops, parts, budget_scale)
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
-                            s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format)
+                            s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format,
+                            sink_format=sink_format)
         return write_blob(header, sections)
 
     def on_device(self, dev: torch.device, ops_name: str) -> bool:
@@ -371,7 +382,8 @@ class KVTCCodec:
         widths = (header.head_dim, self.spec.dim("values") if self.spec.value_dim is not None else header.head_dim)
         item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
         head, mid, tail = self.split(T, header.start)
-        out = [SectionBound(SectionKey(tag, si, 0, 0), L * H * n * widths[si] * item)
+        out = [SectionBound(SectionKey(tag, si, 0, 0), int8_bytes(L, H, n, widths[si])
+                            if tag == TAG_RAW_HEAD and header.sink_format == "int8" else L * H * n * widths[si] * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
         if mid:
             out += mode_for(header.mode).section_bounds(self, mid, {s.key: s for s in sections or ()}, header)
@@ -439,7 +451,10 @@ class KVTCCodec:
         out = [torch.empty(L, H, T, D, dtype=dtype, device=dev) for D in widths]
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
             for si in range(2) if hi > lo else ():
-                raw = bytes_to_tensor(data[SectionKey(tag, si, 0, 0)], stored, (L, H, hi - lo, widths[si]))
+                shape = (L, H, hi - lo, widths[si])
+                raw = sinks_from_int8(data[SectionKey(tag, si, 0, 0)], shape, dtype) \
+                    if tag == TAG_RAW_HEAD and header.sink_format == "int8" else \
+                    bytes_to_tensor(data[SectionKey(tag, si, 0, 0)], stored, shape)
                 where = _first_non_finite(raw)
                 if where is not None:
                     raise BlobError(f"raw {'sink' if tag == TAG_RAW_HEAD else 'window'} section of the {STREAMS[si]} "

@@ -31,7 +31,7 @@ def spec_kinds(spec: CodecSpec) -> list[str]:
 
 def check_config(spec: CodecSpec, config: Any) -> None:
     """Raise ValueError unless the model config has the artifact's shape and layer kinds."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: PLC0415 - transformers loads only to check a config
 
     layers, kv_heads, head_dim = config_dims(config)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

@@ -160,7 +160,7 @@ def pack_section(lanes: int, states: np.ndarray, counts: np.ndarray, words: np.n
 def compiled() -> object | None:
     """kernels/codec/rans_numba (compiled lane loops), or None where numba does not import."""
     try:
-        from kvtc.kernels.codec import rans_numba
+        from kvtc.kernels.codec import rans_numba  # noqa: PLC0415 - numba is optional at runtime and slow to import
     except ImportError:
         return None
     return rans_numba

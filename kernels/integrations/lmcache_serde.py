@@ -83,7 +83,7 @@ def install_position_hook() -> bool:
         if _hooked:
             return True
         try:
-            from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
+            from lmcache.v1.multiprocess.engine_context import MPCacheServerContext  # noqa: PLC0415 - optional: an LMCache without its MP server leaves positions unknown
         except ImportError:
             return False
         original = getattr(MPCacheServerContext, "resolve_obj_keys", None)

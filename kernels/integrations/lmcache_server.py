@@ -16,7 +16,9 @@ pip install --no-deps lmcache==0.5.6 (see docs/serving.md, "LMCache's own pins":
 """
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import logging
 import sys
 from typing import Any
@@ -52,7 +54,7 @@ def check_server() -> None:
     """Import everything `lmcache server` imports while starting; LauncherError naming the first missing
     module and the extra that installs it (LMCache's own command only warns and prints its help)."""
     try:
-        import lmcache  # noqa: F401
+        import lmcache  # noqa: F401, PLC0415 - optional: checked only when the server starts
     except ImportError as exc:
         if getattr(exc, "name", None) in (None, "lmcache"):
             raise LauncherError(f"LMCache is not installed: {INSTALL}, then pip install --no-deps "
@@ -73,8 +75,6 @@ def check_adapters(argv: list[str]) -> None:
     """Every --l2-adapter value a JSON object, and each kvtc serde's settings and chunk key (ChunkSerdeSettings;
     the artifact is pulled when LMCache builds the adapter): ArgumentsError naming the first refused, before
     LMCache is imported (a bad command line is refused in well under 2 s)."""
-    import json
-
     adapters = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--l2-adapter"]
     adapters += [a.split("=", 1)[1] for a in argv if a.startswith("--l2-adapter=")]
     for i, text in enumerate(adapters, 1):
@@ -87,7 +87,7 @@ def check_adapters(argv: list[str]) -> None:
             raise ArgumentsError(f"--l2-adapter #{i} must be a JSON object, got {type(adapter).__name__}")
         serde = adapter.get("serde")
         if isinstance(serde, dict) and serde.get("type") == "kvtc":
-            from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings  # torch: only once a kvtc serde is named
+            from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings  # noqa: PLC0415 - torch: only once a kvtc serde is named
 
             try:
                 ChunkSerdeSettings.from_kwargs(serde).chunk_key()
@@ -99,9 +99,7 @@ def check_arguments(argv: list[str]) -> None:
     """The storage arguments as LMCache's own parser reads them (`add_storage_manager_args`,
     `parse_args_to_config`: --l1-size-gb, --eviction-policy, every --l2-adapter's fields), its log silenced:
     ArgumentsError naming the first refused, before LMCache starts anything."""
-    import argparse
-
-    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config  # noqa: PLC0415 - LMCache loads only to run the server
 
     parser = argparse.ArgumentParser(prog="lmcache server", add_help=False)
     add_storage_manager_args(parser)
@@ -123,15 +121,14 @@ def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
     and, for an adapter with a "serde", `SerdeL2AdapterWrapper` around `create_serde_processor`, as its
     StorageManager does) but without the request transport -> (adapter, l1_manager); close both after use.
     For checks and benchmarks of the adapter alone (tests/kernels/test_lmcache_live.py runs the whole server)."""
-    import argparse
+    # LMCache, and through the serde torch, load only when an adapter is built: this launcher stays light
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config  # noqa: PLC0415 - see above
+    from lmcache.v1.distributed.l1_manager import L1Manager  # noqa: PLC0415 - see above
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: PLC0415 - see above
+    from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper  # noqa: PLC0415 - see above
+    from lmcache.v1.distributed.serde import create_serde_processor  # noqa: PLC0415 - see above
 
-    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
-    from lmcache.v1.distributed.l1_manager import L1Manager
-    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-    from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
-    from lmcache.v1.distributed.serde import create_serde_processor
-
-    from kvtc.kernels.integrations.lmcache_serde import register
+    from kvtc.kernels.integrations.lmcache_serde import register  # noqa: PLC0415 - see above
 
     register()
     parser = argparse.ArgumentParser(prog="lmcache server")
@@ -167,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.disable(logging.INFO)
     try:
         check_server()
-        from kvtc.kernels.integrations.lmcache_serde import install_position_hook, register
+        from kvtc.kernels.integrations.lmcache_serde import install_position_hook, register  # noqa: PLC0415 - torch, LMCache
 
         register()
         install_position_hook()
@@ -185,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         except ArgumentsError as exc:
             print(f"kvtc lmcache-server: error: {exc}", file=sys.stderr)
             return 2
-    from lmcache.cli.main import main as lmcache_main
+    from lmcache.cli.main import main as lmcache_main  # noqa: PLC0415 - LMCache loads only to run the server
 
     try:
         lmcache_main(["server", *args])

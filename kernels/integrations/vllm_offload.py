@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from kvtc.kernels.codec.blob import BlobError, read_blob
-from kvtc.kernels.codec.chunk_serde import UNBOUND, binding
+from kvtc.kernels.codec.chunk_serde import UNBOUND, ChunkTransform, binding
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
 
@@ -243,8 +243,6 @@ class SlotPlan:
                   world_size: int) -> "SlotPlan":
         """From the rank's codec: its size bounds of a first and a later chunk of `tokens` tokens in `dtype`
         (ECSQ's rate-control bound and the fixed-rate fallback's exact size, kernels/codec/chunk_serde.py)."""
-        from kvtc.kernels.codec.chunk_serde import ChunkTransform
-
         t = ChunkTransform(chunk_codec.codec, positions=True, mode=chunk_codec.codec.mode)
         sinks = min(t.sinks, tokens)
 

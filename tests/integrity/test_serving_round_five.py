@@ -44,17 +44,18 @@ def _others_close(out: torch.Tensor, kv: torch.Tensor) -> None:
 @pytest.mark.parametrize("start", [0, 16])
 def test_every_finite_chunk_the_store_accepts_loads_back_finite(dtype, value, start):
     spec = _spec()
-    t = ChunkTransform(KVTCCodec(spec), positions=True)
-    kv = _spiked(spec, dtype, value, start)
-    key = binding(b"chunk", start)
-    data = t.serialize(kv, start=start, key=key)
-    assert len(data) == t.serialized_size(tuple(kv.shape), dtype)
-    assert read_blob(unframe(data)[1])[0].mode == "fixed"
-    out = torch.empty_like(kv)
-    t.deserialize(data, out, start=start, key=key)  # never "corrupt or forged"
-    _others_close(out, kv)
+    for t in (ChunkTransform(KVTCCodec(spec), positions=True),  # the defaults: shared budget, int8 sinks
+              ChunkTransform(KVTCCodec(spec), positions=True, sink_budget="extra", sink_format="cache")):
+        kv = _spiked(spec, dtype, value, start)
+        key = binding(b"chunk", start)
+        data = t.serialize(kv, start=start, key=key)
+        assert len(data) == t.serialized_size(tuple(kv.shape), dtype)
+        assert read_blob(unframe(data)[1])[0].mode == "fixed"
+        out = torch.empty_like(kv)
+        t.deserialize(data, out, start=start, key=key)  # never "corrupt or forged"
+        _others_close(out, kv)
     if start == 0:
-        assert torch.equal(out[:, :, :2], kv[:, :, :2])  # the raw sinks, exactly
+        assert torch.equal(out[:, :, :2], kv[:, :, :2])  # raw sinks in the chunk's dtype, exactly
 
 
 def test_the_fixed_rate_codec_saturates_what_its_transform_cannot_carry_and_ecsq_refuses_it():

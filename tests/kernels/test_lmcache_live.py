@@ -1,10 +1,10 @@
-"""`kvtc lmcache-server` live: the README's command started on loopback (its values swapped for the test's
+"""`kvtc lmcache-server` live: docs/serving.md's command ("In LMCache") started on loopback (its values swapped for the test's
 ports, paths and tiny artifacts), a real model's KV stored in vLLM's paged layout through LMCache 0.5.6's
 own multiprocess client in server-driven transfer mode (tests/helpers/lmcache_client.py), L1 cleared, the
 chunks looked up, prefetched from L2 and retrieved, and compared with the offline transform; the bytes on
 disk are the KVTC blobs. At TP 1 (a rope-kept artifact) and TP 2 (a --tp 2 artifact, keys RoPE-removed at
 the positions the server resolves), with bad input that must fail a store or miss, never stop the server.
-Skipped where LMCache's server cannot start (`pip install -e '.[serve]'` and LMCache: see the README)."""
+Skipped where LMCache's server cannot start (`pip install -e '.[serve]'` and LMCache: docs/serving.md, "In LMCache")."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,7 @@ from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
 from helpers.lmcache_client import connect, server_process
 
 ROOT = Path(__file__).resolve().parents[2]
-CHUNK = 256  # the README's server runs LMCache's default chunk size
+CHUNK = 256  # docs/serving.md's server runs LMCache's default chunk size
 TOKENS = 512
 START_TIMEOUT = 240.0  # seconds for the server to answer (imports and the artifact pull, on a loaded 2-core CPU)
 pytestmark = [pytest.mark.timeout(900), pytest.mark.live]
@@ -47,7 +47,7 @@ def found(tmp_path_factory, live):
 
 
 def readme_command(**values) -> list[str]:
-    """docs/serving.md's `kvtc lmcache-server ...` arguments (the README's command, moved there), parsed as a
+    """docs/serving.md's `kvtc lmcache-server ...` arguments (its section "In LMCache"), parsed as a
     shell would, with `values` replacing its flags' values (port, http_port, l1_size_gb) and its L2 adapter's
     base_path and serde fields."""
     text = (ROOT / "docs" / "serving.md").read_text()
@@ -112,7 +112,7 @@ class Live:
 
 @contextmanager
 def running(tmp_path: Path, ref: str, registry: str, serde: dict | None = None, log_name: str = "server.log"):
-    """The README's server on `tmp_path`/l2 (kept between servers of one test: a restart reads what it holds)."""
+    """docs/serving.md's server on `tmp_path`/l2 (kept between servers of one test: a restart reads what it holds)."""
     l2 = tmp_path / "l2"
     l2.mkdir(exist_ok=True)
     port = _free_port()

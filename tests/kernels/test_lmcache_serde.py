@@ -425,7 +425,7 @@ def test_a_first_chunk_keeps_its_sinks_raw_within_the_bound_and_every_chunk_is_b
     from kvtc.kernels.codec.chunk_serde import binding
 
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
-    t = ChunkTransform(KVTCCodec(spec), positions=True)
+    t = ChunkTransform(KVTCCodec(spec), positions=True, sink_budget="extra", sink_format="cache")
     assert t.sinks == 2 and t.spec.window == 0
     size = t.serialized_size((2, 2, 16, 16), torch.float32)
     assert size == FRAME_BYTES + max(t.ecsq_bound(16, torch.float32, 0), t.fixed_size(16, torch.float32, 0))
@@ -479,8 +479,8 @@ def test_shared_sinks_fit_a_later_chunks_bound_and_still_come_back_raw():
     from helpers.ecsq_synthetic import synthetic_ecsq_spec
 
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
-    extra = ChunkTransform(KVTCCodec(spec), positions=True)
-    shared = ChunkTransform(KVTCCodec(spec), positions=True, sink_budget="shared")
+    extra = ChunkTransform(KVTCCodec(spec), positions=True, sink_budget="extra", sink_format="cache")
+    shared = ChunkTransform(KVTCCodec(spec), positions=True, sink_format="cache")  # shared: the default
     shape = (2, 2, 256, 16)
     size = shared.serialized_size(shape, torch.float32)
     assert size == FRAME_BYTES + max(shared.ecsq_bound(256, torch.float32, 256), shared.fixed_size(256, torch.float32, 256))
@@ -502,7 +502,39 @@ def test_shared_sinks_fit_a_later_chunks_bound_and_still_come_back_raw():
     assert read_blob(unframe(data)[1])[0].head_raw in (0, 2) and torch.isfinite(out).all()
     with pytest.raises(ValueError, match="sink_budget"):
         ChunkSerdeSettings.from_kwargs({"artifact": "x", "ratio": 8, "sink_budget": "free"})
+    with pytest.raises(ValueError, match="sink_format"):
+        ChunkSerdeSettings.from_kwargs({"artifact": "x", "ratio": 8, "sink_format": "fp4"})
     keys, values = kv.reshape(2, 2, 256, 2, 8).permute(0, 1, 3, 2, 4)
     for bad in (0, 1.5, float("nan"), True):
         with pytest.raises(ValueError, match="budget_scale"):
             shared.codec.encode(keys, values, start=0, budget_scale=bad)
+
+
+def test_int8_sinks_by_default_keep_more_of_a_first_chunks_budget_and_a_short_chunk_falls_back_once_in_the_log(caplog):
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    cache = ChunkTransform(KVTCCodec(spec), positions=True, sink_format="cache")
+    t = ChunkTransform(KVTCCodec(spec), positions=True)  # shared, int8: the defaults
+    assert t._shared_scale(256, torch.float32, 0) > cache._shared_scale(256, torch.float32, 0)
+    shape = (2, 2, 256, 16)
+    assert t.serialized_size(shape, torch.float32) == cache.serialized_size(shape, torch.float32)  # a later chunk's
+    kv = _synthetic_chunk(spec, 256, 0)
+    kv[:, :, 0] *= 40  # a sink of large norm, as models make them
+    data = t.serialize(kv, start=0)
+    assert len(data) == t.serialized_size(shape, torch.float32)
+    header = read_blob(unframe(data)[1])[0]
+    assert (header.mode, header.head_raw, header.sink_format) == ("ecsq", 2, "int8")
+    out = torch.empty_like(kv)
+    t.deserialize(data, out, start=0)
+    assert _rel(out[:, :, :2], kv[:, :, :2]) < 0.01 and _rel(out[:, :, 2:], kv[:, :, 2:]) < 0.3
+    later = read_blob(unframe(t.serialize(_synthetic_chunk(spec, 256, 256), start=256))[1])[0]
+    assert (later.head_raw, later.sink_format) == (0, "cache")  # no sinks: the blob as before
+    # an 8-token first chunk cannot pay its sinks from its budget: stored with them on top, said once
+    with caplog.at_level("WARNING", logger="kvtc.chunk_serde"):
+        for _ in range(3):
+            small = _synthetic_chunk(spec, 8, 0)
+            data = t.serialize(small, start=0)
+            assert len(data) == t.serialized_size(tuple(small.shape), torch.float32)
+    told = [r.getMessage() for r in caplog.records if "raw sinks come on top" in r.getMessage()]
+    assert len(told) == 1 and "8 tokens" in told[0] and 'sink_budget "extra"' in told[0]
