@@ -5,16 +5,19 @@
     python bench/served_quality.py --registry REG --artifacts smollm2-mse@latest smollm2-attn@latest \
         --ratios 8,16,32 --domains stdlib,licenses=/usr/share/common-licenses --out bench/figures
 
-For each domain (text the calibration did not see), --sequences sequences of --prefix tokens (256-token
-chunks) and --continuation scored tokens: the embedded model's bf16 prefix cache goes through each path,
-then the continuation is scored against the uncompressed cache (perplexity ratio, KL per token). Paths:
+For each domain (text the calibration did not see) and each of --prefixes, --sequences sequences of that many
+prefix tokens (256-token chunks) and --continuation scored tokens: the embedded model's bf16 prefix cache goes
+through each path, then the continuation is scored against the uncompressed cache (perplexity ratio, KL per
+token). Paths:
 
 - offline      `kvtc eval`'s protocol: the whole prefix through KVTCCodec (sinks and the last window raw);
 - chunk-coded  the chunk transform coding every token (the chunk path before raw sinks);
-- chunk        the chunk transform as served: a first chunk keeps the artifact's sinks raw;
-- chunk-shared the same with `"sink_budget": "shared"`: the raw sinks come out of the first chunk's budget,
-               so every padded chunk is a later chunk's size;
-- chunk+window the same with the last --window prefix tokens kept raw (what a recent window would add);
+- chunk        the chunk transform as served (the defaults: the first chunk's sinks raw as int8, paid from its
+               own budget, so every padded chunk is a later chunk's size);
+- chunk-extra  the chunk path before: bf16 sinks on top of the first chunk's budget, the bound counting them
+               (`"sink_budget": "extra", "sink_format": "cache"`);
+- chunk-shared-bf16  shared budget, bf16 sinks; chunk-extra-int8  sinks on top, int8 (what each part brings);
+- chunk+window the served chunk path with the last --window prefix tokens kept raw (what a recent window would add);
 - lmcache      `kvtc lmcache-server` started on loopback (filesystem L2, kvtc serde), the prefix stored
                and retrieved through LMCache 0.5.6's own MP client in server-driven mode, L1 cleared between;
 - vllm         the vLLM offloading tier (kernels/integrations/vllm_offload.py's KVTCOffloadingSpec, built by vLLM's own
@@ -41,7 +44,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
 CHUNK = 256
-PATHS = ("offline", "chunk-coded", "chunk", "chunk-shared", "chunk+window", "lmcache", "vllm")
+PATHS = ("offline", "chunk-extra", "chunk", "chunk-shared-bf16", "chunk-extra-int8", "lmcache", "vllm")
+OPTIONAL = ("chunk-coded", "chunk+window")
+VARIANTS = {"chunk": {}, "chunk-extra": dict(sink_budget="extra", sink_format="cache"),
+            "chunk-shared-bf16": dict(sink_format="cache"), "chunk-extra-int8": dict(sink_budget="extra")}
 
 
 def sequences(lm, corpus: str, count: int, length: int) -> list[list[int]]:
@@ -187,8 +193,8 @@ def main() -> None:
     ap.add_argument("--ratios", default="8,16,32")
     ap.add_argument("--domains", default="stdlib,licenses=/usr/share/common-licenses",
                     help="NAME=CORPUS or CORPUS, comma separated")
-    ap.add_argument("--sequences", type=int, default=4)
-    ap.add_argument("--prefix", type=int, default=1024, help="prefix tokens (a multiple of 256)")
+    ap.add_argument("--sequences", default="4", help="sequences per domain, one count or one per prefix")
+    ap.add_argument("--prefixes", default="1024", help="prefix tokens (multiples of 256), comma separated")
     ap.add_argument("--continuation", type=int, default=64)
     ap.add_argument("--window", type=int, default=128, help="chunk+window: last prefix tokens kept raw")
     ap.add_argument("--paths", default=",".join(PATHS))
@@ -198,10 +204,6 @@ def main() -> None:
 
     import torch
 
-    from kvtc.artifacts import pull
-    from kvtc.kernels.codec.chunk_serde import ChunkTransform
-    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
-    from kvtc.pipeline.evaluation.served import restore_through
     from kvtc.pipeline.evaluation.model_quality import continuation_logprobs
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
@@ -209,24 +211,78 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     paths = a.paths.split(",")
+    unknown = set(paths) - set(PATHS) - set(OPTIONAL)
+    if unknown:
+        raise SystemExit(f"unknown paths {sorted(unknown)}; known: {PATHS + OPTIONAL}")
     ratios = [float(r) for r in a.ratios.split(",")]
+    prefixes = [int(p) for p in a.prefixes.split(",")]
+    counts = [int(c) for c in a.sequences.split(",")]
+    counts = counts * len(prefixes) if len(counts) == 1 else counts
+    if any(p % CHUNK for p in prefixes) or len(counts) != len(prefixes):
+        raise SystemExit(f"--prefixes must be multiples of {CHUNK}, --sequences one count or one per prefix")
     lm = load_model(device="cpu")
-    P, n = a.prefix, a.continuation
-    data = []  # (domain, ids, keys, values, feed, target, ref_lp, ref_nll)
-    t0 = time.perf_counter()
-    for item in a.domains.split(","):
-        name, _, corpus = item.partition("=")
-        corpus = corpus or name
-        for ids in sequences(lm, corpus, a.sequences, P + n + 1):
-            seq = torch.tensor([ids])
-            keys, values = (x.to(torch.bfloat16) for x in raw_cache(lm, seq[:, :P]))
-            feed, target = seq[:, P:P + n], seq[0, P + 1:P + n + 1]
-            ref_lp = continuation_logprobs(lm.model, keys.float(), values.float(), feed)
-            data.append((name, ids[:P], keys, values, feed, target, ref_lp,
-                         -ref_lp.gather(1, target[:, None]).sum().item()))
+    n = a.continuation
+    t0, rows = time.perf_counter(), []
+    for P, count in zip(prefixes, counts):
+        data = []  # (domain, ids, keys, values, feed, target, ref_lp, ref_nll)
+        for item in a.domains.split(","):
+            name, _, corpus = item.partition("=")
+            corpus = corpus or name
+            for ids in sequences(lm, corpus, count, P + n + 1):
+                seq = torch.tensor([ids])
+                keys, values = (x.to(torch.bfloat16) for x in raw_cache(lm, seq[:, :P]))
+                feed, target = seq[:, P:P + n], seq[0, P + 1:P + n + 1]
+                ref_lp = continuation_logprobs(lm.model, keys.float(), values.float(), feed)
+                data.append((name, ids[:P], keys, values, feed, target, ref_lp,
+                             -ref_lp.gather(1, target[:, None]).sum().item()))
+        print(f"prefix {P}: {len(data)} sequences captured at {time.perf_counter() - t0:.0f} s", flush=True)
+        rows += run_prefix(a, lm.model, data, P, paths, ratios, t0)
+        if a.out:
+            out = Path(a.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "served_quality.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n{'objective':9} {'CR':>3} {'prefix':>6} {'domain':9} {'path':17} {'x bf16':>6} {'K err':>6} "
+          f"{'V err':>6} {'ppl ratio':>9} {'KL':>7}")
+    for r in rows:
+        print(f"{r['objective']:9} {r['ratio']:3g} {r['prefix']:6d} {r['domain']:9} {r['path']:17} {r['x_bf16']:6.2f} "
+              f"{r['k_err']:6.3f} {r['v_err']:6.3f} {r['ppl_ratio']:9.4f} {r['kl']:7.4f}")
+    equal_bytes(rows)
+    if a.out:
+        chart(rows, Path(a.out) / "served_quality.png")
+
+
+def equal_bytes(rows: list[dict]) -> None:
+    """Each path's KL beside the old chunk path's (chunk-extra) at the same stored bytes: chunk-extra's KL
+    interpolated in log-log between its ratios at the path's x bf16 (blank outside its range)."""
+    print("\nKL at equal stored bytes (chunk-extra interpolated at the path's x bf16):")
+    keys = sorted({(r["objective"], r["prefix"], r["domain"]) for r in rows})
+    for objective, prefix, domain in keys:
+        mine = [r for r in rows if (r["objective"], r["prefix"], r["domain"]) == (objective, prefix, domain)]
+        ref = sorted((r["x_bf16"], r["kl"]) for r in mine if r["path"] == "chunk-extra")
+        for r in mine:
+            if r["path"] in ("chunk-extra", "offline") or len(ref) < 2:
+                continue
+            x = r["x_bf16"]
+            there = next(((a, b) for a, b in zip(ref, ref[1:]) if a[0] <= x <= b[0]), None)
+            if there is None:
+                continue
+            (x0, k0), (x1, k1) = there
+            w = math.log(x / x0) / math.log(x1 / x0)
+            kl = math.exp(math.log(k0) + w * (math.log(k1) - math.log(k0)))
+            print(f"  {objective:9} {prefix:6d} {domain:9} {r['path']:17} CR {r['ratio']:3g} at {x:5.2f}x: "
+                  f"KL {r['kl']:.4f} against chunk-extra's {kl:.4f} ({r['kl'] / kl - 1:+.0%})")
+
+
+def run_prefix(a, lm_model, data: list, P: int, paths: list[str], ratios: list[float], t0: float) -> list[dict]:
+    """Every artifact and ratio through each path for the sequences of one prefix length -> table rows."""
+    from kvtc.artifacts import pull
+    from kvtc.kernels.codec.chunk_serde import ChunkTransform
+    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+    from kvtc.pipeline.evaluation.model_quality import continuation_logprobs
+    from kvtc.pipeline.evaluation.served import restore_through
+
     L, H, _, D = data[0][2].shape
     raw_bytes = 2 * L * H * P * D * 2
-    print(f"{len(data)} sequences captured in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     for ref in a.artifacts:
         art = pull(ref, registry=a.registry)
@@ -234,8 +290,8 @@ def main() -> None:
         for ratio in ratios:
             codec = KVTCCodec(art, ratio)
             coded = ChunkTransform(KVTCCodec(replace(codec.spec, sinks=0)), positions=True)
+            variants = {p: ChunkTransform(codec, positions=True, **kw) for p, kw in VARIANTS.items() if p in paths}
             served = ChunkTransform(codec, positions=True)
-            shared = ChunkTransform(codec, positions=True, sink_budget="shared")
             live = LiveServer(a.registry, ref, ratio, L, H, D, P) if "lmcache" in paths else None
             tier = VllmTier(a.registry, ref, ratio, L, H, D, P) if "vllm" in paths else None
             tally: dict = {}
@@ -248,25 +304,24 @@ def main() -> None:
                             stored = len(blob)
                         elif path == "chunk-coded":
                             k, v, stored = restore_through(coded, keys, values)
-                        elif path == "chunk-shared":
-                            k, v, stored = restore_through(shared, keys, values)
-                        elif path in ("chunk", "chunk+window"):
+                        elif path in variants:
+                            k, v, stored = restore_through(variants[path], keys, values)
+                        elif path == "chunk+window":
                             k, v, stored = restore_through(served, keys, values)
-                            if path == "chunk+window":
-                                k, v = k.clone(), v.clone()
-                                k[:, :, P - a.window:], v[:, :, P - a.window:] = keys[:, :, P - a.window:], \
-                                    values[:, :, P - a.window:]
-                                stored += 2 * L * H * a.window * D * 2
+                            k, v = k.clone(), v.clone()
+                            k[:, :, P - a.window:], v[:, :, P - a.window:] = keys[:, :, P - a.window:], \
+                                values[:, :, P - a.window:]
+                            stored += 2 * L * H * a.window * D * 2
                         elif path == "lmcache":
                             k, v, stored = live.round_trip(ids, keys, values)
                         else:
                             k, v, stored = tier.round_trip(keys, values)
-                        lp = continuation_logprobs(lm.model, k.float(), v.float(), feed)
+                        lp = continuation_logprobs(lm_model, k.float(), v.float(), feed)
                         t = tally.setdefault((name, path), dict(nll=0.0, kl=0.0, tokens=0, bytes=0, raw=0, k=0.0,
                                                                 kn=0.0, v=0.0, vn=0.0))
                         t["nll"] += -lp.gather(1, target[:, None]).sum().item() - ref_nll
                         t["kl"] += float((ref_lp.exp() * (ref_lp - lp)).sum())
-                        t["tokens"] += n
+                        t["tokens"] += a.continuation
                         t["bytes"] += stored
                         t["raw"] += raw_bytes
                         for key, x, xh in (("k", keys, k), ("v", values, v)):
@@ -278,55 +333,50 @@ def main() -> None:
                 if tier is not None:
                     tier.close()
             for (name, path), t in tally.items():
-                rows.append({"artifact": ref, "objective": objective, "ratio": ratio, "domain": name, "path": path,
+                rows.append({"artifact": ref, "objective": objective, "ratio": ratio, "prefix": P, "domain": name,
+                             "path": path,
                              "ppl_ratio": math.exp(t["nll"] / t["tokens"]), "kl": t["kl"] / t["tokens"],
                              "x_bf16": t["raw"] / t["bytes"], "k_err": math.sqrt(t["k"] / t["kn"]),
                              "v_err": math.sqrt(t["v"] / t["vn"]), "tokens": t["tokens"]})
-            print(f"{ref} CR {ratio:g}: done at {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"\n{'objective':9} {'CR':>3} {'domain':9} {'path':13} {'x bf16':>6} {'K err':>6} {'V err':>6} "
-          f"{'ppl ratio':>9} {'KL':>7}")
-    for r in rows:
-        print(f"{r['objective']:9} {r['ratio']:3g} {r['domain']:9} {r['path']:13} {r['x_bf16']:6.2f} {r['k_err']:6.3f} "
-              f"{r['v_err']:6.3f} {r['ppl_ratio']:9.4f} {r['kl']:7.4f}")
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "served_quality.json").write_text(json.dumps(rows, indent=1))
-        chart(rows, out / "served_quality.png")
+            print(f"{ref} CR {ratio:g} prefix {P}: done at {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
 
 
 def chart(rows: list[dict], path: Path) -> None:
-    """Per domain: the perplexity ratio and the KL per token (log scales) against CR, one line per path."""
+    """Per domain (columns) and prefix (rows): the KL per token against the bytes stored (x bf16), one line per
+    path: at equal bytes the lower line serves better."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     domains = sorted({r["domain"] for r in rows})
-    fig, axes = plt.subplots(2, len(domains), figsize=(6 * len(domains), 7.5), squeeze=False)
-    for col, domain in enumerate(domains):
-        for row, (metric, label) in enumerate((("ppl_ratio", "perplexity ratio"), ("kl", "KL per token (nats)"))):
+    prefixes = sorted({r["prefix"] for r in rows})
+    fig, axes = plt.subplots(len(prefixes), len(domains), figsize=(5.5 * len(domains), 3.8 * len(prefixes)),
+                             squeeze=False)
+    styles = {"offline": "k:o", "chunk-coded": "r--x", "chunk-extra": "r-s", "chunk": "b-o", "chunk-shared-bf16": "c--^",
+              "chunk-extra-int8": "m--v", "chunk+window": "y-.d", "lmcache": "g+", "vllm": "mx"}
+    for row, prefix in enumerate(prefixes):
+        for col, domain in enumerate(domains):
             ax = axes[row][col]
             for objective in sorted({r["objective"] for r in rows}):
-                for route, style in (("offline", "k:"), ("chunk-coded", "r--"), ("chunk", "b-"), ("lmcache", "go"),
-                                     ("vllm", "m+")):
-                    pts = sorted((r["ratio"], r[metric]) for r in rows
-                                 if r["domain"] == domain and r["objective"] == objective and r["path"] == route)
+                for route, style in styles.items():
+                    pts = sorted((r["x_bf16"], r["kl"]) for r in rows if (r["domain"], r["prefix"], r["objective"],
+                                                                           r["path"]) == (domain, prefix, objective, route))
                     if pts:
-                        alpha = 1.0 if objective == "attention" else 0.45
-                        ax.plot(*zip(*pts), style, alpha=alpha, label=f"{route} ({objective})")
+                        ax.plot(*zip(*pts), style, alpha=1.0 if objective != "mse" else 0.45, ms=6,
+                                label=f"{route} ({objective})")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xlabel("compression ratio (CR)")
-            ax.set_ylabel(f"{label}, unseen text")
-            ax.set_title(f"{domain}: {label} through each serving path", fontsize=10)
+            ax.set_xlabel("stored bytes: x below bf16")
+            ax.set_ylabel("KL per token (nats)")
+            ax.set_title(f"{domain}, {prefix}-token prefix", fontsize=10)
             ax.grid(alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7)
-    fig.text(0.5, 0.005, "chunk-coded: every token coded (the chunk path before raw sinks); chunk, lmcache, vllm: "
-             "sinks raw in the first chunk (lmcache and vllm are the live paths, on the chunk line)", ha="center",
-             fontsize=8)
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.suptitle("Served quality against stored bytes (points: CR 8 / 16 / 32; lmcache and vllm are the live paths)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 if __name__ == "__main__":

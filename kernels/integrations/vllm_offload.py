@@ -142,8 +142,10 @@ class ChunkCodec:
         self.spec = spec
         options = dict(backend=codec.backend, level=codec.level, coder=codec.coder, ecsq_format=codec.ecsq_format,
                        basis_dtype=codec.basis_dtype)
-        self.codec = KVTCCodec(spec, mode=codec.mode, **options)
-        self.fixed = self.codec if self.codec.mode == "fixed" else KVTCCodec(spec, mode="fixed", **options)
+        # sinks as int8 (kernels/codec/sinks_int8.py): a first chunk's blob pays about half of bf16 sinks on top
+        self.codec = KVTCCodec(spec, mode=codec.mode, sink_format="int8", **options)
+        self.fixed = self.codec if self.codec.mode == "fixed" else KVTCCodec(spec, mode="fixed", sink_format="int8",
+                                                                             **options)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> bytes:
         """keys, values (layers, kv_heads, tokens, head_dim), first token at absolute position `start`;
@@ -243,7 +245,7 @@ class SlotPlan:
                   world_size: int) -> "SlotPlan":
         """From the rank's codec: its size bounds of a first and a later chunk of `tokens` tokens in `dtype`
         (ECSQ's rate-control bound and the fixed-rate fallback's exact size, kernels/codec/chunk_serde.py)."""
-        t = ChunkTransform(chunk_codec.codec, positions=True, mode=chunk_codec.codec.mode)
+        t = ChunkTransform(chunk_codec.codec, positions=True, mode=chunk_codec.codec.mode, sink_budget="extra")
         sinks = min(t.sinks, tokens)
 
         def bound(start: int) -> int:
