@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	# vLLM's interfaces for the offloading tier's tests (kernels/integrations/vllm_offload.py), without its CUDA stack
 	$(PY) -m pip install -q --no-deps vllm==0.33.0
 	# LMCache last, without its dependencies: the serve extra brought what its server imports, and its own pins
-	# (CUDA packages, older numpy, protobuf, setuptools, OpenTelemetry) are not installed (README: "In LMCache")
+	# (CUDA packages, older numpy, protobuf, setuptools, OpenTelemetry) are not installed (docs/serving.md: "LMCache's own pins")
 	$(PY) -m pip install -q --no-deps lmcache==0.5.6
 	touch $(STAMP)
 
