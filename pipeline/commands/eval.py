@@ -25,14 +25,15 @@ def _handler(args: argparse.Namespace) -> int:
         raise ValueError(f"--ratios must be comma-separated numbers, got {args.ratios!r}") from None
     base = () if args.baselines == "none" else BASELINES if args.baselines == "all" else tuple(args.baselines.split(","))
     settings = EvalSettings(ratios=ratios, continuation=args.continuation, sequences=args.sequences, baselines=base,
-                            mode=args.mode)
+                            mode=args.mode, prefix=args.prefix)
     result = run(args.artifact, args.registry, settings, args.corpus, args.model, args.dtype,
                  progress=lambda msg: print(f"kvtc eval: {msg}", file=sys.stderr))
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
         print(f"{result['artifact']} on {result['corpus']}: {result['settings']['sequences']} sequences, "
-              f"{settings.continuation} tokens scored each; bytes are per middle token (both streams)\n")
+              f"{settings.continuation} tokens scored each after {result['settings']['prefix']} prefix tokens; bytes "
+              "are per middle token (both streams)\n")
         print(quality_table(result["rows"]))
         print()
         print(limit_table(result["limit"]))
@@ -48,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ratios", default="8,16,32", help="codec ratios, comma separated (default 8,16,32)")
     p.add_argument("--continuation", type=int, default=64, help="tokens scored per sequence (default 64)")
     p.add_argument("--sequences", type=int, default=4, help="held-out sequences (default 4)")
+    p.add_argument("--prefix", type=int, default=None,
+                   help="prefix tokens scored after (default: the calibration's --seq-len); longer prefixes read long "
+                        "windows of the text, up to the model's context")
     p.add_argument("--baselines", default="all", help=f"all (default), none, or a comma list of {','.join(BASELINES)}")
     p.add_argument("--model", default=None, help="model spec (default: the one the artifact was calibrated on)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")

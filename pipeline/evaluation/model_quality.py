@@ -20,7 +20,9 @@ class EvalSettings:
     codec's mode, "ecsq" or "fixed" (None: the codec's default, ECSQ where the artifact has its tables);
     served: also each ratio through the chunk path the serving integrations use (`kvtc-chunk-{r}x` rows:
     kvtc.pipeline.evaluation.served), for artifacts the chunk path serves; attention_errors: also the errors
-    in the attention objective's metric (each sequence's own queries captured; off, the rows carry none)."""
+    in the attention objective's metric (each sequence's own queries captured; off, the rows carry none);
+    prefix: the prefix tokens each sequence is scored after (None: the calibration's --seq-len less the
+    continuation and one token; longer prefixes read long windows of the scored text)."""
 
     ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
     continuation: int = 64
@@ -30,6 +32,7 @@ class EvalSettings:
     mode: str | None = None
     served: bool = True
     attention_errors: bool = True
+    prefix: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in (None, "ecsq", "fixed"):
@@ -37,6 +40,21 @@ class EvalSettings:
         check_ratios(self.ratios, "kvtc eval: ")
         if self.continuation < 1 or self.sequences < 1:
             raise ValueError(f"continuation and sequences must be >= 1, got {self.continuation}, {self.sequences}")
+        if self.prefix is not None and (isinstance(self.prefix, bool) or not isinstance(self.prefix, int)
+                                        or self.prefix < 1):
+            raise ValueError(f"prefix must be a token count >= 1, got {self.prefix!r}")
+
+    @property
+    def length(self) -> int | None:
+        """Tokens per scored sequence: the prefix, the continuation and the token it starts from."""
+        return None if self.prefix is None else self.prefix + self.continuation + 1
+
+    def check_context(self, max_positions: int | None, model: str) -> None:
+        """ValueError naming both figures where a sequence of `length` tokens exceeds the model's context."""
+        if self.length is not None and max_positions is not None and self.length > max_positions:
+            raise ValueError(f"--prefix {self.prefix} with --continuation {self.continuation} needs {self.length} "
+                             f"positions, beyond model {model}'s limit of {max_positions}: lower --prefix to at most "
+                             f"{max_positions - self.continuation - 1}")
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
             raise ValueError(f"unknown baselines {bad}; choose from {', '.join(BASELINES)} (or 'none')")

@@ -6,8 +6,14 @@ from kvtc.pipeline.job.shards import make_shards, plan_shards, shard_plan
 from kvtc.pipeline.settings import settings_from_manifest
 
 
-def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None = None):
-    """Up to `count` (T,) token arrays of held-out text (see the module docstring)."""
+def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None = None,
+                      length: int | None = None):
+    """Up to `count` (T,) token arrays of held-out text (see the module docstring). length: tokens per sequence
+    (None: the calibration's --seq-len); longer than that, the artifact's held-out sequences are joined in plan
+    order and cut into windows of `length` (another corpus is read in windows of `length`). ValueError naming
+    both figures where the text holds no window of `length` tokens."""
+    if length is not None:
+        return _windows(artifact, tokenizer, spec, count, max_seq_len, length)
     corpus = artifact.manifest.get("corpus", {})
     own = spec is None or spec == corpus.get("spec")
     spec = spec or corpus.get("spec")
@@ -32,3 +38,25 @@ def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq
                              seed=0, holdout_fraction=0.0, min_holdout_shards=0, max_seq_len=max_seq_len):
         out.extend(shard.input_ids)
     return out[:count]
+
+
+def _windows(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None, length: int):
+    own = spec is None or spec == artifact.manifest.get("corpus", {}).get("spec")
+    seq_len = settings_from_manifest(artifact.manifest).plan.seq_len
+    if own and length > seq_len:
+        held = heldout_sequences(artifact, tokenizer, spec, 1 << 30, max_seq_len)
+        flat = [int(t) for seq in held for t in seq]
+        where = f"the held-out text of {artifact.name}@{artifact.version}"
+    elif own:
+        return [seq[:length] for seq in heldout_sequences(artifact, tokenizer, spec, count, max_seq_len)]
+    else:
+        flat = []
+        for shard in make_shards(spec, tokenizer, seq_len=length, seqs_per_shard=1, max_tokens=count * length,
+                                 seed=0, holdout_fraction=0.0, min_holdout_shards=0, max_seq_len=max_seq_len):
+            flat.extend(int(t) for seq in shard.input_ids for t in seq)
+        where = f"corpus {spec!r}"
+    out = [flat[i * length:(i + 1) * length] for i in range(min(count, len(flat) // length))]
+    if not out:
+        raise ValueError(f"{where} holds {len(flat)} tokens, fewer than one window of {length} (the prefix, the "
+                         "continuation and one token): lower --prefix or pass a longer --corpus")
+    return out

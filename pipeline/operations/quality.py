@@ -7,32 +7,35 @@ perplexity relative to the uncompressed cache (exp of the mean NLL difference), 
 KL(uncompressed || method) of the next-token distributions, key and value relative errors and
 the stored bytes per middle token (see kvtc.pipeline.evaluation.baselines for what each method stores).
 Held-out text: with the artifact's own corpus, the shards the calibration held out (rebuilt with
-its settings and matched by id); with another corpus, its first sequences.
+its settings and matched by id); with another corpus, its first sequences. `--prefix N` (EvalSettings.prefix)
+scores after N prefix tokens instead of the calibration's sequence length: long windows of the held-out text
+(its sequences joined in plan order) or of the other corpus, up to the model's context.
 """
 from __future__ import annotations
 
+from kvtc import artifacts
 from kvtc.pipeline.evaluation.model_quality import EvalSettings, evaluate_sequences
 from kvtc.pipeline.evaluation.report import limit_rows
 from kvtc.pipeline.job.heldout_text import heldout_sequences
+from kvtc.workers import models
 
 
 def run(name: str, registry: str | None, settings: EvalSettings, corpus: str | None = None, model: str | None = None,
         dtype: str | None = None, progress=None) -> dict:
     """Pull the artifact, load its model, evaluate; returns {"artifact", "settings", "rows", "limit"}."""
-    from kvtc import artifacts
-    from kvtc.workers.models import load_model
-
     ref = name if "@" in name else f"{name}@latest"
     art = artifacts.pull(ref, registry=registry)
     fp = art.manifest["model"]
-    lm = load_model(model or fp["spec"], dtype=dtype)
+    lm = models.load_model(model or fp["spec"], dtype=dtype)
     if lm.fingerprint.get("weights_sha256") != fp.get("weights_sha256"):
         raise ValueError(f"model {model or fp['spec']!r} is not the model {art.name}@{art.version} was calibrated "
                          "on (weights differ); pass --model with the calibrated model")
-    seqs = heldout_sequences(art, lm.tokenizer, corpus, settings.sequences, lm.max_positions)
+    settings.check_context(lm.max_positions, model or fp["spec"])
+    seqs = heldout_sequences(art, lm.tokenizer, corpus, settings.sequences, lm.max_positions, settings.length)
     rows = evaluate_sequences(lm, art, seqs, settings, progress)
     return {"artifact": f"{art.name}@{art.version}", "corpus": corpus or art.manifest.get("corpus", {}).get("spec"),
             "settings": {"ratios": list(settings.ratios), "continuation": settings.continuation,
+                         "prefix": len(seqs[0]) - settings.continuation - 1,
                          "sequences": len(seqs), "baselines": list(settings.baselines),
                          "mode": settings.mode or ("ecsq" if art.ecsq_ratios() else "fixed")},
             "rows": rows, "limit": limit_rows(art.metrics())}

@@ -130,3 +130,29 @@ def test_a_served_check_that_cannot_fit_the_drivers_memory_is_a_note(monkeypatch
     monkeypatch.setattr(served_check, "_free_bytes", lambda: need - 1)
     quality_result, note = served_check.served_quality(content, "tiny:llama", None, 2, 8)
     assert quality_result is None and "GiB" in note and "kvtc eval" in note
+
+
+def test_eval_scores_after_a_prefix_longer_than_the_calibrations_and_refuses_one_beyond_the_model_or_the_text(
+        calibrated):
+    from kvtc.workers.models import load_model
+
+    settings = quality.EvalSettings(ratios=(4.0,), continuation=8, sequences=1, baselines=(), prefix=200,
+                                    attention_errors=False)
+    out = quality.run("tiny", calibrated["registry"], settings)  # calibrated at --seq-len 128
+    assert out["settings"]["prefix"] == 200 and out["settings"]["sequences"] == 1
+    rows = {r["method"]: r for r in out["rows"]}
+    assert rows["uncompressed"]["kl"] == 0.0 and math.isfinite(rows["kvtc-chunk-4x"]["kl"])
+    art = artifacts.pull("tiny@latest", registry=calibrated["registry"])
+    tok = load_model("tiny:llama").tokenizer
+    windows = quality.heldout_sequences(art, tok, None, 2, None, 209)
+    joined = [int(t) for s in quality.heldout_sequences(art, tok, None, 64) for t in s]
+    assert [int(t) for t in windows[0]] == joined[:209]  # the held-out sequences joined in plan order
+    limit = load_model("tiny:llama").max_positions
+    with pytest.raises(ValueError, match=f"needs {limit + 9} positions, beyond model .*limit of {limit}"):
+        quality.run("tiny", calibrated["registry"], quality.EvalSettings(ratios=(4.0,), continuation=8, baselines=(),
+                                                                       prefix=limit))
+    with pytest.raises(ValueError, match=f"holds {len(joined)} tokens, fewer than one window of {limit}"):
+        quality.run("tiny", calibrated["registry"], quality.EvalSettings(ratios=(4.0,), continuation=8, baselines=(),
+                                                                       prefix=limit - 9))
+    with pytest.raises(ValueError, match="prefix must be a token count"):
+        quality.EvalSettings(prefix=0)
