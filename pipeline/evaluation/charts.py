@@ -43,6 +43,6 @@ def png(plt, fig) -> bytes:
         fig.tight_layout(rect=(0, 0.05, 1, 1))
     else:
         fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", pad_inches=0.1)  # no title or legend cut
     plt.close(fig)
     return buf.getvalue()

@@ -43,6 +43,9 @@ class EvalSettings:
         if self.prefix is not None and (isinstance(self.prefix, bool) or not isinstance(self.prefix, int)
                                         or self.prefix < 1):
             raise ValueError(f"prefix must be a token count >= 1, got {self.prefix!r}")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise ValueError(f"unknown baselines {bad}; choose from {', '.join(BASELINES)} (or 'none')")
 
     @property
     def length(self) -> int | None:
@@ -55,9 +58,6 @@ class EvalSettings:
             raise ValueError(f"--prefix {self.prefix} with --continuation {self.continuation} needs {self.length} "
                              f"positions, beyond model {model}'s limit of {max_positions}: lower --prefix to at most "
                              f"{max_positions - self.continuation - 1}")
-        bad = [b for b in self.baselines if b not in BASELINES]
-        if bad:
-            raise ValueError(f"unknown baselines {bad}; choose from {', '.join(BASELINES)} (or 'none')")
 
 
 @dataclass

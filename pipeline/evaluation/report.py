@@ -82,32 +82,49 @@ def error_table(metrics: list[dict]) -> str:
 
 
 def chart_error_by_tokens(rows: list[dict], ratio: float | None = None, run_tokens: int | None = None,
-                          attention: bool = False) -> bytes | None:
-    """rows {tokens, stream, split, rel_error} measured at compression ratio `ratio`; the x-axis runs
-    to `run_tokens` (every token the calibration ran, held-out shards, sinks and window included),
-    marked by a dotted line. None when there are no rows. attention: the artifact's objective is the
-    attention metric, while this curve's prefixes are solved without it (the cache's own error)."""
+                          attention: bool = False, published: dict | None = None) -> bytes | None:
+    """rows {tokens, stream, split, rel_error} measured at compression ratio `ratio` (tokens: rows that built
+    each prefix's basis). With `run_tokens` (every token the calibration ran, held-out shards, sinks and window
+    included) the x-axis is tokens run: each prefix at its share of the run's rows, so the whole run's prefix
+    ends at `run_tokens`, where `published` {(stream, split): rel_error} marks the published basis (stars).
+    None when there are no rows. attention: the artifact's objective is the attention metric, while this
+    curve's prefixes are solved without it (the cache's own error)."""
     if not rows:
         return None
     plt, fig, axes = figure(1)
     ax = axes[0]
+    built = max(r["tokens"] for r in rows)
+    scale = run_tokens / built if run_tokens and built else 1.0
     for stream, color in zip(STREAMS, ("tab:blue", "tab:orange")):
         for split, style in (("heldout", "-o"), ("eval", "--s")):
-            pts = sorted((r["tokens"], r["rel_error"]) for r in rows if r["stream"] == stream and r["split"] == split)
+            pts = sorted((r["tokens"] * scale, r["rel_error"]) for r in rows if r["stream"] == stream
+                         and r["split"] == split)
             if pts:
                 ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], style, color=color,
                         label=f"{stream}, {SPLIT_LABELS.get(split, split)}")
-    right = max(r["tokens"] for r in rows)
-    if run_tokens:
-        ax.axvline(run_tokens, color="grey", ls=":", lw=1, label=f"calibration run: {run_tokens} tokens (train + held-out)")
-        right = max(right, run_tokens)
+            err = (published or {}).get((stream, split))
+            if run_tokens and err is not None:
+                ax.plot([run_tokens], [100 * err], "*", ms=13, color=color, mec="black", mew=0.6,
+                        label=f"published basis: {stream}, {SPLIT_LABELS.get(split, split)}")
+    right = built * scale
     ax.set_xlim(0, right * 1.04)
     at = f" at CR {ratio:g}" if ratio else ""
-    ax.set(xlabel="calibration tokens (rows that built the basis)", ylabel="relative error (%)",
-           title=f"Error vs calibration tokens{at}" + (" (unweighted PCA: the cache's own error)" if attention else ""))
+    xlabel = (f"calibration tokens run (the whole run: {run_tokens:,}, the published basis)" if run_tokens else
+              "calibration tokens (rows that built the basis)")
+    ax.set(xlabel=xlabel, ylabel="relative error (%)", title=f"Error vs calibration tokens{at}")
+    if attention:
+        ax.set_title("prefixes: unweighted PCA, the cache's own error", fontsize=8, loc="right")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return png(plt, fig)
+
+
+def published_errors(metrics: list[dict], ratio: float | None) -> dict[tuple[str, str], float]:
+    """{(stream, split): rel_error} of the published basis at `ratio` (its fixed-rate held-out and eval errors,
+    as the curve's prefixes measure them)."""
+    return {(m["stream"], m["split"]): float(m["value"]) for m in metrics if ratio is not None
+            and float(m["ratio"]) == float(ratio) and m.get("group") is None and m["metric"] == "rel_error"
+            and m["split"] in ("heldout", "eval") and m["stream"] in STREAMS}
 
 
 def _stream_rows(rows: list[dict], stream: str) -> list[dict]:
@@ -117,30 +134,38 @@ def _stream_rows(rows: list[dict], stream: str) -> list[dict]:
 
 def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None, ratio: float | None = None,
                             sinks: int | None = None, window: int | None = None,
-                            seq_len: int | None = None) -> bytes | None:
+                            seq_len: int | None = None, long_rows: list[dict] | None = None) -> bytes | None:
     """rows {stream, group, ratio, lo, hi, rows, rel_error}: one panel per stream, `ratio` (default
-    the middle stored ratio) bold, other ratios thin; pca_rows (same schema, optional) dashed. With
-    sinks, window and seq_len, the positions the codec keeps raw are shaded. None when no rows."""
-    if not rows:
+    the middle stored ratio) bold, other ratios thin; pca_rows (same schema, optional) dashed; long_rows (same
+    schema: one held-out sequence at the longest context the served check could score, through the codec) dotted,
+    past the calibration's `seq_len`, which is marked. With sinks, window and seq_len, the positions the codec
+    keeps raw in a calibration-length sequence are shaded. None when no rows."""
+    if not rows and not long_rows:
         return None
-    ratios = sorted({float(r["ratio"]) for r in rows})
+    ratios = sorted({float(r["ratio"]) for r in rows or long_rows})
     ratio = ratios[len(ratios) // 2] if ratio is None else float(ratio)
     plt, fig, axes = figure(2)
+    longest = max((int(r["hi"]) for r in long_rows or ()), default=0)
     for ax, stream in zip(axes, STREAMS):
-        for source, style in ((rows, "-"), (pca_rows or [], "--")):
+        for source, style, what in ((rows, "-", ""), (pca_rows or [], "--", " PCA only"),
+                                    (long_rows or [], ":", f", one {longest:,}-token sequence")):
             sel = _stream_rows(source, stream)
-            for r in sorted({float(x["ratio"]) for x in sel}):
+            for i, r in enumerate(sorted({float(x["ratio"]) for x in sel})):
                 pts = sorted((x["lo"], x["hi"], x["rel_error"]) for x in sel if float(x["ratio"]) == r)
                 xs = [(lo + hi - 1) / 2 for lo, hi, _ in pts]
-                label = f"CR {r:g}" + (" PCA only" if style == "--" else "")
-                ax.plot(xs, [100 * e for *_, e in pts], style + "o", lw=2 if r == ratio else 0.8,
-                        ms=4 if r == ratio else 2, alpha=1 if r == ratio else 0.5, label=label)
+                ax.plot(xs, [100 * e for *_, e in pts], style + ("o" if style != ":" else "s"), lw=2 if r == ratio else 0.8,
+                        ms=4 if r == ratio else 2, alpha=1 if r == ratio else 0.5, label=f"CR {r:g}{what}",
+                        color=f"C{ratios.index(r) % 10}" if r in ratios else None)
+        if longest and seq_len:
+            ax.axvline(seq_len, color="black", ls="--", lw=0.8, label=f"calibration --seq-len {seq_len}")
         if sinks:
             ax.axvspan(0, sinks - 0.5, color="grey", alpha=0.15, label=f"kept raw: {sinks} sinks")
         if window and seq_len:
             ax.axvspan(seq_len - window - 0.5, seq_len - 1, color="green", alpha=0.1,
                        label=f"kept raw: last {window} (window)")
         ax.set_xscale("symlog", linthresh=1)
+        if longest:
+            ax.set_xlim(0, longest * 1.1)
         ax.set(xlabel="context position (bucket centre)", ylabel="relative error (%)", title=f"{stream}: error vs position")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
@@ -224,16 +249,19 @@ def chart_allocation(allocations: dict, features: int | None = None, split: dict
     return png(plt, fig)
 
 
-def _charts(curves: dict, allocations: dict, cal: dict, curve: dict, features: int | None) -> dict[str, bytes | None]:
+def _charts(curves: dict, allocations: dict, cal: dict, curve: dict, features: int | None,
+            metrics: list[dict] = ()) -> dict[str, bytes | None]:
     from kvtc.pipeline.evaluation import basis_size, rate_distortion  # deferred: they load torch, `kvtc` start-up does not
 
     return {
         "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", []), curve.get("ratio"),
-                                                            cal.get("tokens"), recorded_objective(cal).captures_metric),
+                                                            cal.get("tokens"), recorded_objective(cal).captures_metric,
+                                                            published_errors(list(metrics), curve.get("ratio"))),
         "charts/error_by_position.png": chart_error_by_position(curves.get("error_by_position", []),
                                                                 curves.get("error_by_position_pca"),
                                                                 sinks=cal.get("sinks"), window=cal.get("window"),
-                                                                seq_len=cal.get("seq_len")),
+                                                                seq_len=cal.get("seq_len"),
+                                                                long_rows=curves.get("error_by_position_long")),
         "charts/allocation.png": chart_allocation(allocations, features, cal.get("bit_split")),
         "charts/rate_distortion.png": rate_distortion.chart(curves.get("rate_distortion", [])),
         "charts/basis_size.png": basis_size.chart(curves.get("basis_size", [])),
@@ -252,7 +280,7 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
         features = FeatureGroup.from_json(groups[0]).dim(int(model["num_kv_heads"]), int(model["head_dim"]))
     objective = recorded_objective(cal)
     with caption(objective.caption):
-        charts = _charts(curves, allocations, cal, curve, features)
+        charts = _charts(curves, allocations, cal, curve, features, metrics)
     md = [f"# {title}", ""]
     if model:
         md.append(f"Model: {model.get('spec')} ({model.get('architecture')}, {model.get('num_layers')} layers, "
@@ -272,6 +300,9 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
         md += ["## Model quality with compressed caches", "",
                f"{quality.get('artifact')} on {quality.get('corpus')}, settings {json.dumps(quality.get('settings'))}; "
                "bytes per middle token, both streams.", "", quality_table(quality["rows"]), ""]
+        if quality.get("long"):
+            md += [f"At the longest context scored: one held-out sequence, {quality['long']['prefix']} prefix tokens.",
+                   "", quality_table(quality["long"]["rows"]), ""]
     files["report.md"] = "\n".join(md).encode()
     return files
 

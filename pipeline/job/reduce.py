@@ -15,27 +15,35 @@ error-by-position curve uses all of them.
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psutil
+import torch
 
+from kvtc import artifacts
+from kvtc.artifacts.blocks import budget_bits, cheapest_block_bits
+from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.groups import FeatureGroup, group_columns, stream_dims
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.kernels.codec.layers import layers_of, layers_to_json
 from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.evaluation.diagnostics import curve_components, prefix_points, stream_prefix_rows
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows
+from kvtc.pipeline.fit.joint_budget import BasisSpectrum, attention_weights, split_budget, split_unit
 from kvtc.pipeline.fit.metric import encode_root, metric_file
 from kvtc.pipeline.fit.pca import cores
 from kvtc.pipeline.job.basis_solver import max_components, metric_sums
+from kvtc.pipeline.job.corpus import describe
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask
 from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, Solver, choose, node_budget, refuse_unless_fits, task_bytes
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_tasks import Placement, rows_name, run_groups
+from kvtc.pipeline.job.served_check import SERVED_CONTINUATION, metric_rows, served_quality
 from kvtc.pipeline.job.shard_records import ShardEntry
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
@@ -206,8 +214,6 @@ def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], bit_split: s
 
 def split_weights(inp: ReduceInput, groups: list[FeatureGroup], names: list[str]) -> dict | None:
     """The attention objective's weight of each basis (`joint_budget.attention_weights`), from the metric sums."""
-    from kvtc.pipeline.fit.joint_budget import attention_weights
-
     sums, tokens, _ = metric_sums(inp.store, names)
     kv_heads = int(inp.fingerprint["num_kv_heads"])
     text = getattr(inp.model_config, "text_config", None) or inp.model_config
@@ -219,9 +225,6 @@ def joint_tasks(tasks: list[GroupTask], spectra: list, pools: dict, weights: dic
                 metric) -> tuple[list[GroupTask], dict]:
     """The tasks with their shares of each ratio's total (`joint_budget.split_budget`), and the split as the
     manifest records it."""
-    from kvtc.artifacts.blocks import budget_bits, cheapest_block_bits
-    from kvtc.pipeline.fit.joint_budget import BasisSpectrum, split_budget, split_unit
-
     bases = [BasisSpectrum(t.stream, t.group, t.p, eig, min(len(eig), alloc.max_components or t.p),
                            weights.get((t.stream, t.group), 1.0), pools[t.index],
                            cheapest_block_bits(alloc.types, alloc.block_sizes, t.p))
@@ -244,10 +247,8 @@ def _node_memory_now() -> tuple[int, int]:
 def reduce_budget(placement: Placement) -> int:
     """Bytes the group tasks may hold together: this node's (in process, or a Ray started here) below the
     kill line; on a joined cluster, the largest node's Ray `memory` resource."""
-    import os
-
     if placement.workers and (placement.cluster or os.environ.get("RAY_ADDRESS")):
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads only on a Ray run (an in-process job runs without it)
 
         return int(max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0))
     return node_budget(*_node_memory_now())
@@ -257,17 +258,12 @@ def gpu_solve(placement: Placement) -> GpuSolve | None:
     """What the tasks' GPU can solve (None without one)."""
     if not placement.gpu:
         return None
-    import torch
-
     major = int(str(torch.version.cuda or "12").split(".")[0])
     return GpuSolve(placement.gpu_bytes or (1 << 62), major)
 
 
 def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: bool = True) -> Published:
     """Assemble the artifact from the group results, store report and charts, publish; the summary."""
-    from kvtc import artifacts
-    from kvtc.pipeline.job.corpus import describe
-
     t0 = time.perf_counter()
     cfg, fingerprint = inp.settings, inp.fingerprint
     by_index = sorted(inp.shards, key=lambda s: s.index)
@@ -311,8 +307,6 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     )
     quality, notes, served_s = None, list(reduced.notes), 0.0
     if cfg.reduce.served_sequences:  # what serving will cost: held-out text through the chunk path, before publishing
-        from kvtc.pipeline.job.served_check import SERVED_CONTINUATION, metric_rows, served_quality
-
         t_served = time.perf_counter()
         continuation = max(1, min(SERVED_CONTINUATION, cfg.plan.seq_len // 4))
         quality, skipped = served_quality(content, cfg.model.model, cfg.model.dtype, cfg.reduce.served_sequences,
@@ -322,6 +316,10 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
             notes.append(skipped)
         else:
             metrics = metrics + metric_rows(quality["rows"])
+            if quality.get("long"):  # one held-out window at the longest context: its rows and error by position
+                metrics = metrics + metric_rows(quality["long"]["rows"], "-long", quality["long"]["prefix"])
+                curves = {**curves, "error_by_position_long": quality["long"]["positions"]}
+                content = replace(content, curves=curves)
     extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}",
                          quality)
     content = replace(content, metrics=metrics, extra_files={**extra, **metric_files})
@@ -338,8 +336,6 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
                        kv_heads: int = 0, objective_reason: str = "", split: dict | None = None):
     """The manifest's CalibrationRecord: the settings verbatim, their flat fields for readers, the results
     (and with --tp, the layout of the model's `kv_heads` over the ranks), and why the objective ran."""
-    from kvtc.artifacts import CalibrationRecord
-
     cap, plan = cfg.capture, cfg.plan
     return CalibrationRecord(
         sinks=cap.sinks, window=cap.window, seq_len=plan.seq_len, seed=cap.seed, ratios=cfg.reduce.ratios,
@@ -374,7 +370,7 @@ def summarize(ref, metrics: list[dict], notes: list[str]) -> dict:
             entry[name] = m["value"]
     served: dict = {}
     for m in metrics:
-        if m["split"] in ("served-chunk", "served-offline"):
+        if m["split"] in ("served-chunk", "served-offline", "served-chunk-long", "served-offline-long"):
             served.setdefault(m["ratio"], {}).setdefault(m["split"][7:], {})[m["metric"]] = m["value"]
     rows = []
     for ratio, streams in sorted(modes.items()):

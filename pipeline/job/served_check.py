@@ -1,7 +1,10 @@
 """The main job's served check: before publishing, a few of the calibration's own held-out sequences are
 scored through the offline codec and through the chunk path the servers use (kvtc.pipeline.evaluation.served),
 so the report and the manifest's metrics say what serving will cost (splits "served-offline", "served-chunk":
-perplexity ratio, KL, stored ratio per CR) and the --json summary carries them (`ratios[].served`)."""
+perplexity ratio, KL, stored ratio per CR) and the --json summary carries them (`ratios[].served`). One more
+sequence is scored at the longest context the model, the held-out text and the driver's memory allow (splits
+"served-offline-long", "served-chunk-long", with its "prefix" tokens; kvtc.pipeline.evaluation.long_context), and
+its error by position through the codec extends charts/error_by_position.png across that context."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +15,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import psutil
 import torch
 
+from kvtc import artifacts
+from kvtc.pipeline.evaluation.long_context import longest_window, position_errors
 from kvtc.pipeline.evaluation.model_quality import EvalSettings, evaluate_sequences
+from kvtc.pipeline.fit.basis_budget import model_parameters
 from kvtc.pipeline.job.heldout_text import heldout_sequences
+from kvtc.pipeline.job.reduce_plan import node_budget
+from kvtc.workers import models
 
 # the check's cost is coding each prefix (2 paths x every ratio), its statistic the tokens scored after it: one
 # sequence scoring 128 tokens costs half of two scoring 64 each, for as many scored tokens
@@ -23,8 +32,9 @@ SERVED_CONTINUATION = 128
 MAX_DRIVER_PARAMETERS = 2_000_000_000  # the check loads the model in the driver only below this, or with a GPU
 
 
-def metric_rows(rows: list[dict]) -> list[dict]:
-    """`kvtc eval` rows of the codec and the chunk path -> the manifest's metric rows (ratio, split, metric)."""
+def metric_rows(rows: list[dict], suffix: str = "", prefix: int | None = None) -> list[dict]:
+    """`kvtc eval` rows of the codec and the chunk path -> the manifest's metric rows (ratio, split, metric);
+    suffix: appended to the splits ("-long"), prefix: the prefix tokens they were scored after, as a metric."""
     out = []
     for r in rows:
         method = str(r.get("method", ""))
@@ -32,6 +42,10 @@ def metric_rows(rows: list[dict]) -> list[dict]:
             if method.startswith("kvtc-") else None
         if split is None or r.get("ratio") is None:
             continue
+        split += suffix
+        if prefix is not None:
+            out.append({"ratio": float(r["ratio"]), "stream": None, "group": None, "split": split, "metric": "prefix",
+                        "value": float(prefix)})
         for metric in ("ppl_ratio", "kl", "cr"):
             value = float(r[metric])
             out.append({"ratio": float(r["ratio"]), "stream": None, "group": None, "split": split, "metric": metric,
@@ -48,10 +62,6 @@ def served_bytes(content: Any) -> int:
 
 
 def _free_bytes() -> int:
-    import psutil
-
-    from kvtc.pipeline.job.reduce_plan import node_budget
-
     vm = psutil.virtual_memory()
     return max(0, node_budget(int(vm.total), int(vm.total - vm.available)))
 
@@ -60,12 +70,7 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
                    model_config: Any = None, cache_dir: str | None = None) -> tuple[dict | None, str | None]:
     """Stage `content` in a temporary registry, load its model, score `count` of its held-out sequences through
     the offline codec and the chunk path -> (a `kvtc eval` result, None) or (None, why it was skipped)."""
-    from kvtc import artifacts
-    from kvtc.workers.models import load_model
-
     if model_config is not None and not torch.cuda.is_available():
-        from kvtc.pipeline.fit.basis_budget import model_parameters
-
         params = model_parameters(model_config)
         if params > MAX_DRIVER_PARAMETERS:
             return None, (f"served quality not measured in the job: the model has {params / 1e9:.1f}B parameters and "
@@ -81,7 +86,7 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
         with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp, ThreadPoolExecutor(1) as pool:
             t0 = time.perf_counter()
             # the model loads while the content is staged (files written, then read back and verified)
-            loading = pool.submit(load_model, model_spec, dtype=dtype, cache_dir=cache_dir)
+            loading = pool.submit(models.load_model, model_spec, dtype=dtype, cache_dir=cache_dir)
             # staged without its parent (it lives in the job's registry), read in place (no pull cache)
             ref = artifacts.publish(dataclasses.replace(content, parent=None), registry=tmp, alias_latest=False)
             art = artifacts.Artifact(ref.path)
@@ -94,6 +99,10 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
                                     baselines=(), attention_errors=False)  # the manifest keeps ppl, KL, CR
             rows = evaluate_sequences(lm, art, seqs, settings)
             seconds["score"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            long = _long_sequence(lm, art, settings, len(seqs[0]))
+            if long is not None:
+                seconds["long"] = time.perf_counter() - t2
             del lm, art  # the staged bases, the codec and the model go before the real publish builds its files
     except (ValueError, RuntimeError, OSError) as exc:  # the artifact itself is sound: publish it without the figure
         return None, f"served quality not measured in the job ({type(exc).__name__}: {exc}); run `kvtc eval NAME`"
@@ -101,6 +110,23 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
         gc.collect()
     return {"artifact": f"{content.name} (held-out sequences of its own corpus)", "corpus": content.corpus.get("spec"),
             "settings": {"ratios": list(settings.ratios), "continuation": continuation, "sequences": len(seqs),
+                         "prefix": len(seqs[0]) - continuation - 1,
                          "paths": "kvtc-Nx: offline codec (sinks and window raw); kvtc-chunk-Nx: 256-token chunks, "
                                   "sinks raw, no window, as served"},
-            "rows": rows, "seconds": {k: round(v, 2) for k, v in seconds.items()}}, None
+            "rows": rows, "long": long, "seconds": {k: round(v, 2) for k, v in seconds.items()}}, None
+
+
+def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> dict | None:
+    """One held-out window at the longest context that fits (long_context.longest_window), scored through both
+    paths, with the codec's error by position over it -> {"prefix", "rows", "positions"}, or None where no window
+    is longer than the calibration's sequences."""
+    held = heldout_sequences(art, lm.tokenizer, None, 1 << 30, lm.max_positions)
+    length = longest_window(lm, sum(len(s) for s in held), _free_bytes(), shortest)
+    if length is None:
+        return None
+    window = heldout_sequences(art, lm.tokenizer, None, 1, lm.max_positions, length)
+    prefix = length - settings.continuation - 1
+    rows = evaluate_sequences(lm, art, window, dataclasses.replace(settings, sequences=1, prefix=prefix))
+    sinks = int(art.manifest.get("calibration", {}).get("sinks") or 0)
+    positions = position_errors(lm, art, window[0][:prefix], list(settings.ratios), sinks)
+    return {"prefix": prefix, "rows": rows, "positions": positions}

@@ -104,12 +104,24 @@ def test_the_chunk_path_is_scored_beside_the_codec_and_the_job_publishes_what_se
     by_ratio = {row["ratio"]: row for row in calibrated["ratios"]}
     for ratio in (4.0, 8.0):
         served = by_ratio[ratio]["served"]
-        assert set(served) == {"chunk", "offline"} and served["chunk"]["ppl_ratio"] > 0 and served["chunk"]["kl"] >= 0
+        assert set(served) == {"chunk", "offline", "chunk-long", "offline-long"}
+        assert served["chunk"]["ppl_ratio"] > 0 and served["chunk"]["kl"] >= 0
+        # one more held-out window at the longest context the text allows (the held-out sequences joined)
+        assert served["chunk-long"]["prefix"] > 128 and served["chunk-long"]["kl"] >= 0
     art = artifacts.pull("tiny@latest", registry=calibrated["registry"])
     splits = {(m["split"], m["metric"]) for m in art.metrics() if m["split"].startswith("served")}
-    assert {("served-chunk", "ppl_ratio"), ("served-chunk", "kl"), ("served-offline", "ppl_ratio")} <= splits
+    assert {("served-chunk", "ppl_ratio"), ("served-chunk", "kl"), ("served-offline", "ppl_ratio"),
+            ("served-chunk-long", "kl"), ("served-chunk-long", "prefix")} <= splits
     report = art.file("report.md").read_text()
     assert "kvtc-chunk-8x" in report and "Model quality with compressed caches" in report
+    assert "At the longest context scored" in report
+    # the codec's error by position over that window: the chart spans it, past the calibration's --seq-len
+    long = art.curve("error_by_position_long")
+    prefix = served["chunk-long"]["prefix"]
+    assert max(r["hi"] for r in long) == prefix and {r["stream"] for r in long} == {"keys", "values"}
+    assert {float(r["ratio"]) for r in long} == {4.0, 8.0}
+    middle = [r for r in long if r["lo"] >= 4 and r["hi"] <= prefix - 16]
+    assert middle and all(0 < r["rel_error"] < 1.5 for r in middle)
 
 
 def test_a_served_check_that_cannot_run_is_a_note_and_the_artifact_is_still_published():
