@@ -162,7 +162,7 @@ def export_sglang(artifact: Artifact, ratio: float, directory: str | Path, *, tp
     `tp_<r>_pp_<s>` per tensor-parallel rank r of the artifact (its `--tp`) and pipeline stage s (`pp`,
     split as SGLang splits layers); `tp`, if given, must be the artifact's. -> the .pt path.
     Checks everything before writing anything."""
-    import torch
+    import torch  # noqa: PLC0415 - kvtc.artifacts stays torch-free; torch loads only to write the .pt
 
     refuse_latent(artifact, "SGLang's KVTC loader")
     key, cal, layout = _check(artifact, ratio, tp)

@@ -16,6 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable, Mapping, TypeVar
 
+from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.safe_io import contained_path
+
 T = TypeVar("T")
 
 
@@ -101,8 +104,6 @@ def atomic_write(target: str | os.PathLike, data: bytes | Callable[[BinaryIO], i
 
 def _check_target(path: Path, overwrite: bool) -> None:
     """Refuse a target that is a symlink, FIFO, device or directory (and, without overwrite, anything)."""
-    from kvtc.artifacts.errors import IntegrityError
-
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -123,8 +124,6 @@ def write_outputs(root: str | os.PathLike, files: Mapping[str, bytes], *, overwr
     renamed into place, so a file planted there (a hardlink included) is replaced, never written through,
     and a failure before the renames leaves the folder as it was. overwrite=False refuses any existing
     target (FileExistsError; link(2), so no race clobbers one). modes: a file's mode instead of the umask's."""
-    from kvtc.artifacts.safe_io import contained_path
-
     os.makedirs(root, exist_ok=True)
     targets = []
     for rel in files:

@@ -26,6 +26,7 @@ from kvtc.artifacts.registry import RESERVED_ALIASES, Registry, as_registry, spl
 from kvtc.artifacts.local_files import stage_folder, write_outputs
 from kvtc.artifacts.safe_io import SMALL_FILE
 from kvtc.artifacts.schema import ArtifactContent
+from kvtc.artifacts.signing import load_private_key, sign_manifest
 
 CLAIM_STALE_S = 600.0
 STAGING_STALE_S = 86400.0
@@ -73,8 +74,6 @@ def _sidecars(manifest: bytes, signing_key: str | None) -> dict[str, bytes]:
     """The digest file (always) and the signature (with a key), written just before the manifest."""
     out = {DIGEST_FILE: (manifest_digest(manifest) + "\n").encode()}
     if signing_key:
-        from kvtc.artifacts.signing import sign_manifest
-
         out[SIGNATURE_FILE] = sign_manifest(manifest, signing_key)
     return out
 
@@ -151,8 +150,6 @@ def publish(content: ArtifactContent, registry: "Registry | str | None" = None, 
     reg = as_registry(registry)
     signing_key = signing_key or os.environ.get(SIGNING_KEY_ENV) or None
     if signing_key:
-        from kvtc.artifacts.signing import load_private_key
-
         load_private_key(signing_key)  # a bad key fails before anything is written
     parent = content.parent
     if parent is not None:

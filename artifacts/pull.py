@@ -23,6 +23,7 @@ from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manif
 from kvtc.artifacts.registry import Registry, as_registry, split_ref
 from kvtc.artifacts.local_files import write_outputs
 from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, read_limited
+from kvtc.artifacts.signing import load_public_key, verify_signature
 
 PUBLIC_KEY_ENV = "KVTC_PUBLIC_KEY"            # default Ed25519 public key (PEM path) to check signatures with
 REQUIRE_SIGNATURE_ENV = "KVTC_REQUIRE_SIGNATURE"  # "1": refuse unsigned versions
@@ -77,8 +78,6 @@ def check_signature(reg: Registry, name: str, version: str, manifest_bytes: byte
                          f"(or set ${PUBLIC_KEY_ENV})")
     if not public_key:
         return None
-    from kvtc.artifacts.signing import load_public_key, verify_signature
-
     load_public_key(public_key)  # a bad key file fails even when there is nothing to check
     if signature is None:
         signature = reg.read_signature(name, version)

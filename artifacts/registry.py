@@ -32,6 +32,7 @@ from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIDECARS, SIGNATURE_
                                      manifest_digest)
 from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, copy_limited, read_limited
 from kvtc.artifacts.schema import DIGEST_PATTERN, NAME_PATTERN, check_name
+from kvtc.artifacts.signing import sign_manifest
 
 DEFAULT_ROOT = "registry"
 VERSION_ID_PATTERN = re.compile(r"[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}")  # manifest.new_version_id's form
@@ -249,10 +250,8 @@ class Registry:
 
     def sign(self, name: str, version: str, private_key: str | os.PathLike) -> str:
         """Sign a committed version's manifest (adds manifest.sig; the version's files are untouched) -> key id."""
-        from kvtc.artifacts import signing
-
         data, _ = self.read_manifest_bytes(name, version)
-        signature = signing.sign_manifest(data, private_key)
+        signature = sign_manifest(data, private_key)
         target = f"{self.version_path(name, version)}/{SIGNATURE_FILE}"
         if self.local:
             write_local_atomic(target, signature)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtc.artifacts.bit_split import check_table_budgets
 from kvtc.artifacts.blocks import normalize_block
 from kvtc.artifacts.ecsq_tables import check_table
 from kvtc.artifacts.groups import FeatureGroup, parse_groups, stream_dims
@@ -108,8 +109,6 @@ class ArtifactContent:
             self._check_allocation(key, alloc)
         for key, table in self.ecsq.items():  # ECSQ mode hook
             self._check_ecsq(key, table)
-        from kvtc.artifacts.bit_split import check_table_budgets  # deferred: it reads groups and blocks like this module
-
         sections = {"calibration": self.calibration, "model": self.model, "bases": list(self.bases)}
         for what, tables_ in (("allocation", self.allocations), ("ECSQ table", self.ecsq)):
             check_table_budgets(sections, tables_, what, f"artifact {self.name!r}")

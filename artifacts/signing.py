@@ -24,9 +24,9 @@ _CONTEXT = b"kvtc-manifest-v1\0"  # domain separation: a manifest signature is n
 
 def _crypto():
     try:
-        from cryptography.exceptions import InvalidSignature
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ed25519
+        from cryptography.exceptions import InvalidSignature  # noqa: PLC0415 - cryptography is optional (the sign extra)
+        from cryptography.hazmat.primitives import serialization  # noqa: PLC0415 - optional, as above
+        from cryptography.hazmat.primitives.asymmetric import ed25519  # noqa: PLC0415 - optional, as above
     except ImportError:
         raise InputError("signing needs the `cryptography` package: pip install 'kvtc-calibration[sign]'") from None
     return serialization, ed25519, InvalidSignature

@@ -1,9 +1,9 @@
 """Restore against recompute: is a stored prefix worth restoring from its chunks rather than prefilled again?
 
     python bench/restore_vs_recompute.py --registry REG --artifacts smollm2-attn@latest smollm2-budget@latest \
-        --ratios 8,16,32 --prefix 1024 --repeats 3
+        --ratios 8,16,32 --prefixes 1024,4096,7936 --repeats 3
 
-1. the embedded model on this CPU: the time to restore a --prefix-token prefix from its 256-token chunks (each
+1. the embedded model on this CPU: the time to restore a prefix of each of --prefixes tokens from its 256-token chunks (each
    chunk deserialized as `kvtc lmcache-server` and the vLLM tier do: frame and key checks, entropy decoding,
    dequantization, the projection back, RoPE; the first chunk's raw sinks) against recomputing it (one prefill
    of the model over the same tokens), best of --repeats, at the machine's torch threads; per artifact (a full
@@ -40,27 +40,38 @@ def main() -> None:
     ap.add_argument("--registry", required=True)
     ap.add_argument("--artifacts", nargs="+", required=True)
     ap.add_argument("--ratios", default="8,16,32")
-    ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--prefixes", default="1024", help="prefix tokens, comma separated (multiples of 256)")
     ap.add_argument("--corpus", default="stdlib")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
 
-    import torch
-
     from kvtc.artifacts import pull
-    from kvtc.kernels.codec.chunk_serde import ChunkTransform
-    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
     from kvtc.pipeline.job.corpus import iter_documents
-    from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model
 
     lm = load_model(device="cpu")
+    prefixes = [int(p) for p in a.prefixes.split(",")]
     ids: list[int] = []
     for doc in iter_documents(a.corpus):
         ids += lm.tokenizer(doc.text).input_ids
-        if len(ids) >= a.prefix:
+        if len(ids) >= max(prefixes):
             break
-    seq = torch.tensor([ids[:a.prefix]])
+    arts = [(ref, pull(ref, registry=a.registry)) for ref in a.artifacts]
+    shares: dict[float, float] = {}
+    for prefix in prefixes:
+        restore_at(lm, arts, ids[:prefix], a, shares)
+    geometry(shares)
+
+
+def restore_at(lm, arts, ids: list[int], a, shares: dict) -> None:
+    """One prefix: its prefill time, then each artifact and ratio's restore from chunks beside it."""
+    import torch
+
+    from kvtc.kernels.codec.chunk_serde import ChunkTransform
+    from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+    from kvtc.workers.capture import raw_cache
+
+    seq = torch.tensor([ids])
     keys, values = raw_cache(lm, seq)
     L, H, T, D = keys.shape
     kv = torch.stack([x.permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)]).to(torch.bfloat16)
@@ -71,12 +82,10 @@ def main() -> None:
             lm.model(seq, use_cache=True)
 
     t_prefill = best(prefill, a.repeats)
-    print(f"embedded model, {T}-token prefix of {a.corpus}, {torch.get_num_threads()} torch threads: prefill "
-          f"{t_prefill:.2f} s (best of {a.repeats})\n")
+    print(f"\nembedded model, {T}-token prefix of {a.corpus}, {torch.get_num_threads()} torch threads: prefill "
+          f"{t_prefill:.2f} s (best of {a.repeats})")
     print(f"{'artifact':26} {'CR':>3} {'kept K/V of p':>16} {'restore s':>9} {'per chunk ms':>12} {'restore/prefill':>15}")
-    shares: dict[float, float] = {}
-    for ref in a.artifacts:
-        art = pull(ref, registry=a.registry)
+    for ref, art in arts:
         for ratio in (float(r) for r in a.ratios.split(",")):
             t = ChunkTransform(KVTCCodec(art, ratio), positions=True)
             stored = [t.serialize(c, start=i * CHUNK) for i, c in enumerate(chunks)]
@@ -92,7 +101,11 @@ def main() -> None:
             kept = {st: sum(g.kept for g in (t.spec.ecsq or t.spec.streams)[st]) for st in ("keys", "values")}
             shares.setdefault(ratio, (kept["keys"] + kept["values"]) / (2 * p))
             print(f"{ref:26} {ratio:3g} {kept['keys']:>7}/{kept['values']:<5} of {p:<5} {t_restore:9.2f} "
-                  f"{1e3 * t_restore / len(chunks):12.0f} {t_restore / t_prefill:15.2f}")
+                  f"{1e3 * t_restore / len(chunks):12.0f} {t_restore / t_prefill:15.2f}", flush=True)
+
+
+def geometry(shares: dict) -> None:
+    """The 8B geometry's projection FLOPs at the kept shares the embedded model's artifacts keep."""
     g = LLAMA_8B
     p = g["layers"] * g["kv_heads"] * g["head_dim"]
     model = 2 * g["parameters"]

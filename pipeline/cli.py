@@ -23,9 +23,11 @@ import os
 import re
 import sys
 import threading
+import traceback
 from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
+from kvtc.kernels.integrations.lmcache_server import main as lmcache_server
 from kvtc.pipeline.cli_checks import check_args
 
 COMMAND_MODULES = (
@@ -180,8 +182,6 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lmcache-server"]:
-        from kvtc.kernels.integrations.lmcache_server import main as lmcache_server  # deferred: kvtc.kernels loads torch, triton
-
         return lmcache_server(argv[1:])
     argv, debug = _split_debug(argv)
     argv = _join_negative_values(argv)
@@ -201,8 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         code = exit_code(exc)
         if debug:
-            import traceback
-
             traceback.print_exc()
         if code is None:
             hint = "" if debug else " (a bug: rerun with --debug for the traceback)"

@@ -12,6 +12,9 @@ import math
 import os
 
 from kvtc.artifacts.blocks import check_ratios
+from kvtc.artifacts.registry import split_ref
+from kvtc.artifacts.schema import check_name
+from kvtc.artifacts.signing import load_private_key
 from kvtc.pipeline.env_checks import check_address, check_environment
 
 COUNTS = ("workers", "threads_per_worker", "gpus_per_worker", "tp", "tokens", "eval_tokens", "seq_len", "seqs_per_shard",
@@ -49,9 +52,6 @@ def parse_ratios(text: str, flag: str = "--ratios") -> tuple[float, ...]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError (or ConnectionError) naming the first bad option of a parsed command line."""
-    from kvtc.artifacts.registry import split_ref
-    from kvtc.artifacts.schema import check_name
-
     values = vars(args)
     for dest in NON_EMPTY:
         if isinstance(values.get(dest), str) and not values[dest].strip():
@@ -97,8 +97,6 @@ def check_args(args: argparse.Namespace) -> None:
     if values.get("require_signature") and not (values.get("key") or os.environ.get("KVTC_PUBLIC_KEY")):
         raise ValueError("--require-signature needs the signer's public key: pass --key PUBLIC.pem")
     if "seq_len" in values and os.environ.get("KVTC_SIGNING_KEY"):  # a publishing command: check the key now
-        from kvtc.artifacts.signing import load_private_key
-
         load_private_key(os.environ["KVTC_SIGNING_KEY"])
     if values.get("address") is not None:
         check_address(values["address"])

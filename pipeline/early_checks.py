@@ -18,7 +18,10 @@ import glob
 from pathlib import Path
 
 from kvtc.artifacts.blocks import budget_bits, cheapest_block_bits
-from kvtc.pipeline.settings import JobSettings
+from kvtc.artifacts.registry import Registry, split_ref
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
+from kvtc.pipeline.fit.basis_budget import BasisBudget
+from kvtc.pipeline.settings import JobSettings, settings_from_manifest
 from kvtc.workers.model_limits import ModelFacts, model_facts
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")  # kvtc.pipeline.job.corpus.FILE_SUFFIXES
@@ -49,8 +52,6 @@ def check_calibration(cfg: JobSettings) -> ModelFacts:
         raise ValueError(f"seq_len {plan.seq_len} exceeds the model's limit of {facts.context} positions; use a "
                          "shorter seq_len")
     if facts.kv_heads:
-        from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-
         TensorParallelLayout(capture.tp, facts.kv_heads, facts.attention_heads or 0)
     p = facts.features
     if p:  # no group is wider than every layer's KV heads: a ratio that starves it starves every group
@@ -61,8 +62,6 @@ def check_calibration(cfg: JobSettings) -> ModelFacts:
                                  f"than the cheapest quantized block ({cheapest} bits); use a ratio <= "
                                  f"{16 * p / cheapest:g}")
     if p and facts.parameters and alloc.basis_budget:
-        from kvtc.pipeline.fit.basis_budget import BasisBudget
-
         BasisBudget(alloc.basis_budget).cap(facts.parameters, p)  # the widest split: fewer features only raise it
     return facts
 
@@ -100,8 +99,6 @@ def check_artifact_model(ref: str, registry: str | None, model: str | None) -> N
     checked before anything loads it (`check_model_spec`)."""
     spec = model
     if spec is None:
-        from kvtc.artifacts.registry import Registry, split_ref
-
         reg = Registry(registry)
         name, version = split_ref(ref)
         spec = (reg.read_manifest(name, *reg.resolve_pinned(name, version)).get("model") or {}).get("spec")
@@ -112,9 +109,6 @@ def check_artifact_model(ref: str, registry: str | None, model: str | None) -> N
 def check_recalibration(target: str, given: dict) -> None:
     """`kvtc recalibrate`: the parent's recorded settings (validated naming the manifest field) with the options
     `given`, checked as a calibration's (`check_calibration`) before anything loads."""
-    from kvtc.artifacts.registry import Registry, split_ref
-    from kvtc.pipeline.settings import settings_from_manifest
-
     reg = Registry(given.get("registry"))
     name, version = split_ref(target)
     manifest = reg.read_manifest(name, *reg.resolve_pinned(name, version))

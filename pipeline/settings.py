@@ -23,6 +23,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Iterator
 
 from kvtc.artifacts.blocks import check_ratios
+from kvtc.artifacts.calibration import CalibrationRecord
+from kvtc.artifacts.schema import check_name
+from kvtc.pipeline.cli_checks import parse_ratios
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
 from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.pipeline.fit.metric import BALANCES, WEIGHTINGS, AttentionMetric
@@ -92,8 +95,6 @@ class PlanSettings:
 
 
 def _ratios(word: Any) -> tuple[float, ...]:
-    from kvtc.pipeline.cli_checks import parse_ratios
-
     return tuple(float(r) for r in word) if isinstance(word, (tuple, list)) else parse_ratios(str(word))
 
 
@@ -175,8 +176,6 @@ class RuntimeSettings:
         _count(self.threads_per_worker, "--threads-per-worker")
         _count(self.gpus_per_worker, "--gpus-per-worker")
         if self.name is not None:
-            from kvtc.artifacts.schema import check_name
-
             check_name("artifact name (--name)", self.name)  # before the run, not at publish time
         for flag, value in (("--registry", self.registry), ("--store", self.store), ("--cache-dir", self.cache_dir)):
             if value is not None and not str(value).strip():
@@ -333,8 +332,6 @@ def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | 
     """The settings that repeat the calibration of `manifest` (a published version): its recorded
     settings verbatim, or for versions published before they were recorded, what its calibration
     record and corpus section say (settings they did not record keep today's defaults)."""
-    from kvtc.artifacts.calibration import CalibrationRecord
-
     rec = CalibrationRecord.from_manifest(manifest)
     if rec.settings:
         recorded_settings = dict(rec.settings)

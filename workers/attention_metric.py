@@ -91,7 +91,7 @@ def attention_modules(base: torch.nn.Module, layers: tuple[LayerSpec, ...]) -> l
 
 def check_readable(config: Any, layers: tuple[LayerSpec, ...]) -> None:
     """Before any model work: build the model on the meta device and find every coded layer's projections."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

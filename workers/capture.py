@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers
+from kvtc.workers.attention_metric import MetricCapture
 from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.workers.full_cache import full_cache
 from kvtc.workers.models import LoadedModel
@@ -67,8 +68,6 @@ _METRIC_CAPTURES: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.We
 
 def metric_capture(lm: LoadedModel) -> Any:
     """The model's attention-metric hooks (kvtc.workers.attention_metric.MetricCapture), built once per model."""
-    from kvtc.workers.attention_metric import MetricCapture
-
     if lm.model not in _METRIC_CAPTURES:
         base = lm.base
         _METRIC_CAPTURES[lm.model] = MetricCapture(getattr(base, "language_model", base), tuple(lm.layers))
@@ -175,7 +174,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
 
 
 def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, n: int) -> dict[str, torch.Tensor]:
-    from kvtc.workers.sensitivity import kl_sensitivity
+    from kvtc.workers.sensitivity import kl_sensitivity  # noqa: PLC0415 - it imports transformers: only runs that measure KL
 
     out: dict[str, torch.Tensor] = {}
     for row in input_ids[:n]:

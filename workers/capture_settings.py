@@ -67,7 +67,7 @@ class CaptureSettings:
         """The groups (one basis each), in order; `layers`: the layer schema, or a layer count for a model
         of full-attention layers only. Over all KV heads, or with tp > 1 (kv_heads needed) each group
         once per rank's head range, head range major (a rank's groups are consecutive)."""
-        from kvtc.kernels.codec.layers import cached_layers  # deferred: the codec loads torch, `kvtc` start-up does not
+        from kvtc.kernels.codec.layers import cached_layers  # noqa: PLC0415 - the codec loads torch, `kvtc` start-up does not
 
         if isinstance(layers, int):
             kinds = {i: "full" for i in range(layers)}

@@ -16,6 +16,7 @@ checks this against the model's own function), so the schema's RoPE is always "h
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvtc.kernels.codec.layers import LayerSpec
@@ -34,7 +35,7 @@ def text_config(config: Any) -> Any:
 
 def layer_types(config: Any) -> list[str]:
     """transformers' layer types of the decoder (KV-sharing and MLP-only layers as "dummy")."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: PLC0415 - transformers loads only with a model
 
     text = text_config(config)
     try:
@@ -95,8 +96,6 @@ def layer_schema(config: Any) -> tuple[LayerSpec, ...]:
 def _mla_schema(text: Any, types: list[str]) -> tuple[LayerSpec, ...]:
     """The schema of a multi-head latent attention model: full-attention layers are "mla"; any other cached kind
     (sliding, chunked, or one the service does not know) is refused, naming it and its layer."""
-    import dataclasses
-
     model_type = getattr(text, "model_type", "?")
     rank, rope_dim = int(text.kv_lora_rank), int(getattr(text, "qk_rope_head_dim", 0) or 0)
     if rope_dim < 2:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvtc.workers.tiny_specs import GEOMETRY_ARCHS, parse_tiny
+
 EMBEDDED_SPEC = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
@@ -128,7 +130,7 @@ class _Reader:
 def _type_sizes() -> dict[int, tuple[int, int]]:
     """{ggml type: (block elements, block bytes)}, from the gguf package (what transformers reads GGUF with)."""
     try:
-        from gguf.constants import GGML_QUANT_SIZES
+        from gguf.constants import GGML_QUANT_SIZES  # noqa: PLC0415 - gguf only sizes a GGUF's tensors (and may be missing)
     except ImportError:  # the size check then only bounds offsets; transformers cannot load a GGUF without it
         return {}
     return {int(k): (int(v[0]), int(v[1])) for k, v in GGML_QUANT_SIZES.items()}
@@ -289,8 +291,6 @@ def _gguf_facts(header: GgufHeader) -> ModelFacts:
 
 
 def _tiny_facts(spec: str) -> ModelFacts:
-    from kvtc.workers.tiny_specs import GEOMETRY_ARCHS, parse_tiny  # no torch, no transformers
-
     try:
         arch, geometry = parse_tiny(spec)
     except ValueError as exc:
@@ -324,7 +324,7 @@ def model_facts(spec: str) -> ModelFacts:
             raise ValueError(f"model directory {folder} holds no config.json; pass a Hugging Face model folder")
         return ModelFacts(context=context_limit(spec))
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # noqa: PLC0415 - slow to import: only for a hub id
 
         try:
             snapshot_download(spec, local_files_only=True)

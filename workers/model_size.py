@@ -80,7 +80,7 @@ def model_size(config: Any, dtype: torch.dtype, seq_len: int) -> ModelSize:
     """Weights (in `dtype`) and one forward's working set of `config` at `seq_len` tokens, batch 1:
     4 copies of the widest hidden activation (input, residual, the MLP's gate and up products)
     plus one layer's attention scores (heads x T x T, what eager attention materialises)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(config, dtype=dtype)

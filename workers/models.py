@@ -27,6 +27,7 @@ from kvtc.artifacts.local_files import atomic_write, sha256_handle, stage_folder
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.workers.layers import layer_schema, layer_types
+from kvtc.workers import placement
 from kvtc.workers.model_limits import read_gguf_header
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
 from kvtc.artifacts.local_files import cache_root
@@ -129,7 +130,7 @@ def conversion_problem(folder: Path, digest: str, only: tuple[str, ...] | None =
 
 def _convert(path: Path, folder: Path, digest: str) -> None:
     """Dequantize the GGUF into `folder` (safetensors and config), then record what was written beside it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     try:
         config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
@@ -182,7 +183,7 @@ def prepare_weights(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | Non
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.nn.Module, Any, str]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     digest = sha256_file(path)
     model = AutoModelForCausalLM.from_pretrained(convert_gguf(path, cache_dir, digest), dtype=dtype)
@@ -191,7 +192,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.n
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer_from_dir(path: str) -> Any:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 - transformers loads only with a model
 
     return AutoTokenizer.from_pretrained(path)
 
@@ -201,7 +202,7 @@ def gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
 
     Kept apart from the converted model: with a config.json beside it, loading takes several times longer.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 - transformers loads only with a model
 
     target = cache_dir / f"tokenizer-{sha256_file(path)[:24]}"
     if not (target / "tokenizer_config.json").exists():
@@ -279,7 +280,7 @@ class ModelSpec:
 
 def _weightless(config: Any) -> torch.nn.Module:
     """An instance of the model on the meta device: module structure only, no weight memory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
@@ -293,7 +294,7 @@ def _tiny_digest(arch: str, config: Any, seed: int) -> str:
 
 
 def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # noqa: PLC0415 - transformers loads only with a model
 
     cached = cache_dir / f"gguf-{digest[:24]}"
     if conversion_problem(cached, digest, only=("config.json",)) is None:
@@ -307,7 +308,7 @@ def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
 
 def gguf_fields(path: Path) -> dict[str, Any]:
     """The GGUF file's scalar metadata, {key: value} (strings decoded), read without its tensors."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # noqa: PLC0415 - gguf loads only to read a GGUF file
 
     out: dict[str, Any] = {}
     for key, field in GGUFReader(str(path), "r").fields.items():
@@ -343,7 +344,7 @@ def with_gguf_rope_scaling(config: Any, fields: dict[str, Any]) -> Any:
 
 def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = None) -> ModelSpec:
     """Config, tokenizer and fingerprint of a model spec (see ACCEPTED_FORMS), loading no weights."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415 - transformers loads only with a model
 
     root = default_cache_dir(cache_dir)
     revision = ""
@@ -368,7 +369,7 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
         config, tok = AutoConfig.from_pretrained(directory), _tokenizer_from_dir(str(directory))
         digest, source, how = _safetensors_sha256(directory), f"dir:{directory.name}", ("dir", str(directory))
     elif spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # noqa: PLC0415 - slow to import: only for a hub id
 
         try:
             directory = Path(snapshot_download(spec, local_files_only=True))
@@ -425,9 +426,7 @@ def load_model(
     gpu_budgets {GPU index: weight bytes}: spread the model over those GPUs (kvtc.workers.placement);
     its device is then the first GPU, where the capture gathers every layer's cache (ignored where torch sees
     no GPU: Ray's GPU ids are logical, and a node may declare GPUs it does not have)."""
-    from transformers import AutoModelForCausalLM
-
-    from kvtc.workers import placement
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     if gpu_budgets and not torch.cuda.is_available():  # GPUs Ray declared, none torch sees: the CPU runs it
         gpu_budgets = None

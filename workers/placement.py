@@ -42,7 +42,7 @@ def device_map(model: torch.nn.Module, budgets: dict[int, int]) -> dict[str, int
 
 def config_device_map(config, dtype: torch.dtype, budgets: dict[int, int]) -> dict[str, int]:
     """The device map of the model `config` describes, with weights in `dtype`, built on the meta device."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -51,7 +51,7 @@ def config_device_map(config, dtype: torch.dtype, budgets: dict[int, int]) -> di
 
 def spread(model: torch.nn.Module, budgets: dict[int, int]) -> torch.nn.Module:
     """Dispatch a loaded (CPU) model over CUDA devices 0..n-1 within `budgets` bytes each."""
-    from accelerate import dispatch_model
+    from accelerate import dispatch_model  # noqa: PLC0415 - accelerate loads only to spread a model over GPUs
 
     placed = device_map(model, budgets)
     return dispatch_model(model, device_map=placed, main_device=placed[next(iter(placed))])

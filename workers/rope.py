@@ -32,7 +32,7 @@ def rope_for_layer_type(config: Any, layer_type: str | None = None) -> RopeSpec 
     short factors up to original_max_position_embeddings; callers must keep sequences within
     those limits (see kvtc.workers.capture.check_seq_len).
     """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415 - transformers loads only with a model
 
     all_params = dict(getattr(config, "rope_parameters", None) or {})
     nested = nested_rope_parameters(config)

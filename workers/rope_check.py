@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from kvtc.kernels.codec.layers import cached_layers
+from kvtc.workers.full_cache import full_cache
 from kvtc.workers.models import LoadedModel
 
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")
@@ -40,8 +41,6 @@ def _interleave(halves: torch.Tensor) -> torch.Tensor:
 
 def rope_round_trip(lm: LoadedModel, input_ids: torch.Tensor) -> dict[int, float]:
     """input_ids (B, T) -> {coded layer: max |f_model(remove(K)) - K| / max |K|} (0.0 for NoPE layers)."""
-    from kvtc.workers.full_cache import full_cache
-
     module, originals = _rotary_functions(lm)
     current: list[int] = [-1]
     calls: dict[int, tuple[str, tuple, dict]] = {}

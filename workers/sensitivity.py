@@ -37,10 +37,12 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 from transformers import DynamicCache
+from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from kvtc.kernels.codec.layers import cached_layers
-from kvtc.workers.attention_metric import pair_mean
+from kvtc.workers.attention_metric import decoder_layers, pair_mean
 from kvtc.workers.full_cache import full_cache
 
 
@@ -80,8 +82,6 @@ class _GivenHidden(torch.nn.Module):
         self.hidden: torch.Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from transformers.modeling_outputs import MoeModelOutputWithPast
-
         return MoeModelOutputWithPast(last_hidden_state=self.hidden)
 
 
@@ -123,10 +123,8 @@ def _frozen(model: torch.nn.Module) -> Iterator[None]:
 @contextmanager
 def _checkpointed(layers: torch.nn.ModuleList, indices: list[int]) -> Iterator[None]:
     """Layers `indices` run under non-reentrant activation checkpointing inside (their forward wrapped)."""
-    from torch.utils.checkpoint import checkpoint
-
     for i in indices:
-        layers[i].forward = functools.partial(checkpoint, layers[i].forward, use_reentrant=False)
+        layers[i].forward = functools.partial(torch.utils.checkpoint.checkpoint, layers[i].forward, use_reentrant=False)
     try:
         yield
     finally:
@@ -143,8 +141,6 @@ def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, se
     """input_ids (1, T) -> the sequence's Fisher sums (module docstring); zeros when no position is coded.
     block: positions per logits block (default `logit_block(vocab)`); checkpoint: recompute each coded layer's
     activations in the backward (False: keep them all, as an unblocked pass does)."""
-    from kvtc.workers.attention_metric import decoder_layers
-
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"kl_sensitivity takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
     coded = cached_layers(lm.layers)

@@ -15,9 +15,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+import fsspec
 import numpy as np
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
+from kvtc.artifacts.local_files import atomic_write
+from kvtc.artifacts.safe_io import open_untrusted
 from kvtc.artifacts.groups import FeatureGroup, group_columns, groups_json, parse_groups, stream_dims
 from kvtc.artifacts.schema import STREAMS
 from kvtc.kernels.codec.layers import layers_of
@@ -257,12 +261,8 @@ class CalibrationStats:
 
     def save(self, path_or_uri: str | os.PathLike) -> int:
         """Write to a local path (atomically) or an fsspec URI; returns the number of bytes written."""
-        import fsspec
-
         target = os.fspath(path_or_uri)
         if "://" not in target:
-            from kvtc.artifacts.local_files import atomic_write
-
             return atomic_write(target, self.write_to)
         with fsspec.open(target, "wb") as f:
             return self.write_to(f)
@@ -350,11 +350,6 @@ class CalibrationStats:
 
     @classmethod
     def load(cls, path_or_uri: str | os.PathLike) -> "CalibrationStats":
-        import fsspec
-        from fsspec.implementations.local import LocalFileSystem
-
-        from kvtc.artifacts.safe_io import open_untrusted
-
         fs, path = fsspec.core.url_to_fs(os.fspath(path_or_uri))
         handle, _ = open_untrusted(fs, isinstance(fs, LocalFileSystem), path, "statistics file")  # no FIFO, no link
         with handle as f:

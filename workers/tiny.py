@@ -49,7 +49,7 @@ def tiny_config(arch: str, geometry: Geometry | None = None) -> Any:
 
 
 def _config(arch: str) -> Any:
-    import transformers as tf
+    import transformers as tf  # noqa: PLC0415 - transformers loads only with a model
 
     if arch == "llama":
         return tf.LlamaConfig(
@@ -97,7 +97,7 @@ def _config(arch: str) -> Any:
 def _mixed_config(arch: str) -> Any:
     """Models whose layers differ: sliding windows, chunked attention, NoPE layers, layers without a KV cache.
     Windows are short (8-16 positions) so that tests of a few dozen tokens exercise them."""
-    import transformers as tf
+    import transformers as tf  # noqa: PLC0415 - transformers loads only with a model
 
     four = {**_COMMON, "num_hidden_layers": 4}
     if arch == "gemma3":  # sliding + global, two RoPE bases, linear scaling on the global layers
@@ -140,7 +140,7 @@ def _mla_config(arch: str, geometry: Geometry | None = None) -> Any:
     number) and a RoPE key of qk_rope_head_dim (8, or its third) per token and layer. deepseek_v3:
     q_lora_rank, interleaved RoPE weights, YaRN, MoE after the first layer; deepseek_v3_plain: no
     q_lora_rank, RoPE in halves; minicpm3: another family."""
-    import transformers as tf
+    import transformers as tf  # noqa: PLC0415 - transformers loads only with a model
 
     mla = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     common = {**_COMMON, "num_key_value_heads": 4}
@@ -165,7 +165,7 @@ def _mla_config(arch: str, geometry: Geometry | None = None) -> Any:
 
 def build_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, geometry: Geometry | None = None) -> torch.nn.Module:
     """A seeded random-weight causal LM of the named architecture (global RNG state is preserved)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     config = tiny_config(arch, geometry)
     with torch.random.fork_rng(devices=[]):

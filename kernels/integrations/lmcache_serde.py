@@ -83,7 +83,8 @@ def install_position_hook() -> bool:
         if _hooked:
             return True
         try:
-            from lmcache.v1.multiprocess.engine_context import MPCacheServerContext  # noqa: PLC0415 - optional: an LMCache without its MP server leaves positions unknown
+            # optional: an LMCache without its multiprocess server leaves positions unknown
+            from lmcache.v1.multiprocess.engine_context import MPCacheServerContext  # noqa: PLC0415 - see above
         except ImportError:
             return False
         original = getattr(MPCacheServerContext, "resolve_obj_keys", None)

@@ -87,7 +87,7 @@ def check_adapters(argv: list[str]) -> None:
             raise ArgumentsError(f"--l2-adapter #{i} must be a JSON object, got {type(adapter).__name__}")
         serde = adapter.get("serde")
         if isinstance(serde, dict) and serde.get("type") == "kvtc":
-            from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings  # noqa: PLC0415 - torch: only once a kvtc serde is named
+            from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings  # noqa: PLC0415 - torch, once a kvtc serde is named
 
             try:
                 ChunkSerdeSettings.from_kwargs(serde).chunk_key()
@@ -99,7 +99,7 @@ def check_arguments(argv: list[str]) -> None:
     """The storage arguments as LMCache's own parser reads them (`add_storage_manager_args`,
     `parse_args_to_config`: --l1-size-gb, --eviction-policy, every --l2-adapter's fields), its log silenced:
     ArgumentsError naming the first refused, before LMCache starts anything."""
-    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config  # noqa: PLC0415 - LMCache loads only to run the server
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config  # noqa: PLC0415 - LMCache, to run
 
     parser = argparse.ArgumentParser(prog="lmcache server", add_help=False)
     add_storage_manager_args(parser)

@@ -1,5 +1,6 @@
 """`kvtc drift NAME[@REF]`: its options, its handler and the report it prints (exit 3 when drifted).
-The check is kvtc.pipeline.operations.drift (light at import: its defaults are read here)."""
+The check is kvtc.pipeline.operations.drift, imported by the handler; its defaults and exit codes are read here
+from the light kvtc.pipeline.operations.drift_settings."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,8 @@ import json
 import sys
 
 from kvtc.pipeline.commands import module_doc
-from kvtc.pipeline.operations.drift import DEFAULT_SEQUENCES, DEFAULT_THRESHOLD
-from kvtc.pipeline.operations.drift import EXIT_DRIFT, EXIT_MODEL, EXIT_OK, ModelMismatchError, check_drift
+from kvtc.pipeline.operations.drift_settings import (DEFAULT_SEQUENCES, DEFAULT_THRESHOLD, EXIT_DRIFT, EXIT_MODEL, EXIT_OK,
+                                                     ModelMismatchError)
 
 OPERATION = "kvtc.pipeline.operations.drift"
 
@@ -41,6 +42,7 @@ def _handler(args: argparse.Namespace) -> int:
     from kvtc.pipeline.early_checks import check_artifact_model
 
     check_artifact_model(args.target, args.registry, args.model)  # a bad spec refused before torch loads
+    from kvtc.pipeline.operations.drift import check_drift
 
     try:
         report = check_drift(args.target, args.corpus, args.registry, args.tokens, args.threshold, args.model,

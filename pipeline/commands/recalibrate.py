@@ -8,6 +8,7 @@ import sys
 
 from kvtc.pipeline.commands import module_doc
 from kvtc.pipeline.json_stdout import stdout_to_stderr
+from kvtc.pipeline.operations.drift_settings import EXIT_MODEL, ModelMismatchError
 from kvtc.pipeline.settings_args import add_settings_arguments, settings_options
 
 OPERATION = "kvtc.pipeline.operations.recalibrate"
@@ -35,7 +36,6 @@ def _handler(args: argparse.Namespace) -> int:
 
     check_recalibration(args.target, settings_options(args))  # the settings it will run, before torch loads
     from kvtc.pipeline.operations import recalibrate as operation
-    from kvtc.pipeline.operations.drift import EXIT_MODEL, ModelMismatchError
 
     given = settings_options(args)
     try:

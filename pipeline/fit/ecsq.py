@@ -22,6 +22,7 @@ from kvtc.artifacts.blocks import budget_bits
 from kvtc.kernels.codec.ecsq import PROBABILITY_TOTAL, SymbolModel, dequantize, quantize
 from kvtc.kernels.codec.rans import MAX_RADIUS
 from kvtc.pipeline.fit.heldout import heldout_variances
+from kvtc.pipeline.fit.joint_budget import gaussian_bits
 
 ESCAPE_BITS = 32
 
@@ -183,8 +184,6 @@ def _offsets(z: torch.Tensor, step: float, sigma_steps: np.ndarray, settings: Ec
 def _bracket(rate: "_RateModel", sigma: np.ndarray, budget: int, settings: EcsqSettings) -> tuple[float, float]:
     """log steps (lo, hi) around the step that spends `budget`: an octave either side of the Gaussian rate's
     prediction (`joint_budget.gaussian_bits` of the held-out stds), widened until the measured rate brackets it."""
-    from kvtc.pipeline.fit.joint_budget import gaussian_bits
-
     top = float(sigma.max()) if sigma.size else 1.0
     floor, ceil = math.log(top * 1e-5), math.log(top * 64)  # rate(floor) > budget >= rate(ceil) = ~0
     live = sigma[:settings.max_components] if settings.max_components else sigma

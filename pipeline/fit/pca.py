@@ -23,6 +23,7 @@ from typing import Iterator
 import numpy as np
 import scipy.linalg
 import torch
+from threadpoolctl import threadpool_limits
 
 from kvtc.workers.triangle import diagonal, row_offset, unpack_upper
 
@@ -138,8 +139,6 @@ def cores() -> int:
 def cpu_threads(n: int) -> Iterator[None]:
     """BLAS, OpenMP and torch threads set to `n` while the block runs (whatever a Ray worker's
     OMP_NUM_THREADS=1 or a worker's torch.set_num_threads left behind)."""
-    from threadpoolctl import threadpool_limits
-
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -28,6 +28,7 @@ from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
 from kvtc.pipeline.fit.pca import (EXACT_MAX_P, Basis, basis_from_covariance, covariance_f32, covariance_upper,
                                    pca_from_packed)
 from kvtc.pipeline.job.store import ShardStore
+from kvtc.workers.stats_file import CorruptStats
 from kvtc.workers.triangle import diagonal
 
 
@@ -85,8 +86,6 @@ def metric_sums(store: ShardStore, names: list[str]):
     accumulator's statistics, moments not read). Every accumulator is read before any error is raised: all that
     are corrupt or out of range are moved aside at once (one rerun recomputes them all), and the first is raised
     naming how many more were set aside."""
-    from kvtc.workers.stats_file import CorruptStats
-
     sums: dict[str, np.ndarray] = {}
     tokens, stats, bad = 0, None, []
     for name in names:

@@ -14,10 +14,28 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
+import psutil
+import torch
+
+from kvtc import artifacts
+from kvtc.artifacts.fingerprint import model_id as fingerprint_id
+from kvtc.artifacts.groups import stream_dims
+from kvtc.artifacts.tensor_parallel import TensorParallelLayout
+from kvtc.kernels.codec.layers import layers_of
+from kvtc.pipeline.evaluation.diagnostics import curve_components
+from kvtc.pipeline.fit.allocator import validate_ratios
+from kvtc.pipeline.fit.basis_budget import BasisBudget, model_parameters
+from kvtc.pipeline.job import fold_plan as fold_planning
+from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
+from kvtc.pipeline.job.basis_solver import max_components
 from kvtc.pipeline.job.corpus import iter_documents
+from kvtc.pipeline.job.memory_plan import check_fits, estimate, plan_gpus
+from kvtc.pipeline.job.progress import ShardProgress
 from kvtc.pipeline.job.pool_run import PoolRun
 from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, reduce
+from kvtc.pipeline.job.reduce_plan import node_budget
 from kvtc.pipeline.job.reduce_tasks import Placement, clear
+from kvtc.pipeline.job.shard_worker import ShardWorker
 from kvtc.pipeline.job.shard_records import ShardEntry, ShardResult
 from kvtc.pipeline.job.shards import plan_shards, shard_plan
 from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
@@ -25,6 +43,10 @@ from kvtc.pipeline.job.store_reach import alive_nodes, check_store_reach
 
 from kvtc.pipeline.resource_bounds import Machine, check_cluster, check_job
 from kvtc.pipeline.settings import DEFAULT_CPU_TOKENS, DEFAULT_GPU_TOKENS, JobSettings
+from kvtc.workers.attention_metric import choose_objective
+from kvtc.workers.capture import CaptureSettings, check_seq_len, resolve_groups
+from kvtc.workers.model_size import model_size
+from kvtc.workers.models import load_spec, prepare_weights, resolve_dtype
 
 
 def run(cfg: JobSettings, alias_latest: bool = True, in_process: bool = False) -> dict:
@@ -42,14 +64,8 @@ def calibrate_local(cfg: JobSettings) -> tuple[dict, dict]:
 
 def _memory_estimate(cfg: JobSettings, num_layers, kv_heads: int, head_dim: int, groups: str, workers: int):
     """num_layers: a layer count or the model's layer schema (kvtc.kernels.codec.layers)."""
-    from kvtc.pipeline.job.basis_solver import max_components
-    from kvtc.pipeline.job.memory_plan import estimate
-    from kvtc.workers.capture import CaptureSettings
-
     settings = CaptureSettings(groups=groups, tp=cfg.capture.tp)
     dims = [g.dim(kv_heads, head_dim) for g in settings.group_layers(num_layers, kv_heads)]
-    from kvtc.pipeline.evaluation.diagnostics import curve_components
-
     return estimate(dims, accumulators=cfg.reduce.accumulators, workers=workers, rows_per_batch=cfg.plan.seq_len,
                     heldout_rows=cfg.reduce.heldout_rows, curve_points=cfg.reduce.tokens_curve_points,
                     curve_k=curve_components(sum(dims), cfg.reduce.curve_ratio),
@@ -95,17 +111,6 @@ class Folded:
 def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     """Plan: check every input before any model work (registry writable, corpus specs, model spec,
     sequence length, ratios, memory) and resolve the token count."""
-    import psutil
-    import torch
-
-    from kvtc import artifacts
-    from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-    from kvtc.pipeline.fit.allocator import validate_ratios
-    from kvtc.pipeline.job.memory_plan import check_fits
-    from kvtc.pipeline.job.reduce_plan import node_budget
-    from kvtc.workers.capture import check_seq_len, resolve_groups
-    from kvtc.workers.models import load_spec
-
     t0 = time.perf_counter()
     machine = Machine.of(cfg.runtime)
     check_job(cfg, machine if not in_process else replace(machine, cluster=False))  # resource arguments, instantly
@@ -118,8 +123,6 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     capture = replace(capture, groups=resolve_groups(capture.groups, info.layers))  # "auto" on one layer kind: "model"
     cfg = replace(cfg, capture=capture)
     check_seq_len(info, cfg.plan.seq_len, capture)
-    from kvtc.workers.attention_metric import choose_objective
-
     objective, objective_reason = choose_objective(capture.objective, info.config, info.layers)  # a meta-device model
     capture = replace(capture, objective=objective)
     if objective == "attention" and cfg.reduce.attention_balance == "sensitivity" and capture.sensitivity < 1:
@@ -130,15 +133,11 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     text_config = getattr(info.config, "text_config", None) or info.config
     TensorParallelLayout(capture.tp, info.num_kv_heads, int(getattr(text_config, "num_attention_heads", 0) or 0))
     if alloc.basis_budget:  # a share of the model's parameters: resolved to components per group, recorded as such
-        from kvtc.pipeline.fit.basis_budget import BasisBudget, model_parameters
-
         features = sum(g.dim(info.num_kv_heads, info.head_dim)
                        for g in capture.group_layers(info.layers, info.num_kv_heads))
         cap = BasisBudget(alloc.basis_budget, alloc.max_components or None).cap(model_parameters(info.config), features)
         alloc = replace(alloc, max_components=cap)
         cfg = replace(cfg, allocator=alloc)
-    from kvtc.artifacts.groups import stream_dims
-
     for group in capture.group_layers(info.layers, info.num_kv_heads):
         for heads, dim in set(stream_dims(info.fingerprint).values()):  # an MLA model's RoPE key is narrower
             validate_ratios(cfg.reduce.ratios, group.dim(heads, dim), cfg.allocator)
@@ -154,14 +153,11 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
         check_fits(est, node_budget(int(vm.total), int(vm.total - vm.available)), info.num_layers, width, capture.groups,
                    lambda k: _memory_estimate(cfg, info.layers, kv, hd, f"layers:{k}", local_workers))
         if not torch.cuda.is_available():  # CPU workers: the fold's plan (fold_plan), refused here if one cannot fit
-            from kvtc.pipeline.job.fold_plan import RAY_PROCESSES, job_sizer, node_now
-
-            fold = job_sizer(cfg, info)
-            fold.plan(local_workers, *node_now(0 if in_process else RAY_PROCESSES))  # Ray's run admits the workers
+            fold = fold_planning.job_sizer(cfg, info)
+            reserve = 0 if in_process else fold_planning.RAY_PROCESSES
+            fold.plan(local_workers, *fold_planning.node_now(reserve))  # Ray's run admits the workers
     else:  # a cluster: its CPU workers are admitted per node once joined (fold_plan.admit_on_nodes)
-        from kvtc.pipeline.job.fold_plan import job_sizer
-
-        fold = job_sizer(cfg, info)
+        fold = fold_planning.job_sizer(cfg, info)
     if cfg.plan.tokens is None:
         on_gpu = torch.cuda.is_available()
         tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS
@@ -177,13 +173,6 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
     """Fold: run the planned shards through the model (a Ray actor pool, Ray already started, by this
     job when `ray_started`; or this process) into the stored accumulators and held-out rows; cached
     shards are not run again."""
-    import torch
-
-    from kvtc.pipeline.job.accumulators import AccumulatorPlan, FoldPlanner
-    from kvtc.pipeline.job.shard_worker import ShardWorker
-    from kvtc.artifacts.fingerprint import model_id as fingerprint_id
-    from kvtc.workers.models import prepare_weights, resolve_dtype
-
     cfg, fingerprint = planned.settings, planned.fingerprint
     capture, rt = cfg.capture, cfg.runtime
     shards_seen: list[ShardEntry] = []
@@ -246,9 +235,9 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
     cfg, rt = planned.settings, planned.settings.runtime
     started, gpus = False, 0.0
     if not in_process:
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads only for a Ray run (in_process runs without it)
 
-        from kvtc.pipeline.job import ray_pool
+        from kvtc.pipeline.job import ray_pool  # noqa: PLC0415 - it imports Ray
 
         started = ray_pool.start_ray(rt.address, num_cpus=None, verbose=rt.verbose)
         if not rt.verbose and ray_pool.worker_log_dir():
@@ -349,8 +338,6 @@ def placement_figures(results: list[ShardResult]) -> list[dict]:
 def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, total=None) -> PoolRun:
     """The shards one after another in this process; the model loads only when a shard must run.
     total: the shards expected (a callable, read as they run), the bar's total."""
-    from kvtc.pipeline.job.progress import ShardProgress
-
     t0 = time.perf_counter()
     it = iter(payloads)
     first = next(it, None)
@@ -370,13 +357,6 @@ def _run_in_process(worker_cls: type, worker_kwargs: dict, payloads, total=None)
 def _gpu_plan(planned: Planned, cluster_gpus: float, gpu_bytes: int, gpus_per_node: int, cuda: bool = True):
     """GPUs per worker (memory_plan.plan_gpus) for the model's weights in the workers' dtype (the CPU's where
     the GPUs are Ray's logical ones and torch sees none: `cuda` False)."""
-    import torch
-
-    from kvtc.kernels.codec.layers import layers_of
-    from kvtc.pipeline.job.memory_plan import plan_gpus
-    from kvtc.workers.model_size import model_size
-    from kvtc.workers.models import resolve_dtype
-
     cfg, fp = planned.settings, planned.fingerprint
     rt, kv, hd = cfg.runtime, int(fp["num_kv_heads"]), int(fp["head_dim"])
     device = torch.device("cuda" if cuda else "cpu")
@@ -403,22 +383,20 @@ def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, wor
     `started`); fold tasks are pinned to the actor that owns their accumulator. With GPUs, each worker
     takes `gpu_plan.gpus` of them and spreads the model over them when more than one. `fold` (a
     fold_plan.FoldSizer, CPU workers on this node): as many workers as the node's memory holds now."""
-    import ray
+    import ray  # noqa: PLC0415 - Ray loads only for a Ray run (in_process runs without it)
 
-    from kvtc.pipeline.job import ray_pool
+    from kvtc.pipeline.job import ray_pool  # noqa: PLC0415 - it imports Ray
 
     cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
     rt = cfg.runtime
     workers = rt.workers or (gpu_plan.workers if gpu_plan else max(1, cpus // rt.threads_per_worker))
     fold_plan, memory = None, 0
     if fold is not None and gpu_plan is None:  # Ray's own processes now count as used
-        from kvtc.pipeline.job.fold_plan import admit_on_nodes, node_now
-
         if rt.address or os.environ.get("RAY_ADDRESS"):  # a joined cluster: per node, each actor asking for its peak
-            fold_plan = admit_on_nodes(fold, workers, rt.threads_per_worker, ray.nodes())
+            fold_plan = fold_planning.admit_on_nodes(fold, workers, rt.threads_per_worker, ray.nodes())
             memory = fold_plan.worker_bytes
         else:
-            fold_plan = fold.plan(workers, *node_now())
+            fold_plan = fold.plan(workers, *fold_planning.node_now())
         print(fold_plan.line(), file=sys.stderr)
         workers = fold_plan.workers
     if gpu_plan is not None and gpu_plan.gpus > 1:

@@ -32,7 +32,10 @@ import sysconfig
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
+
+from pydoc_data.topics import topics
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_TEXT_COLUMN = "text"
@@ -194,16 +197,12 @@ def _walk(root: Path) -> list[str]:
 
 
 def _pydoc_documents() -> Iterator[Document]:
-    from pydoc_data.topics import topics
-
     for key in sorted(topics):
         if topics[key].strip():
             yield Document(id=f"pydoc:{key}", text=topics[key])
 
 
 def _pkgdocs_documents() -> Iterator[Document]:
-    from importlib import metadata
-
     # the environment's site-packages only: sys.path additions (Ray's vendored packages) must not change the corpus
     paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     seen: dict[str, Document] = {}
@@ -290,7 +289,7 @@ def _jsonl_records(path: Path, column: str, counts: ReadCounts) -> Iterator[obje
 
 
 def _parquet_records(path: Path, column: str, counts: ReadCounts) -> Iterator[object]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # noqa: PLC0415 - only for a Parquet corpus: the corpus reader stays light
 
     parquet = pq.ParquetFile(path)
     if column not in parquet.schema_arrow.names:
@@ -300,7 +299,7 @@ def _parquet_records(path: Path, column: str, counts: ReadCounts) -> Iterator[ob
 
 
 def _hf_documents(hf: HFSpec, column: str, counts: ReadCounts) -> Iterator[Document]:
-    import datasets
+    import datasets  # noqa: PLC0415 - heavy: only for an hf: corpus
 
     source = f"hf:{hf.name}" + (f":{hf.config}" if hf.config else "") + f"@{hf.split}"
     try:

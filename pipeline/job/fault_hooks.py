@@ -18,7 +18,7 @@ HOLD_SECONDS = 300.0
 def current_node() -> str:
     """The Ray node this process runs on ("" outside Ray)."""
     try:
-        import ray
+        import ray  # noqa: PLC0415 - only inside a Ray run; this module stays Ray-free
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
     except Exception:  # a Ray without a runtime context here: no node to report

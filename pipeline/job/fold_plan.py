@@ -33,8 +33,16 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+import psutil
+import torch
+
+from kvtc.kernels.codec.layers import cached_layers
 from kvtc.pipeline.job.memory_plan import GIB, packed_bytes
-from kvtc.pipeline.job.reduce_plan import MARGIN, kill_threshold
+from kvtc.pipeline.job.reduce_plan import MARGIN, kill_threshold, node_budget
+from kvtc.pipeline.settings import ReduceSettings
+from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.workers.model_size import model_size
+from kvtc.workers.models import load_spec, resolve_dtype
 
 WORKER_BASE = 720 << 20  # a Ray shard worker with torch and transformers imported, its model's weights excluded
 ALLOC_SLACK = 1.10  # measured peak over modelled working set: what the allocator holds beyond live tensors
@@ -237,9 +245,6 @@ def fold_sizer(config: Any, layers: Sequence[Any], dtype: Any, seq_len: int, gro
                accumulators: int, objective: str, sensitivity: int, sinks: int, window: int, sample: float,
                heldout_rows: int, batch: int = 1) -> FoldSizer:
     """The sizer of a model (its transformers `config` and layer schema, `dtype` a torch dtype), no weights loaded."""
-    from kvtc.kernels.codec.layers import cached_layers
-    from kvtc.workers.model_size import model_size
-
     text = getattr(config, "text_config", None) or config
     size = model_size(config, dtype, seq_len)
     coded = [layers[i] for i in cached_layers(tuple(layers))]
@@ -260,12 +265,6 @@ def fold_sizer(config: Any, layers: Sequence[Any], dtype: Any, seq_len: int, gro
 def smollm2_worker_bytes(seq_len: int, accumulators: int = 4, workers: int = 2) -> int:
     """The planned peak of one of `workers` shard workers of the embedded SmolLM2 (float32, the default capture:
     attention objective, one KL-sensitivity pass per shard) at `seq_len`: what bench/fold_memory.py prints."""
-    import torch
-
-    from kvtc.pipeline.settings import ReduceSettings
-    from kvtc.workers.capture_settings import CaptureSettings
-    from kvtc.workers.models import load_spec
-
     info, capture = load_spec(), CaptureSettings(groups="model")
     dims = [g.dim(info.num_kv_heads, info.head_dim) for g in capture.group_layers(info.layers, info.num_kv_heads)]
     sizer = fold_sizer(info.config, info.layers, torch.float32, seq_len, dims, accumulators=accumulators,
@@ -299,10 +298,6 @@ def admit_on_nodes(sizer: FoldSizer, wanted: int, threads: int, nodes: Sequence[
 def node_now(reserve: int = 0) -> tuple[int, int, int]:
     """(budget, total, used) bytes of this node now: what workers may hold together under Ray's kill line
     (reduce_plan.node_budget), `reserve` bytes more counted as used (processes about to start)."""
-    import psutil
-
-    from kvtc.pipeline.job.reduce_plan import node_budget
-
     vm = psutil.virtual_memory()
     used = int(vm.total - vm.available) + reserve
     return node_budget(int(vm.total), used), int(vm.total), used
@@ -311,10 +306,6 @@ def node_now(reserve: int = 0) -> tuple[int, int, int]:
 def job_sizer(cfg: Any, info: Any, device: str = "cpu") -> FoldSizer:
     """The sizer of a calibration's shard workers: `cfg` its JobSettings (capture resolved: groups, objective),
     `info` its model's ModelSpec (kvtc.workers.models.load_spec), `device` the workers' ("cpu" or "cuda")."""
-    import torch
-
-    from kvtc.workers.models import resolve_dtype
-
     capture = cfg.capture
     dims = [g.dim(info.num_kv_heads, info.head_dim) for g in capture.group_layers(info.layers, info.num_kv_heads)]
     return fold_sizer(info.config, info.layers, resolve_dtype(cfg.model.dtype, torch.device(device)), cfg.plan.seq_len,

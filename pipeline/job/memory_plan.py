@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from kvtc.pipeline.job.reduce_plan import least_bytes
 from kvtc.workers.model_size import ModelSize
 from kvtc.workers.placement import pack
 
@@ -58,8 +59,6 @@ def estimate(group_dims: list[int], *, accumulators: int, workers: int, rows_per
     per_worker_accs = math.ceil(accumulators / busy)
     tile = 4 * 3 * min(1024, max(group_dims)) * max(group_dims)  # a row tile of x^T x, its selection, float64 copy
     worker = per_worker_accs * 2 * sum(packed_bytes(p) for p in group_dims) + rows_per_batch * p_total * 4 * 2 + tile
-    from kvtc.pipeline.job.reduce_plan import least_bytes
-
     p = max(group_dims)
     held = 2 * heldout_rows * p_total * 4 * 2  # the driver: held-out and second-domain rows, both streams, float32
     prefixes = max(0, min(curve_points, accumulators) - 1)

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+import psutil
 import ray
+import torch
 from tqdm import tqdm
 
 from kvtc.pipeline.job.pool_run import PoolRun
@@ -61,9 +63,6 @@ class GpuInventory:
 
 def _device_memory() -> tuple[int, bool]:
     """(bytes of this task's GPU, True), or where torch sees none (bytes of this node's available memory, False)."""
-    import psutil
-    import torch
-
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory), True
     return int(psutil.virtual_memory().available), False

@@ -19,6 +19,8 @@ import functools
 import sys
 from dataclasses import dataclass
 
+import torch
+
 from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.job.fault_hooks import hold_if_asked
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask, drop_solved, run_group, solved_name, spectrum_name
@@ -126,8 +128,6 @@ def _error(err: dict) -> Exception:
 @_reported
 def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict) -> str:
     """Body of a Ray task: `run_stored` on the task's worker; returns the result's name."""
-    import torch
-
     hold_if_asked("reduce")
     task = GroupTask.from_json(task_json)
     if task.device == "cuda" and not torch.cuda.is_available():  # Ray's GPU ids say nothing about torch
@@ -136,7 +136,7 @@ def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict
 
 
 def _node_memory() -> int:
-    import ray
+    import ray  # noqa: PLC0415 - Ray loads only on a Ray run (tests stand a fake in for it)
 
     return int(max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0))
 
@@ -173,14 +173,14 @@ def run_groups(tasks: list[GroupTask], store: ShardStore, placement: Placement, 
 
 
 def _killed_for_memory(exc: Exception) -> bool:
-    import ray.exceptions
+    import ray.exceptions  # noqa: PLC0415 - as above
 
     return isinstance(exc, ray.exceptions.OutOfMemoryError) or "OutOfMemoryError" in type(exc).__name__
 
 
 def _on_ray(tasks, todo, store, placement, peaks, budget, progress) -> None:
     """Run tasks[i] for i in `todo` on Ray; their results go to the store."""
-    import ray
+    import ray  # noqa: PLC0415 - as above
 
     cap = _node_memory()
     where = (store.root, store.model_id, store.capture_key)

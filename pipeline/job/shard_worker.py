@@ -170,7 +170,7 @@ class ShardWorker:
 def _ray_gpu_ids() -> list:
     """The GPU ids Ray assigned this worker ([] outside Ray or without GPUs)."""
     try:
-        import ray
+        import ray  # noqa: PLC0415 - only inside a Ray worker; an in-process job runs without Ray
 
         return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", [])) if ray.is_initialized() else []
     except Exception:  # a Ray without accelerator ids here: nothing to report

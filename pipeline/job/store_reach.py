@@ -21,7 +21,7 @@ def is_node_local(store_root: str) -> bool:
 
 def alive_nodes() -> int:
     """Alive nodes of the Ray cluster this process has joined."""
-    import ray
+    import ray  # noqa: PLC0415 - only on a Ray run; the job imports this module in-process too
 
     return sum(1 for node in ray.nodes() if node.get("Alive"))
 

@@ -9,27 +9,25 @@ positions [sinks, seq_len - window), exactly as calibration reports its "heldout
 (relative: 0.10 = 10% worse). Explained variance (of the sample's variance around the
 calibrated mean, by the kept components) is reported next to the recorded calibration value.
 
-Exit codes: 0 within the threshold, 3 drifted, 4 the model is not the artifact's, 2 other errors.
+Exit codes: 0 within the threshold, 3 drifted, 4 the model is not the artifact's, 2 other errors (with the
+defaults, in the light kvtc.pipeline.operations.drift_settings the command line reads).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-EXIT_OK, EXIT_DRIFT, EXIT_MODEL = 0, 3, 4
-DEFAULT_THRESHOLD = 0.10
-DEFAULT_SEQUENCES = 16
+from kvtc import artifacts
+from kvtc.artifacts.fingerprint import model_id
+from kvtc.pipeline.operations.drift_meter import Meter, sample_rows, total_variances
+from kvtc.pipeline.operations.drift_settings import DEFAULT_SEQUENCES, DEFAULT_THRESHOLD, ModelMismatchError
+from kvtc.workers import models
+
 IGNORED_FINGERPRINT_KEYS = ("spec", "source", "revision")  # how a model was named, not what it computes
-
-
-class ModelMismatchError(ValueError):
-    """The loaded model's fingerprint differs from the artifact's."""
 
 
 def check_model(fingerprint: dict, expected: dict, what: str) -> None:
     """Raise ModelMismatchError naming the fields where `fingerprint` differs from the artifact's."""
-    from kvtc.artifacts.fingerprint import model_id
-
     if model_id(fingerprint) == model_id(expected):
         return
     keys = sorted(set(fingerprint) | set(expected))
@@ -88,8 +86,6 @@ def recorded_errors(art) -> dict[tuple[float, str], float]:
 
 def recorded_explained(art) -> dict[tuple[float, str], float]:
     """{(ratio, stream): calibration explained variance}, groups weighted by their total variance."""
-    from kvtc.pipeline.operations.drift_meter import total_variances
-
     tv = total_variances(art)
     acc: dict[tuple[float, str], list[float]] = {}
     for m in art.metrics():
@@ -127,10 +123,6 @@ def check_drift(target: str, corpus: str | None = None, registry: str | None = N
                 threshold: float = DEFAULT_THRESHOLD, model: str | None = None, lm=None,
                 text_column: str | None = None, cache_dir: str | None = None) -> DriftReport:
     """Pull `target` (NAME[@REF]), load its model (or use `lm`), sample `corpus` and compare."""
-    from kvtc import artifacts
-    from kvtc.pipeline.operations.drift_meter import Meter, sample_rows
-    from kvtc.workers.models import load_model
-
     if not threshold >= 0 or threshold == float("inf"):
         raise ValueError(f"--threshold must be >= 0 and finite (a relative increase, 0.10 = 10% worse), got {threshold}")
     if tokens is not None and tokens < 1:
@@ -139,7 +131,7 @@ def check_drift(target: str, corpus: str | None = None, registry: str | None = N
     manifest = art.manifest
     corpus = corpus or manifest["corpus"]["spec"]
     if lm is None:
-        lm = load_model(model or manifest["model"]["spec"], cache_dir=cache_dir)
+        lm = models.load_model(model or manifest["model"]["spec"], cache_dir=cache_dir)
     check_model(lm.fingerprint, manifest["model"], f"{art.name}@{art.version}")
     seq_len = int(manifest["calibration"]["seq_len"])
     tokens = tokens or DEFAULT_SEQUENCES * seq_len

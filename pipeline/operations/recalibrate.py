@@ -24,12 +24,16 @@ from kvtc.artifacts.errors import InputError
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.artifacts.schema import check_name
 from kvtc.pipeline.job.calibrate import run
+from kvtc.pipeline.job.heldout_store import load_rows
+from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
 from kvtc.pipeline.operations.drift import check_drift, check_model
+from kvtc.pipeline.operations.drift_meter import measure_rows
 from kvtc.pipeline.operations.recalibrate_plan import build_configs, planned_shards, same_run
 from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.workers import models
 
-# the shard store, the reduce, the drift meter and the model loader are imported where used; the command
-# line (options, handler, printing) is kvtc.pipeline.commands.recalibrate, which imports this module when it runs
+# the command line (options, handler, printing) is kvtc.pipeline.commands.recalibrate, which imports this module
+# when it runs
 
 EXIT_OK, EXIT_KEPT = 0, 5
 
@@ -49,8 +53,6 @@ class Result:
 
 def heldout_store(manifest: dict, store_root: str | None):
     """The shard store scope (model, capture settings) where the parent's held-out rows live."""
-    from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
-
     rec = CalibrationRecord.from_manifest(manifest)
     return ShardStore(store_root or default_store_uri(), model_id(manifest["model"]),
                       capture_key(CaptureSettings(**rec.capture()).to_dict(), rec.model_dtype))
@@ -58,9 +60,6 @@ def heldout_store(manifest: dict, store_root: str | None):
 
 def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:
     """Both artifacts on the parent's held-out rows -> (comparison rows, reasons the child is worse)."""
-    from kvtc.pipeline.job.heldout_store import load_rows
-    from kvtc.pipeline.operations.drift_meter import measure_rows
-
     rec = CalibrationRecord.from_manifest(parent.manifest)
     held = load_rows(store, list(parent.manifest["corpus"]["heldout_shards"]), rec.heldout_rows_cap or 1 << 62)
     mid = held.middle(rec.sinks, rec.window)
@@ -80,8 +79,6 @@ def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[s
 
 def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_tokens: int | None = None,
                 aliases: tuple[str, ...] = (), tolerance: float = 0.0, force: bool = False) -> Result:
-    from kvtc.workers.models import load_model
-
     if tolerance < 0:
         raise ValueError(f"--tolerance must be >= 0, got {tolerance}")
     aliases = tuple(dict.fromkeys(check_name("alias", a) for a in ("latest", *aliases)))
@@ -90,7 +87,7 @@ def recalibrate(target: str, given: dict, if_drift: float | None = None, drift_t
     latest = registry.aliases(parent.name).get("latest")
     label = f"{parent.name}@{parent.version}"
     cfg = build_configs(parent.manifest, given, parent.version)[0]
-    lm = load_model(cfg.model.model, dtype=cfg.model.dtype, cache_dir=cfg.runtime.cache_dir)
+    lm = models.load_model(cfg.model.model, dtype=cfg.model.dtype, cache_dir=cfg.runtime.cache_dir)
     check_model(lm.fingerprint, parent.manifest["model"], label)
     result = Result("up_to_date", label)
     same = None if force else same_run(registry, parent, cfg, planned_shards(cfg, lm.tokenizer, lm.max_positions))

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from croniter import croniter
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -38,8 +40,6 @@ class Schedule:
         if self.every is not None and not 0 < self.every < float("inf"):
             raise ValueError(f"--every must be a positive, finite number of seconds, got {self.every}")
         if self.cron is not None:
-            from croniter import croniter
-
             fields = self.cron.split()
             if len(fields) not in (5, 6) or not croniter.is_valid(self.cron, second_at_beginning=len(fields) == 6):
                 raise ValueError(f"--cron {self.cron!r} is not a cron expression; use 5 fields (minute hour day month "
@@ -49,8 +49,6 @@ class Schedule:
         """The first fire time strictly after epoch seconds `t`."""
         if self.every is not None:
             return (int(t // self.every) + 1) * self.every
-        from croniter import croniter
-
         return float(croniter(self.cron, t, second_at_beginning=len(self.cron.split()) == 6).get_next(float))
 
 
