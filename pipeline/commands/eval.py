@@ -7,7 +7,7 @@ import json
 import sys
 
 from kvtc.pipeline.commands import module_doc
-from kvtc.pipeline.evaluation.model_quality import BASELINES  # light: the names, not the baselines' code
+from kvtc.pipeline.evaluation.eval_settings import BASELINES  # light: no torch
 
 OPERATION = "kvtc.pipeline.operations.quality"
 

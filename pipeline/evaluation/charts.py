@@ -25,10 +25,10 @@ def caption(text: str | None) -> Iterator[None]:
 
 def figure(ncols: int):
     """(pyplot, figure, axes row) of `ncols` side-by-side charts on the Agg backend."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - loaded on the first chart: commands that draw nothing never load it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use("Agg")
 
     fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 3.8), squeeze=False)
     return plt, fig, axes[0]

@@ -7,58 +7,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvtc.artifacts.blocks import check_ratios
+import copy
+import inspect
 
-BASELINES = ("kivi", "fp8", "pca_uniform", "evict", "deflate")
-KIVI_CONFIGS = ((2, 32), (2, 128), (4, 32), (4, 128))
+import torch
+from transformers import DynamicCache
 
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """ratios: codec ratios (also the budgets of pca_uniform and evict); continuation: tokens scored
-    per sequence; sequences: how many held-out sequences; baselines: subset of BASELINES; mode: the
-    codec's mode, "ecsq" or "fixed" (None: the codec's default, ECSQ where the artifact has its tables);
-    served: also each ratio through the chunk path the serving integrations use (`kvtc-chunk-{r}x` rows:
-    kvtc.pipeline.evaluation.served), for artifacts the chunk path serves; attention_errors: also the errors
-    in the attention objective's metric (each sequence's own queries captured; off, the rows carry none);
-    prefix: the prefix tokens each sequence is scored after (None: the calibration's --seq-len less the
-    continuation and one token; longer prefixes read long windows of the scored text)."""
-
-    ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
-    continuation: int = 64
-    sequences: int = 4
-    baselines: tuple[str, ...] = BASELINES
-    kivi_configs: tuple[tuple[int, int], ...] = KIVI_CONFIGS
-    mode: str | None = None
-    served: bool = True
-    attention_errors: bool = True
-    prefix: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in (None, "ecsq", "fixed"):
-            raise ValueError(f"mode must be 'ecsq' or 'fixed', got {self.mode!r}")
-        check_ratios(self.ratios, "kvtc eval: ")
-        if self.continuation < 1 or self.sequences < 1:
-            raise ValueError(f"continuation and sequences must be >= 1, got {self.continuation}, {self.sequences}")
-        if self.prefix is not None and (isinstance(self.prefix, bool) or not isinstance(self.prefix, int)
-                                        or self.prefix < 1):
-            raise ValueError(f"prefix must be a token count >= 1, got {self.prefix!r}")
-        bad = [b for b in self.baselines if b not in BASELINES]
-        if bad:
-            raise ValueError(f"unknown baselines {bad}; choose from {', '.join(BASELINES)} (or 'none')")
-
-    @property
-    def length(self) -> int | None:
-        """Tokens per scored sequence: the prefix, the continuation and the token it starts from."""
-        return None if self.prefix is None else self.prefix + self.continuation + 1
-
-    def check_context(self, max_positions: int | None, model: str) -> None:
-        """ValueError naming both figures where a sequence of `length` tokens exceeds the model's context."""
-        if self.length is not None and max_positions is not None and self.length > max_positions:
-            raise ValueError(f"--prefix {self.prefix} with --continuation {self.continuation} needs {self.length} "
-                             f"positions, beyond model {model}'s limit of {max_positions}: lower --prefix to at most "
-                             f"{max_positions - self.continuation - 1}")
-
+from kvtc.artifacts.calibration import CalibrationRecord
+from kvtc.artifacts.groups import FeatureGroup
+from kvtc.kernels import KVTCCodec
+from kvtc.kernels.codec.layers import cached_layers, is_mla, is_uniform
+from kvtc.pipeline.evaluation import baselines as bl
+from kvtc.pipeline.evaluation.eval_settings import EvalSettings
+from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
+from kvtc.pipeline.fit.metric import AttentionMetric
+from kvtc.workers import mla
+from kvtc.workers.capture import metric_capture, raw_cache
 
 @dataclass
 class _Tally:
@@ -83,9 +47,7 @@ class _Tally:
 
 
 def _forward(model, ids, cache, attention_mask=None):
-    import inspect
 
-    import torch
 
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
@@ -100,10 +62,7 @@ def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=Non
     Models whose layers differ pass `prefix_cache` (the model's own cache after the prefix) and `coded`
     (the model layer of each of the L rows): a copy of it gets each coded layer's keys and values (a
     sliding layer the last positions it holds), so states of layers without a KV cache stay the model's."""
-    import copy
 
-    import torch
-    from transformers import DynamicCache
 
     dtype = next(model.parameters()).dtype
     if prefix_cache is not None:
@@ -136,24 +95,20 @@ class _Codecs:
         return self._made[kind, ratio]
 
     def codec(self, ratio: float):
-        from kvtc.kernels import KVTCCodec
 
         return self._get("codec", ratio, lambda: KVTCCodec(self.artifact, ratio, mode=self.mode))
 
     def chunk(self, ratio: float):
-        from kvtc.pipeline.evaluation.served import chunk_transform
 
         return self._get("chunk", ratio, lambda: chunk_transform(self.codec(ratio)))
 
     def pca_uniform(self, ratio: float):
-        from kvtc.pipeline.evaluation import baselines as bl
 
         return self._get("pca_uniform", ratio, lambda: bl.pca_uniform_codec(self.artifact, ratio))
 
 
 def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int, codecs: _Codecs):
     """Yield (method, target ratio or None, Reconstruction) for the codec and every baseline."""
-    from kvtc.pipeline.evaluation import baselines as bl
 
     p = bl.features(keys, values)
     yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
@@ -162,7 +117,6 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
     for r in settings.ratios:
         yield f"kvtc-{r:g}x", r, bl.run_codec(codecs.codec(r), keys, values)
     if settings.served:
-        from kvtc.pipeline.evaluation.served import chunk_path
 
         for r in settings.ratios:
             transform = codecs.chunk(r)
@@ -193,14 +147,8 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     objective's metric (kvtc.pipeline.fit.metric, measured on each sequence's own queries), where the model's
     query and output projections can be read; for a multi-head latent attention model (keys: its latent, values: its
     RoPE key) also key_up_error, value_up_error: the per-head keys and values after kv_b_proj (workers.mla)."""
-    import torch
 
-    from kvtc.artifacts.calibration import CalibrationRecord
-    from kvtc.pipeline.evaluation import baselines as bl
-    from kvtc.kernels.codec.layers import cached_layers, is_mla, is_uniform
-    from kvtc.workers.capture import raw_cache
 
-    from kvtc.workers import mla
 
     record = CalibrationRecord.from_manifest(artifact.manifest)
     projections = mla.up_projections(lm.model, lm.layers) if is_mla(lm.layers) else None
@@ -222,7 +170,6 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
         blocks = None if metric is None else _metric_blocks(metric, keys.shape[0], keys.shape[1])
         state = {}
         if lm.layers and not is_uniform(lm.layers):  # sliding / no-KV layers: continue from the model's own cache
-            from transformers import DynamicCache
 
             _, own = _forward(lm.model, prefix, DynamicCache(config=lm.model.config))
             state = {"prefix_cache": own, "coded": cached_layers(lm.layers)}
@@ -279,7 +226,6 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
 
 def _metric_capture(lm):
     """The model's attention-metric hooks, or None where its projections cannot be read (MLA, unknown layouts)."""
-    from kvtc.workers.capture import metric_capture
 
     try:
         return metric_capture(lm)
@@ -289,10 +235,7 @@ def _metric_capture(lm):
 
 def _metric_blocks(metric, layers: int, heads: int) -> dict:
     """{stream: (layers, heads, d, d) float64}: the attention objective's metric of the last forward's queries."""
-    import torch
 
-    from kvtc.artifacts.groups import FeatureGroup
-    from kvtc.pipeline.fit.metric import AttentionMetric
 
     group = FeatureGroup(tuple(range(layers)))
     sums = {k: v.numpy() for k, v in metric.sums().items()}
@@ -307,7 +250,6 @@ def _metric_blocks(metric, layers: int, heads: int) -> dict:
 
 def _attention_error(x, x_hat, blocks) -> tuple[float, float]:
     """(sum e^T M e, sum x^T M x) over (layers, heads, tokens, d) caches, M (layers, heads, d, d) per head."""
-    import torch
 
     x64 = x.double()
     e = x64 - x_hat.double()

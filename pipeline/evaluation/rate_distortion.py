@@ -122,7 +122,7 @@ def chart(rows: list[dict]) -> bytes | None:
     if not rows:
         return None
 
-    import matplotlib.ticker  # deferred, as every chart: commands that draw nothing never load matplotlib
+    import matplotlib.ticker  # noqa: PLC0415 - as every chart: commands that draw nothing never load matplotlib
 
     plt, fig, axes = figure(2)
     styles = {"fixed": ("o-", "fixed-rate (DP blocks, budget before DEFLATE)"), "ecsq": ("s-", "ECSQ (entropy-coded)"),

@@ -14,6 +14,7 @@ import math
 
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.schema import STREAMS
+from kvtc.pipeline.evaluation import basis_size, rate_distortion
 from kvtc.pipeline.evaluation.charts import caption, figure, png
 from kvtc.workers.objective import recorded_objective
 
@@ -251,8 +252,6 @@ def chart_allocation(allocations: dict, features: int | None = None, split: dict
 
 def _charts(curves: dict, allocations: dict, cal: dict, curve: dict, features: int | None,
             metrics: list[dict] = ()) -> dict[str, bytes | None]:
-    from kvtc.pipeline.evaluation import basis_size, rate_distortion  # deferred: they load torch, `kvtc` start-up does not
-
     return {
         "charts/error_by_tokens.png": chart_error_by_tokens(curves.get("error_by_tokens", []), curve.get("ratio"),
                                                             cal.get("tokens"), recorded_objective(cal).captures_metric,

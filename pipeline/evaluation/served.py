@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kvtc.kernels.codec.chunk_serde import ChunkTransform
+from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.pipeline.evaluation.baselines import Reconstruction, features
 
 CHUNK = 256  # LMCache's default chunk size
@@ -20,8 +22,6 @@ CHUNK = 256  # LMCache's default chunk size
 def chunk_transform(codec: Any) -> Any:
     """A KVTCCodec -> the ChunkTransform the servers run with it, or None where the artifact is not served by
     chunks (a multi-head latent attention model, layers that keep no KV cache)."""
-    from kvtc.kernels.codec.chunk_serde import ChunkTransform
-
     if len(codec.spec.coded_layers) != codec.spec.num_layers:
         return None  # layers without a KV cache: the chunk serde does not serve such models
     try:
@@ -35,8 +35,6 @@ def chunk_path(artifact: Any, ratio: float, keys: torch.Tensor, values: torch.Te
     """keys, values (L, H, T, D) -> the cache as the chunk path restores it, or None where the artifact is not
     served by chunks. `transform`: the ratio's `chunk_transform`, built once for many caches (else built here)."""
     if transform is None:
-        from kvtc.kernels.codec.kvtc_codec import KVTCCodec
-
         transform = chunk_transform(KVTCCodec(artifact, ratio, mode=mode))
     if transform is None or keys.shape[0] != transform.codec.spec.num_layers:
         return None

@@ -20,7 +20,8 @@ import torch
 
 from kvtc import artifacts
 from kvtc.pipeline.evaluation.long_context import longest_window, position_errors
-from kvtc.pipeline.evaluation.model_quality import EvalSettings, evaluate_sequences
+from kvtc.pipeline.evaluation.eval_settings import EvalSettings
+from kvtc.pipeline.evaluation.model_quality import evaluate_sequences
 from kvtc.pipeline.fit.basis_budget import model_parameters
 from kvtc.pipeline.job.heldout_text import heldout_sequences
 from kvtc.pipeline.job.reduce_plan import node_budget

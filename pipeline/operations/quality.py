@@ -14,7 +14,8 @@ scores after N prefix tokens instead of the calibration's sequence length: long 
 from __future__ import annotations
 
 from kvtc import artifacts
-from kvtc.pipeline.evaluation.model_quality import EvalSettings, evaluate_sequences
+from kvtc.pipeline.evaluation.eval_settings import EvalSettings
+from kvtc.pipeline.evaluation.model_quality import evaluate_sequences
 from kvtc.pipeline.evaluation.report import limit_rows
 from kvtc.pipeline.job.heldout_text import heldout_sequences
 from kvtc.workers import models

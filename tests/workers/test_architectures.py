@@ -148,7 +148,7 @@ def calibrated(request, tmp_path_factory):
 
 
 def test_calibration_codec_cache_charts_and_eval(calibrated):
-    from kvtc.pipeline.evaluation.model_quality import BASELINES
+    from kvtc.pipeline.evaluation.eval_settings import BASELINES
     from kvtc.pipeline.operations import quality
 
     arch, summary = calibrated
