@@ -94,6 +94,7 @@ MODES = ("ecsq", "fixed")
 SINK_BUDGETS = ("shared", "extra")
 SINK_FORMATS = ("int8", "cache")
 MIN_SHARED_SCALE = 0.5  # shared sinks where the first chunk keeps at least this share of its budget, else extra
+ECSQ_TRIES = 3  # ECSQ codings of a chunk, each at a smaller budget where the last overshot the bound, before fixed-rate
 
 
 def binding(*parts: object) -> bytes:
@@ -437,6 +438,10 @@ class ChunkTransform:
         # cannot, it is coded whole, sinks included (fixed-rate, a later chunk's size): the bound is a later chunk's
         self.shared = sink_budget == "shared" and self.sinks > 0
         self.whole = KVTCCodec(replace(self.spec, sinks=0), mode="fixed", **options) if self.shared else None
+        # where the budget left after all the sinks cannot hold the other tokens (a high ratio, text far from the
+        # calibration's), a first chunk keeps only the first token raw, the strongest sink, before coding it whole
+        self.one = KVTCCodec(replace(self.spec, sinks=1), mode=self.mode, sink_format=sink_format, **options) \
+            if self.shared and self.mode == "ecsq" and self.sinks > 1 else None
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
         self._told: set[tuple[int, torch.dtype]] = set()
 
@@ -516,9 +521,9 @@ class ChunkTransform:
         bound = fixed if self.mode == "fixed" else max(fixed, *(self._ecsq_bound_at(tokens, dtype, a) for a in starts))
         return 2 * s.num_layers * tokens * s.kv_heads * s.head_dim * 2 / (bound + FRAME_BYTES)
 
-    def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int) -> float:
+    def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int, codec: KVTCCodec | None = None) -> float:
         """The share of its ECSQ budget a first chunk may spend so that it fits a later chunk's bound (0: none)."""
-        head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
+        head, raw, mid = self._sizes(codec or self.codec, tokens, dtype, start)
         budget = sum(g.budget_bytes(self.spec.ratio, mid)
                      for groups in self.spec.ecsq.values() for g in groups)
         room = self._ecsq_bound_at(tokens, dtype, self.sinks) - head - raw
@@ -575,16 +580,18 @@ class ChunkTransform:
         x = kv.reshape(2, s.num_layers, tokens, s.kv_heads, s.head_dim).permute(0, 1, 3, 2, 4)
         first = start < self.sinks and self._shares(tokens, kv.dtype)
         if self.mode == "ecsq":
-            scale = self._shared_scale(tokens, kv.dtype, start) if first else 1.0
-            bound = self._ecsq_bound_at(tokens, kv.dtype, self.sinks if first else start)
-            blob = None
-            if scale > 0:
-                try:
-                    blob = self.codec.encode(x[0], x[1], start=start, budget_scale=scale)
-                except (ValueError, OverflowError, RuntimeError):
-                    pass  # beyond any ECSQ step or symbol range: coded fixed-rate below
-            if blob is not None and len(blob) <= bound:
-                return blob
+            limit = self.blob_bound(tokens, kv.dtype)  # what the store keeps for any chunk of this shape
+            codecs = (self.codec, self.one) if first and self.one is not None and start == 0 else (self.codec,)
+            for codec in codecs:
+                scale = self._shared_scale(tokens, kv.dtype, start, codec) if first else 1.0
+                for _ in range(ECSQ_TRIES if scale > 0 else 0):
+                    try:
+                        blob = codec.encode(x[0], x[1], start=start, budget_scale=scale)
+                    except (ValueError, OverflowError, RuntimeError):
+                        break  # beyond any ECSQ step or symbol range: coded fixed-rate below
+                    if len(blob) <= limit:
+                        return blob
+                    scale *= 0.97 * limit / len(blob)  # rate control's steps overshot (text unlike the calibration's)
         if first and self.fixed_size(tokens, kv.dtype, start) > self.blob_bound(tokens, kv.dtype):
             return self.whole.encode(x[0], x[1], start=start)  # fixed-rate with raw sinks would exceed the bound
         return self.fixed.encode(x[0], x[1], start=start)
@@ -640,7 +647,9 @@ class ChunkTransform:
         bound = self._verified(data, key)
         blob = unframe(data)[1]
         header, _ = read_blob(blob)
-        codec = self.whole if self.shared and header.sinks == 0 else self.codec  # a first chunk coded whole
+        codec = self.codec
+        if self.shared and header.sinks != self.codec.spec.sinks:  # a first chunk with one raw sink, or coded whole
+            codec = {0: self.whole, 1: self.one}.get(header.sinks) or self.codec
         if self.positional:
             if start is None and self.needs_positions and not bound:
                 raise BlobError(f"the chunk's position is unknown, and {self.label} re-applies RoPE at it; "

@@ -311,7 +311,7 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
                 return out
         if hi is not None and hi - lo <= 1:
             break
-    return best
+    return best if hi is not None else out  # never within the budget: the coarsest tried, for the caller to weigh
 
 
 def _exponent(words: bytes | memoryview) -> int:

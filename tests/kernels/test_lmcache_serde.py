@@ -538,3 +538,21 @@ def test_int8_sinks_by_default_keep_more_of_a_first_chunks_budget_and_a_short_ch
             assert len(data) == t.serialized_size(tuple(small.shape), torch.float32)
     told = [r.getMessage() for r in caplog.records if "raw sinks come on top" in r.getMessage()]
     assert len(told) == 1 and "8 tokens" in told[0] and 'sink_budget "extra"' in told[0]
+
+
+def test_a_first_chunk_that_cannot_pay_every_sink_keeps_the_first_token_raw_rather_than_coding_it():
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=3, window=3)
+    t = ChunkTransform(KVTCCodec(spec), positions=True)
+    kv = _synthetic_chunk(spec, 256, 0)
+    kv[:, :, 0] *= 40
+    limit = t.blob_bound(256, torch.float32)
+    t.codec.encode = lambda *args, **kwargs: bytes(limit + 1)  # every sink paid: beyond the bound (text unlike any)
+    data = t.serialize(kv, start=0)
+    header = read_blob(unframe(data)[1])[0]
+    assert (header.mode, header.sinks, header.head_raw) == ("ecsq", 1, 1) and len(data) == t.serialized_size(
+        tuple(kv.shape), torch.float32)
+    out = torch.empty_like(kv)
+    t.deserialize(data, out, start=0)
+    assert _rel(out[:, :, :1], kv[:, :, :1]) < 0.01 and _rel(out[:, :, 1:], kv[:, :, 1:]) < 0.3
