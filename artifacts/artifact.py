@@ -1,7 +1,6 @@
 """A verified local copy of one version, as inference servers and the codec read it."""
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import warnings
@@ -48,8 +47,7 @@ def check_kernel_bundle(manifest: dict, where: str) -> None:
     section = manifest.get("kernels") or {}
     sources = {rel[len("kernels/"):]: entry["sha256"] for rel, entry in manifest["files"].items()
                if rel.startswith("kernels/")}
-    lines = "".join(f"{rel} {sources[rel]}\n" for rel in sorted(sources))
-    actual = hashlib.sha256(lines.encode()).hexdigest() if sources else None
+    actual = bundle.digests_hash(sources)
     if section.get("bundle_sha256") != actual or manifest.get("kernel_bundle_hash") != actual \
             or sorted(section.get("files") or []) != sorted(sources):
         raise IntegrityError(f"{where}: the kernel bundle hash does not match the kernels/ files listed "

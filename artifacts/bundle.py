@@ -57,9 +57,15 @@ def kernel_sources(directory: Path | None = None) -> dict[str, bytes]:
 
 def bundle_hash(sources: dict[str, bytes]) -> str | None:
     """Hash of a bundle given as {relative path: bytes}; None for an empty bundle."""
-    if not sources:
+    return digests_hash({rel: hashlib.sha256(data).hexdigest() for rel, data in sources.items()})
+
+
+def digests_hash(digests: dict[str, str]) -> str | None:
+    """The bundle hash, the one formula: sha256 of "path sha256-hex\n" lines in path order, from each file's
+    digest (what a manifest lists); None for an empty bundle."""
+    if not digests:
         return None
-    lines = "".join(f"{rel} {hashlib.sha256(data).hexdigest()}\n" for rel, data in sorted(sources.items()))
+    lines = "".join(f"{rel} {digests[rel]}\n" for rel in sorted(digests))
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
