@@ -37,7 +37,9 @@ from kvtc.kernels import BlobError, KVTCCodec, read_blob  # noqa: E402
 from kvtc.kernels.codec import ecsq, rans  # noqa: E402
 from kvtc.kernels.codec.backend import resolve_ops  # noqa: E402
 from kvtc.kernels.codec.blob import TAG_ECSQ, Section, write_blob  # noqa: E402
-from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings, ChunkTransform  # noqa: E402
+from kvtc.kernels.codec.chunk_serde import ChunkTransform  # noqa: E402
+from kvtc.kernels.integrations.lmcache_ranks import RankedChunkTransforms  # noqa: E402
+from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings
 from kvtc.kernels.codec.spec import STREAMS  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -243,8 +245,8 @@ def main() -> int:
         if args.synthetic:
             transform = ChunkTransform(KVTCCodec(synthetic_chunk_spec(ratio), mode="ecsq"), mode="ecsq")
         else:
-            transform = ChunkTransform.from_settings(ChunkSerdeSettings(args.artifact, ratio, args.registry,
-                                                                        mode="ecsq"))
+            transform = RankedChunkTransforms.from_settings(ChunkSerdeSettings(args.artifact, ratio, args.registry,
+                                                                               mode="ecsq"))(None)
         kept = {st: [g.kept for g in transform.codec.spec.ecsq[st]] for st in STREAMS}
         print(f"CR {ratio:g}: kept components {kept}, p = {transform.codec.spec.features} per stream")
         for threads in (int(n) for n in args.threads.split(",")):

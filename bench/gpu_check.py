@@ -178,6 +178,7 @@ def check_reduce_task() -> bool:
     same unit on the CPU, on a tiny in-process calibration: held-out errors of both modes agree."""
     import tempfile
 
+    from kvtc.pipeline.fit.allocator import AllocatorSettings
     from kvtc.pipeline.job.calibrate import calibrate_local
     from kvtc.pipeline.job.group_task import GroupTask, run_group
     from kvtc.pipeline.job.heldout_store import load_rows
@@ -198,7 +199,8 @@ def check_reduce_task() -> bool:
         out = {}
         for device in ("cpu", "cuda"):
             task = GroupTask(index=0, stream="keys", group=0, p=p, accumulators=tuple(corpus["accumulators"]),
-                             ratios=(8.0, 16.0), allocator=cal["allocator"], sinks=cal["sinks"], window=cal["window"],
+                             ratios=(8.0, 16.0), allocator=AllocatorSettings.from_dict(cal["allocator"]),
+                             sinks=cal["sinks"], window=cal["window"],
                              threads=1, device=device)
             t0 = time.perf_counter()
             r = run_group(task, ctx["store"], rows)

@@ -1708,7 +1708,8 @@ def chunks_after_a_restart(tmp: Path) -> list[Ended]:
     (unkeyed frame, MAC of another blob, one bit flipped, another key, no key configured): each a miss naming why."""
     from helpers.lmcache_artifacts import chunk
     from helpers.synthetic import synthetic_cache
-    from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, ChunkTransform, binding, load_chunk_key
+    from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, ChunkTransform, binding
+    from kvtc.kernels.integrations.lmcache_settings import load_chunk_key
 
     spec = _serving_spec()
     key = load_chunk_key(tmp / "chunk-key")

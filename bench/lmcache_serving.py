@@ -288,7 +288,11 @@ def ppl(registry: str, kept: str, removed: str, ratios: list[float], corpus: str
 
     import torch
 
-    from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, ChunkSerdeSettings, RankedChunkTransforms, unframe
+    from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, unframe
+
+    from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings
+
+    from kvtc.kernels.integrations.lmcache_ranks import RankedChunkTransforms
     from kvtc.pipeline.evaluation.model_quality import continuation_logprobs
     from kvtc.workers.capture import raw_cache
     from kvtc.workers.models import load_model

@@ -39,12 +39,7 @@ def check_calibration(cfg: JobSettings) -> ModelFacts:
     if plan.seq_len <= capture.sinks + capture.window:
         raise ValueError(f"seq_len {plan.seq_len} leaves no position after excluding sinks={capture.sinks} and "
                          f"window={capture.window}; use seq_len > {capture.sinks + capture.window}")
-    if capture.objective in ("attention", "auto") and cfg.reduce.attention_balance == "sensitivity" \
-            and capture.sensitivity < 1:
-        raise ValueError("--attention-balance sensitivity scales the metric by the model's measured KL sensitivity, "
-                         "which --sensitivity 0 does not capture; pass --sensitivity 1 or another --attention-balance"
-                         + (" (--objective auto runs attention wherever its metric can be built)"
-                            if capture.objective == "auto" else ""))
+    capture.objective.check_options(cfg.reduce.attention_balance, capture.sensitivity)  # before its resolution
     for spec in filter(None, (plan.corpus, plan.eval_corpus)):
         check_corpus_files(spec)
     facts = check_model_spec(cfg.model.model)

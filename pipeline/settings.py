@@ -19,16 +19,19 @@ This module imports nothing heavy at import time: the CLI builds its parser from
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
+from enum import Enum
 from typing import Any, Iterator
 
 from kvtc.artifacts.blocks import check_ratios
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.schema import check_name
 from kvtc.pipeline.cli_checks import parse_ratios
-from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
+from kvtc.pipeline.fit.allocator_settings import AllocatorSettings, BitSplit
 from kvtc.workers.capture_settings import CaptureSettings
-from kvtc.pipeline.fit.metric import BALANCES, WEIGHTINGS, AttentionMetric
+from kvtc.pipeline.fit.metric import AttentionMetric
+from kvtc.workers.objective import (Balance, ObjectiveChoice, Weighting, balance_option, floor_option,
+                                    weighting_option)
 from kvtc.workers.options import Option, joined, option
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -116,20 +119,14 @@ class ReduceSettings:
     served_sequences: int = option(1, "held-out sequences scored through the chunk path the servers use, beside the "
                                       "offline codec, before publishing (report and metrics: what serving will cost; "
                                       "each scores up to 128 tokens after its coded prefix; 0: off)", kind=int)
-    attention_balance: str = option("sensitivity", "--objective attention: how the metric's blocks are scaled "
-                                                    "(sensitivity: each (layer, KV head) by the model's measured KL "
-                                                    "per unit of error, needs --sensitivity >= 1; layer: each layer "
-                                                    "to mean 1, the squared error's balance between layers kept; "
-                                                    "head; model: as measured)", choices=BALANCES)
-    attention_floor: float = option(0.05, "--objective attention: share of each block's mean weight added to every "
-                                          "direction (no direction is free)", kind=float)
-    attention_weighting: str = option("concentration", "--objective attention: concentration weighs each KV head by "
-                                                       "how much of one position's error reaches a query (its mean "
-                                                       "sum of squared attention weights); none: heads alike",
-                                      choices=WEIGHTINGS)
+    attention_balance: Balance = balance_option()  # the objective's options (kvtc.workers.objective)
+    attention_floor: float = floor_option()
+    attention_weighting: Weighting = weighting_option()
 
     def __post_init__(self) -> None:
-        AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)  # validated there
+        metric = AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)  # validated there
+        object.__setattr__(self, "attention_balance", metric.balance)  # the words read: Balance, Weighting
+        object.__setattr__(self, "attention_weighting", metric.weighting)
         object.__setattr__(self, "ratios", check_ratios(self.ratios))
         _count(self.heldout_rows, "--heldout-rows")
         _count(self.accumulators, "--accumulators")
@@ -208,8 +205,13 @@ def options() -> Iterator[tuple[str, str, Option, Any]]:
 
 
 def _plain(value: Any) -> Any:
+    """A field's value as JSON: tuples as lists, a switch (kvtc.workers.options.Word) or an objective as its word."""
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
+    if isinstance(value, ObjectiveChoice):
+        return value.name
+    if isinstance(value, Enum):
+        return value.value
     return value
 
 
@@ -255,7 +257,8 @@ class JobSettings:
 
     def computational(self) -> dict[str, dict[str, Any]]:
         """What the job computes from, group by group, as plain JSON values (the manifest's record)."""
-        return {g: {k: _plain(v) for k, v in asdict(getattr(self, g)).items()} for g in COMPUTATIONAL}
+        return {g: {f.name: _plain(getattr(getattr(self, g), f.name)) for f in fields(_group_class(g))}
+                for g in COMPUTATIONAL}
 
     @classmethod
     def from_computational(cls, recorded: dict[str, dict[str, Any]], runtime: RuntimeSettings | None = None
@@ -273,8 +276,8 @@ class JobSettings:
             if not isinstance(group, dict):
                 raise ValueError(f"{_WHERE}.{g}: expected an object of settings, got {type(group).__name__}")
             cls_ = _group_class(g)
-            values = {f.name: _typed(f"{_WHERE}.{g}.{f.name}", f.type, group[f.name])
-                      for f in fields(cls_) if f.name in group}
+            values = {f.name: _recorded(f"{_WHERE}.{g}.{f.name}", f, group[f.name]) for f in fields(cls_)
+                      if f.name in group}
             for name in _SAFETY_CAPS.get(g, ()):
                 cap = next(f.default for f in fields(cls_) if f.name == name)
                 if name in values and values[name] > cap:
@@ -313,6 +316,15 @@ def _scalar(where: str, kind: str, value: Any) -> Any:
     return float(value) if kind == "float" else value
 
 
+def _recorded(where: str, f: Field, value: Any) -> Any:
+    """A recorded value checked against its field: an option of choices (an objective, a switch) records its
+    word, which the group's own validation reads; any other field, by its annotation (`_typed`)."""
+    opt = f.metadata.get("option")
+    if opt is not None and opt.choices is not None:
+        return _scalar(where, "str", value)
+    return _typed(where, f.type, value)
+
+
 def _typed(where: str, annotation: Any, value: Any) -> Any:
     """A recorded value checked against its field's annotation (a string under postponed annotations):
     int, float, str, bool, X | None, tuple[X, ...]; JSON lists become tuples. ValueError names `where`."""
@@ -342,10 +354,10 @@ def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | 
             recorded_settings["capture"] = {**recorded_settings["capture"], "sensitivity": 0}
             reduce = recorded_settings.get("reduce")
             if isinstance(reduce, dict) and "attention_balance" not in reduce:
-                recorded_settings["reduce"] = {**reduce, "attention_balance": "layer"}
+                recorded_settings["reduce"] = {**reduce, "attention_balance": Balance.LAYER.value}
         allocator = recorded_settings.get("allocator")
         if isinstance(allocator, dict) and "bit_split" not in allocator:  # likewise: every basis its own share
-            recorded_settings["allocator"] = {**allocator, "bit_split": "even"}
+            recorded_settings["allocator"] = {**allocator, "bit_split": BitSplit.EVEN.value}
         return JobSettings.from_computational(recorded_settings, runtime)
     corpus = manifest.get("corpus") or {}
     recorded = dict(
@@ -355,7 +367,7 @@ def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | 
         sample=rec.sample, seed=rec.seed, holdout_fraction=rec.holdout_fraction, heldout_rows=rec.heldout_rows_cap,
         text_column=rec.text_column, dtype=rec.dtype, keys=rec.keys, objective=rec.objective, block_sizes=tuple(rec.allocator["block_sizes"]),
         types=tuple(rec.allocator["types"]), error_model=rec.allocator["error_model"],
-        bit_split=rec.allocator.get("bit_split", "even"),
+        bit_split=rec.allocator.get("bit_split", BitSplit.EVEN.value),
     )
     unrecorded = {"holdout_fraction", "heldout_rows", "seqs_per_shard", "corpus"}  # None: keep the default
     recorded = {k: v for k, v in recorded.items() if v is not None or k not in unrecorded}

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers
+from kvtc.workers.objective import Objective, ObjectiveChoice, objective_choice
 
 _ATTENTION = ("self_attn", "attention", "attn", "self_attention")
 _QUERY = ("q_proj", "qkv_proj", "query")
@@ -99,22 +100,14 @@ def check_readable(config: Any, layers: tuple[LayerSpec, ...]) -> None:
     attention_modules(getattr(base, "language_model", base), layers)
 
 
-def choose_objective(requested: str, config: Any, layers: tuple[LayerSpec, ...]) -> tuple[str, str]:
-    """-> (the objective to run, why). "auto" is "attention" where every coded layer's query and output
-    projections can be read (a meta-device model, before any model work), else "mse" naming what could not;
-    "attention" for such a model is refused (ValueError naming the layer); "mse" stays."""
-    if requested == "mse":
-        return "mse", "requested (--objective mse)"
-    try:
-        check_readable(config, layers)
-    except ValueError as exc:
-        if requested == "attention":
-            raise
-        why = str(exc).removeprefix("--objective attention").lstrip(": ").split("; use --objective mse")[0]
-        return "mse", f"auto: the attention metric cannot be built for this model ({why}); calibrated with mse"
-    if requested == "attention":
-        return "attention", "requested (--objective attention)"
-    return "attention", "auto: every coded layer's query and output projections were read"
+def choose_objective(requested: ObjectiveChoice | str, config: Any, layers: tuple[LayerSpec, ...]
+                     ) -> tuple[Objective, str]:
+    """-> (the objective to run, why): `requested` (an --objective choice or its word) resolved against the model,
+    whose attention metric can be built where every coded layer's query and output projections can be read (a
+    meta-device model, before any model work; `ObjectiveChoice.resolve` says what each choice makes of that):
+    "auto" is attention where they can, else mse naming what could not; "attention" for such a model is refused
+    (ValueError naming the layer); "mse" stays."""
+    return objective_choice(requested).resolve(lambda: check_readable(config, layers))
 
 
 def pair_mean(energy: torch.Tensor, spec: LayerSpec) -> torch.Tensor:

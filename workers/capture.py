@@ -34,7 +34,6 @@ from kvtc.workers.attention_metric import MetricCapture
 from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.workers.full_cache import full_cache
 from kvtc.workers.models import LoadedModel
-from kvtc.workers.objective import objective_for
 
 
 
@@ -50,7 +49,7 @@ class CapturedKV:
     """keys, values (N, p) float32 (keys RoPE-removed unless settings.keys is "rope-kept"); positions, sequence (N,) int64 (row in the batch).
 
     source_dtype: the dtype the model computed in ("float32", "bfloat16", ...).
-    metric: with settings.objective "attention", the batch's attention-metric sums over `metric_tokens` query
+    metric: with an objective that captures it (attention), the batch's attention-metric sums over `metric_tokens` query
     tokens (kvtc.workers.attention_metric): {"keys": (layers, kv_heads, head_dim), "values": (..., head_dim)}.
     """
 
@@ -129,10 +128,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     b, t = input_ids.shape
     check_seq_len(lm, t, settings)
-    if settings.objective == "auto":
-        raise ValueError("objective 'auto' is resolved against the model before capture (kvtc.workers.attention_metric."
-                         "choose_objective, which the calibration plan runs); pass 'attention' or 'mse'")
-    metric = metric_capture(lm) if objective_for(settings.objective).captures_metric else None
+    metric = metric_capture(lm) if settings.objective.resolved().captures_metric else None  # auto: refused
     # first, while nothing else is held: its backward is the capture's largest working set
     extra = _sensitivity(lm, input_ids, settings, sensitivity) if metric is not None and sensitivity > 0 else {}
     keys, values = _forward_cache(lm, input_ids, metric)

@@ -1,6 +1,6 @@
 """The capture settings: which positions a calibration captures and how features are grouped into
 bases (kvtc.workers.capture uses them). Light, for the command line: each field is its
-`kvtc calibrate` option."""
+`kvtc calibrate` option (the objective's, --objective and --sensitivity, declared by kvtc.workers.objective)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
-from kvtc.workers.objective import NAMES, MseObjective
+from kvtc.workers.objective import MSE, ObjectiveChoice, objective_choice, objective_option, sensitivity_option
 from kvtc.workers.options import option
 
 if TYPE_CHECKING:
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 KEY_FORMS = ("rope-removed", "rope-kept")
 GROUP_FORMS = ("auto", "model", "layer")
-OBJECTIVES = ("auto", *NAMES)
 
 
 @dataclass(frozen=True)
@@ -34,14 +33,8 @@ class CaptureSettings:
     keys: str = option("rope-removed", "rope-removed: keys calibrated and coded without RoPE; rope-kept: as servers store "
                                        "them, for consumers that cannot remove RoPE (Dynamo, chunk stores without "
                                        "positions)", choices=KEY_FORMS)
-    objective: str = option("auto", "attention: bases and allocations minimize the error the attention feels (keys "
-                                    "weighted by the queries' second moments, values by the output projection), with "
-                                    "distinct encode and decode matrices; mse: the cache's own squared error; auto: "
-                                    "attention where its metric can be built, else mse (the manifest says which and "
-                                    "why)", choices=OBJECTIVES)
-    sensitivity: int = option(1, "--objective attention: sequences per shard whose KL sensitivity (the Fisher "
-                                 "information of each layer's keys and values) is measured, one backward pass each, "
-                                 "for --attention-balance sensitivity (0: off)", kind=int)
+    objective: ObjectiveChoice = objective_option()  # an objective, or auto until the plan resolves it
+    sensitivity: int = sensitivity_option()
     tp: int = option(1, "tensor-parallel ranks the model is served at: one basis per rank's KV heads (and per layer "
                         "group), as vLLM and SGLang shard them; ranks holding the same heads share one", kind=int)
 
@@ -50,8 +43,7 @@ class CaptureSettings:
             raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
         if not isinstance(self.sensitivity, int) or self.sensitivity < 0:
             raise ValueError(f"--sensitivity must be an integer >= 0 (sequences per shard), got {self.sensitivity!r}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        object.__setattr__(self, "objective", objective_choice(self.objective))  # its word read: the option's refusal
         if self.keys not in KEY_FORMS:
             raise ValueError(f"keys must be one of {KEY_FORMS}, got {self.keys!r}")
         if self.sinks < 0 or self.window < 0:
@@ -95,18 +87,18 @@ class CaptureSettings:
         return seq_len - self.sinks - self.window
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {**asdict(self), "objective": self.objective.name}
         if self.keys == "rope-removed":
             del d["keys"]  # the default stays out, so shard-store keys written before the option still match
         if self.tp == 1:
             del d["tp"]  # likewise
-        if self.objective == MseObjective.name:
+        if self.objective.implicit:
             del d["objective"]  # likewise: the objective before the option
-        if self.sensitivity == 0 or self.objective == MseObjective.name:
+        if self.sensitivity == 0 or self.objective.implicit:
             del d["sensitivity"]  # likewise: what ran before the KL sensitivity was (mse never captures it)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
         """The inverse of `to_dict` (whose missing objective is "mse", missing sensitivity 0)."""
-        return cls(**{"objective": MseObjective.name, "sensitivity": 0, **d})
+        return cls(**{"objective": MSE, "sensitivity": 0, **d})

@@ -7,6 +7,7 @@ declares its options on its own fields; kvtc.pipeline.settings collects them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable
 
 
@@ -52,3 +53,24 @@ def words(word: Any) -> tuple[str, ...]:
 def joined(value: Any) -> str:
     """A tuple as its option word: "1,16,64"."""
     return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+
+
+class Word(str, Enum):
+    """A switch whose members are its option words: a `str` enum, so it compares, hashes and JSON-encodes as
+    its word, and formats as it (`f"{x}"`, `str(x)`). `of` reads a word, refusing any other naming the choices."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def words(cls) -> tuple[str, ...]:
+        """The words, in declaration order (the option's choices)."""
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def of(cls, word: Any, what: str):
+        """The member `word` names (a member passes through); ValueError "{what} must be one of ..." otherwise."""
+        try:
+            return cls(word)
+        except (ValueError, TypeError):
+            raise ValueError(f"{what} must be one of {cls.words()}, got {word!r}") from None

@@ -36,7 +36,7 @@ that key (magic b"KVTCCHK2"), so a writer of the store cannot make or alter a ch
 a server with a key refuses unkeyed frames, one without a key refuses keyed ones.
 
 Placement: a storage layer keys chunks by a rank (LMCache packs world size, global rank, local world
-size and local rank into `ObjectKey.kv_rank`: `KVRank.decode`). With an artifact calibrated for T
+size and local rank into `ObjectKey.kv_rank`: kernels/integrations/lmcache_ranks.py decodes it). With an artifact calibrated for T
 tensor-parallel ranks (`kvtc calibrate --tp T`; T = 1 without it), world size W = T x P: global rank g
 holds TP rank g % T's KV heads of pipeline stage g // T, whose layers are vLLM's partition of the
 model's layers into P stages (its default, or `pp_partition`, vLLM's VLLM_PP_LAYER_PARTITION). A
@@ -62,19 +62,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
-import secrets
-import stat
 import struct
-import threading
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, SINK_BUDGETS, SINK_FORMATS
 from kvtc.kernels.codec.blob import BlobError, BlobHeader, Section, read_blob, write_blob
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+from kvtc.kernels.codec.layered import restrict
 from kvtc.kernels.codec.model_config import check_config
 from kvtc.kernels.codec.modes import default_mode
 from kvtc.kernels.codec.spec import CodecSpec
@@ -83,16 +80,9 @@ _log = logging.getLogger("kvtc.chunk_serde")
 _FRAME = struct.Struct("<8s16sQ")
 FRAME_MAGIC = b"KVTCCHK1"  # the key's unkeyed binding digest (no chunk key configured)
 KEYED_MAGIC = b"KVTCCHK2"  # a MAC, under the deployment's chunk key, of the key's binding and the blob
-CHUNK_KEY_ENV = "KVTC_CHUNK_KEY_FILE"
-CHUNK_KEY_BYTES = 32
 FRAME_BYTES = _FRAME.size
 UNBOUND = bytes(16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition",
-           "sink_budget", "sink_format", "key_file")
-MODES = ("ecsq", "fixed")
-SINK_BUDGETS = ("shared", "extra")
-SINK_FORMATS = ("int8", "cache")
 MIN_SHARED_SCALE = 0.5  # shared sinks where the first chunk keeps at least this share of its budget, else extra
 ECSQ_TRIES = 3  # ECSQ codings of a chunk, each at a smaller budget where the last overshot the bound, before fixed-rate
 
@@ -116,51 +106,6 @@ def keyed_binding(chunk_key: bytes, key: bytes, blob: bytes | memoryview) -> byt
     return h.digest()
 
 
-def load_chunk_key(path: str | os.PathLike) -> bytes:
-    """The deployment's chunk key at `path` (CHUNK_KEY_BYTES random bytes): read it, or create it once,
-    exclusively, with mode 0600. ValueError naming the file when it cannot serve: not a regular file, readable by
-    group or others, or not CHUNK_KEY_BYTES long. Keep it outside the chunk store: a writer of the store who can
-    read it can forge chunks."""
-    path = os.fspath(path)
-    for _ in range(40):
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            fresh = secrets.token_bytes(CHUNK_KEY_BYTES)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-            except FileExistsError:
-                continue  # created by another server a moment ago: read theirs
-            except OSError as exc:
-                raise ValueError(f"kvtc chunk key {path} cannot be created ({exc.strerror}); create its folder or "
-                                 "point key_file elsewhere") from None
-            with os.fdopen(fd, "wb") as f:
-                f.write(fresh)
-                f.flush()
-                os.fsync(f.fileno())
-            return fresh
-        except OSError as exc:
-            raise ValueError(f"kvtc chunk key {path} cannot be read ({exc.strerror}): it must be a regular file of "
-                             f"{CHUNK_KEY_BYTES} bytes, mode 0600") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
-            os.close(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"kvtc chunk key {path} is not a regular file")
-            raise ValueError(f"kvtc chunk key {path} is readable or writable by others (mode "
-                             f"{stat.S_IMODE(st.st_mode):04o}): chmod 600 it")
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(CHUNK_KEY_BYTES + 1)
-        if not data:
-            time.sleep(0.05)  # being written by the server that created it
-            continue
-        if len(data) != CHUNK_KEY_BYTES:
-            raise ValueError(f"kvtc chunk key {path} holds {len(data)} bytes, not {CHUNK_KEY_BYTES}: restore it, or "
-                             "delete it to start a fresh key (every stored chunk is then a miss)")
-        return data
-    raise ValueError(f"kvtc chunk key {path} could not be created or read")
-
-
 def nonfinite_where(kv: torch.Tensor) -> str | None:
     """None if every value of the chunk (2, L, T, F) is finite, else where the first non-finite one is."""
     bad = ~torch.isfinite(kv)
@@ -172,121 +117,7 @@ def nonfinite_where(kv: torch.Tensor) -> str | None:
             f"token {i[2]} of the chunk, feature {i[3]}")
 
 
-def _partition(value: Any) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else value
-    try:
-        out = tuple(int(str(x).strip()) for x in items)
-    except (TypeError, ValueError):
-        out = ()
-    if not out or any(n < 1 for n in out):
-        raise ValueError(f'kvtc serde "pp_partition" must list layers per pipeline stage, e.g. "16,16" or [16, 16] '
-                         f"(vLLM's VLLM_PP_LAYER_PARTITION), got {value!r}")
-    return out
-
-
-@dataclass(frozen=True)
-class ChunkSerdeSettings:
-    """Serde kwargs: artifact "NAME[@VERSION|ALIAS]", ratio, registry URI, backend, model (hub id or
-    local dir whose config is checked against the artifact), max_workers (LMCache's thread pool),
-    mode ("ecsq" | "fixed"; default: the artifact's), pad (pad every chunk to the size bound),
-    pp_partition (layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION; default: vLLM's),
-    sink_budget ("shared", the default: a first chunk's raw sinks come out of its own budget, so the bound, and
-    every padded chunk, is a later chunk's; "extra": they come on top of its budget, and the bound counts them),
-    sink_format ("int8", the default: raw sinks as int8 codes with a scale per token vector; "cache": in the
-    chunk's dtype),
-    key_file (the deployment's chunk key, created once with mode 0600; default: $KVTC_CHUNK_KEY_FILE, else no key:
-    every server sharing a store must use the same key, kept outside the store)."""
-
-    artifact: str
-    ratio: float
-    registry: str | None = None
-    backend: str = "auto"
-    model: str | None = None
-    max_workers: int = 1
-    mode: str | None = None
-    pad: bool = True
-    pp_partition: tuple[int, ...] | None = None
-    sink_budget: str = "shared"
-    sink_format: str = "int8"
-    key_file: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.artifact, str) or not self.artifact:
-            raise ValueError('the kvtc serde needs "artifact": "NAME[@VERSION|ALIAS]" in its kwargs')
-        if not isinstance(self.ratio, (int, float)) or isinstance(self.ratio, bool) or not self.ratio > 1:
-            raise ValueError(f'the kvtc serde needs "ratio": a number > 1 the artifact was allocated for, '
-                             f"got {self.ratio!r}")
-        if not isinstance(self.max_workers, int) or self.max_workers < 1:
-            raise ValueError(f"max_workers must be an integer >= 1, got {self.max_workers!r}")
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f'kvtc serde "mode" must be one of {MODES} (or absent: the artifact\'s default), '
-                             f"got {self.mode!r}")
-        if not isinstance(self.pad, bool):
-            raise ValueError(f'kvtc serde "pad" must be true or false, got {self.pad!r}')
-        if self.sink_budget not in SINK_BUDGETS:
-            raise ValueError(f'kvtc serde "sink_budget" must be one of {SINK_BUDGETS}, got {self.sink_budget!r}')
-        if self.sink_format not in SINK_FORMATS:
-            raise ValueError(f'kvtc serde "sink_format" must be one of {SINK_FORMATS}, got {self.sink_format!r}')
-        object.__setattr__(self, "pp_partition", _partition(self.pp_partition))
-        if self.key_file is not None and (not isinstance(self.key_file, str) or not self.key_file):
-            raise ValueError(f'kvtc serde "key_file" must be a path (the deployment\'s chunk key), got {self.key_file!r}')
-
-    def chunk_key(self) -> bytes | None:
-        """The deployment's chunk key: `key_file`, else the file KVTC_CHUNK_KEY_FILE names (created once, 0600);
-        None where neither is set (chunks then carry the unkeyed binding digest)."""
-        path = self.key_file or os.environ.get(CHUNK_KEY_ENV) or None
-        return None if path is None else load_chunk_key(path)
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, object]) -> "ChunkSerdeSettings":
-        """kwargs: the "serde" dict, with or without its "type" (LMCache revisions differ)."""
-        kwargs = dict(kwargs)
-        kind = kwargs.pop("type", "kvtc")
-        if kind != "kvtc":
-            raise ValueError(f'the kvtc serde was handed a config of type {kind!r}')
-        unknown = sorted(set(kwargs) - set(_KWARGS))
-        if unknown:
-            raise ValueError(f"unknown kvtc serde option(s) {unknown}; accepted: {list(_KWARGS)}")
-        missing = [k for k in ("artifact", "ratio") if k not in kwargs]
-        if missing:
-            raise ValueError(f'the kvtc serde needs {missing} in its kwargs, e.g. '
-                             '{"type": "kvtc", "artifact": "llama-3.1-8b@production", "ratio": 16, '
-                             '"registry": "s3://bucket/kvtc"}')
-        return cls(**kwargs)  # type: ignore[arg-type]
-
-
 # ------------------------------------------------------------------ ranks and placements
-
-
-@dataclass(frozen=True)
-class KVRank:
-    """A storage key's rank: LMCache's `ObjectKey.kv_rank` packs
-    (world_size << 24) | (global_rank << 16) | (local_world_size << 8) | local_rank
-    (`ObjectKey.ComputeKVRank`), world_size and global_rank over TP x PP."""
-
-    world_size: int
-    rank: int
-    local_world_size: int
-    local_rank: int
-
-    @classmethod
-    def decode(cls, kv_rank: int | None) -> "KVRank":
-        """LMCache's packed kv_rank -> its fields; None (a caller without keys) is rank 0 of world size 1."""
-        if kv_rank is None:
-            return cls(1, 0, 1, 0)
-        if not isinstance(kv_rank, int) or isinstance(kv_rank, bool) or not 0 <= kv_rank < 1 << 32:
-            raise ValueError(f"kv_rank must be LMCache's packed rank, an integer in [0, 2^32), got {kv_rank!r}")
-        out = cls((kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF, (kv_rank >> 8) & 0xFF, kv_rank & 0xFF)
-        if out.world_size == 0 or out.rank >= out.world_size or out.local_rank >= max(out.local_world_size, 1):
-            raise ValueError(f"kv_rank {kv_rank} ({kv_rank:#010x}) is not LMCache's packed rank "
-                             "(world_size << 24 | rank << 16 | local_world_size << 8 | local_rank, "
-                             f"ObjectKey.ComputeKVRank): it decodes to {out}")
-        return out
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} of world size {self.world_size}"
 
 
 def stage_layers(num_layers: int, stage: int, stages: int, partition: tuple[int, ...] | None = None) -> tuple[int, int]:
@@ -325,9 +156,10 @@ class Placement:
         return where
 
 
-def place(spec: CodecSpec, kv: KVRank, partition: tuple[int, ...] | None = None) -> Placement:
-    """The placement rank `kv` holds under the artifact `spec` (every KV head, rank None); ValueError
-    naming the rank, the world size and what the artifact has."""
+def place(spec: CodecSpec, kv: Any, partition: tuple[int, ...] | None = None) -> Placement:
+    """The placement rank `kv` (its `world_size` and global `rank`, str naming both: an integration's key rank,
+    e.g. LMCache's KVRank) holds under the artifact `spec` (every KV head, rank None); ValueError naming the
+    rank, the world size and what the artifact has."""
     tp = spec.tensor_parallel.tp if spec.tensor_parallel is not None else 1
     ref = f"{spec.name}@{spec.version}"
     calibrated = f"calibrated with --tp {tp}" if tp > 1 else "calibrated for one rank, no --tp"
@@ -349,8 +181,6 @@ def place(spec: CodecSpec, kv: KVRank, partition: tuple[int, ...] | None = None)
 
 def placement_spec(spec: CodecSpec, placement: Placement) -> CodecSpec:
     """The spec coding `placement`'s chunks: its TP rank's heads, restricted to its layers."""
-    from kvtc.kernels.codec.layered import restrict
-
     out = spec.for_rank(placement.tp_rank) if spec.tensor_parallel is not None else spec
     if (placement.first, placement.end) == (0, spec.num_layers):
         return out
@@ -425,9 +255,9 @@ class ChunkTransform:
         self.spec = replace(spec, sinks=self.sinks, window=0)
         self.label = label or f"artifact {spec.name}@{spec.version}"
         if mode is None:  # the codec's mode where this serde knows its size bound
-            mode = codec.mode if codec.mode in MODES else default_mode(spec).name
-        if mode not in MODES:
-            raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {MODES}, not {mode!r}")
+            mode = codec.mode if codec.mode in CHUNK_MODES else default_mode(spec).name
+        if mode not in CHUNK_MODES:
+            raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {CHUNK_MODES}, not {mode!r}")
         options = dict(backend=codec.backend, level=0, ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype)
         self.codec = KVTCCodec(self.spec, mode=mode, sink_format=sink_format, **options)
         self.mode = self.codec.mode
@@ -444,13 +274,6 @@ class ChunkTransform:
             if self.shared and self.mode == "ecsq" and self.sinks > 1 else None
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
         self._told: set[tuple[int, torch.dtype]] = set()
-
-    @classmethod
-    def from_settings(cls, settings: ChunkSerdeSettings, kv_rank: int | None = None, *,
-                      positions: bool = False) -> "ChunkTransform":
-        """Pull the artifact (verified) and build the transform of LMCache key rank `kv_rank` (packed; None:
-        rank 0 of world size 1); every bad setting fails here."""
-        return RankedChunkTransforms.from_settings(settings, positions=positions)(kv_rank)
 
     def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """-> tokens; ValueError naming what does not match the artifact."""
@@ -665,123 +488,3 @@ class ChunkTransform:
         s = self.spec
         for i, x in enumerate((keys, values)):
             out[i].copy_(x.permute(0, 2, 1, 3).reshape(s.num_layers, tokens, s.kv_heads * s.head_dim))
-
-
-# ------------------------------------------------------------------ every rank of one artifact
-
-
-def load_rank_codec(ref: str, ratio: float, rank: int | None, **kwargs: Any) -> KVTCCodec:
-    """`KVTCCodec.from_registry(ref, ratio, rank=rank, ...)`: tensor-parallel rank `rank`'s codec (None:
-    every KV head); a single-rank artifact has one rank, 0."""
-    return KVTCCodec.from_registry(ref, ratio, rank=rank, **kwargs)
-
-
-class RankedChunkTransforms:
-    """Every placement's transform of one artifact, built on first use of each (LMCache keys carry a packed
-    `kv_rank`: `KVRank`). codec: the artifact's whole-model codec (rank None); the options as ChunkTransform's;
-    partition: layers per pipeline stage (None: vLLM's default partition)."""
-
-    def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None, pad: bool = True,
-                 positions: bool = False, partition: tuple[int, ...] | None = None, sink_budget: str = "shared",
-                 sink_format: str = "int8", chunk_key: bytes | None = None) -> None:
-        self.spec = codec.spec
-        if self.spec.rank is not None:
-            raise ValueError("RankedChunkTransforms takes the artifact's whole-model codec (rank=None)")
-        if model_config is not None:
-            check_config(self.spec, model_config)
-        self._codec, self._mode, self._pad, self._positions = codec, mode, pad, positions
-        self._sink_budget, self._sink_format, self._chunk_key = sink_budget, sink_format, chunk_key
-        self.partition = _partition(partition)
-        self._lock = threading.Lock()
-        self._built: dict[Placement, ChunkTransform | ValueError] = {}
-        self._sizes: dict[tuple, int | ValueError] = {}
-        self._ranks: dict[int | None, ChunkTransform] = {}
-        tp = self.spec.tensor_parallel.tp if self.spec.tensor_parallel is not None else 1
-        self.default = self.transform(Placement(0, tp, 0, self.spec.num_layers))  # bad settings fail here
-
-    @classmethod
-    def from_settings(cls, settings: ChunkSerdeSettings, *, positions: bool = False) -> "RankedChunkTransforms":
-        """Pull the artifact (verified) once; every bad setting fails here."""
-        model_config = None
-        if settings.model:
-            from transformers import AutoConfig
-
-            model_config = AutoConfig.from_pretrained(settings.model)
-        codec = load_rank_codec(settings.artifact, settings.ratio, None, registry=settings.registry,
-                                backend=settings.backend)
-        chunk_key = settings.chunk_key()
-        return cls(codec, model_config, mode=settings.mode, pad=settings.pad, positions=positions,
-                   partition=settings.pp_partition, sink_budget=settings.sink_budget,
-                   sink_format=settings.sink_format, chunk_key=chunk_key)
-
-    def transform(self, placement: Placement) -> ChunkTransform:
-        with self._lock:
-            built = self._built.get(placement)
-        if built is None:
-            try:
-                spec = placement_spec(self.spec, placement)
-                c = self._codec
-                codec = KVTCCodec(spec, backend=c.backend, ecsq_format=c.ecsq_format, basis_dtype=c.basis_dtype)
-                built = ChunkTransform(codec, mode=self._mode, pad=self._pad, positions=self._positions,
-                                       label=f"artifact {self.spec.name}@{self.spec.version} {placement.describe(self.spec)}",
-                                       sink_budget=self._sink_budget, sink_format=self._sink_format,
-                                       chunk_key=self._chunk_key)
-            except ValueError as exc:
-                built = exc
-            with self._lock:
-                built = self._built.setdefault(placement, built)
-        if isinstance(built, ValueError):
-            raise ValueError(str(built))
-        return built
-
-    def __call__(self, kv_rank: int | None) -> ChunkTransform:
-        """The transform of a key's packed kv_rank; ValueError naming the rank, the world size and the mismatch."""
-        found = self._ranks.get(kv_rank)
-        if found is not None:
-            return found
-        kv = KVRank.decode(kv_rank)
-        try:
-            out = self.transform(place(self.spec, kv, self.partition))
-        except ValueError as exc:
-            text = str(exc)
-            raise ValueError(text if text.startswith(str(kv)) else f"{kv}: {text}") from exc
-        self._ranks[kv_rank] = out
-        return out
-
-    def serialized_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        """The bound of a chunk of this shape: the largest over every placement of the artifact that holds
-        such chunks (each TP rank; a layer count below the model's: every run of that many layers a stage
-        could hold), so it is the same whichever ranks have been seen (a store and a later load agree)."""
-        key = (tuple(int(n) for n in shape), dtype)
-        with self._lock:
-            known = self._sizes.get(key)
-        if known is None:
-            known = self._bound(key[0], dtype)
-            with self._lock:
-                self._sizes[key] = known
-        if isinstance(known, ValueError):
-            raise ValueError(str(known))
-        return known
-
-    def _bound(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | ValueError:
-        n, tp = self.spec.num_layers, self.spec.tensor_parallel
-        if len(shape) != 4 or not 0 < shape[1] < n:
-            try:
-                self.default.check(shape, dtype)
-            except ValueError as exc:
-                return exc
-        layers = shape[1]
-        runs = [(a, a + layers) for a in range(n - layers + 1)] if 0 < layers < n else [(0, n)]
-        ranks = range(tp.tp if tp is not None else 1)
-        sizes, errors = [], []
-        for first, end in runs:
-            for r in ranks:
-                try:
-                    t = self.transform(Placement(r, len(ranks), first, end))
-                    sizes.append(t.serialized_size(shape, dtype))
-                except ValueError as exc:
-                    errors.append(exc)
-        if sizes:
-            return max(sizes)
-        return ValueError(f"no placement of artifact {self.spec.name}@{self.spec.version} holds chunks of shape {shape} "
-                          f"({errors[0] if errors else 'no layers'})")

@@ -16,12 +16,15 @@ servers store): coded from their exact bfloat16 values, decoded back to float8_e
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 import torch
 
+from kvtc.artifacts import kernel_bundle_hash, pull
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec.blob import (NO_CACHE, TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader,
@@ -120,11 +123,6 @@ class KVTCCodec:
         The artifact names the kernel bundle it was made for: running other kernels warns, or with
         require_kernels=True (or $KVTC_REQUIRE_KERNELS=1) is refused. rank=r (a keyword, see the class)
         gives tensor-parallel rank r's codec."""
-        import os
-        import warnings
-
-        from kvtc.artifacts import kernel_bundle_hash, pull
-
         require_kernels = kwargs.pop("require_kernels", None)
         if require_kernels is None:
             require_kernels = os.environ.get("KVTC_REQUIRE_KERNELS", "") not in ("", "0")

@@ -42,7 +42,9 @@ from lmcache.v1.distributed.serde.factory import get_registered_serde_types, reg
 from lmcache.v1.memory_management import MemoryObj
 
 from kvtc.kernels.codec.blob import BlobError
-from kvtc.kernels.codec.chunk_serde import UNBOUND, ChunkSerdeSettings, KVRank, RankedChunkTransforms, binding
+from kvtc.kernels.codec.chunk_serde import UNBOUND, binding
+from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings
+from kvtc.kernels.integrations.lmcache_ranks import KVRank, RankedChunkTransforms
 
 SERDE_TYPE = "kvtc"
 TESTED_LMCACHE = ">=0.5.6,<0.6"  # the LMCache releases this plugin is tested with (0.5.6)

@@ -23,6 +23,8 @@ import logging
 import sys
 from typing import Any
 
+from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings
+
 EXTRA = "serve"
 INSTALL = f"pip install 'kvtc-calibration[{EXTRA}]' (from a checkout: pip install -e '.[{EXTRA}]')"
 # What `lmcache server` imports while it starts (module -> pip package), beyond kvtc's own dependencies:
@@ -87,8 +89,6 @@ def check_adapters(argv: list[str]) -> None:
             raise ArgumentsError(f"--l2-adapter #{i} must be a JSON object, got {type(adapter).__name__}")
         serde = adapter.get("serde")
         if isinstance(serde, dict) and serde.get("type") == "kvtc":
-            from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings  # noqa: PLC0415 - torch, once a kvtc serde is named
-
             try:
                 ChunkSerdeSettings.from_kwargs(serde).chunk_key()
             except (ValueError, TypeError) as exc:

@@ -54,6 +54,8 @@ import numpy as np
 import torch
 
 from kvtc.kernels.codec.blob import BlobError, read_blob
+from kvtc.artifacts.blocks import check_ratios
+from kvtc.kernels.codec.chunk_options import CHUNK_MODES
 from kvtc.kernels.codec.chunk_serde import UNBOUND, ChunkTransform, binding
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
@@ -189,15 +191,16 @@ class OffloadSettings:
         if not isinstance(self.artifact, str) or not self.artifact:
             raise ValueError('the kvtc offloading spec needs "kvtc_artifact": "NAME[@VERSION|ALIAS]" in '
                              "kv_connector_extra_config")
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 1 < self.ratio < math.inf:
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
             raise ValueError(f'the kvtc offloading spec needs "kvtc_ratio": a finite ratio > 1 the artifact was '
                              f"allocated for, got {self.ratio!r}")
+        check_ratios([self.ratio], 'the kvtc offloading spec\'s "kvtc_ratio": ')
         if isinstance(self.cpu_bytes_to_use, bool) or not isinstance(self.cpu_bytes_to_use, int) \
                 or self.cpu_bytes_to_use <= 0:
             raise ValueError(f'the kvtc offloading spec needs "cpu_bytes_to_use": a whole number of host bytes > 0, '
                              f"got {self.cpu_bytes_to_use!r}")
-        if self.mode not in (None, "ecsq", "fixed"):
-            raise ValueError(f'"kvtc_mode" must be "ecsq" or "fixed" (or absent: the artifact\'s), got {self.mode!r}')
+        if self.mode is not None and self.mode not in CHUNK_MODES:
+            raise ValueError(f'"kvtc_mode" must be one of {CHUNK_MODES} (or absent: the artifact\'s), got {self.mode!r}')
         if isinstance(self.transfer_threads, bool) or not isinstance(self.transfer_threads, int) \
                 or not 1 <= self.transfer_threads <= 256:
             raise ValueError(f'"kvtc_transfer_threads" must be an integer in 1..256, got {self.transfer_threads!r}')

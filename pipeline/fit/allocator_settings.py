@@ -7,9 +7,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtc.artifacts.blocks import budget_bits, cheapest_bits_per_component, qtype_bits
-from kvtc.workers.options import joined, numbers, option, words
+from kvtc.workers.options import Word, joined, numbers, option, words
 
-BIT_SPLITS = ("joint", "even")
+
+class BitSplit(Word):
+    """--bit-split: how each ratio's bits are shared between the bases."""
+
+    JOINT = "joint"
+    EVEN = "even"
+
+    @property
+    def shares_total(self) -> bool:
+        """One total per ratio split between the bases where it lowers the model's error most (a pool of two or
+        more bases: kvtc.pipeline.fit.joint_budget); else every basis its own floor(16 p / CR) bits per token."""
+        return self is BitSplit.JOINT
+
+
+BIT_SPLITS = BitSplit.words()
 
 
 def _share(word: Any) -> float:
@@ -62,10 +76,10 @@ class AllocatorSettings:
     basis_budget: float = option(0.0, "basis memory a server may hold, as a share of the model's parameters (e.g. 3%%): "
                                       "caps the components per group both allocators may use", parse=_share,
                                  show=lambda v: f"{100 * v:g}%" if v else "none")
-    bit_split: str = option("joint", "joint: the ECSQ mode's total is split between keys, values and layer groups "
-                                     "where it lowers the model's error most (with --objective mse, between a "
-                                     "stream's groups); even: every basis gets floor(16 p / CR) bits per token",
-                            choices=BIT_SPLITS)
+    bit_split: BitSplit = option(BitSplit.JOINT, "joint: the ECSQ mode's total is split between keys, values and "
+                                                "layer groups where it lowers the model's error most (with --objective "
+                                                "mse, between a stream's groups); even: every basis gets floor(16 p / "
+                                                "CR) bits per token", choices=BIT_SPLITS)
 
     def __post_init__(self) -> None:
         sizes, types = tuple(self.block_sizes), tuple(self.types)
@@ -86,8 +100,7 @@ class AllocatorSettings:
         if not (0 <= self.basis_budget <= 1 and math.isfinite(self.basis_budget)):
             raise ValueError(f"--basis-budget {self.basis_budget!r} must be a share of the model's parameters in (0, 1], "
                              "e.g. 3% or 0.03")
-        if self.bit_split not in BIT_SPLITS:
-            raise ValueError(f"--bit-split must be one of {BIT_SPLITS}, got {self.bit_split!r}")
+        object.__setattr__(self, "bit_split", BitSplit.of(self.bit_split, "--bit-split"))
         object.__setattr__(self, "block_sizes", tuple(sorted(sizes)))
         object.__setattr__(self, "types", types)
 
@@ -107,7 +120,7 @@ class AllocatorSettings:
         return {"block_sizes": list(self.block_sizes), "types": list(self.types), "error_model": self.error_model,
                 "min_rows": self.min_rows, "recommended_rows": self.recommended_rows,
                 "max_dp_states": self.max_dp_states, "cost_unit": self.cost_unit,
-                "max_components": self.max_components, "basis_budget": self.basis_budget, "bit_split": self.bit_split,
+                "max_components": self.max_components, "basis_budget": self.basis_budget, "bit_split": self.bit_split.value,
                 "aligned_starts": True}
 
     @classmethod

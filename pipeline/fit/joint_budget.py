@@ -124,7 +124,7 @@ def split_unit(metric, weighed: bool) -> str:
     """The common unit a joint split puts its bases' errors in, as the manifest records it."""
     if not weighed:
         return "each stream's squared error"
-    if metric.balance == "sensitivity":
+    if metric.balance.scaled_by_sensitivity:
         return "the model's KL (the sensitivity balance: keys and values in one unit)"
     return "attention output error (keys weighed against values)"
 
@@ -144,12 +144,12 @@ def attention_weights(metric, sums: dict[str, np.ndarray], tokens: int, groups: 
     units; in whitened units (each block divided by its balance divisor n) a key unit weighs
     n_k R / (n_q c n_v) value units. A basis's weight is the mean of its blocks'. With the "sensitivity"
     balance every block is already in one unit, the model's KL: every weight is 1."""
-    if metric.balance == "sensitivity":  # every block is already in the model's KL (metric.AttentionMetric.sensitivity)
+    if metric.balance.scaled_by_sensitivity:  # every block is already in the model's KL (metric.AttentionMetric.sensitivity)
         return {(stream, g): 1.0 for g in range(len(groups)) for stream in ("keys", "values")}
     if "reach" not in sums:
         return None
     reach = np.asarray(sums["reach"], dtype=np.float64)
-    per_query = (np.asarray(sums["concentration"], dtype=np.float64) if metric.weighting == "concentration"
+    per_query = (np.asarray(sums["concentration"], dtype=np.float64) if metric.weighting.by_concentration
                  else np.full(reach.shape, float(tokens)))
     slots = layer_slots(groups)
     out: dict[tuple[str, int], float] = {}

@@ -20,7 +20,7 @@ under "sensitivity" only the Fisher information sets it).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -29,10 +29,9 @@ from kvtc.artifacts.errors import CorruptArtifactError
 from kvtc.artifacts.groups import FeatureGroup, layer_slots
 from kvtc.artifacts.parquet_bounds import Declared, dense_bytes, read_checked, tensor_of
 from kvtc.artifacts.tables import from_parquet, to_parquet
+from kvtc.workers.objective import Balance, Weighting
 
-BALANCES = ("sensitivity", "layer", "head", "model")
 SENSITIVITY_FLOOR = 1e-4  # of the group's largest block scale: a head the model barely feels still costs something
-WEIGHTINGS = ("concentration", "none")
 
 
 def row_offset(p: int, i: int) -> int:
@@ -42,20 +41,21 @@ def row_offset(p: int, i: int) -> int:
 
 @dataclass(frozen=True)
 class AttentionMetric:
-    balance: str = "sensitivity"
+    """balance, weighting: `Balance` and `Weighting` members (their words are read); floor: see the module docstring."""
+
+    balance: Balance = Balance.SENSITIVITY
     floor: float = 0.05
-    weighting: str = "concentration"
+    weighting: Weighting = Weighting.CONCENTRATION
 
     def __post_init__(self) -> None:
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"attention metric weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
-        if self.balance not in BALANCES:
-            raise ValueError(f"attention metric balance must be one of {BALANCES}, got {self.balance!r}")
+        object.__setattr__(self, "weighting", Weighting.of(self.weighting, "attention metric weighting"))
+        object.__setattr__(self, "balance", Balance.of(self.balance, "attention metric balance"))
         if not 0.0 < self.floor < 1e3:
             raise ValueError(f"attention metric floor must be in (0, 1000), got {self.floor}")
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """{"balance": word, "floor": float, "weighting": word}: what tasks and manifests carry."""
+        return {"balance": self.balance.value, "floor": self.floor, "weighting": self.weighting.value}
 
     def blocks(self, metric: dict[str, np.ndarray], tokens: int, stream: str, group: FeatureGroup,
                groups: list[FeatureGroup], kv_heads: int) -> np.ndarray:
@@ -65,7 +65,7 @@ class AttentionMetric:
         d = m.shape[-1]
         scale = np.maximum(np.einsum("lhii->lh", m) / d, 1e-300)
         m = m + self.floor * scale[..., None, None] * np.eye(d)
-        if self.balance == "sensitivity":
+        if self.balance.scaled_by_sensitivity:
             m = m * self.sensitivity(metric, m, stream, group, groups)[..., None, None]
         return m.reshape(-1, d, d)
 
@@ -98,11 +98,10 @@ class AttentionMetric:
     def divisors(self, m: np.ndarray) -> np.ndarray:
         """(layers, heads, d, d) weighted blocks -> (layers, heads): what the balance divides each block by."""
         diag = np.einsum("lhii->lhi", m)
-        if self.balance == "layer":
-            return np.broadcast_to(np.maximum(diag.mean(axis=(1, 2)), 1e-300)[:, None], diag.shape[:2])
-        if self.balance in ("head", "sensitivity"):  # sensitivity: then scaled by the Fisher information
-            return np.maximum(diag.mean(axis=2), 1e-300)
-        return np.ones(diag.shape[:2])
+        axes = self.balance.mean_axes  # sensitivity: per (layer, KV head), then scaled by the Fisher information
+        if axes is None:
+            return np.ones(diag.shape[:2])
+        return np.broadcast_to(np.maximum(diag.mean(axis=axes, keepdims=True), 1e-300)[..., 0], diag.shape[:2])
 
     def weighted(self, metric: dict[str, np.ndarray], tokens: int, stream: str, group: FeatureGroup,
                  groups: list[FeatureGroup], kv_heads: int) -> np.ndarray:
@@ -116,7 +115,7 @@ class AttentionMetric:
         slots = layer_slots(groups)
         h0, h1 = group.head_range(kv_heads)
         m = np.stack([raw[slots[layer], h0:h1] for layer in group.layers])  # (layers, heads, d, d)
-        if self.weighting == "concentration":
+        if self.weighting.by_concentration:
             if "concentration" not in metric:
                 raise ValueError("the statistics hold no attention concentration (captured by an earlier release); "
                                  "recalibrate with a fresh --store, or pass --attention-weighting none")

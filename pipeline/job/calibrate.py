@@ -46,7 +46,7 @@ from kvtc.pipeline.settings import DEFAULT_CPU_TOKENS, DEFAULT_GPU_TOKENS, JobSe
 from kvtc.workers.attention_metric import choose_objective
 from kvtc.workers.capture import CaptureSettings, check_seq_len, resolve_groups
 from kvtc.workers.model_size import model_size
-from kvtc.workers.models import load_spec, prepare_weights, resolve_dtype
+from kvtc.workers.models import ModelSpec, load_spec, prepare_weights, resolve_dtype
 
 
 def run(cfg: JobSettings, alias_latest: bool = True, in_process: bool = False) -> dict:
@@ -109,55 +109,20 @@ class Folded:
 
 
 def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
-    """Plan: check every input before any model work (registry writable, corpus specs, model spec,
-    sequence length, ratios, memory) and resolve the token count."""
+    """Plan: check every input before any model work (registry writable, corpus specs, model spec, then the
+    settings resolved against the model and checked: `resolve_settings`, `check_settings`) and resolve the
+    token count."""
     t0 = time.perf_counter()
     machine = Machine.of(cfg.runtime)
     check_job(cfg, machine if not in_process else replace(machine, cluster=False))  # resource arguments, instantly
-    alloc, capture, rt = cfg.allocator, cfg.capture, cfg.runtime
+    rt = cfg.runtime
     registry = artifacts.Registry(rt.registry).uri
     artifacts.check_writable(registry)
     for spec in filter(None, (cfg.plan.corpus, cfg.plan.eval_corpus)):
         iter_documents(spec, cfg.plan.text_column)  # a bad spec fails here, before any model work
     info = load_spec(cfg.model.model, cache_dir=rt.cache_dir)  # config and tokenizer only: the driver never loads weights
-    capture = replace(capture, groups=resolve_groups(capture.groups, info.layers))  # "auto" on one layer kind: "model"
-    cfg = replace(cfg, capture=capture)
-    check_seq_len(info, cfg.plan.seq_len, capture)
-    objective, objective_reason = choose_objective(capture.objective, info.config, info.layers)  # a meta-device model
-    capture = replace(capture, objective=objective)
-    if objective == "attention" and cfg.reduce.attention_balance == "sensitivity" and capture.sensitivity < 1:
-        raise ValueError("--attention-balance sensitivity scales the metric by the model's measured KL sensitivity, "
-                         "which --sensitivity 0 does not capture; pass --sensitivity 1 or another --attention-balance")
-    cfg = replace(cfg, capture=capture)  # recorded as run: a recalibration repeats the objective that ran
-    width = info.num_kv_heads * info.head_dim
-    text_config = getattr(info.config, "text_config", None) or info.config
-    TensorParallelLayout(capture.tp, info.num_kv_heads, int(getattr(text_config, "num_attention_heads", 0) or 0))
-    if alloc.basis_budget:  # a share of the model's parameters: resolved to components per group, recorded as such
-        features = sum(g.dim(info.num_kv_heads, info.head_dim)
-                       for g in capture.group_layers(info.layers, info.num_kv_heads))
-        cap = BasisBudget(alloc.basis_budget, alloc.max_components or None).cap(model_parameters(info.config), features)
-        alloc = replace(alloc, max_components=cap)
-        cfg = replace(cfg, allocator=alloc)
-    for group in capture.group_layers(info.layers, info.num_kv_heads):
-        for heads, dim in set(stream_dims(info.fingerprint).values()):  # an MLA model's RoPE key is narrower
-            validate_ratios(cfg.reduce.ratios, group.dim(heads, dim), cfg.allocator)
-    fold = None
-    if in_process or not (rt.address or os.environ.get("RAY_ADDRESS")):  # local: this machine holds everything
-        if rt.gpus_per_worker and not in_process and not torch.cuda.is_available():
-            raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: this machine has no GPU torch can see and no "
-                             "cluster was given; omit it to run on CPUs, or join a cluster with GPUs (--address)")
-        local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
-        kv, hd = info.num_kv_heads, info.head_dim
-        est = _memory_estimate(cfg, info.layers, kv, hd, capture.groups, local_workers)
-        vm = psutil.virtual_memory()  # the line Ray's memory monitor kills at, less what the node already uses
-        check_fits(est, node_budget(int(vm.total), int(vm.total - vm.available)), info.num_layers, width, capture.groups,
-                   lambda k: _memory_estimate(cfg, info.layers, kv, hd, f"layers:{k}", local_workers))
-        if not torch.cuda.is_available():  # CPU workers: the fold's plan (fold_plan), refused here if one cannot fit
-            fold = fold_planning.job_sizer(cfg, info)
-            reserve = 0 if in_process else fold_planning.RAY_PROCESSES
-            fold.plan(local_workers, *fold_planning.node_now(reserve))  # Ray's run admits the workers
-    else:  # a cluster: its CPU workers are admitted per node once joined (fold_plan.admit_on_nodes)
-        fold = fold_planning.job_sizer(cfg, info)
+    cfg, objective_reason = resolve_settings(cfg, info)
+    fold = check_settings(cfg, info, in_process)
     if cfg.plan.tokens is None:
         on_gpu = torch.cuda.is_available()
         tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS
@@ -166,6 +131,55 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
         cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
     return Planned(cfg, registry, rt.store or default_store_uri(), info.tokenizer, info.fingerprint,
                    time.perf_counter() - t0, info.config, objective_reason, fold)
+
+
+def resolve_settings(cfg: JobSettings, info: ModelSpec) -> tuple[JobSettings, str]:
+    """The settings as they will run on the model `info` (its config and layer schema, no weights), recorded as
+    run so that a recalibration repeats them: --groups auto on one layer kind is "model"; the objective is
+    resolved (`ObjectiveChoice.resolve` on a meta-device model: auto picks, attention for a model whose metric
+    cannot be built is refused); a basis budget becomes components per group, the groups cut by the
+    tensor-parallel layout (refused where the model's heads do not split over --tp). -> (settings, why the
+    objective runs)."""
+    capture = replace(cfg.capture, groups=resolve_groups(cfg.capture.groups, info.layers))  # "auto" on one kind: "model"
+    objective, objective_reason = choose_objective(capture.objective, info.config, info.layers)
+    capture = replace(capture, objective=objective)
+    text_config = getattr(info.config, "text_config", None) or info.config
+    TensorParallelLayout(capture.tp, info.num_kv_heads, int(getattr(text_config, "num_attention_heads", 0) or 0))
+    alloc = cfg.allocator
+    if alloc.basis_budget:  # a share of the model's parameters: resolved to components per group, recorded as such
+        features = sum(g.dim(info.num_kv_heads, info.head_dim)
+                       for g in capture.group_layers(info.layers, info.num_kv_heads))
+        cap = BasisBudget(alloc.basis_budget, alloc.max_components or None).cap(model_parameters(info.config), features)
+        alloc = replace(alloc, max_components=cap)
+    return replace(cfg, capture=capture, allocator=alloc), objective_reason
+
+
+def check_settings(cfg: JobSettings, info: ModelSpec, in_process: bool) -> fold_planning.FoldSizer | None:
+    """ValueError naming the first resolved setting (`resolve_settings`) the model or this machine refuses: the
+    sequence length, the objective's options (`ObjectiveChoice.check_options`), the ratios against every group,
+    the memory a local run needs; -> the fold's memory sizer of CPU shard workers (None: GPU workers)."""
+    capture, rt = cfg.capture, cfg.runtime
+    check_seq_len(info, cfg.plan.seq_len, capture)
+    capture.objective.check_options(cfg.reduce.attention_balance, capture.sensitivity)
+    for group in capture.group_layers(info.layers, info.num_kv_heads):
+        for heads, dim in set(stream_dims(info.fingerprint).values()):  # an MLA model's RoPE key is narrower
+            validate_ratios(cfg.reduce.ratios, group.dim(heads, dim), cfg.allocator)
+    if not in_process and (rt.address or os.environ.get("RAY_ADDRESS")):
+        return fold_planning.job_sizer(cfg, info)  # a cluster: its CPU workers are admitted per node once joined
+    if rt.gpus_per_worker and not in_process and not torch.cuda.is_available():  # local: this machine holds everything
+        raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: this machine has no GPU torch can see and no "
+                         "cluster was given; omit it to run on CPUs, or join a cluster with GPUs (--address)")
+    local_workers = 1 if in_process else rt.workers or max(1, (os.cpu_count() or 1) // rt.threads_per_worker)
+    kv, hd = info.num_kv_heads, info.head_dim
+    est = _memory_estimate(cfg, info.layers, kv, hd, capture.groups, local_workers)
+    vm = psutil.virtual_memory()  # the line Ray's memory monitor kills at, less what the node already uses
+    check_fits(est, node_budget(int(vm.total), int(vm.total - vm.available)), info.num_layers, kv * hd, capture.groups,
+               lambda k: _memory_estimate(cfg, info.layers, kv, hd, f"layers:{k}", local_workers))
+    if torch.cuda.is_available():
+        return None
+    fold = fold_planning.job_sizer(cfg, info)  # CPU workers: the fold's plan (fold_plan), refused here if one cannot fit
+    fold.plan(local_workers, *fold_planning.node_now(0 if in_process else fold_planning.RAY_PROCESSES))  # Ray admits them
+    return fold
 
 
 def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False, gpu_plan=None,

@@ -43,6 +43,7 @@ from kvtc.pipeline.settings import ReduceSettings
 from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.workers.model_size import model_size
 from kvtc.workers.models import load_spec, resolve_dtype
+from kvtc.workers.objective import ATTENTION, Objective
 
 WORKER_BASE = 720 << 20  # a Ray shard worker with torch and transformers imported, its model's weights excluded
 ALLOC_SLACK = 1.10  # measured peak over modelled working set: what the allocator holds beyond live tensors
@@ -151,7 +152,7 @@ class FoldPlan:
     worker_bytes: int
     budget: int
     seq_len: int
-    objective: str
+    objective: Objective
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= max(1, self.wanted) or self.worker_bytes < 0:
@@ -162,12 +163,13 @@ class FoldPlan:
         lowered = (f"; lowered from {self.wanted} workers, which would need more than the budget"
                    if self.workers < self.wanted else "")
         return (f"kvtc calibrate: fold plan: {self.workers} worker{'s' if self.workers != 1 else ''} x "
-                f"{self.worker_bytes / GIB:.2f} GiB per worker (seq-len {self.seq_len}, objective {self.objective}), "
+                f"{self.worker_bytes / GIB:.2f} GiB per worker (seq-len {self.seq_len}, objective {self.objective.name}), "
                 f"node budget {self.budget / GIB:.1f} GiB{lowered}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"workers": self.workers, "wanted": self.wanted, "worker_gib": round(self.worker_bytes / GIB, 3),
-                "budget_gib": round(self.budget / GIB, 2), "seq_len": self.seq_len, "objective": self.objective}
+                "budget_gib": round(self.budget / GIB, 2), "seq_len": self.seq_len,
+                "objective": self.objective.name}
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,8 @@ class FoldSizer:
     """One worker's peak for a given worker count (its share of the accumulators) and --seq-len.
 
     shape: the worker's FoldShape; group_dims: p of each group (keys stream; both streams counted); accumulators:
-    --accumulators; sinks, window, sample: the capture's excluded positions and sampled share; objective: its name
-    and `sensitivity` how to drop the KL pass, for messages."""
+    --accumulators; sinks, window, sample: the capture's excluded positions and sampled share; objective: the one
+    that runs, and `sensitivity` how to drop the KL pass, for messages."""
 
     shape: FoldShape
     group_dims: tuple[int, ...]
@@ -184,7 +186,7 @@ class FoldSizer:
     sinks: int = 4
     window: int = 128
     sample: float = 1.0
-    objective: str = "attention"
+    objective: Objective = ATTENTION
     sensitivity: str = field(default="", compare=False)  # how the KL pass is switched off, for messages
 
     def __post_init__(self) -> None:
@@ -236,13 +238,13 @@ class FoldSizer:
         raise ValueError(
             f"--seq-len {t}: one shard worker needs about {one / GIB:.1f} GiB (process {WORKER_BASE / GIB:.1f} GiB, "
             f"model weights {self.shape.weights / GIB:.1f} GiB, statistics {self.totals_bytes(1) / GIB:.1f} GiB, capture "
-            f"{self.capture_bytes() / GIB:.1f} GiB with objective {self.objective}), more than the "
+            f"{self.capture_bytes() / GIB:.1f} GiB with objective {self.objective.name}), more than the "
             f"{max(budget, 0) / GIB:.1f} GiB a worker may hold on this node ({where}); {hint}"
             f"{self.sensitivity}; or run on a node with more memory")
 
 
 def fold_sizer(config: Any, layers: Sequence[Any], dtype: Any, seq_len: int, group_dims: Sequence[int], *,
-               accumulators: int, objective: str, sensitivity: int, sinks: int, window: int, sample: float,
+               accumulators: int, objective: Objective, sensitivity: int, sinks: int, window: int, sample: float,
                heldout_rows: int, batch: int = 1) -> FoldSizer:
     """The sizer of a model (its transformers `config` and layer schema, `dtype` a torch dtype), no weights loaded."""
     text = getattr(config, "text_config", None) or config
@@ -255,7 +257,7 @@ def fold_sizer(config: Any, layers: Sequence[Any], dtype: Any, seq_len: int, gro
         kv_heads=spec.kv_heads, head_dim=spec.head_dim, value_dim=spec.value_dim or spec.head_dim, hidden=hidden,
         intermediate=int(getattr(text, "intermediate_size", 0) or 4 * hidden),
         vocab=int(getattr(text, "vocab_size", 0) or 1), heads=int(getattr(text, "num_attention_heads", 0) or 1),
-        seq_len=seq_len, batch=batch, captured=0, attention=objective == "attention", sensitivity=sensitivity,
+        seq_len=seq_len, batch=batch, captured=0, attention=objective.captures_metric, sensitivity=sensitivity,
         heldout_rows=heldout_rows)
     off = "" if not shape.attention or sensitivity < 1 else \
         "; --sensitivity 0 (with --attention-balance layer) drops the KL-sensitivity pass"
@@ -268,7 +270,7 @@ def smollm2_worker_bytes(seq_len: int, accumulators: int = 4, workers: int = 2) 
     info, capture = load_spec(), CaptureSettings(groups="model")
     dims = [g.dim(info.num_kv_heads, info.head_dim) for g in capture.group_layers(info.layers, info.num_kv_heads)]
     sizer = fold_sizer(info.config, info.layers, torch.float32, seq_len, dims, accumulators=accumulators,
-                       objective="attention", sensitivity=capture.sensitivity, sinks=capture.sinks,
+                       objective=ATTENTION, sensitivity=capture.sensitivity, sinks=capture.sinks,
                        window=capture.window, sample=capture.sample, heldout_rows=ReduceSettings().heldout_rows // 2)
     return sizer.worker_bytes(workers)
 
@@ -309,6 +311,6 @@ def job_sizer(cfg: Any, info: Any, device: str = "cpu") -> FoldSizer:
     capture = cfg.capture
     dims = [g.dim(info.num_kv_heads, info.head_dim) for g in capture.group_layers(info.layers, info.num_kv_heads)]
     return fold_sizer(info.config, info.layers, resolve_dtype(cfg.model.dtype, torch.device(device)), cfg.plan.seq_len,
-                      dims, accumulators=cfg.reduce.accumulators, objective=capture.objective,
+                      dims, accumulators=cfg.reduce.accumulators, objective=capture.objective.resolved(),
                       sensitivity=capture.sensitivity, sinks=capture.sinks, window=capture.window,
                       sample=capture.sample, heldout_rows=max(1, cfg.reduce.heldout_rows // 2))

@@ -17,14 +17,14 @@ import itertools
 import json
 import sys
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
 from kvtc.pipeline.evaluation.diagnostics import PrefixSolver, group_prefix_partials
 from kvtc.pipeline.evaluation.measure import CURVES, GroupMeasure, measure_group
 from kvtc.pipeline.fit.allocator import AllocatorSettings
-from kvtc.pipeline.fit.group_fit import fit_group
+from kvtc.pipeline.fit.group_fit import GroupFit, fit_group
 from kvtc.pipeline.fit.heldout_rows import GroupRows
 from kvtc.pipeline.fit.metric import AttentionMetric, Whitening
 from kvtc.pipeline.fit.pca import Basis, cpu_threads
@@ -35,17 +35,35 @@ from kvtc.pipeline.job.store import ShardStore
 KEEP_MARGIN = 0.8  # a truncated basis stands when every allocation keeps fewer than this share of it
 
 
+@dataclass(frozen=True)
+class TokensCurve:
+    """The error-by-tokens points one group measures: `points`, prefix lengths in accumulators (the last one
+    all of them), at `ratio`, each prefix's basis of `k` components."""
+
+    points: tuple[int, ...]
+    ratio: float
+    k: int
+
+    def to_json(self) -> dict:
+        return {"points": list(self.points), "ratio": self.ratio, "k": self.k}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TokensCurve":
+        return cls(tuple(int(c) for c in d["points"]), float(d["ratio"]), int(d["k"]))
+
+
 @dataclass(frozen=True, kw_only=True)
 class GroupTask:
     """What one stream and group's reduce needs besides its rows: the accumulators to sum (in order),
     the ratios and allocator settings, sinks and window, the device of the solve, the CPU threads it
     may use (fixed per job, so the result does not depend on how many workers ran), the bytes it may
-    hold (`budget`) and the solver the reduce plan chose within them (`reduce_plan.Solver` as a dict).
-    curve: the error-by-tokens points this group measures, {"points": prefix lengths in accumulators
-    (the last one all of them), "ratio", "k": components of each prefix's basis}; None: no curve.
-    budgets: bits per token per ratio (a joint split's shares, `fit.joint_budget`); None: each ratio's
-    floor(16 p / CR). solve_only: solve and checkpoint the basis and its spectrum, nothing more (the joint
-    split's first pass; the task with budgets then resumes from that checkpoint)."""
+    hold (`budget`) and the solver the reduce plan chose within them (None: `reduce_plan.choose` in the task).
+    metric: the attention objective's metric (None: the cache's own squared error). curve: the error-by-tokens
+    points this group measures (None: no curve). budgets: bits per token per ratio (a joint split's shares,
+    `fit.joint_budget`); None: each ratio's floor(16 p / CR). solve_only: solve and checkpoint the basis and its
+    spectrum, nothing more (the joint split's first pass; the task with budgets then resumes from that
+    checkpoint). Typed inside; `to_json` / `from_json` are its JSON edge (across processes, and what its
+    checkpoints are named by and bound to: `key`, `bound`)."""
 
     index: int
     stream: str
@@ -53,32 +71,38 @@ class GroupTask:
     p: int
     accumulators: tuple[str, ...]
     ratios: tuple[float, ...]
-    allocator: dict
+    allocator: AllocatorSettings
     sinks: int
     window: int
     threads: int
     device: str = "cpu"
     budget: int = 0
-    metric: dict | None = None  # the attention objective's AttentionMetric (None: the cache's own squared error)
-    solver: dict | None = None  # None: reduce_plan.choose within `budget`
-    curve: dict | None = None
+    metric: AttentionMetric | None = None
+    solver: Solver | None = None
+    curve: TokensCurve | None = None
     budgets: tuple[int, ...] | None = None
     solve_only: bool = False
 
     @property
     def checkpoints(self) -> tuple[int, ...]:
         """The error-by-tokens prefixes, in accumulators (the last one may be all of them)."""
-        return tuple(int(c) for c in self.curve["points"]) if self.curve else ()
+        return self.curve.points if self.curve is not None else ()
+
+    @property
+    def prefixes(self) -> tuple[int, ...]:
+        """The prefixes short of every accumulator: running sums the solve copies (the last point, when it is
+        every accumulator, is the solve's own basis)."""
+        return tuple(c for c in self.checkpoints if c < len(self.accumulators))
 
     @property
     def prefixes_held(self) -> int:
-        """Running sums the solve copies for the curve (the prefixes short of every accumulator)."""
-        return sum(c < len(self.accumulators) for c in self.checkpoints)
+        """Running sums the solve copies for the curve."""
+        return len(self.prefixes)
 
     @property
     def curve_k(self) -> int:
         """Components of each prefix basis (0 without a curve)."""
-        return min(int(self.curve["k"]), self.p) if self.curve else 0
+        return min(self.curve.k, self.p) if self.curve is not None else 0
 
     PLACEMENT = ("budget", "solver", "device")  # where and how it runs, not what it computes
     PASS = ("budgets", "solve_only")  # which pass: both share the solve's checkpoint (results name the budgets)
@@ -89,7 +113,22 @@ class GroupTask:
                              f"or no accumulators")
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """Every field in order, its typed ones as the dicts they were before they were typed (the names and
+        bindings of checkpoints written by earlier releases stand)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "allocator": self.allocator.to_dict(),
+                "metric": None if self.metric is None else self.metric.to_json(),
+                "solver": None if self.solver is None else asdict(self.solver),
+                "curve": None if self.curve is None else self.curve.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GroupTask":
+        metric, solver, curve, budgets = (d.get(k) for k in ("metric", "solver", "curve", "budgets"))
+        return cls(**{**d, "accumulators": tuple(d["accumulators"]), "ratios": tuple(float(r) for r in d["ratios"]),
+                      "allocator": AllocatorSettings.from_dict(d["allocator"]),
+                      "metric": None if metric is None else AttentionMetric(**metric),
+                      "solver": None if solver is None else Solver(**solver),
+                      "curve": None if curve is None else TokensCurve.from_json(curve),
+                      "budgets": None if budgets is None else tuple(int(b) for b in budgets)})
 
     def settings(self) -> dict:
         """What the task computes (not its memory budget, solver choice or pass): its checkpoints' identity."""
@@ -116,12 +155,6 @@ class GroupTask:
         if self.budgets is None:
             return self.key()
         return f"{self.key()}-{hashlib.sha256(json.dumps(list(self.budgets)).encode()).hexdigest()[:12]}"
-
-    @classmethod
-    def from_json(cls, d: dict) -> "GroupTask":
-        budgets = d.get("budgets")
-        return cls(**{**d, "accumulators": tuple(d["accumulators"]), "ratios": tuple(float(r) for r in d["ratios"]),
-                      "budgets": None if budgets is None else tuple(int(b) for b in budgets)})
 
 
 @dataclass(frozen=True)
@@ -255,7 +288,7 @@ def prefix_partials(task: GroupTask, prefixes: list[Moments], rows: GroupRows, s
     if solved is not None and len(task.accumulators) in task.checkpoints:
         bases = itertools.chain(bases, [truncated(solved, task.curve_k)])
     for b in bases:
-        for split, (err, norm) in group_prefix_partials(b, rows, float(task.curve["ratio"]), task.sinks,
+        for split, (err, norm) in group_prefix_partials(b, rows, task.curve.ratio, task.sinks,
                                                         task.window).items():
             out.append({"tokens": int(b.n), "split": split, "err": err, "norm": norm})
     return out
@@ -276,59 +309,87 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
     """solve -> fit -> measure of one stream and group, on `task.threads` CPU threads; each solve is
     checkpointed in the store, and a checkpoint left by an earlier attempt (or by the joint split's first
     pass) is resumed from. `task.solve_only`: the first solve only, its spectrum stored (`spectrum_name`)."""
-    alloc = AllocatorSettings.from_dict(task.allocator)
-    bound = alloc.kept_bound(task.p, task.ratios, task.budgets)
-    n_rows = rows.rows.shape[0] + (0 if rows.evals is None else rows.evals.shape[0])
-    solver = Solver(**task.solver) if task.solver else choose(task.p, bound, task.budget or (1 << 62), n_rows)
-    if task.device.startswith("cuda") != solver.device.startswith("cuda"):
-        solver = Solver(solver.method, solver.k, solver.driver, task.device if task.device.startswith("cuda") else "cpu")
-    solves: list[Solved] = []
     with cpu_threads(task.threads):
         whitening = None
         if task.metric is not None:
-            whitening = metric_whitening(store, list(task.accumulators), task.stream, task.group,
-                                         AttentionMetric(**task.metric))
+            whitening = metric_whitening(store, list(task.accumulators), task.stream, task.group, task.metric)
             rows = whitened_rows(rows, whitening)
-        resumed = load_solved(store, task)
-        by_tokens: list[dict] | None = None if resumed is None else resumed[2]
-
-        short = tuple(c for c in task.checkpoints if c < len(task.accumulators))  # the last: the solve's own basis
-        early: list[dict] | None = None
-
-        def measure_prefixes(prefixes: list[Moments]) -> None:  # before the eigensolver; only the sums stay
-            nonlocal early
-            early = prefix_partials(task, prefixes, rows)
-
-        while True:
-            if resumed is not None:
-                (basis, solved, _), resumed = resumed, None
-            else:
-                curve = bool(task.curve) and by_tokens is None
-                sol = solve(store, list(task.accumulators), task.stream, task.group, solver.k, solver.device,
-                            solver.method, whitening, solver.driver, short if curve else (),
-                            measure_prefixes if curve and short else None)
-                basis = sol.basis
-                solved = Solved(sol.method, basis.k, solver.device, sol.sum_s, sol.eig_s, sol.driver)
-                del sol
-                if curve:
-                    by_tokens = (early or []) + prefix_partials(task, [], rows, basis)
-                save_solved(store, task, basis, solved, by_tokens)
-            solves.append(solved)
-            if task.solve_only:
-                store.put_basis(spectrum_name(task), {"eigenvalues": basis.eigenvalues},
-                                {"k": basis.k, "exact": solved.method == "exact", "n": basis.n}, task.bound("spectrum"))
-                return None
-            fitted = fit_group(task.stream, task.group, basis, task.ratios, alloc, rows, task.sinks, task.window,
-                               task.budgets)
-            if solved.method == "exact" or basis.k >= bound or fitted.kept < KEEP_MARGIN * basis.k:
-                break
-            k = basis.k
-            del basis, fitted
-            solver = widen(task.p, k, bound, task.budget or (1 << 62), n_rows)
-        if task.curve and by_tokens is None:  # a resumed solve: the running sums are summed again
+        solved = solve_and_fit(task, store, rows, whitening)
+        if solved is None:
+            return None
+        basis, fitted, solves, by_tokens = solved
+        if task.curve is not None and by_tokens is None:  # a resumed solve: the running sums are summed again
             by_tokens = prefix_partials(task, prefix_moments(store, list(task.accumulators), task.stream, task.group,
-                                                             short, whitening), rows, basis)
+                                                             task.prefixes, whitening), rows, basis)
         measured = measure_group(fitted, task.sinks, task.window)
+    return group_result(task, basis, fitted, measured, whitening, solves, by_tokens or [])
+
+
+def solve_and_fit(task: GroupTask, store: ShardStore, rows: GroupRows, whitening: Whitening | None
+                  ) -> tuple[Basis, GroupFit, list[Solved], list[dict] | None] | None:
+    """The basis (resumed from the task's checkpoint, else solved and checkpointed) and its fit; a subspace the
+    allocation fills is solved again (exact, or wider) until the basis stands. -> (basis, fit, the solves, the
+    curve's partials or None), or None for `task.solve_only` (its spectrum stored after the first solve)."""
+    bound = task.allocator.kept_bound(task.p, task.ratios, task.budgets)
+    n_rows = rows.rows.shape[0] + (0 if rows.evals is None else rows.evals.shape[0])
+    solver = first_solver(task, bound, n_rows)
+    resumed = load_solved(store, task)
+    by_tokens: list[dict] | None = None if resumed is None else resumed[2]
+    solves: list[Solved] = []
+    while True:
+        if resumed is not None:
+            (basis, solved, _), resumed = resumed, None
+        else:
+            basis, solved, by_tokens = solve_once(task, store, rows, whitening, solver, by_tokens)
+        solves.append(solved)
+        if task.solve_only:
+            store.put_basis(spectrum_name(task), {"eigenvalues": basis.eigenvalues},
+                            {"k": basis.k, "exact": solved.method == "exact", "n": basis.n}, task.bound("spectrum"))
+            return None
+        fitted = fit_group(task.stream, task.group, basis, task.ratios, task.allocator, rows, task.sinks, task.window,
+                           task.budgets)
+        if solved.method == "exact" or basis.k >= bound or fitted.kept < KEEP_MARGIN * basis.k:
+            return basis, fitted, solves, by_tokens
+        k = basis.k
+        del basis, fitted
+        solver = widen(task.p, k, bound, task.budget or (1 << 62), n_rows)
+
+
+def first_solver(task: GroupTask, bound: int, n_rows: int) -> Solver:
+    """The task's solver (the reduce plan's, else chosen within its budget), on the task's device."""
+    solver = task.solver or choose(task.p, bound, task.budget or (1 << 62), n_rows)
+    if task.device.startswith("cuda") != solver.device.startswith("cuda"):
+        solver = Solver(solver.method, solver.k, solver.driver, task.device if task.device.startswith("cuda") else "cpu")
+    return solver
+
+
+def solve_once(task: GroupTask, store: ShardStore, rows: GroupRows, whitening: Whitening | None, solver: Solver,
+               by_tokens: list[dict] | None) -> tuple[Basis, Solved, list[dict] | None]:
+    """One solve with `solver`, checkpointed (`save_solved`); the curve's partials (`by_tokens`, unless already
+    measured) measured during it: the prefixes' before the eigensolver (only their sums stay), the last point's on
+    the basis. -> (basis, how, the partials)."""
+    curve = task.curve is not None and by_tokens is None
+    early: list[dict] = []
+
+    def measure_prefixes(prefixes: list[Moments]) -> None:  # before the eigensolver; only the sums stay
+        early.extend(prefix_partials(task, prefixes, rows))
+
+    sol = solve(store, list(task.accumulators), task.stream, task.group, solver.k, solver.device, solver.method,
+                whitening, solver.driver, task.prefixes if curve else (),
+                measure_prefixes if curve and task.prefixes else None)
+    basis = sol.basis
+    solved = Solved(sol.method, basis.k, solver.device, sol.sum_s, sol.eig_s, sol.driver)
+    del sol
+    if curve:
+        by_tokens = early + prefix_partials(task, [], rows, basis)
+    save_solved(store, task, basis, solved, by_tokens)
+    return basis, solved, by_tokens
+
+
+def group_result(task: GroupTask, basis: Basis, fitted: GroupFit, measured: GroupMeasure, whitening: Whitening | None,
+                 solves: list[Solved], by_tokens: list[dict]) -> GroupResult:
+    """The group's result: its basis cut to what the allocations keep (back from the metric's space), the
+    allocations and ECSQ tables per ratio, the measurement, warnings and seconds."""
     kept = fitted.kept
     mean, encoder, decoder = basis.mean, basis.components[:, :kept], None
     if whitening is not None:  # back from the metric's space: x_hat = mean + z_hat D^T with z = (x - mean) E
@@ -343,4 +404,4 @@ def run_group(task: GroupTask, store: ShardStore, rows: GroupRows) -> GroupResul
         (mean.astype(np.float32), basis.eigenvalues[:kept].astype(np.float32), encoder.astype(np.float32)),
         allocations, {(f.ratio, task.stream, task.group): f.to_table() for f in fitted.fits}, measured,
         list(dict.fromkeys(w for a in fitted.allocs for w in a.warnings)), basis.n, solves, fitted.seconds, decoder,
-        None if whitening is None else whitening.root.astype(np.float32), by_tokens or [])
+        None if whitening is None else whitening.root.astype(np.float32), by_tokens)

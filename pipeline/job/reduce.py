@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -34,20 +34,21 @@ from kvtc.pipeline.evaluation import report
 from kvtc.pipeline.evaluation.diagnostics import curve_components, prefix_points, stream_prefix_rows
 from kvtc.pipeline.evaluation.measure import CURVES, stream_rows
 from kvtc.pipeline.fit.joint_budget import BasisSpectrum, attention_weights, split_budget, split_unit
-from kvtc.pipeline.fit.metric import encode_root, metric_file
+from kvtc.pipeline.fit.allocator_settings import BitSplit
+from kvtc.pipeline.fit.heldout_rows import HeldOut
+from kvtc.pipeline.fit.metric import AttentionMetric, encode_root, metric_file
 from kvtc.pipeline.fit.pca import cores
 from kvtc.pipeline.job.basis_solver import max_components, metric_sums
 from kvtc.pipeline.job.corpus import describe
-from kvtc.pipeline.job.group_task import GroupResult, GroupTask
+from kvtc.pipeline.job.group_task import GroupResult, GroupTask, TokensCurve
 from kvtc.pipeline.job.heldout_store import load_rows
-from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, Solver, choose, node_budget, refuse_unless_fits, task_bytes
+from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, choose, node_budget, refuse_unless_fits, task_bytes
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_tasks import Placement, rows_name, run_groups
 from kvtc.pipeline.job.served_check import SERVED_CONTINUATION, metric_rows, served_quality
 from kvtc.pipeline.job.shard_records import ShardEntry
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
-from kvtc.workers.objective import objective_for
 from kvtc.workers.stats import STREAMS
 
 MIN_HELDOUT_ROWS = 16
@@ -113,97 +114,144 @@ class Published:
 
 
 def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
-    """Solve, fit and measure every stream and group (and the error-by-tokens curve)."""
+    """Solve, fit and measure every stream and group (and the error-by-tokens curve): the tasks planned at
+    an even split (`plan_tasks`), with a joint split their shares set from a first pass of solves
+    (`joint_split_pass`), then every group solved (or resumed), fitted and measured (`group_pass`)."""
     t0 = time.perf_counter()
-    cfg, store = inp.settings, inp.store
-    alloc, cap, red = cfg.allocator, cfg.capture, cfg.reduce
-    objective = objective_for(cap.objective)
-    tokens_requested = int(cfg.plan.tokens or 0)
+    cap = inp.settings.capture
     notes: list[str] = []
-    by_index = sorted(inp.shards, key=lambda s: s.index)
-    heldout_ids = [s.id for s in by_index if s.role == "heldout"]
-    eval_ids = [s.id for s in by_index if s.role == "eval"]
+    names, tokens_in = trained_on(inp, notes)
+    held, evals = heldout_of(inp)
+    heldout_rows = int(held.middle(cap.sinks, cap.window).sum())
+    eval_rows = 0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum())
+    groups = cap.group_layers(layers_of(inp.fingerprint), int(inp.fingerprint["num_kv_heads"]))
+    budget = reduce_budget(placement)
+    tasks, peaks = plan_tasks(inp, placement, groups, names, budget, len(held.positions) + eval_rows)
+    put_task_rows(inp, tasks, groups, held, evals)
+    del held, evals  # the driver keeps no rows: each task reads its own from the store
+    tasks, split = joint_split_pass(inp, tasks, groups, names, placement, peaks, budget, notes)
+    results, progress = group_pass(tasks, inp.store, placement, peaks, budget)
+    for r in results:
+        notes.extend(w for w in r.notes if w not in notes)
+    plan = {"budget_bytes": budget, "peak_bytes": max(peaks, default=0), "at_once": progress.most_at_once,
+            "killed": progress.kills, "solvers": sorted({f"{s.method}/{s.driver}/{s.device}" for s in
+                                                         (t.solver for t in tasks)})}
+    return Reduced(groups, results, stream_prefix_rows([(r.stream, r.by_tokens) for r in results]), tokens_in,
+                   heldout_rows, eval_rows, notes, time.perf_counter() - t0, tasks, plan, split)
+
+
+def trained_on(inp: ReduceInput, notes: list[str]) -> tuple[list[str], int]:
+    """The accumulators' names and the tokens of the training and held-out shards; a warning (and a note) when
+    the corpus ran out before the tokens requested. ValueError without a training shard."""
+    tokens_requested = int(inp.settings.plan.tokens or 0)
     tokens_in = sum(s.tokens for s in inp.shards if s.role in ("train", "heldout"))
     if tokens_in < tokens_requested:
         msg = f"the corpus ran out after {tokens_in} tokens of the {tokens_requested} requested; calibrated on what exists"
-        warnings.warn(msg, stacklevel=2)
+        warnings.warn(msg, stacklevel=3)
         notes.append(msg)
     names = [name for name, _ in inp.accumulators]
     if not names:
         raise ValueError("no training shard: the corpus is too small for --tokens/--seqs-per-shard/--holdout-fraction")
-    held = load_rows(store, heldout_ids, red.heldout_rows)
+    return names, tokens_in
+
+
+def heldout_of(inp: ReduceInput) -> tuple[HeldOut, HeldOut | None]:
+    """The held-out rows and the second domain's (None without eval shards), in shard order; ValueError when no
+    held-out shard or fewer than MIN_HELDOUT_ROWS middle rows."""
+    cap, most = inp.settings.capture, inp.settings.reduce.heldout_rows
+    by_index = sorted(inp.shards, key=lambda s: s.index)
+    held = load_rows(inp.store, [s.id for s in by_index if s.role == "heldout"], most)
     if held is None:
         raise ValueError("no held-out shard; raise --holdout-fraction or --tokens")
-    mid = held.middle(cap.sinks, cap.window)
-    if int(mid.sum()) < MIN_HELDOUT_ROWS:
-        raise ValueError(f"only {int(mid.sum())} held-out rows; at least {MIN_HELDOUT_ROWS} are needed")
-    evals = load_rows(store, eval_ids, red.heldout_rows) if eval_ids else None
+    rows = int(held.middle(cap.sinks, cap.window).sum())
+    if rows < MIN_HELDOUT_ROWS:
+        raise ValueError(f"only {rows} held-out rows; at least {MIN_HELDOUT_ROWS} are needed")
+    eval_ids = [s.id for s in by_index if s.role == "eval"]
+    return held, load_rows(inp.store, eval_ids, most) if eval_ids else None
 
+
+def plan_tasks(inp: ReduceInput, placement: Placement, groups: list[FeatureGroup], names: list[str], budget: int,
+               n_rows: int) -> tuple[list[GroupTask], list[int]]:
+    """Every stream and group's task at an even split (each basis its own floor(16 p / CR)), its solver chosen
+    within `budget` for `n_rows` held-out and eval rows, and its planned peak bytes; ValueError, before anything is
+    written, when a group cannot run even alone."""
+    cfg = inp.settings
+    alloc, cap, red = cfg.allocator, cfg.capture, cfg.reduce
     kv_heads, head_dim = int(inp.fingerprint["num_kv_heads"]), int(inp.fingerprint["head_dim"])
-    groups = cap.group_layers(layers_of(inp.fingerprint), kv_heads)
     dims = stream_dims(inp.fingerprint)  # MLA: the streams (latent, RoPE key) differ in width
-    columns_of = {stream: group_columns(groups, *dims[stream]) for stream in STREAMS}
     p_total = sum(g.dim(kv_heads, head_dim) for g in groups)
     curve = None
     if red.tokens_curve_points > 0:  # error against calibration tokens (chart 1): prefixes of the accumulators
-        curve = {"points": prefix_points(len(names), red.tokens_curve_points), "ratio": red.curve_ratio,
-                 "k": curve_components(p_total, red.curve_ratio)}
-
+        curve = TokensCurve(tuple(prefix_points(len(names), red.tokens_curve_points)), red.curve_ratio,
+                            curve_components(p_total, red.curve_ratio))
+    metric = cap.objective.task_metric(red.attention_metric)  # JSON, as the manifest records it
+    task_metric = None if metric is None else AttentionMetric(**metric)
     threads = placement.threads if placement.workers else cores()
     tasks, peaks = [], []
-    budget = reduce_budget(placement)
     gpu = gpu_solve(placement)
-    n_rows = len(held.positions) + (0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum()))
     for stream in STREAMS:
         for g, group in enumerate(groups):
             p = group.dim(*dims[stream])
             bound = max_components(p, red.ratios, alloc)
             solver = choose(p, bound, budget, n_rows, gpu)
             task = GroupTask(index=len(tasks), stream=stream, group=g, p=p, accumulators=tuple(names),
-                             ratios=tuple(red.ratios), allocator=alloc.to_dict(), sinks=cap.sinks, window=cap.window,
+                             ratios=tuple(red.ratios), allocator=alloc, sinks=cap.sinks, window=cap.window,
                              threads=threads, device=solver.device, budget=budget,
-                             metric=objective.task_metric(red.attention_metric),
-                             solver=asdict(solver), curve=curve)
+                             metric=task_metric, solver=solver, curve=curve)
             tasks.append(task)
             peaks.append(task_bytes(p, bound, n_rows, solver, task.prefixes_held, task.curve_k))
-    plans = [Planned(t.index, f"{t.stream} group {t.group}", t.p, Solver(**t.solver), b) for t, b in zip(tasks, peaks)]
-    refuse_unless_fits(plans, budget, *_node_memory_now())  # before anything is written
-    for task in tasks:  # each group's rows go to the store for its task; the driver keeps none of them
+    plans = [Planned(t.index, f"{t.stream} group {t.group}", t.p, t.solver, b) for t, b in zip(tasks, peaks)]
+    refuse_unless_fits(plans, budget, *_node_memory_now())
+    return tasks, peaks
+
+
+def put_task_rows(inp: ReduceInput, tasks: list[GroupTask], groups: list[FeatureGroup], held: HeldOut,
+                  evals: HeldOut | None) -> None:
+    """Each task's rows (its stream and group's columns of the held-out rows, and of the eval rows' middle ones)
+    written to the store for it (`rows_name`)."""
+    cap, dims = inp.settings.capture, stream_dims(inp.fingerprint)  # MLA: the streams differ in width
+    columns_of = {stream: group_columns(groups, *dims[stream]) for stream in STREAMS}
+    for task in tasks:
         rows = held.group(task.stream, columns_of[task.stream][task.group], evals, cap.sinks, cap.window)
-        store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})
+        inp.store.put_basis(rows_name(task), rows.arrays(), {"seq_len": rows.seq_len})
         del rows
-    weighed = objective.weighs_bases and alloc.bit_split == "joint"
+
+
+def joint_split_pass(inp: ReduceInput, tasks: list[GroupTask], groups: list[FeatureGroup], names: list[str],
+                     placement: Placement, peaks: list[int], budget: int,
+                     notes: list[str]) -> tuple[list[GroupTask], dict | None]:
+    """The joint bit split's first pass: every basis solved (and checkpointed for the next pass, its rows kept),
+    each task given its share of each ratio's total from the spectra (`joint_tasks`). -> the tasks with their
+    budgets and the split; the tasks as they are and None where the split is even (or no pool holds two bases).
+    A note joins `notes` where the statistics cannot weigh keys against values."""
+    alloc = inp.settings.allocator
+    weighed = inp.settings.capture.objective.weighs_bases and alloc.bit_split.shares_total
     weights = split_weights(inp, groups, names) if weighed else None
     if weighed and weights is None:
         notes.append("the statistics hold no keys' reach (captured by an earlier release): keys and values keep "
                      "their own totals, shared between groups only; recalibrate with a fresh --store to share them")
     pools = split_pools(tasks, groups, alloc.bit_split, across_streams=bool(weights))
+    if not pools:
+        return tasks, None
+    spectra = run_groups([replace(t, solve_only=True) for t in tasks], inp.store, placement, peaks, budget,
+                         ReduceProgress([f"{t.stream} group {t.group} (solve)" for t in tasks], [t.p for t in tasks]),
+                         keep_rows=True)
+    return joint_tasks(tasks, spectra, pools, weights or {}, alloc, inp.settings.reduce.attention_metric)
 
-    eval_rows = 0 if evals is None else int(evals.middle(cap.sinks, cap.window).sum())
-    del held, evals
-    split = None
-    if pools:  # the joint split: every basis solved first, its share of each ratio's total set from the spectra
-        spectra = run_groups([replace(t, solve_only=True) for t in tasks], store, placement, peaks, budget,
-                             ReduceProgress([f"{t.stream} group {t.group} (solve)" for t in tasks], [t.p for t in tasks]),
-                             keep_rows=True)
-        tasks, split = joint_tasks(tasks, spectra, pools, weights or {}, alloc, red.attention_metric)
+
+def group_pass(tasks: list[GroupTask], store: ShardStore, placement: Placement, peaks: list[int],
+               budget: int) -> tuple[list[GroupResult], ReduceProgress]:
+    """Every group solved (or resumed from its checkpoint), fitted and measured at its budgets; its rows dropped
+    after. -> the results in task order, and the progress (its kills and most tasks at once)."""
     progress = ReduceProgress([f"{t.stream} group {t.group}" for t in tasks], [t.p for t in tasks])
-    results = run_groups(tasks, store, placement, peaks, budget, progress)
-    by_tokens = stream_prefix_rows([(r.stream, r.by_tokens) for r in results])
-    for r in results:
-        notes.extend(w for w in r.notes if w not in notes)
-    plan = {"budget_bytes": budget, "peak_bytes": max(peaks, default=0), "at_once": progress.most_at_once,
-            "killed": progress.kills, "solvers": sorted({f"{s.method}/{s.driver}/{s.device}" for s in
-                                                         (Solver(**t.solver) for t in tasks)})}
-    return Reduced(groups, results, by_tokens, tokens_in, int(mid.sum()), eval_rows, notes, time.perf_counter() - t0,
-                   tasks, plan, split)
+    return run_groups(tasks, store, placement, peaks, budget, progress), progress
 
 
-def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], bit_split: str, across_streams: bool) -> dict:
+def split_pools(tasks: list[GroupTask], groups: list[FeatureGroup], bit_split: BitSplit, across_streams: bool) -> dict:
     """{task index: pool} of the bases whose bits one total covers, or {} when no pool holds two: a rank's
     (KV head range's) bases where weights put the streams' errors in one unit (`across_streams`, the
     attention objective's); else, the streams' errors having no common unit, a stream's within it."""
-    if bit_split != "joint":
+    if not bit_split.shares_total:
         return {}
     pools = {t.index: (groups[t.group].heads,) + (() if across_streams else (t.stream,)) for t in tasks}
     sizes: dict = {}
@@ -344,8 +392,8 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
         holdout_fraction=plan.holdout_fraction, heldout_rows_cap=cfg.reduce.heldout_rows, text_column=plan.text_column,
         dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
         heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
-        settings=cfg.computational(), objective=cap.objective, objective_reason=objective_reason or None, bit_split=split,
-        attention_metric=objective_for(cap.objective).task_metric(cfg.reduce.attention_metric),
+        settings=cfg.computational(), objective=cap.objective.name, objective_reason=objective_reason or None, bit_split=split,
+        attention_metric=cap.objective.task_metric(cfg.reduce.attention_metric),
         tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
     )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -131,7 +131,7 @@ def _group_task_body(root: str, model_id: str, capture_key: str, task_json: dict
     hold_if_asked("reduce")
     task = GroupTask.from_json(task_json)
     if task.device == "cuda" and not torch.cuda.is_available():  # Ray's GPU ids say nothing about torch
-        task = GroupTask.from_json({**task_json, "device": "cpu"})
+        task = replace(task, device="cpu")
     return run_stored(task, ShardStore(root, model_id, capture_key))
 
 

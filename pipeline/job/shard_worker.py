@@ -27,7 +27,7 @@ from kvtc.workers.capture import CaptureSettings, capture_kv
 from kvtc.workers.malloc import release_large_frees
 from kvtc.artifacts.fingerprint import model_id as fingerprint_id
 from kvtc.workers.models import load_model
-from kvtc.workers.objective import MseObjective
+from kvtc.workers.objective import MSE
 from kvtc.workers.stats import CalibrationStats
 
 KILL_ENV = "KVTC_TEST_KILL_ON_SHARD"  # test hook: "<shard index>:<marker file>" kills this process once
@@ -60,7 +60,7 @@ class ShardWorker:
             raise InputError(f"the worker runs {model!r} in {loaded_dtype}, the driver planned {model_dtype}; pass --dtype")
         self.settings = CaptureSettings.from_dict(capture)
         self.all_positions = CaptureSettings(**{**capture, "sinks": 0, "window": 0, "sample": 1.0,
-                                                "objective": MseObjective.name})
+                                                "objective": MSE})
         self.store = ShardStore(store_root, fingerprint_id(self.lm.fingerprint),
                                 capture_key(self.settings.to_dict(), str(self.lm.dtype).removeprefix("torch.")))
         self.batch_size = batch_size

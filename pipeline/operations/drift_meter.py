@@ -20,7 +20,7 @@ from kvtc.pipeline.fit.metric import Whitening, decode_root, metric_file
 from kvtc.pipeline.fit.pca import Basis
 from kvtc.pipeline.job.shards import make_shards
 from kvtc.workers.capture import CaptureSettings, capture_kv, check_seq_len
-from kvtc.workers.objective import MseObjective, recorded_objective
+from kvtc.workers.objective import MSE, recorded_objective
 
 
 def total_variances(art) -> dict[tuple[str, int], float]:
@@ -115,7 +115,7 @@ def sample_rows(lm, manifest: dict, corpus: str, tokens: int, exclude: set[str],
     rec = CalibrationRecord.from_manifest(manifest)
     seq_len = rec.seq_len
     # the rows only: an attention artifact's metric is its stored one
-    settings = CaptureSettings(**{**rec.capture(), "objective": MseObjective.name})
+    settings = CaptureSettings(**{**rec.capture(), "objective": MSE})
     check_seq_len(lm, seq_len, settings)
     used = 0
     for shard in make_shards(corpus, lm.tokenizer, seq_len=seq_len, seqs_per_shard=rec.seqs_per_shard,

@@ -45,7 +45,7 @@ def make_store(root: str | os.PathLike, seed: int = 0, accumulator: str = "acc0"
 
 def make_tasks(ratios: tuple[float, ...] = (4.0,), accumulator: str = "acc0") -> list[GroupTask]:
     return [GroupTask(index=i, stream=stream, group=0, p=P, accumulators=(accumulator,), ratios=ratios,
-                      allocator=AllocatorSettings().to_dict(), sinks=0, window=0, threads=1)
+                      allocator=AllocatorSettings(), sinks=0, window=0, threads=1)
             for i, stream in enumerate(("keys", "values"))]
 
 

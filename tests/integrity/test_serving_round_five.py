@@ -196,7 +196,7 @@ def test_decode_peak_memory_is_about_its_output_at_32k_tokens():
 
 
 def _keyed_pair(tmp_path):
-    from kvtc.kernels.codec.chunk_serde import load_chunk_key
+    from kvtc.kernels.integrations.lmcache_settings import load_chunk_key
 
     spec = _spec()
     key = load_chunk_key(tmp_path / "chunk-key")
@@ -257,7 +257,7 @@ def test_a_keyed_frame_cannot_be_forged_or_altered_without_the_deployment_key(tm
 def test_the_chunk_key_is_created_once_private_and_refused_when_exposed_or_short(tmp_path, monkeypatch):
     import os
 
-    from kvtc.kernels.codec.chunk_serde import CHUNK_KEY_ENV, ChunkSerdeSettings, load_chunk_key
+    from kvtc.kernels.integrations.lmcache_settings import CHUNK_KEY_ENV, ChunkSerdeSettings, load_chunk_key
 
     path = tmp_path / "key"
     key = load_chunk_key(path)

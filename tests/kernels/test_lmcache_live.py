@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from kvtc.kernels.codec.blob import read_blob
-from kvtc.kernels.codec.chunk_serde import ChunkSerdeSettings, RankedChunkTransforms, unframe
+from kvtc.kernels.codec.chunk_serde import unframe
+from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings
+from kvtc.kernels.integrations.lmcache_ranks import RankedChunkTransforms
 from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
 from helpers.lmcache_client import connect, server_process
 
@@ -289,7 +291,8 @@ def test_chunks_stored_before_a_restart_load_after_it_and_a_keyed_store_refuses_
     """Issue 49: a RoPE-removed artifact's chunks, stored by one server, hit on a second one started on the same
     L2 folder (which has recorded no position: each comes from its blob, bound to its key by the keyed frame);
     a chunk rewritten without the deployment's key is a miss."""
-    from kvtc.kernels.codec.chunk_serde import FRAME_MAGIC, KEYED_MAGIC, load_chunk_key
+    from kvtc.kernels.codec.chunk_serde import FRAME_MAGIC, KEYED_MAGIC
+    from kvtc.kernels.integrations.lmcache_settings import load_chunk_key
 
     registry, ref = found["registry"], found["attn"]
     ids, keys, values = model_cache(TOKENS)

@@ -16,8 +16,9 @@ import torch
 
 from kvtc.kernels import KVTCCodec
 from kvtc.kernels.codec.blob import BlobError, read_blob
-from kvtc.kernels.codec.chunk_serde import (FRAME_BYTES, ChunkSerdeSettings, ChunkTransform, KVRank, Placement,
-                                            RankedChunkTransforms, load_rank_codec, place, stage_layers, unframe)
+from kvtc.kernels.codec.chunk_serde import FRAME_BYTES, ChunkTransform, Placement, place, stage_layers, unframe
+from kvtc.kernels.integrations.lmcache_ranks import KVRank, RankedChunkTransforms, load_rank_codec
+from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings
 from helpers.synthetic import synthetic_spec
 from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
 
@@ -83,8 +84,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _transform(calibrated, **kwargs) -> ChunkTransform:
     registry, ref, _ = calibrated
-    return ChunkTransform.from_settings(ChunkSerdeSettings.from_kwargs(
-        {"artifact": ref, "ratio": RATIO, "registry": registry, **kwargs}))
+    return RankedChunkTransforms.from_settings(ChunkSerdeSettings.from_kwargs(
+        {"artifact": ref, "ratio": RATIO, "registry": registry, **kwargs}))(None)
 
 
 def test_codes_in_the_artifacts_ecsq_mode_within_a_true_bound_and_stores_every_chunk(calibrated):

@@ -15,6 +15,7 @@ from kvtc.workers.models import load_model
 from kvtc.workers.stats import CalibrationStats
 from kvtc.workers.stats_file import CorruptStats
 from kvtc.workers.triangle import symmetric
+from kvtc.workers.objective import ATTENTION, AUTO, MSE
 
 ATTN = CaptureSettings(sinks=2, window=4, objective="attention")
 
@@ -187,13 +188,13 @@ def test_auto_objective_is_attention_where_its_metric_can_be_built_else_mse_with
     from kvtc.workers.attention_metric import choose_objective
     from kvtc.workers.models import load_spec
 
-    assert CaptureSettings().objective == "auto"
+    assert CaptureSettings().objective == AUTO
     assert choose_objective("auto", llama.config, llama.layers) == (
-        "attention", "auto: every coded layer's query and output projections were read")
-    assert choose_objective("mse", llama.config, llama.layers)[0] == "mse"
+        ATTENTION, "auto: every coded layer's query and output projections were read")
+    assert choose_objective("mse", llama.config, llama.layers)[0] == MSE
     mla = load_spec("tiny:deepseek_v3")
     used, why = choose_objective("auto", mla.config, mla.layers)
-    assert used == "mse" and "multi-head latent attention" in why and why.startswith("auto: ")
+    assert used == MSE and "multi-head latent attention" in why and why.startswith("auto: ")
     with pytest.raises(ValueError, match="multi-head latent attention"):
         choose_objective("attention", mla.config, mla.layers)  # asked for explicitly: refused, never replaced
     with pytest.raises(ValueError, match="resolved against the model"):
@@ -208,9 +209,9 @@ def test_a_recalibration_repeats_the_objective_its_parent_ran():
     settings = JobSettings.of(objective="mse").computational()
     del settings["capture"]["objective"]  # a parent recorded before the option existed
     old = {"model": {"spec": "tiny:llama"}, "calibration": {**rec.to_manifest(), "settings": settings}}
-    assert settings_from_manifest(old).capture.objective == "mse"
+    assert settings_from_manifest(old).capture.objective == MSE
     unrecorded = {"model": {"spec": "tiny:llama"}, "calibration": rec.to_manifest()}
-    assert settings_from_manifest(unrecorded).capture.objective == "mse"
+    assert settings_from_manifest(unrecorded).capture.objective == MSE
     assert rec.capture()["objective"] == "mse"  # the parent's statistics scope names it
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from kvtc.artifacts.blocks import budget_bits, check_budget_split
 from kvtc.artifacts.groups import FeatureGroup
+from kvtc.pipeline.fit.allocator_settings import AllocatorSettings, BitSplit
 from kvtc.pipeline.fit.joint_budget import BasisSpectrum, gaussian_bits, split_budget
 from kvtc.pipeline.fit.metric import AttentionMetric
 from kvtc.pipeline.fit.joint_budget import attention_weights
@@ -141,3 +142,12 @@ def test_a_joint_calibration_shares_each_ratios_total_in_the_models_kl_and_its_t
             table = art.ecsq(r, stream)
             assert table["budget_bits"] == bits and 0 < table["bits_per_token"] <= bits
             assert art.allocation_info(r, stream)["budget_bits"] == budget_bits(p, r)  # the fixed mode: its own
+
+
+def test_the_bit_split_is_read_into_its_switch_and_recorded_as_its_word():
+    assert BitSplit.words() == ("joint", "even") and AllocatorSettings().bit_split is BitSplit.JOINT
+    even = AllocatorSettings(bit_split="even")
+    assert even.bit_split is BitSplit.EVEN and not even.bit_split.shares_total and BitSplit.JOINT.shares_total
+    assert even.to_dict()["bit_split"] == "even" and type(even.to_dict()["bit_split"]) is str
+    with pytest.raises(ValueError, match=r"--bit-split must be one of \('joint', 'even'\), got 'half'"):
+        AllocatorSettings(bit_split="half")

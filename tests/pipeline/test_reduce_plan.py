@@ -127,7 +127,7 @@ def test_a_group_task_resumes_after_its_checkpointed_solve(tmp_path, monkeypatch
         _upper_gram_update(m.gram, torch.from_numpy(x[:400]))
     store.put_acc("acc0", stats)
     task = GroupTask(index=0, stream="keys", group=0, p=p, accumulators=("acc0",), ratios=(4.0,),
-                     allocator=AllocatorSettings().to_dict(), sinks=0, window=0, threads=1)
+                     allocator=AllocatorSettings(), sinks=0, window=0, threads=1)
     rows = GroupRows(x[400:], np.arange(200) % 100, 100)
     store.put_basis(rows_name(task), rows.arrays(), {"seq_len": 100})
 
@@ -205,14 +205,15 @@ class _FakeRay:
 def _schedule_on(fake, monkeypatch, peaks, budget, workers=2):
     import sys
 
+    from kvtc.pipeline.fit.allocator import AllocatorSettings
     from kvtc.pipeline.job import reduce_tasks
     from kvtc.pipeline.job.group_task import GroupTask
     from kvtc.pipeline.job.progress import ReduceProgress
 
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.setitem(sys.modules, "ray.exceptions", fake.exceptions)
-    tasks = [GroupTask(index=i, stream="keys", group=i, p=8, accumulators=("a",), ratios=(8.0,), allocator={}, sinks=0,
-                       window=0, threads=1) for i in range(len(peaks))]
+    tasks = [GroupTask(index=i, stream="keys", group=i, p=8, accumulators=("a",), ratios=(8.0,),
+                       allocator=AllocatorSettings(), sinks=0, window=0, threads=1) for i in range(len(peaks))]
     store = type("Store", (), {"root": "r", "model_id": "m", "capture_key": "c"})()
     progress = ReduceProgress([f"keys group {i}" for i in range(len(peaks))], [8] * len(peaks), bar=False)
     reduce_tasks._on_ray(tasks, list(range(len(peaks))), store, reduce_tasks.Placement(workers, 1), peaks, budget, progress)

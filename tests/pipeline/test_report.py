@@ -132,7 +132,8 @@ def test_group_task_reruns_the_published_group_and_survives_the_store(calibrated
     evals = load_rows(ctx["store"], corpus["eval_shards"], 1024)
     p = art.basis("values")[0].shape[0]
     task = GroupTask(index=0, stream="values", group=0, p=p, accumulators=tuple(corpus["accumulators"]),
-                     ratios=(4.0, 8.0), allocator=cal["allocator"], sinks=cal["sinks"], window=cal["window"], threads=1)
+                     ratios=(4.0, 8.0), allocator=AllocatorSettings.from_dict(cal["allocator"]), sinks=cal["sinks"],
+                     window=cal["window"], threads=1)
     result = run_group(task, ctx["store"], held.group("values", slice(0, p), evals, cal["sinks"], cal["window"]))
     mean, eigenvalues, components = art.basis("values")
     np.testing.assert_allclose(result.basis[0], mean, rtol=0, atol=1e-6)

@@ -5,9 +5,9 @@ import pytest
 
 from kvtc.artifacts import calibration
 from kvtc.pipeline.fit.metric import AttentionMetric
-from kvtc.workers.capture_settings import OBJECTIVES as CLI_CHOICES
-from kvtc.workers.objective import (NAMES, AttentionObjective, MseObjective, objective_for,
-                                    recorded_objective)
+from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.workers.objective import (ATTENTION, AUTO, CHOICES as CLI_CHOICES, MSE, NAMES, AttentionObjective, Balance,
+                                    MseObjective, Weighting, objective_choice, objective_for, recorded_objective)
 
 
 def test_names_are_the_stored_strings():
@@ -48,3 +48,56 @@ def test_unknown_name_refused_naming_the_choices(name):
     assert ("choose_objective" in str(err.value)) == (name == "auto")
     with pytest.raises(ValueError, match="must be one of"):
         recorded_objective({"objective": name})
+
+
+def test_the_option_word_is_read_into_its_choice_and_stored_by_name():
+    assert [objective_choice(w) for w in CLI_CHOICES] == [AUTO, MSE, ATTENTION]
+    assert objective_choice(ATTENTION) is ATTENTION and objective_for(MSE) is MSE  # objects pass through
+    with pytest.raises(ValueError, match=r"--objective must be one of \('auto', 'mse', 'attention'\), got 'l1'"):
+        objective_choice("l1")
+    settings = CaptureSettings(objective="attention")
+    assert settings.objective == ATTENTION and settings.to_dict()["objective"] == "attention"
+    assert "objective" not in CaptureSettings(objective=MSE).to_dict()  # mse: the records' implicit objective
+    assert CaptureSettings.from_dict(CaptureSettings(objective="attention").to_dict()) == settings
+
+
+def test_auto_resolves_to_attention_where_the_metric_can_be_built_else_mse_naming_why():
+    def unreadable():
+        raise ValueError("--objective attention: layer 3 has no query projection; use --objective mse")
+
+    def readable():
+        return None
+
+    assert AUTO.resolve(readable) == (ATTENTION, "auto: every coded layer's query and output projections were read")
+    used, why = AUTO.resolve(unreadable)
+    assert used == MSE and why == ("auto: the attention metric cannot be built for this model (layer 3 has no query "
+                                   "projection); calibrated with mse")
+    assert MSE.resolve(unreadable) == (MSE, "requested (--objective mse)")  # never probed
+    assert ATTENTION.resolve(readable) == (ATTENTION, "requested (--objective attention)")
+    with pytest.raises(ValueError, match="layer 3"):
+        ATTENTION.resolve(unreadable)  # asked for explicitly: refused, never replaced
+    with pytest.raises(ValueError, match="resolved against the model before capture"):
+        AUTO.resolved()
+    assert ATTENTION.resolved() is ATTENTION
+
+
+def test_the_sensitivity_balance_needs_its_capture():
+    for balance in Balance:
+        for objective in (MSE, ATTENTION, AUTO):
+            objective.check_options(balance, 1)
+            if objective is MSE or not balance.scaled_by_sensitivity:
+                objective.check_options(balance, 0)
+    with pytest.raises(ValueError, match=r"which --sensitivity 0 does not capture; pass --sensitivity 1 or another "
+                                         r"--attention-balance$"):
+        ATTENTION.check_options(Balance.SENSITIVITY, 0)
+    with pytest.raises(ValueError, match=r"\(--objective auto runs attention wherever its metric can be built\)$"):
+        AUTO.check_options(Balance.SENSITIVITY, 0)
+
+
+def test_the_switches_are_their_words():
+    assert Balance.words() == ("sensitivity", "layer", "head", "model") and Weighting.words() == ("concentration", "none")
+    assert Balance.of("layer", "balance") is Balance.LAYER and Balance.LAYER == "layer" and f"{Balance.HEAD}" == "head"
+    assert [b.mean_axes for b in Balance] == [(2,), (1, 2), (2,), None]
+    assert [w.by_concentration for w in Weighting] == [True, False]
+    with pytest.raises(ValueError, match=r"balance must be one of \('sensitivity', 'layer', 'head', 'model'\), got 'x'"):
+        Balance.of("x", "balance")
