@@ -24,6 +24,7 @@ PINNED = {
     ("ecsq", "rans"): "856171db23fce2b28328fb7b8e05ae7e4e0ce4e84da37dda587664835efef147",
     ("ecsq", "constriction"): "763798ab1d2a52189e5402c81e18225ba7269272221e31cbdcf94de0cbd337c4",
 }
+PINNED_INT8_SINKS = "cc694cb467595009571352ec9444c333853098294988c277fd7b1f1d459a35f1"  # ECSQ, rANS, the raw sinks as int8 (blob flag bit 3)
 
 
 def _spec() -> CodecSpec:
@@ -64,3 +65,13 @@ def test_blob_bytes_are_pinned(mode, fmt):
     k0, v0 = _cache()
     assert torch.equal(keys[:, :, :1], k0[:, :, :1]) and torch.equal(values[:, :, -3:], v0[:, :, -3:])
     assert keys.shape == k0.shape and bool(torch.isfinite(keys).all() and torch.isfinite(values).all())
+
+
+def test_int8_sink_blob_bytes_are_pinned():
+    codec = KVTCCodec(_spec(), backend="torch", level=0, mode="ecsq", ecsq_format="rans", sink_format="int8")
+    blob = codec.encode(*_cache(), start=1)
+    assert hashlib.sha256(blob).hexdigest() == PINNED_INT8_SINKS
+    keys, _ = KVTCCodec(_spec(), backend="torch").decode(blob)
+    k0, _ = _cache()
+    step = k0[:, :, :1].abs().amax(-1, keepdim=True) / 127  # each sink vector within half its int8 step
+    assert ((keys[:, :, :1] - k0[:, :, :1]).abs() <= step / 2 * 1.001).all()
