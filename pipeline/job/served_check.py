@@ -119,8 +119,8 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
 
 def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> dict | None:
     """One held-out window at the longest context that fits (long_context.longest_window), scored through both
-    paths, with the codec's error by position over it -> {"prefix", "rows", "positions"}, or None where no window
-    is longer than the calibration's sequences."""
+    paths, with the codec's error by position over it at the middle ratio -> {"prefix", "rows", "positions"}, or
+    None where no window is longer than the calibration's sequences."""
     held = heldout_sequences(art, lm.tokenizer, None, 1 << 30, lm.max_positions)
     length = longest_window(lm, sum(len(s) for s in held), _free_bytes(), shortest)
     if length is None:
@@ -129,5 +129,6 @@ def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> 
     prefix = length - settings.continuation - 1
     rows = evaluate_sequences(lm, art, window, dataclasses.replace(settings, sequences=1, prefix=prefix))
     sinks = int(art.manifest.get("calibration", {}).get("sinks") or 0)
-    positions = position_errors(lm, art, window[0][:prefix], list(settings.ratios), sinks)
+    ratios = sorted(settings.ratios)
+    positions = position_errors(lm, art, window[0][:prefix], [ratios[len(ratios) // 2]], sinks)  # the chart's bold one
     return {"prefix": prefix, "rows": rows, "positions": positions}
