@@ -112,9 +112,9 @@ def chart_error_by_tokens(rows: list[dict], ratio: float | None = None, run_toke
     at = f" at CR {ratio:g}" if ratio else ""
     xlabel = (f"calibration tokens run (the whole run: {run_tokens:,}, the published basis)" if run_tokens else
               "calibration tokens (rows that built the basis)")
-    ax.set(xlabel=xlabel, ylabel="relative error (%)", title=f"Error vs calibration tokens{at}")
-    if attention:
-        ax.set_title("prefixes: unweighted PCA, the cache's own error", fontsize=8, loc="right")
+    ax.set(xlabel=xlabel, ylabel="relative error (%)")
+    ax.set_title(f"Error vs calibration tokens{at}" + ("\n(prefixes: unweighted PCA, the cache's own error)"
+                                                        if attention else ""), fontsize=10)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     return png(plt, fig)
@@ -149,7 +149,7 @@ def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None
     longest = max((int(r["hi"]) for r in long_rows or ()), default=0)
     for ax, stream in zip(axes, STREAMS):
         for source, style, what in ((rows, "-", ""), (pca_rows or [], "--", " PCA only"),
-                                    (long_rows or [], ":", f", one {longest:,}-token sequence")):
+                                    (long_rows or [], ":", f", one {longest:,}-token sequence (own error)")):
             sel = _stream_rows(source, stream)
             for i, r in enumerate(sorted({float(x["ratio"]) for x in sel})):
                 pts = sorted((x["lo"], x["hi"], x["rel_error"]) for x in sel if float(x["ratio"]) == r)
@@ -169,7 +169,7 @@ def chart_error_by_position(rows: list[dict], pca_rows: list[dict] | None = None
             ax.set_xlim(0, longest * 1.1)
         ax.set(xlabel="context position (bucket centre)", ylabel="relative error (%)", title=f"{stream}: error vs position")
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, framealpha=0.6)
     return png(plt, fig)
 
 
