@@ -69,11 +69,11 @@ from typing import Any
 import torch
 
 from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, SINK_BUDGETS, SINK_FORMATS
-from kvtc.kernels.codec.blob import BlobError, BlobHeader, Section, read_blob, write_blob
+from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section, read_blob, write_blob
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
 from kvtc.kernels.codec.model_config import check_config
-from kvtc.kernels.codec.modes import default_mode
+from kvtc.kernels.codec.modes import default_mode, mode_for
 from kvtc.kernels.codec.spec import CodecSpec
 
 _log = logging.getLogger("kvtc.chunk_serde")
@@ -261,17 +261,20 @@ class ChunkTransform:
         options = dict(backend=codec.backend, level=0, ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype)
         self.codec = KVTCCodec(self.spec, mode=mode, sink_format=sink_format, **options)
         self.mode = self.codec.mode
-        self.fixed = self.codec if self.mode == "fixed" else KVTCCodec(self.spec, mode="fixed", sink_format=sink_format,
-                                                                      **options)
+        self.coding = mode_for(self.mode)  # the mode's size bound and fallback (kernels/codec/mode.py)
+        # the fixed-rate fallback where the mode has one (a chunk it cannot code within the bound), else the codec
+        fallback = self.coding.fallback
+        self.fixed = self.codec if fallback is None else KVTCCodec(self.spec, mode=fallback.name,
+                                                                   sink_format=sink_format, **options)
         self.pad = pad
         # shared: a first chunk's raw sinks come out of its own budget (ECSQ at a coarser step), or, where they
         # cannot, it is coded whole, sinks included (fixed-rate, a later chunk's size): the bound is a later chunk's
         self.shared = sink_budget == "shared" and self.sinks > 0
-        self.whole = KVTCCodec(replace(self.spec, sinks=0), mode="fixed", **options) if self.shared else None
+        self.whole = KVTCCodec(replace(self.spec, sinks=0), mode=self.fixed.mode, **options) if self.shared else None
         # where the budget left after all the sinks cannot hold the other tokens (a high ratio, text far from the
         # calibration's), a first chunk keeps only the first token raw, the strongest sink, before coding it whole
         self.one = KVTCCodec(replace(self.spec, sinks=1), mode=self.mode, sink_format=sink_format, **options) \
-            if self.shared and self.mode == "ecsq" and self.sinks > 1 else None
+            if self.shared and not self.coding.exact and self.sinks > 1 else None
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
         self._told: set[tuple[int, torch.dtype]] = set()
 
@@ -294,7 +297,7 @@ class ChunkTransform:
         return int(shape[2])
 
     def _sizes(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype, start: int) -> tuple[int, int, int]:
-        """(header bytes, exact section bytes (fixed: all; ECSQ: the raw sinks), coded tokens) of a chunk;
+        """(header and section table bytes, raw sinks' bytes, coded tokens) of a chunk in `codec`'s mode;
         computed once per codec, shape and raw head (every store asks for its bound)."""
         s = self.spec
         head, mid, tail = codec.split(tokens, start)
@@ -306,7 +309,8 @@ class ChunkTransform:
                                 sink_format=codec.sink_format if head else "cache")  # fixed-width
             expected = codec.expected_sections(header)
             frame = len(write_blob(header, [Section(k, 0, 0, b"") for k, _ in expected]))
-            found = self._size_cache.setdefault(key, (frame, sum(n or 0 for _, n in expected), mid))
+            raw = sum(n or 0 for k, n in expected if k.tag in (TAG_RAW_HEAD, TAG_RAW_TAIL))
+            found = self._size_cache.setdefault(key, (frame, raw, mid))
         return found
 
     def _starts(self, tokens: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -317,19 +321,19 @@ class ChunkTransform:
         return (0, self.sinks) if self.sinks else (0,)
 
     def _shares(self, tokens: int, dtype: torch.dtype) -> bool:
-        """Whether a first chunk of this shape pays its raw sinks from its own budget: shared sinks, the ECSQ
-        mode, and at least MIN_SHARED_SCALE of the budget left for its other tokens. Elsewhere its sinks come on
-        top as with "extra" (short chunks at a high ratio; the fixed-rate mode, whose sizes are exact), said once
-        per chunk shape in the log."""
+        """Whether a first chunk of this shape pays its raw sinks from its own budget: shared sinks, a mode with
+        a budget (ECSQ; not one whose sizes are exact), and at least MIN_SHARED_SCALE of the budget left for its
+        other tokens. Elsewhere its sinks come on top as with "extra" (short chunks at a high ratio; the fixed-rate
+        mode, whose sizes are exact), said once per chunk shape in the log."""
         if not self.shared:
             return False
-        scale = self._shared_scale(tokens, dtype, 0) if self.mode == "ecsq" else 0.0
+        scale = 0.0 if self.coding.exact else self._shared_scale(tokens, dtype, 0)
         if scale >= MIN_SHARED_SCALE:
             return True
         if (tokens, dtype) not in self._told:
             self._told.add((tokens, dtype))
-            why = (f"would keep {scale:.0%} of its budget for its other tokens, below {MIN_SHARED_SCALE:.0%}"
-                   if self.mode == "ecsq" else "is coded fixed-rate, whose sizes are exact")
+            why = (f"is coded {self.coding.label}, whose sizes are exact" if self.coding.exact else
+                   f"would keep {scale:.0%} of its budget for its other tokens, below {MIN_SHARED_SCALE:.0%}")
             _log.warning("%s: a first chunk of %d tokens %s; its %d raw sinks come on top of its budget (sink_budget "
                          "\"extra\"), so chunks padded to the size bound store %.1fx below bf16 at CR %g", self.label,
                          tokens, why, self.sinks, self._padded_ratio(tokens, dtype), self.spec.ratio)
@@ -338,40 +342,37 @@ class ChunkTransform:
     def _padded_ratio(self, tokens: int, dtype: torch.dtype) -> float:
         """A chunk's bytes in bfloat16 over the size bound with sinks on top (what a padding store keeps)."""
         s = self.spec
-        starts = (0, self.sinks) if self.sinks else (0,)
-        sizes = (self._sizes(self.fixed, tokens, dtype, a) for a in starts)
-        fixed = max(head + exact for head, exact, _ in sizes)
-        bound = fixed if self.mode == "fixed" else max(fixed, *(self._ecsq_bound_at(tokens, dtype, a) for a in starts))
+        bound = max(self.blob_bound(tokens, dtype, a) for a in ((0, self.sinks) if self.sinks else (0,)))
         return 2 * s.num_layers * tokens * s.kv_heads * s.head_dim * 2 / (bound + FRAME_BYTES)
 
     def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int, codec: KVTCCodec | None = None) -> float:
         """The share of its ECSQ budget a first chunk may spend so that it fits a later chunk's bound (0: none)."""
         head, raw, mid = self._sizes(codec or self.codec, tokens, dtype, start)
-        budget = sum(g.budget_bytes(self.spec.ratio, mid)
-                     for groups in self.spec.ecsq.values() for g in groups)
-        room = self._ecsq_bound_at(tokens, dtype, self.sinks) - head - raw
+        budget = self.coding.bound_bytes(self.spec, mid)
+        room = self._bound_at(self.codec, tokens, dtype, self.sinks) - head - raw
         return min(1.0, room / budget) if budget and room > 0 else 0.0
 
     def fixed_size(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
-        """Blob bytes of a fixed-rate chunk of `tokens` tokens at `start` (exact), or the largest over starts."""
+        """Blob bytes of a chunk of `tokens` tokens at `start` coded fixed-rate (exact; the mode's fallback, or the
+        mode itself where it has none), or the largest over starts."""
         starts = self._starts(tokens, dtype) if start is None else (start,)
-        return max(head + exact for head, exact, _ in (self._sizes(self.fixed, tokens, dtype, a) for a in starts))
+        return max(self._bound_at(self.fixed, tokens, dtype, a) for a in starts)
 
-    def ecsq_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
-        """Largest ECSQ blob of `tokens` tokens at `start` (None: any) rate control lets through: header, raw
-        sinks, and each (stream, group)'s budget (its share of the ratio's bits per coded token, in bytes)."""
+    def mode_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
+        """Largest blob of `tokens` tokens at `start` (None: any) the transform's mode writes within its bound
+        (Mode.bound_bytes): header, raw sinks, and for ECSQ each (stream, group)'s rate-control budget (its share
+        of the ratio's bits per coded token, in bytes), for fixed-rate its exact sections."""
         starts = self._starts(tokens, dtype) if start is None else (start,)
-        return max(self._ecsq_bound_at(tokens, dtype, a) for a in starts)
+        return max(self._bound_at(self.codec, tokens, dtype, a) for a in starts)
 
-    def _ecsq_bound_at(self, tokens: int, dtype: torch.dtype, start: int) -> int:
-        head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
-        budget = sum(g.budget_bytes(self.spec.ratio, mid)
-                     for groups in self.spec.ecsq.values() for g in groups) if mid else 0
-        return head + raw + budget
+    def _bound_at(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype, start: int) -> int:
+        head, raw, mid = self._sizes(codec, tokens, dtype, start)
+        return head + raw + mode_for(codec.mode).bound_bytes(codec.spec, mid)
 
-    def blob_bound(self, tokens: int, dtype: torch.dtype) -> int:
-        fixed = self.fixed_size(tokens, dtype)
-        return fixed if self.mode == "fixed" else max(fixed, self.ecsq_bound(tokens, dtype))
+    def blob_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
+        """Largest blob of `tokens` tokens at `start` (None: any) this transform stores: the mode's bound, or the
+        fixed-rate fallback's exact size where that is larger."""
+        return max(self.fixed_size(tokens, dtype, start), self.mode_bound(tokens, dtype, start))
 
     def serialized_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Upper bound on `serialize`'s output for a chunk of this shape at any position (what LMCache
@@ -402,7 +403,7 @@ class ChunkTransform:
         s = self.spec
         x = kv.reshape(2, s.num_layers, tokens, s.kv_heads, s.head_dim).permute(0, 1, 3, 2, 4)
         first = start < self.sinks and self._shares(tokens, kv.dtype)
-        if self.mode == "ecsq":
+        if self.coding.fallback is not None:  # a blob may exceed the bound: tried, then coded by the fallback
             limit = self.blob_bound(tokens, kv.dtype)  # what the store keeps for any chunk of this shape
             codecs = (self.codec, self.one) if first and self.one is not None and start == 0 else (self.codec,)
             for codec in codecs:

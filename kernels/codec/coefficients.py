@@ -18,7 +18,6 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.codec.backend import Ops, resolve_ops
-from kvtc.kernels.codec.extremes import refuse_beyond, saturate
 from kvtc.kernels.codec.modes import mode_for
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
@@ -161,10 +160,7 @@ class CoefficientCoder:
         ops = self._ops(dev)
         blocks: dict[str, tuple] = {}
         for stream, x in zip(STREAMS, (keys, values)):
-            if self.mode == "fixed":
-                x = saturate(x)  # kernels/codec/extremes.py: never a transform that overflows
-            else:
-                refuse_beyond(x, stream)
+            x = self._mode.admit(x, stream)  # saturated (fixed-rate) or refused beyond any step (ECSQ)
             cache = x.permute(0, 2, 1, 3, 4).reshape(L, H, B * n, x.shape[4])  # tokens in (batch, token) order
             groups = []
             for gi, g in enumerate(s.streams[stream]):

@@ -11,14 +11,19 @@ from typing import Any, Callable
 import torch
 
 from kvtc.kernels.codec import ecsq
+from kvtc.kernels.codec.backend import Ops, resolve_ops
 from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, BlobError, BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.entropy import PLAIN
-from kvtc.kernels.codec.mode import Mode
+from kvtc.kernels.codec.extremes import refuse_beyond
+from kvtc.kernels.codec.fixed_mode import FixedMode
+from kvtc.kernels.codec.mode import BlobContext, Mode, ResidentCoder
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 
 class EcsqMode(Mode):
     name = "ecsq"
+    label = "ECSQ"
+    exact = False
 
     def codes(self, spec: CodecSpec, stream: str) -> tuple:
         return spec.ecsq[stream]
@@ -30,40 +35,56 @@ class EcsqMode(Mode):
                              f"e.g. `kvtc recalibrate {spec.name} --corpus SPEC` (cached shards are reused), or use "
                              f"mode='fixed'")
 
-    def encode(self, codec: Any, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops: Any, parts: list,
+    def check_resident(self, spec: CodecSpec) -> None:
+        """Every ECSQ group can be held resident (its words and escapes, as in a blob)."""
+
+    def admit(self, x: torch.Tensor, stream: str) -> torch.Tensor:
+        """`x`; ValueError beyond any step (the callers code such a cache fixed-rate)."""
+        refuse_beyond(x, stream)
+        return x
+
+    def bound_bytes(self, spec: CodecSpec, tokens: int) -> int:
+        """The rate control's budget: each (stream, group)'s share of the ratio's bits per coded token, in bytes."""
+        return sum(g.budget_bytes(spec.ratio, tokens) for groups in spec.ecsq.values() for g in groups) if tokens else 0
+
+    @property
+    def fallback(self) -> Mode:
+        """Fixed-rate: it saturates instead of refusing, and its sizes are exact."""
+        return FixedMode()
+
+    def encode(self, ctx: BlobContext, feat: torch.Tensor, si: int, stream: str, parts: list,
                budget_scale: float) -> list[Section]:
-        out, on_dev = [], codec.on_device(dev, ops.name)
+        out = []
         for gi, (cols, comps, g) in enumerate(parts):
-            with codec._stage("project", dev):
+            with ctx.stage("project"):
                 z = (feat[:, cols].to(comps.dtype) @ comps).float()
-            budget = int(g.budget_bytes(codec.spec.ratio, z.shape[0]) * budget_scale) if codec.rate_control else None
-            with codec._stage("entropy", dev):
-                words, escapes = ecsq.encode_group(z, g, budget, codec.ecsq_format, on_dev)
+            budget = int(g.budget_bytes(ctx.spec.ratio, z.shape[0]) * budget_scale) if ctx.rate_control else None
+            with ctx.stage("entropy"):
+                words, escapes = ecsq.encode_group(z, g, budget, ctx.ecsq_format, ctx.entropy_on_device)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
-            out.append(codec._section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes, dev))
+            out.append(ctx.section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes))
         return out
 
-    def decoder(self, codec: Any, data: dict, si: int, stream: str, mid: int, dev: torch.device, header: BlobHeader,
-                ops: Any, parts: list) -> Callable[[int, int, torch.Tensor], None]:
-        on_dev, symbols = codec.on_device(dev, ops.name), []
+    def decoder(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
+                parts: list) -> Callable[[int, int, torch.Tensor], None]:
+        dev, symbols = ctx.device, []
         for gi, (_, _, g) in enumerate(parts):
-            with codec._stage("entropy_decode", dev):
+            with ctx.stage("entropy_decode"):
                 symbols.append(ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
                                                     data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, header.ecsq_format,
-                                                    dev, on_dev))
+                                                    dev, ctx.entropy_on_device))
 
         def rows(a: int, b: int, feat: torch.Tensor) -> None:
             for gi, (cols, comps, _) in enumerate(parts):
                 q, step = symbols[gi]
-                with codec._stage("dequantize", dev):
-                    zhat = ecsq.dequantize(q[a:b], step, codec._offsets(stream, gi, dev))
-                with codec._stage("project", dev):
+                with ctx.stage("dequantize"):
+                    zhat = ecsq.dequantize(q[a:b], step, ctx.offsets(stream, gi))
+                with ctx.stage("project"):
                     feat[:, cols] = zhat.to(comps.dtype) @ comps.T
 
         return rows
 
-    def section_bounds(self, codec: Any, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
-        spec = codec.spec
+    def section_bounds(self, spec: CodecSpec, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
         if spec.ecsq is None:
             raise BlobError(f"blob was written in the ECSQ mode; artifact {spec.name}@{spec.version} has "
                             f"no ECSQ tables for ratio {spec.ratio:g}")
@@ -77,31 +98,33 @@ class EcsqMode(Mode):
                 out.append(SectionBound(SectionKey(TAG_ESCAPES, si, gi, 0), escapes_max, exact=False))
         return out
 
-    def check_capacity(self, codec: Any, mid: int, sections: list[Section], header: BlobHeader) -> None:
+    def check_capacity(self, spec: CodecSpec, mid: int, sections: list[Section], header: BlobHeader) -> None:
         """A lower bound on the words each token's symbols cost (the fixed mode's sections are exact sizes,
         bounded by their stored bytes in read_blob)."""
-        if not mid or codec.spec.ecsq is None:
+        if not mid or spec.ecsq is None:
             return
         table = {s.key: s for s in sections}
         for si, stream in enumerate(STREAMS):
-            for gi, g in enumerate(codec.spec.ecsq[stream]):
+            for gi, g in enumerate(spec.ecsq[stream]):
                 words = table.get(SectionKey(TAG_ECSQ, si, gi, 0))
                 if words is not None:
                     ecsq.check_capacity(g, mid, len(words.stored), header.ecsq_format)
 
-    def encode_resident(self, coder: Any, z: torch.Tensor, stream: str, gi: int, ops: Any, batch: int, n: int) -> tuple:
+    def encode_resident(self, coder: ResidentCoder, z: torch.Tensor, stream: str, gi: int, ops: Ops, batch: int,
+                        n: int) -> tuple:
         """Per sequence (words, escapes), budgeted like the codec's sections for n tokens."""
         g = coder.spec.ecsq[stream][gi]
         budget = g.budget_bytes(coder.spec.ratio, n) if coder.rate_control else None
-        on_dev = z.device.type == "cuda" and coder._ops(z.device).name == "triton"
+        on_dev = z.device.type == "cuda" and ops.name == "triton"
         return tuple(ecsq.encode_group(z[b * n:(b + 1) * n], g, budget, coder.ecsq_format, on_dev) for b in range(batch))
 
-    def coefficients(self, coder: Any, coded: Any, stream: str, gi: int) -> torch.Tensor:
+    def coefficients(self, coder: ResidentCoder, coded: Any, stream: str, gi: int) -> torch.Tensor:
         g, dev = coder.spec.ecsq[stream][gi], torch.device(coded.device)
-        parts, on_dev = [], dev.type == "cuda" and coder._ops(dev).name == "triton"
+        parts, on_dev = [], dev.type == "cuda" and resolve_ops(coder.backend, dev).name == "triton"
+        offsets = g.offsets.to(dev)
         for words, escapes in coded.blocks[stream][gi]:
             q, step = ecsq.decode_group_to(words, escapes, coded.tokens, g, coder.ecsq_format, dev, on_dev)
-            parts.append(ecsq.dequantize(q, step, coder._offsets(stream, gi, dev)))
+            parts.append(ecsq.dequantize(q, step, offsets))
         return torch.cat(parts)
 
     def resident_nbytes(self, blocks: dict) -> int:

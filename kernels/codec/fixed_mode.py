@@ -1,29 +1,51 @@
 """The fixed-rate mode: each group's kept components quantized per DP block with per-token scales.
 
 In a blob, every block with bits is two sections, its per-token params then its packed codes (DEFLATEd
-by the codec's coder; KVTCCodec._block_bytes and _block_tensors are their byte layout); resident, the
-same packed codes and fp16 params as tensors, so they can be dequantized every step.
+by the codec's coder; `block_bytes` and `block_tensors` are their byte layout); resident, the same packed
+codes and fp16 params as tensors, so they can be dequantized every step. Its sizes are exact: a blob of a
+number of coded tokens always takes the same bytes (stored plain), and it needs no fallback.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from kvtc.kernels.codec.backend import Ops, resolve_ops
 from kvtc.kernels.codec.bitpack import packed_nbytes
 from kvtc.kernels.codec.blob import TAG_CODES, TAG_PARAMS, BlobHeader, Section, SectionBound, SectionKey
-from kvtc.kernels.codec.mode import Mode
+from kvtc.kernels.codec.extremes import saturate
+from kvtc.kernels.codec.layout import codes_bytes, codes_from_bytes, params_bytes, params_from_bytes
+from kvtc.kernels.codec.mode import BlobContext, Mode, ResidentCoder
 from kvtc.kernels.codec.quantize import quantize_pack_blocks
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 BLOCK_TYPES = ("int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8", "none")
 
 
+def block_bytes(packed: torch.Tensor, params: torch.Tensor) -> tuple[bytes, bytes]:
+    """A block's per-token params and packed codes as their sections' raw bytes (TAG_PARAMS, TAG_CODES)."""
+    return params_bytes(params), codes_bytes(packed)
+
+
+def block_tensors(data: dict, si: int, gi: int, bi: int, mid: int, dev: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes and params of `mid` tokens that one block's sections hold (`block_bytes` inverted)."""
+    packed = codes_from_bytes(data[SectionKey(TAG_CODES, si, gi, bi)], mid, dev)
+    params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
+    return packed, params
+
+
 class FixedMode(Mode):
     name = "fixed"
+    label = "fixed-rate"
+    exact = True
 
     def codes(self, spec: CodecSpec, stream: str) -> tuple:
         return spec.streams[stream]
+
+    def check(self, spec: CodecSpec) -> None:
+        """Every spec has its fixed-rate groups."""
 
     def check_resident(self, spec: CodecSpec) -> None:
         for stream in STREAMS:
@@ -32,58 +54,79 @@ class FixedMode(Mode):
                     raise ValueError(f"{stream} group {g.group.label}: block types {sorted({b.qtype for b in g.blocks})} "
                                      f"are not all per-block min/max or fp8 types {BLOCK_TYPES}")
 
-    def encode(self, codec: Any, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops: Any, parts: list,
+    def admit(self, x: torch.Tensor, stream: str) -> torch.Tensor:
+        """`x` saturated: never a transform that overflows."""
+        return saturate(x)
+
+    def bound_bytes(self, spec: CodecSpec, tokens: int) -> int:
+        """The exact size: every block's params and packed codes."""
+        return sum(b.max_raw for b in self._bounds(spec, tokens))
+
+    @property
+    def fallback(self) -> None:
+        """None: its blobs always fit, their size being exact."""
+        return None
+
+    def encode(self, ctx: BlobContext, feat: torch.Tensor, si: int, stream: str, parts: list,
                budget_scale: float) -> list[Section]:
         out = []
         for gi, (cols, comps, code) in enumerate(parts):
-            with codec._stage("project", dev):
+            with ctx.stage("project"):
                 z = (feat[:, cols].to(comps.dtype) @ comps).float().contiguous()
-            with codec._stage("quantize_pack", dev):
-                coded = quantize_pack_blocks(z, code.blocks, reference=ops.name == "torch")
-                coded = [codec._block_bytes(*c) if c else None for c in coded]
+            with ctx.stage("quantize_pack"):
+                coded = quantize_pack_blocks(z, code.blocks, reference=ctx.ops.name == "torch")
+                coded = [block_bytes(*c) if c else None for c in coded]
             for bi, c in enumerate(coded):
                 if c is not None:
-                    out.append(codec._section(SectionKey(TAG_PARAMS, si, gi, bi), c[0], dev))
-                    out.append(codec._section(SectionKey(TAG_CODES, si, gi, bi), c[1], dev))
+                    out.append(ctx.section(SectionKey(TAG_PARAMS, si, gi, bi), c[0]))
+                    out.append(ctx.section(SectionKey(TAG_CODES, si, gi, bi), c[1]))
         return out
 
-    def decoder(self, codec: Any, data: dict, si: int, stream: str, mid: int, dev: torch.device, header: BlobHeader,
-                ops: Any, parts: list) -> Callable[[int, int, torch.Tensor], None]:
-        held = [[codec._block_tensors(data, si, gi, bi, mid, dev) if b.bits else None for bi, b in enumerate(code.blocks)]
+    def decoder(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
+                parts: list) -> Callable[[int, int, torch.Tensor], None]:
+        dev, ops = ctx.device, ctx.ops
+        held = [[block_tensors(data, si, gi, bi, mid, dev) if b.bits else None for bi, b in enumerate(code.blocks)]
                 for gi, (_, _, code) in enumerate(parts)]
 
         def rows(a: int, b: int, feat: torch.Tensor) -> None:
             for gi, (cols, comps, code) in enumerate(parts):
                 zhat = torch.zeros(b - a, code.kept, dtype=torch.float32, device=dev)
-                with codec._stage("dequantize", dev):
+                with ctx.stage("dequantize"):
                     for block, pair in zip(code.blocks, held[gi]):
                         if pair is not None:
                             ops.unpack_dequantize(pair[0][a:b], pair[1][a:b], block.qtype, zhat, block.start, block.size)
-                with codec._stage("project", dev):
+                with ctx.stage("project"):
                     feat[:, cols] = zhat.to(comps.dtype) @ comps.T  # comps: the group's decoding matrix
 
         return rows
 
-    def section_bounds(self, codec: Any, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
-        out = []
+    def section_bounds(self, spec: CodecSpec, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
+        return list(self._bounds(spec, mid))
+
+    @staticmethod
+    def _bounds(spec: CodecSpec, mid: int) -> Iterator[SectionBound]:
+        """Every block's sections with their exact raw sizes, in blob order."""
         for si, stream in enumerate(STREAMS):
-            for gi, g in enumerate(codec.spec.streams[stream]):
+            for gi, g in enumerate(spec.streams[stream]):
                 for bi, b in enumerate(g.blocks):
                     if b.bits:
-                        out.append(SectionBound(SectionKey(TAG_PARAMS, si, gi, bi), mid * 4))
-                        out.append(SectionBound(SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits)))
-        return out
+                        yield SectionBound(SectionKey(TAG_PARAMS, si, gi, bi), mid * 4)
+                        yield SectionBound(SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits))
 
-    def encode_resident(self, coder: Any, z: torch.Tensor, stream: str, gi: int, ops: Any, batch: int, n: int) -> tuple:
+    def check_capacity(self, spec: CodecSpec, mid: int, sections: list[Section], header: BlobHeader) -> None:
+        """Exact sizes: nothing to check beyond read_blob's bound on their stored bytes."""
+
+    def encode_resident(self, coder: ResidentCoder, z: torch.Tensor, stream: str, gi: int, ops: Ops, batch: int,
+                        n: int) -> tuple:
         coded = quantize_pack_blocks(z, coder.spec.streams[stream][gi].blocks, reference=ops.name == "torch")
         return tuple(None if c is None else (c[0].contiguous(), c[1].contiguous()) for c in coded)
 
-    def coefficients(self, coder: Any, coded: Any, stream: str, gi: int) -> torch.Tensor:
+    def coefficients(self, coder: ResidentCoder, coded: Any, stream: str, gi: int) -> torch.Tensor:
         g = coder.spec.streams[stream][gi]
         parts = coded.blocks[stream][gi]
         dev = next((p[0].device for p in parts if p is not None), torch.device("cpu"))
         z = torch.zeros(coded.batch * coded.tokens, g.kept, dtype=torch.float32, device=dev)
-        ops = coder._ops(dev)
+        ops = resolve_ops(coder.backend, dev)
         for b, pair in zip(g.blocks, parts):
             if pair is not None:
                 ops.unpack_dequantize(pair[0], pair[1], b.qtype, z, b.start, b.size)

@@ -20,6 +20,7 @@ import os
 import time
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -27,15 +28,13 @@ import torch
 from kvtc.artifacts import kernel_bundle_hash, pull
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels.codec import ecsq
-from kvtc.kernels.codec.blob import (NO_CACHE, TAG_CODES, TAG_PARAMS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader,
-                                     SINK_FORMATS, Section, SectionBound, SectionKey, read_blob, write_blob)
+from kvtc.kernels.codec.blob import (NO_CACHE, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, SINK_FORMATS, Section,
+                                     SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.codec.entropy import CODERS, decode_sections, encode_section
-from kvtc.kernels.codec.layout import (bytes_to_tensor, codes_bytes, codes_from_bytes, params_bytes, params_from_bytes,
-                                       tensor_bytes)
-from kvtc.kernels.codec.backend import BACKENDS, resolve_ops
-from kvtc.kernels.codec.extremes import refuse_beyond, saturate
+from kvtc.kernels.codec.layout import bytes_to_tensor, tensor_bytes
+from kvtc.kernels.codec.backend import BACKENDS, Ops, resolve_ops
 from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
-from kvtc.kernels.codec.mode import Mode
+from kvtc.kernels.codec.mode import BlobContext, Mode
 from kvtc.kernels.codec.modes import mode_for, resolve_mode
 from kvtc.kernels.codec.sinks_int8 import int8_bytes, sinks_from_int8, sinks_to_int8
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
@@ -223,18 +222,11 @@ class KVTCCodec:
             coding, stored = encode_section(raw, self.level, self.coder)
         return Section(key, coding, len(raw), stored)
 
-    @staticmethod
-    def _block_bytes(packed: torch.Tensor, params: torch.Tensor) -> tuple[bytes, bytes]:
-        """A fixed-rate block's per-token params and packed codes as their sections' raw bytes (TAG_PARAMS, TAG_CODES)."""
-        return params_bytes(params), codes_bytes(packed)
-
-    @staticmethod
-    def _block_tensors(data: dict, si: int, gi: int, bi: int, mid: int, dev: torch.device
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The packed codes and params of `mid` tokens that one block's sections hold (`_block_bytes` inverted)."""
-        packed = codes_from_bytes(data[SectionKey(TAG_CODES, si, gi, bi)], mid, dev)
-        params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
-        return packed, params
+    def _context(self, dev: torch.device, ops: Ops) -> BlobContext:
+        """What a mode's blob methods get of this codec on `dev` (kernels/codec/mode.py): never the codec itself."""
+        return BlobContext(self.spec, dev, ops, partial(self._stage, device=dev), partial(self._section, device=dev),
+                           partial(self._offsets, device=dev), self.on_device(dev, ops.name), self.ecsq_format,
+                           self.rate_control)
 
     def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         s = self.spec
@@ -327,7 +319,7 @@ class KVTCCodec:
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
         ops = resolve_ops(self.backend, dev)
-        sections = []
+        sections, ctx = [], self._context(dev, ops)
         sink_format = self.sink_format if head else "cache"
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
             if hi > lo:
@@ -343,15 +335,11 @@ class KVTCCodec:
                 mean, parts = self._params(stream, dev, self.mode, bd)
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
-                    xm = x[:, :, head:head + mid]
-                    if self.mode == "fixed":
-                        xm = saturate(xm)  # kernels/codec/extremes.py: never a transform that overflows
-                    else:
-                        refuse_beyond(xm, stream)
+                    xm = self._mode.admit(x[:, :, head:head + mid], stream)
                     if stream == self.spec.rope_stream and self._per_layer_rope:
                         xm = self._remove_rope(xm, positions)
                     feat = ops.rope_center(xm, cos, sin, mean, layout)
-                sections += self._mode.encode(self, feat, si, stream, dev, ops, parts, budget_scale)
+                sections += self._mode.encode(ctx, feat, si, stream, parts, budget_scale)
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
                             s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format,
@@ -384,7 +372,7 @@ class KVTCCodec:
                             if tag == TAG_RAW_HEAD and header.sink_format == "int8" else L * H * n * widths[si] * item)
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
         if mid:
-            out += mode_for(header.mode).section_bounds(self, mid, {s.key: s for s in sections or ()}, header)
+            out += mode_for(header.mode).section_bounds(self.spec, mid, {s.key: s for s in sections or ()}, header)
         return out
 
     def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
@@ -395,7 +383,7 @@ class KVTCCodec:
         """BlobError when the sections given cannot hold the tokens the header declares (Mode.check_capacity),
         checked before any per-token array is built."""
         _, mid, _ = self.split(header.tokens, header.start)
-        mode_for(header.mode).check_capacity(self, mid, sections, header)
+        mode_for(header.mode).check_capacity(self.spec, mid, sections, header)
 
     def _check_header(self, h: BlobHeader) -> None:
         s = self.spec
@@ -462,10 +450,11 @@ class KVTCCodec:
                 out[si][:, :, lo:hi] = raw.to(dev).to(dtype)
         if mid:
             ops, mode = resolve_ops(self.backend, dev), mode_for(header.mode)
+            ctx = self._context(dev, ops)
             for si, stream in enumerate(STREAMS):
                 D = widths[si]
                 mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype), decode=True)
-                rows = mode.decoder(self, data, si, stream, mid, dev, header, ops, parts)
+                rows = mode.decoder(ctx, data, si, stream, mid, header, parts)
                 # bounded blocks: the peak is the output, the stream's symbols and one block's features
                 for a, b in token_blocks(mid, decode_block_tokens(L * H * D, mid)):
                     feat = torch.empty(b - a, L * H * D, dtype=torch.float32, device=dev)

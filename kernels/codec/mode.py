@@ -1,83 +1,138 @@
 """A codec mode: how a cache's coded middle is quantized and stored (kernels/codec/modes.py lists them).
 
-A mode owns what differs between modes: the bases it projects on, whether a spec can code it, the blob
-sections of one stream's coded middle (written, read back, bounded before anything is inflated, and the
-capacity check of a blob's declared tokens), and the resident form a running cache keeps
-(kernels/codec/coefficients.py). `name` is the string blobs (their flags), chunk settings and the command
-line carry. Methods take the KVTCCodec or CoefficientCoder whose stages, sections and held tensors they use.
+A mode owns what differs between modes: the bases it projects on, whether a spec can code it, the values it
+admits, the blob sections of one stream's coded middle (written, read back, bounded before anything is
+inflated, and the capacity check of a blob's declared tokens), the size bound of that middle for a number of
+coded tokens and the mode a chunk falls back to where a blob may exceed it, and the resident form a running
+cache keeps (kernels/codec/coefficients.py). `name` is the string blobs (their flags), chunk settings and the
+command line carry.
+
+A mode never sees the codec: its blob methods get tensors and a `BlobContext` (the spec, the device, the
+kernels, and the codec's stage timer, section coder and held ECSQ offsets as callables) that the codec
+builds; its bounds get the spec; its resident methods get a `ResidentCoder` (the coder's public settings).
 
 Shapes: feat (mid, p) one stream's centred features; parts, per group, (feature columns, the matrix the
 mode projects on or reconstructs with, the group's code) as KVTCCodec._params holds them.
 """
 from __future__ import annotations
 
+import abc
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
-from kvtc.kernels.codec.blob import BlobHeader, Section, SectionBound
+from kvtc.kernels.codec.backend import Ops
+from kvtc.kernels.codec.blob import BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.spec import CodecSpec
 
 
 @dataclass(frozen=True)
-class Mode:
+class BlobContext:
+    """What a mode's blob methods get from the codec coding or decoding one blob on one device."""
+
+    spec: CodecSpec
+    device: torch.device
+    ops: Ops  # the element-wise kernels on `device`
+    stage: Callable[[str], AbstractContextManager[None]]  # `with ctx.stage("project"):` times a stage where the codec profiles
+    section: Callable[[SectionKey, bytes], Section]  # raw bytes -> a section coded with the codec's level and coder
+    offsets: Callable[[str, int], torch.Tensor]  # (stream, group) -> an ECSQ group's centroid offsets on `device`
+    entropy_on_device: bool  # whether the rANS symbols are coded by the Triton kernels where the tensors are
+    ecsq_format: str  # the ECSQ symbols' format new blobs are written in (decode follows the blob's header)
+    rate_control: bool  # ECSQ: coarsen the step of a (stream, group) whose bytes would exceed its budget
+
+
+class ResidentCoder(Protocol):
+    """What a mode's resident methods read of the coder (kernels/codec/coefficients.py's CoefficientCoder)."""
+
+    spec: CodecSpec
+    backend: str
+    rate_control: bool
+    ecsq_format: str
+
+
+@dataclass(frozen=True)
+class Mode(abc.ABC):
     """The interface every mode implements; see the module docstring."""
 
     name: ClassVar[str]
+    label: ClassVar[str]  # how messages name the mode ("fixed-rate", "ECSQ")
+    exact: ClassVar[bool]  # whether `bound_bytes` is every blob's exact size (then budget_scale changes nothing)
 
     def __str__(self) -> str:
         return self.name
 
+    @abc.abstractmethod
     def codes(self, spec: CodecSpec, stream: str) -> tuple:
         """Each group's code this mode projects on and reconstructs with (GroupCode or EcsqGroup)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def check(self, spec: CodecSpec) -> None:
         """ValueError where `spec` cannot code this mode."""
 
+    @abc.abstractmethod
     def check_resident(self, spec: CodecSpec) -> None:
         """ValueError where `spec`'s codes cannot be held in this mode's resident form."""
 
+    @abc.abstractmethod
+    def admit(self, x: torch.Tensor, stream: str) -> torch.Tensor:
+        """The values of a cache this mode codes (kernels/codec/extremes.py): saturated, or a ValueError where
+        they lie beyond what the mode can code."""
+
+    # the size bound (kernels/codec/chunk_serde.py, kernels/integrations/vllm_offload.py)
+    @abc.abstractmethod
+    def bound_bytes(self, spec: CodecSpec, tokens: int) -> int:
+        """Most bytes the coded-middle sections of `tokens` coded tokens take, stored plain: their exact size
+        where `exact`, else the rate control's budget."""
+
+    @property
+    @abc.abstractmethod
+    def fallback(self) -> Mode | None:
+        """The mode a chunk is coded in where this one cannot code it within `bound_bytes` (its rate control
+        overshot, or values beyond any step); None where this mode's blobs always fit."""
+
     # the blob (KVTCCodec)
-    def encode(self, codec: Any, feat: torch.Tensor, si: int, stream: str, dev: torch.device, ops: Any, parts: list,
+    @abc.abstractmethod
+    def encode(self, ctx: BlobContext, feat: torch.Tensor, si: int, stream: str, parts: list,
                budget_scale: float) -> list[Section]:
         """One stream's coded-middle sections, in blob order."""
-        raise NotImplementedError
 
-    def decode(self, codec: Any, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor, dev: torch.device,
-               header: BlobHeader, ops: Any, parts: list) -> None:
+    def decode(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, feat: torch.Tensor,
+               header: BlobHeader, parts: list) -> None:
         """Fill feat (mid, p) with one stream's reconstructed centred features; parts: _params(decode=True)."""
-        self.decoder(codec, data, si, stream, mid, dev, header, ops, parts)(0, mid, feat)
+        self.decoder(ctx, data, si, stream, mid, header, parts)(0, mid, feat)
 
-    def decoder(self, codec: Any, data: dict, si: int, stream: str, mid: int, dev: torch.device, header: BlobHeader,
-                ops: Any, parts: list) -> Callable[[int, int, torch.Tensor], None]:
+    @abc.abstractmethod
+    def decoder(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
+                parts: list) -> Callable[[int, int, torch.Tensor], None]:
         """One stream's coded middle read once (its symbols or packed codes, compact), as a function that fills
         feat (b - a, p) with the reconstructed centred features of coded tokens [a, b): decode works in
         bounded blocks of tokens, each row reconstructed exactly as a whole-stream decode would."""
-        raise NotImplementedError
 
-    def section_bounds(self, codec: Any, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
+    @abc.abstractmethod
+    def section_bounds(self, spec: CodecSpec, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
         """Every coded-middle section a blob of `mid` coded tokens holds, in order, with the raw bytes it may
         inflate to; `table`: the blob's sections by key, for a bound that depends on another's stored length."""
-        raise NotImplementedError
 
-    def check_capacity(self, codec: Any, mid: int, sections: list[Section], header: BlobHeader) -> None:
+    @abc.abstractmethod
+    def check_capacity(self, spec: CodecSpec, mid: int, sections: list[Section], header: BlobHeader) -> None:
         """BlobError when the sections cannot hold `mid` coded tokens, before any per-token array is built."""
 
     # the resident form (CoefficientCoder, CodedTokens)
-    def encode_resident(self, coder: Any, z: torch.Tensor, stream: str, gi: int, ops: Any, batch: int, n: int) -> tuple:
-        """z (batch * n, kept) of one group -> what CodedTokens.blocks holds for it."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def encode_resident(self, coder: ResidentCoder, z: torch.Tensor, stream: str, gi: int, ops: Ops, batch: int,
+                        n: int) -> tuple:
+        """z (batch * n, kept) of one group on the device `ops` runs on -> what CodedTokens.blocks holds for it."""
 
-    def coefficients(self, coder: Any, coded: Any, stream: str, gi: int) -> torch.Tensor:
-        """Dequantized coefficients z (batch * n, kept) float32 of one group."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def coefficients(self, coder: ResidentCoder, coded: Any, stream: str, gi: int) -> torch.Tensor:
+        """Dequantized coefficients z (batch * n, kept) float32 of one group of CodedTokens `coded`."""
 
+    @abc.abstractmethod
     def resident_nbytes(self, blocks: dict) -> int:
         """Bytes CodedTokens.blocks hold."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def select(self, blocks: dict, batch: int, tokens: int, index: torch.Tensor) -> dict:
         """CodedTokens.blocks of the sequences `index` (B',) picks (kept, repeated or reordered)."""
-        raise NotImplementedError

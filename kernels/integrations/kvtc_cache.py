@@ -39,6 +39,7 @@ from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.coefficients import CodedTokens, CoefficientCoder
 from kvtc.kernels.codec.layered import restrict
 from kvtc.kernels.codec.model_config import check_config, spec_kinds
+from kvtc.kernels.codec.modes import mode_for
 
 DEFAULT_CHUNK = 64
 
@@ -50,13 +51,14 @@ class _CodedStore:
         self.coder = coder
         self.chunks: list[CodedTokens] = []
         self._z: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self._fixed: CoefficientCoder | None = coder if coder.mode == "fixed" else None
+        self._fixed: CoefficientCoder | None = coder if mode_for(coder.mode).fallback is None else None
 
     def fixed(self) -> CoefficientCoder:
         """The fixed-rate coder of the same spec (built on first use), for chunks the ECSQ mode cannot code."""
         if self._fixed is None:
             c = self.coder
-            self._fixed = CoefficientCoder(c.spec, c.backend, "fixed", c.rate_control, c.ecsq_format, c.basis_dtype)
+            self._fixed = CoefficientCoder(c.spec, c.backend, mode_for(c.mode).fallback.name, c.rate_control,
+                                           c.ecsq_format, c.basis_dtype)
         return self._fixed
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> CodedTokens:
@@ -65,7 +67,7 @@ class _CodedStore:
         try:
             return self.coder.encode(keys, values, start)
         except (ValueError, OverflowError, RuntimeError):
-            if self.coder.mode == "fixed":
+            if self._fixed is self.coder:  # a mode without a fallback (fixed-rate saturates: a real error)
                 raise
             return self.fixed().encode(keys, values, start)
 

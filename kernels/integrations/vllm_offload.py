@@ -59,6 +59,7 @@ from kvtc.kernels.codec.chunk_options import CHUNK_MODES
 from kvtc.kernels.codec.chunk_serde import UNBOUND, ChunkTransform, binding
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
+from kvtc.kernels.codec.modes import mode_for
 
 PAGE_ORDERS = {"LBNHC": "NHC", "BLNHC": "NHC", "LBHNC": "HNC", "BLHNC": "HNC"}
 CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -146,13 +147,15 @@ class ChunkCodec:
                        basis_dtype=codec.basis_dtype)
         # sinks as int8 (kernels/codec/sinks_int8.py): a first chunk's blob pays about half of bf16 sinks on top
         self.codec = KVTCCodec(spec, mode=codec.mode, sink_format="int8", **options)
-        self.fixed = self.codec if self.codec.mode == "fixed" else KVTCCodec(spec, mode="fixed", sink_format="int8",
-                                                                             **options)
+        # the mode's fixed-rate fallback (kernels/codec/mode.py), or the codec where the mode has none
+        fallback = mode_for(self.codec.mode).fallback
+        self.fixed = self.codec if fallback is None else KVTCCodec(spec, mode=fallback.name, sink_format="int8",
+                                                                   **options)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> bytes:
         """keys, values (layers, kv_heads, tokens, head_dim), first token at absolute position `start`;
         ValueError naming where a non-finite value is (the codec's check)."""
-        if self.codec.mode == "ecsq":
+        if self.fixed is not self.codec:  # the mode has a fallback: tried first, the fallback where it fails
             try:
                 return self.codec.encode(keys, values, start=start)
             except (ValueError, OverflowError, RuntimeError):
@@ -252,8 +255,7 @@ class SlotPlan:
         sinks = min(t.sinks, tokens)
 
         def bound(start: int) -> int:
-            fixed = t.fixed_size(tokens, dtype, start)
-            blob = fixed if t.mode == "fixed" else max(fixed, t.ecsq_bound(tokens, dtype, start))
+            blob = t.blob_bound(tokens, dtype, start)  # the mode's bound, or its fallback's exact size where larger
             return math.ceil(blob * BOUND_SLACK) + OBJECT_BYTES  # DEFLATE's worst case; Python's object and slot
 
         later = bound(sinks) * world_size

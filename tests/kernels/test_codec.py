@@ -192,7 +192,8 @@ def test_the_bundle_is_the_codec_folder():
     assert {p.name for p in codec.parent.glob("*.py")} == {"__init__.py"}
     assert {p.name for p in codec.parent.iterdir() if p.is_dir() and p.name != "__pycache__"} == {"codec", "integrations"}
     assert {p.name for p in (codec.parent / "integrations").glob("*.py")} == {
-        "__init__.py", "kvtc_cache.py", "lmcache_serde.py", "lmcache_server.py", "vllm_offload.py"}
+        "__init__.py", "kvtc_cache.py", "lmcache_ranks.py", "lmcache_serde.py", "lmcache_server.py", "lmcache_settings.py",
+        "vllm_offload.py"}
     assert not {"groups.py", "blocks.py"} & {rel.rsplit("/", 1)[-1] for rel in files}
 
 

@@ -429,8 +429,8 @@ def test_a_first_chunk_keeps_its_sinks_raw_within_the_bound_and_every_chunk_is_b
     t = ChunkTransform(KVTCCodec(spec), positions=True, sink_budget="extra", sink_format="cache")
     assert t.sinks == 2 and t.spec.window == 0
     size = t.serialized_size((2, 2, 16, 16), torch.float32)
-    assert size == FRAME_BYTES + max(t.ecsq_bound(16, torch.float32, 0), t.fixed_size(16, torch.float32, 0))
-    assert t.ecsq_bound(16, torch.float32, 0) > t.ecsq_bound(16, torch.float32, 16)  # the raw sinks are counted
+    assert size == FRAME_BYTES + max(t.mode_bound(16, torch.float32, 0), t.fixed_size(16, torch.float32, 0))
+    assert t.mode_bound(16, torch.float32, 0) > t.mode_bound(16, torch.float32, 16)  # the raw sinks are counted
     for start in (0, 16):
         kv = _synthetic_chunk(spec, 16, start)
         data = t.serialize(kv, start=start, key=binding(b"chunk", start))
@@ -484,7 +484,7 @@ def test_shared_sinks_fit_a_later_chunks_bound_and_still_come_back_raw():
     shared = ChunkTransform(KVTCCodec(spec), positions=True, sink_format="cache")  # shared: the default
     shape = (2, 2, 256, 16)
     size = shared.serialized_size(shape, torch.float32)
-    assert size == FRAME_BYTES + max(shared.ecsq_bound(256, torch.float32, 256), shared.fixed_size(256, torch.float32, 256))
+    assert size == FRAME_BYTES + max(shared.mode_bound(256, torch.float32, 256), shared.fixed_size(256, torch.float32, 256))
     assert size < extra.serialized_size(shape, torch.float32)  # padded chunks no longer pay the sinks
     kv = _synthetic_chunk(spec, 256, 0)
     data = shared.serialize(kv, start=0)

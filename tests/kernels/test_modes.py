@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +13,12 @@ from kvtc.kernels import BlobError, KVTCCodec, read_blob
 from kvtc.kernels.codec import blob
 from kvtc.kernels.codec.coefficients import CoefficientCoder
 from kvtc.kernels.codec.ecsq_mode import EcsqMode
+from kvtc.kernels.codec.extremes import EXTREME
 from kvtc.kernels.codec.fixed_mode import FixedMode
+from kvtc.kernels.codec.mode import BlobContext, Mode
 from kvtc.kernels.codec.modes import NAMES, default_mode, mode_for, resolve_mode
+
+REPO = Path(__file__).resolve().parents[2]
 
 PLAIN = synthetic_spec(2, 2, 8, 8.0, sinks=1, window=2)
 ECSQ = synthetic_ecsq(PLAIN)
@@ -43,10 +49,10 @@ def test_fixed_mode():
     fixed.check_resident(PLAIN)
     codec = KVTCCodec(ECSQ, mode="fixed", backend="torch")
     header, sections = read_blob(codec.encode(*synthetic_cache(ECSQ, 9, torch.float32)))
-    bounds = fixed.section_bounds(codec, 6, {}, header)
+    bounds = fixed.section_bounds(codec.spec, 6, {}, header)
     assert {b.key.tag for b in bounds} == {blob.TAG_PARAMS, blob.TAG_CODES} and all(b.exact for b in bounds)
     assert [b.key for b in bounds] == [s.key for s in sections if s.key.tag in (blob.TAG_PARAMS, blob.TAG_CODES)]
-    fixed.check_capacity(codec, 6, sections, header)  # exact sizes: nothing to check beyond read_blob's
+    fixed.check_capacity(codec.spec, 6, sections, header)  # exact sizes: nothing to check beyond read_blob's
 
 
 def test_ecsq_mode():
@@ -58,12 +64,68 @@ def test_ecsq_mode():
     codec = KVTCCodec(ECSQ, mode="ecsq", backend="torch")
     header, sections = read_blob(codec.encode(*synthetic_cache(ECSQ, 9, torch.float32)))
     table = {s.key: s for s in sections}
-    bounds = ecsq.section_bounds(codec, 6, table, header)
+    bounds = ecsq.section_bounds(codec.spec, 6, table, header)
     assert [b.key.tag for b in bounds] == [blob.TAG_ECSQ, blob.TAG_ESCAPES] * 2
     assert bounds[0].plain and not bounds[0].exact
-    ecsq.check_capacity(codec, 6, sections, header)
+    ecsq.check_capacity(codec.spec, 6, sections, header)
     with pytest.raises(BlobError, match="written in the ECSQ mode"):
-        ecsq.section_bounds(KVTCCodec(PLAIN, mode="fixed"), 6, table, header)
+        ecsq.section_bounds(PLAIN, 6, table, header)
+
+
+def test_a_mode_is_an_abstract_strategy_implemented_whole():
+    with pytest.raises(TypeError, match="abstract"):
+        Mode()
+
+    class Half(Mode):
+        name, label, exact = "half", "half", True
+
+        def codes(self, spec, stream):
+            return spec.streams[stream]
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+    assert not Mode.__abstractmethods__ - {"codes", "check", "check_resident", "admit", "bound_bytes", "fallback",
+                                           "encode", "decoder", "section_bounds", "check_capacity", "encode_resident",
+                                           "coefficients", "resident_nbytes", "select"}
+    assert {"encode", "decoder", "section_bounds", "check_capacity", "check", "bound_bytes", "fallback"} \
+        <= Mode.__abstractmethods__
+    assert {f.name for f in dataclasses.fields(BlobContext)} >= {"spec", "device", "ops", "stage", "offsets"}
+
+
+def test_no_mode_reaches_into_the_codec_and_nothing_outside_them_branches_on_a_mode_name():
+    """A mode gets tensors, the spec and a BlobContext, never the codec's (or coder's) private methods; the codec,
+    the chunk transform and vLLM's chunk codec ask the mode (bound_bytes, fallback, exact, admit) instead of
+    comparing its name."""
+    codec_dir = REPO / "kernels" / "codec"
+    for path in [codec_dir / "mode.py", codec_dir / "ecsq_mode.py", codec_dir / "fixed_mode.py"]:
+        assert not re.findall(r"\b(?:codec|coder)\._\w+", path.read_text()), path.name
+    branch = re.compile(r"""(?:==|!=)\s*["'](?:ecsq|fixed)["']|["'](?:ecsq|fixed)["']\s*(?:==|!=)""")
+    for path in [codec_dir / "chunk_serde.py", codec_dir / "kvtc_codec.py",
+                 REPO / "kernels" / "integrations" / "vllm_offload.py"]:
+        assert not branch.findall(path.read_text()), path.name
+
+
+def test_each_mode_owns_its_size_bound_and_fallback():
+    fixed, ecsq = FixedMode(), EcsqMode()
+    assert (fixed.fallback, ecsq.fallback) == (None, FixedMode()) and (fixed.exact, ecsq.exact) == (True, False)
+    assert (fixed.label, ecsq.label) == ("fixed-rate", "ECSQ")
+    keys, values = synthetic_cache(ECSQ, 9, torch.float32)
+    for mode, codec in ((fixed, KVTCCodec(ECSQ, mode="fixed", backend="torch", level=0)),
+                        (ecsq, KVTCCodec(ECSQ, mode="ecsq", backend="torch", level=0))):
+        assert mode.bound_bytes(ECSQ, 0) == 0
+        header, sections = read_blob(codec.encode(keys, values, start=3))
+        _, mid, _ = codec.split(9, 3)
+        coded = sum(s.raw_len for s in sections if s.key.tag not in (blob.TAG_RAW_HEAD, blob.TAG_RAW_TAIL))
+        if mode.exact:  # fixed: the exact size of its sections, as section_bounds gives them
+            assert mode.bound_bytes(ECSQ, mid) == coded == sum(b.max_raw for b in mode.section_bounds(ECSQ, mid, {}, header))
+        else:  # ECSQ: the rate control's budget per (stream, group)
+            assert mode.bound_bytes(ECSQ, mid) == sum(g.budget_bytes(ECSQ.ratio, mid) for gs in ECSQ.ecsq.values()
+                                                      for g in gs)
+    spike = torch.zeros(2, 3)
+    spike[0, 1] = 3 * EXTREME
+    assert float(fixed.admit(spike, "keys").max()) == pytest.approx(EXTREME)  # saturated: never a transform that overflows
+    with pytest.raises(ValueError, match="too large for the ECSQ mode"):
+        ecsq.admit(spike, "keys")
 
 
 def test_the_codec_resolves_its_mode():
