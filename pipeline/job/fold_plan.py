@@ -24,7 +24,7 @@ it: kvtc.workers.malloc) with bench/fold_memory.py, one fresh process per point,
 resident process, weights and totals. Measured (modelled) GiB at T = 1024 / 4096 / 8192: training capture 0.39
 (0.37) / 0.70 (0.72) / 1.26 (1.25); held-out shard 0.78 (0.70) / 0.76 (0.70) / 1.46 (1.41). WORKER_BASE is a Ray
 actor's RSS after loading the model and one short capture, less its weights (0.665 GiB measured); ALLOC_SLACK
-covers what the allocator keeps beyond the live tensors. The goal run (`--seq-len 8192`, bench/README.md) checks
+covers what the allocator keeps beyond the live tensors. The goal run (`--seq-len 8192`, bench/README.md, "The fold's memory") checks
 the sum against the workers' RSS polled through the job.
 """
 from __future__ import annotations
