@@ -167,7 +167,7 @@ def test_only_the_blob_makes_a_blob_error(small, monkeypatch):
     def boom(*_args, **_kwargs):
         raise RuntimeError("kernel failed")
 
-    monkeypatch.setattr("kvtc.kernels.codec.kvtc_codec.params_from_bytes", boom)
+    monkeypatch.setattr("kvtc.kernels.codec.fixed_mode.params_from_bytes", boom)
     with pytest.raises(RuntimeError, match="kernel failed") as caught:
         codec.decode(blob)
     assert not isinstance(caught.value, BlobError)
