@@ -8,7 +8,7 @@
 The transform is kernels/codec/chunk_serde.py; this module only adapts it to LMCache's `Serializer` /
 `Deserializer` interfaces (`MemoryObj` in and out) and wraps them in LMCache's
 `AsyncSerdeProcessor`. The artifact is pulled and checked when the adapter is built; the key's packed
-`kv_rank` (world size, rank, local world size, local rank: `chunk_serde.KVRank`) picks the placement:
+`kv_rank` (world size, rank, local world size, local rank: `lmcache_ranks.KVRank`) picks the placement:
 the tensor-parallel rank's basis and, under pipeline parallelism, the stage's layers.
 
 Positions: LMCache's MP server resolves a request's token range [start, end) into one key per chunk,
