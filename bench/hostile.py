@@ -1822,6 +1822,18 @@ def run_round_five(tmp: Path, sides: tuple[str, ...] = ("calibration", "serving"
     return out
 
 
+def _in_scratch(run):
+    """run(scratch folder) with a private kvtc cache there and warnings silenced -> (its cases, seconds)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
+        os.environ["KVTC_CACHE"] = str(tmp / "cache")
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cases = run(tmp)
+        return cases, time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blobs", type=int, default=20000)
@@ -1840,26 +1852,15 @@ def main() -> None:
     args = parser.parse_args()
     geometry = tuple(int(x) for x in args.geometry.split(","))
     if args.round_five:
-        with tempfile.TemporaryDirectory() as scratch:
-            tmp = Path(scratch)
-            os.environ["KVTC_CACHE"] = str(tmp / "cache")
-            t0 = time.perf_counter()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                fifth = run_round_five(tmp, ("calibration", "serving") if args.side == "both" else (args.side,))
-            print(round_five_table(fifth))
-            print(f"\nissue 49's families: {len(fifth)} cases in {time.perf_counter() - t0:.1f} s")
+        sides = ("calibration", "serving") if args.side == "both" else (args.side,)
+        fifth, seconds = _in_scratch(lambda tmp: run_round_five(tmp, sides))
+        print(round_five_table(fifth))
+        print(f"\nissue 49's families: {len(fifth)} cases in {seconds:.1f} s")
         return
-    with tempfile.TemporaryDirectory() as scratch:
-        tmp = Path(scratch)
-        os.environ["KVTC_CACHE"] = str(tmp / "cache")
-        t0 = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fourth = [*parquet_bombs(tmp), *non_finite_cases(tmp), *whitening_and_drift(tmp),
-                      *degenerate_statistics(tmp)]
-        print(round_four_table(fourth))
-        print(f"\nissue 35's families: {len(fourth)} cases in {time.perf_counter() - t0:.1f} s\n")
+    fourth, seconds = _in_scratch(lambda tmp: [*parquet_bombs(tmp), *non_finite_cases(tmp), *whitening_and_drift(tmp),
+                                               *degenerate_statistics(tmp)])
+    print(round_four_table(fourth))
+    print(f"\nissue 35's families: {len(fourth)} cases in {seconds:.1f} s\n")
     if args.round_four:
         return
     with tempfile.TemporaryDirectory() as scratch:

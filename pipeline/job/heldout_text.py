@@ -40,12 +40,18 @@ def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq
     return out[:count]
 
 
+def heldout_tokens(artifact, tokenizer, max_seq_len: int | None, limit: int) -> list[int]:
+    """The artifact's held-out sequences joined in plan order, up to `limit` tokens (fewer where it holds fewer)."""
+    seq_len = settings_from_manifest(artifact.manifest).plan.seq_len
+    held = heldout_sequences(artifact, tokenizer, None, -(-limit // seq_len), max_seq_len)
+    return [int(t) for seq in held for t in seq][:limit]
+
+
 def _windows(artifact, tokenizer, spec: str | None, count: int, max_seq_len: int | None, length: int):
     own = spec is None or spec == artifact.manifest.get("corpus", {}).get("spec")
     seq_len = settings_from_manifest(artifact.manifest).plan.seq_len
     if own and length > seq_len:
-        held = heldout_sequences(artifact, tokenizer, spec, 1 << 30, max_seq_len)
-        flat = [int(t) for seq in held for t in seq]
+        flat = heldout_tokens(artifact, tokenizer, max_seq_len, count * length)
         where = f"the held-out text of {artifact.name}@{artifact.version}"
     elif own:
         return [seq[:length] for seq in heldout_sequences(artifact, tokenizer, spec, count, max_seq_len)]

@@ -23,7 +23,7 @@ from kvtc.pipeline.evaluation.long_context import longest_window, position_error
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
 from kvtc.pipeline.evaluation.model_quality import evaluate_sequences
 from kvtc.pipeline.fit.basis_budget import model_parameters
-from kvtc.pipeline.job.heldout_text import heldout_sequences
+from kvtc.pipeline.job.heldout_text import heldout_sequences, heldout_tokens
 from kvtc.pipeline.job.reduce_plan import node_budget
 from kvtc.workers import models
 
@@ -121,11 +121,11 @@ def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> 
     """One held-out window at the longest context that fits (long_context.longest_window), scored through both
     paths, with the codec's error by position over it at the middle ratio -> {"prefix", "rows", "positions"}, or
     None where no window is longer than the calibration's sequences."""
-    held = heldout_sequences(art, lm.tokenizer, None, 1 << 30, lm.max_positions)
-    length = longest_window(lm, sum(len(s) for s in held), _free_bytes(), shortest)
+    held = heldout_tokens(art, lm.tokenizer, lm.max_positions, lm.max_positions)  # built once, cut below
+    length = longest_window(lm, len(held), _free_bytes(), shortest)
     if length is None:
         return None
-    window = heldout_sequences(art, lm.tokenizer, None, 1, lm.max_positions, length)
+    window = [held[:length]]
     prefix = length - settings.continuation - 1
     rows = evaluate_sequences(lm, art, window, dataclasses.replace(settings, sequences=1, prefix=prefix))
     sinks = int(art.manifest.get("calibration", {}).get("sinks") or 0)
