@@ -15,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import psutil
 import torch
 
 from kvtc import artifacts
@@ -24,7 +23,7 @@ from kvtc.pipeline.evaluation.eval_settings import EvalSettings
 from kvtc.pipeline.evaluation.model_quality import evaluate_sequences
 from kvtc.pipeline.fit.basis_budget import model_parameters
 from kvtc.pipeline.job.heldout_text import heldout_sequences, heldout_tokens
-from kvtc.pipeline.job.reduce_plan import node_budget
+from kvtc.pipeline.job import fold_plan
 from kvtc.workers import models
 
 # the check's cost is coding each prefix (2 paths x every ratio), its statistic the tokens scored after it: one
@@ -63,8 +62,7 @@ def served_bytes(content: Any) -> int:
 
 
 def _free_bytes() -> int:
-    vm = psutil.virtual_memory()
-    return max(0, node_budget(int(vm.total), int(vm.total - vm.available)))
+    return max(0, fold_plan.node_now()[0])
 
 
 def served_quality(content: Any, model_spec: str, dtype: str | None, count: int, continuation: int,

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from kvtc import artifacts
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
+from kvtc.pipeline.evaluation.long_context import long_bytes, longest_window
 from kvtc.pipeline.evaluation.model_quality import evaluate_sequences
 from kvtc.pipeline.evaluation.report import limit_rows
+from kvtc.pipeline.job import fold_plan
 from kvtc.pipeline.job.heldout_text import heldout_sequences
 from kvtc.workers import models
 
@@ -32,6 +34,7 @@ def run(name: str, registry: str | None, settings: EvalSettings, corpus: str | N
         raise ValueError(f"model {model or fp['spec']!r} is not the model {art.name}@{art.version} was calibrated "
                          "on (weights differ); pass --model with the calibrated model")
     settings.check_context(lm.max_positions, model or fp["spec"])
+    check_memory(lm, settings)
     seqs = heldout_sequences(art, lm.tokenizer, corpus, settings.sequences, lm.max_positions, settings.length)
     rows = evaluate_sequences(lm, art, seqs, settings, progress)
     return {"artifact": f"{art.name}@{art.version}", "corpus": corpus or art.manifest.get("corpus", {}).get("spec"),
@@ -40,3 +43,18 @@ def run(name: str, registry: str | None, settings: EvalSettings, corpus: str | N
                          "sequences": len(seqs), "baselines": list(settings.baselines),
                          "mode": settings.mode or ("ecsq" if art.ecsq_ratios() else "fixed")},
             "rows": rows, "limit": limit_rows(art.metrics())}
+
+
+def check_memory(lm, settings: EvalSettings) -> None:
+    """ValueError before scoring where one sequence of --prefix tokens would not fit this node's memory beside the
+    model (its cache, decoded copies and logits: long_context.long_bytes), naming the longest prefix that would."""
+    if settings.length is None:
+        return
+    need, free = long_bytes(lm, settings.length), max(0, fold_plan.node_now()[0])
+    if need <= free:
+        return
+    fits = longest_window(lm, settings.length, free, settings.continuation + 1)
+    hint = f"lower --prefix to at most {fits - settings.continuation - 1}" if fits else "no --prefix fits here"
+    raise ValueError(f"--prefix {settings.prefix}: scoring one sequence of {settings.length} tokens needs about "
+                     f"{need / 2**30:.1f} GiB beside the model, and {free / 2**30:.1f} GiB are free below this node's "
+                     f"kill line; {hint}, or run on a node with more memory")

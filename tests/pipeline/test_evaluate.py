@@ -168,3 +168,20 @@ def test_eval_scores_after_a_prefix_longer_than_the_calibrations_and_refuses_one
                                                                        prefix=limit - 9))
     with pytest.raises(ValueError, match="prefix must be a token count"):
         quality.EvalSettings(prefix=0)
+
+
+def test_a_prefix_whose_scoring_would_not_fit_the_nodes_memory_is_refused_before_scoring(calibrated, monkeypatch):
+    from kvtc.pipeline.evaluation.long_context import long_bytes
+    from kvtc.pipeline.job import fold_plan
+    from kvtc.workers.models import load_model
+
+    lm = load_model("tiny:llama")
+    need = long_bytes(lm, 200 + 8 + 1)
+    monkeypatch.setattr(fold_plan, "node_now", lambda reserve=0: (need // 3, 1 << 34, 0))
+    settings = quality.EvalSettings(ratios=(4.0,), continuation=8, sequences=1, baselines=(), prefix=200)
+    with pytest.raises(ValueError, match=r"--prefix 200: scoring one sequence of 209 tokens needs about .* GiB .*"
+                                         r"lower --prefix to at most \d+"):
+        quality.run("tiny", calibrated["registry"], settings)
+    monkeypatch.setattr(fold_plan, "node_now", lambda reserve=0: (0, 1 << 34, 1 << 34))
+    with pytest.raises(ValueError, match="no --prefix fits here"):
+        quality.run("tiny", calibrated["registry"], settings)
