@@ -17,6 +17,7 @@ token). Paths:
 - chunk-extra  the chunk path before: bf16 sinks on top of the first chunk's budget, the bound counting them
                (`"sink_budget": "extra", "sink_format": "cache"`);
 - chunk-shared-bf16  shared budget, bf16 sinks; chunk-extra-int8  sinks on top, int8 (what each part brings);
+- chunk-no-outliers  the served chunk path without outlier vectors (kernels/codec/outliers.py), at the same bytes;
 - chunk+window the served chunk path with the last --window prefix tokens kept raw (what a recent window would add);
 - lmcache      `kvtc lmcache-server` started on loopback (filesystem L2, kvtc serde), the prefix stored
                and retrieved through LMCache 0.5.6's own MP client in server-driven mode, L1 cleared between;
@@ -44,10 +45,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 
 CHUNK = 256
-PATHS = ("offline", "chunk-extra", "chunk", "chunk-shared-bf16", "chunk-extra-int8", "lmcache", "vllm")
-OPTIONAL = ("chunk-coded", "chunk+window")
-VARIANTS = {"chunk": {}, "chunk-extra": dict(sink_budget="extra", sink_format="cache"),
-            "chunk-shared-bf16": dict(sink_format="cache"), "chunk-extra-int8": dict(sink_budget="extra")}
+PATHS = ("offline", "chunk-extra", "chunk", "chunk-shared-bf16", "chunk-extra-int8", "chunk-no-outliers", "lmcache",
+         "vllm")
+OPTIONAL = ("chunk-coded", "chunk+window", "offline-no-outliers")
+VARIANTS = {"chunk": {}, "chunk-extra": dict(sink_budget="extra", sink_format="cache", outlier_factor=None),
+            "chunk-shared-bf16": dict(sink_format="cache", outlier_factor=None),
+            "chunk-extra-int8": dict(sink_budget="extra", outlier_factor=None),
+            "chunk-no-outliers": dict(outlier_factor=None)}  # outlier_factor: the codec's, the rest the transform's
 
 
 def sequences(lm, corpus: str, count: int, length: int) -> list[list[int]]:
@@ -290,7 +294,10 @@ def run_prefix(a, lm_model, data: list, P: int, paths: list[str], ratios: list[f
         for ratio in ratios:
             codec = KVTCCodec(art, ratio)
             coded = ChunkTransform(KVTCCodec(replace(codec.spec, sinks=0)), positions=True)
-            variants = {p: ChunkTransform(codec, positions=True, **kw) for p, kw in VARIANTS.items() if p in paths}
+            plain = KVTCCodec(art, ratio, outlier_factor=None)
+            variants = {p: ChunkTransform(plain if "outlier_factor" in kw else codec, positions=True,
+                                          **{k: w for k, w in kw.items() if k != "outlier_factor"})
+                        for p, kw in VARIANTS.items() if p in paths}
             served = ChunkTransform(codec, positions=True)
             live = LiveServer(a.registry, ref, ratio, L, H, D, P) if "lmcache" in paths else None
             tier = VllmTier(a.registry, ref, ratio, L, H, D, P) if "vllm" in paths else None
@@ -298,8 +305,8 @@ def run_prefix(a, lm_model, data: list, P: int, paths: list[str], ratios: list[f
             try:
                 for name, ids, keys, values, feed, target, ref_lp, ref_nll in data:
                     for path in paths:
-                        if path == "offline":
-                            blob = codec.encode(keys, values, start=0)
+                        if path in ("offline", "offline-no-outliers"):
+                            blob = (codec if path == "offline" else plain).encode(keys, values, start=0)
                             k, v = codec.decode(blob)
                             stored = len(blob)
                         elif path == "chunk-coded":

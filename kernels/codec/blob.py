@@ -4,8 +4,9 @@ Layout (little endian):
   prefix   "<4sHHII": magic b"KVTC", format version, flags (bit 0: ECSQ mode; 0: fixed-rate mode;
            bit 1: per-layer container, see below; bit 2, with bit 0: ECSQ symbols in the interleaved
            rANS format, else constriction's; bit 3: the raw sinks (TAG_RAW_HEAD) stored as int8 codes with a
-           float32 scale per token vector, kernels/codec/sinks_int8.py, else in the cache's dtype), meta
-           length, CRC32 of meta
+           float32 scale per token vector, kernels/codec/sinks_int8.py, else in the cache's dtype; bit 4: the
+           coded middle is followed by one TAG_OUTLIERS section per stream, kernels/codec/outliers.py),
+           meta length, CRC32 of meta
   meta     name, version, model id (each u16 length + UTF-8), then "<dBIIIIQIIIII": ratio, dtype code,
            layers, kv_heads, tokens, head_dim, start position, sinks, window, raw head tokens,
            raw tail tokens, section count; then per section "<BBHHBQQI": tag, stream, group, block,
@@ -35,11 +36,14 @@ DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")  # fp8: latent cach
 TAG_RAW_HEAD, TAG_RAW_TAIL, TAG_PARAMS, TAG_CODES = 1, 2, 3, 4
 TAG_ECSQ, TAG_ESCAPES = 5, 6  # ECSQ mode: per (stream, group) the ANS words, then the escaped symbols
 TAG_LAYOUT, TAG_SEGMENT = 7, 8  # per-layer container: layer token counts, then one inner blob per segment
+TAG_OUTLIERS = 9  # per stream: (layer, token) vectors of the coded middle stored int8 (kernels/codec/outliers.py)
 NO_CACHE = 0xFFFFFFFF
 FLAG_ECSQ = 1
 FLAG_LAYERED = 2
 FLAG_RANS = 4
 FLAG_SINKS_INT8 = 8
+FLAG_OUTLIERS = 16
+_FLAGS = FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS | FLAG_SINKS_INT8 | FLAG_OUTLIERS
 MODE_FLAGS = {"fixed": 0, "ecsq": FLAG_ECSQ}  # each codec mode's flag (kernels/codec/modes.py)
 MODES = tuple(MODE_FLAGS)  # by flag bit 0
 ECSQ_FORMATS = ("constriction", "rans")  # ECSQ symbol formats, by flag bit 2
@@ -95,6 +99,7 @@ class BlobHeader:
     layered: bool = False
     ecsq_format: str = "constriction"  # the ECSQ mode's symbol format; ignored by the fixed mode
     sink_format: str = "cache"  # the raw sinks' format: the cache's dtype, or int8 codes and a scale per vector
+    outliers: bool = False  # the coded middle's worst (layer, token) vectors follow it, int8
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -134,6 +139,8 @@ def write_blob(header: BlobHeader, sections: list[Section]) -> bytes:
         flags |= FLAG_RANS
     if header.sink_format == "int8":
         flags |= FLAG_SINKS_INT8
+    if header.outliers:
+        flags |= FLAG_OUTLIERS
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(meta_b), zlib.crc32(meta_b))
     return b"".join([prefix, meta_b, *(bytes(s.stored) for s in sections)])
 
@@ -172,7 +179,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     if fmt != FORMAT_VERSION:
         raise BlobError(f"blob format version {fmt} is not supported by this reader (version {FORMAT_VERSION}); "
                         "decode it with the kernels release that wrote it")
-    if flags & ~(FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS | FLAG_SINKS_INT8) or (flags & FLAG_RANS and not flags & FLAG_ECSQ):
+    if flags & ~_FLAGS or (flags & FLAG_RANS and not flags & FLAG_ECSQ) or (flags & FLAG_OUTLIERS and flags & FLAG_LAYERED):
         raise BlobError(f"blob has unknown flags {flags:#x}")
     r.what = "metadata"
     meta = r.take(meta_len)
@@ -185,7 +192,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
         raise BlobError(f"blob has unknown dtype code {f[1]}")
     header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11], mode=MODES[flags & FLAG_ECSQ],
                         layered=bool(flags & FLAG_LAYERED), ecsq_format=ECSQ_FORMATS[(flags & FLAG_RANS) >> 2],
-                        sink_format=SINK_FORMATS[(flags & FLAG_SINKS_INT8) >> 3])
+                        sink_format=SINK_FORMATS[(flags & FLAG_SINKS_INT8) >> 3], outliers=bool(flags & FLAG_OUTLIERS))
     count = f[11]
     if count > _MAX_SECTIONS or count * _SECTION.size > len(meta) - m.pos:
         raise BlobError(f"blob section table declares {count} sections, metadata holds fewer")

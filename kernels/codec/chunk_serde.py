@@ -258,7 +258,8 @@ class ChunkTransform:
             mode = codec.mode if codec.mode in CHUNK_MODES else default_mode(spec).name
         if mode not in CHUNK_MODES:
             raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {CHUNK_MODES}, not {mode!r}")
-        options = dict(backend=codec.backend, level=0, ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype)
+        options = dict(backend=codec.backend, level=0, ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype,
+                       outlier_factor=codec.outlier_factor)
         self.codec = KVTCCodec(self.spec, mode=mode, sink_format=sink_format, **options)
         self.mode = self.codec.mode
         self.coding = mode_for(self.mode)  # the mode's size bound and fallback (kernels/codec/mode.py)
@@ -306,7 +307,8 @@ class ChunkTransform:
         if found is None:
             header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPE_NAMES[dtype], s.num_layers, s.kv_heads,
                                 tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode,
-                                sink_format=codec.sink_format if head else "cache")  # fixed-width
+                                sink_format=codec.sink_format if head else "cache",
+                                outliers=codec.uses_outliers and mid > 0)  # fixed-width: the table holds its sections
             expected = codec.expected_sections(header)
             frame = len(write_blob(header, [Section(k, 0, 0, b"") for k, _ in expected]))
             raw = sum(n or 0 for k, n in expected if k.tag in (TAG_RAW_HEAD, TAG_RAW_TAIL))

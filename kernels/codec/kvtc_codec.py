@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 import warnings
 from contextlib import contextmanager
 from functools import partial
@@ -28,9 +29,10 @@ import torch
 from kvtc.artifacts import kernel_bundle_hash, pull
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels.codec import ecsq
-from kvtc.kernels.codec.blob import (NO_CACHE, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, SINK_FORMATS, Section,
-                                     SectionBound, SectionKey, read_blob, write_blob)
-from kvtc.kernels.codec.entropy import CODERS, decode_sections, encode_section
+from kvtc.kernels.codec import outliers
+from kvtc.kernels.codec.blob import (NO_CACHE, TAG_OUTLIERS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, SINK_FORMATS,
+                                     Section, SectionBound, SectionKey, read_blob, write_blob)
+from kvtc.kernels.codec.entropy import CODERS, PLAIN, decode_section, decode_sections, encode_section
 from kvtc.kernels.codec.layout import bytes_to_tensor, tensor_bytes
 from kvtc.kernels.codec.backend import BACKENDS, Ops, resolve_ops
 from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
@@ -66,6 +68,8 @@ class KVTCCodec:
     max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
     sink_format: the raw sinks in new blobs: "cache" (the cache's dtype) or "int8" (codes and a float32 scale
     per token vector, about half of bfloat16: kernels/codec/sinks_int8.py). Decode follows the blob's format.
+    outlier_factor (ECSQ with rate control): the coded middle's (layer, token) vectors whose relative error exceeds
+    this many times their stream's are stored int8 inside the budget (kernels/codec/outliers.py); None: none.
     basis_dtype: dtype of the components held on the device (only the columns the mode's code uses);
     None: the cache's dtype on CUDA, float32 on CPU.
     rank: a tensor-parallel rank of an artifact calibrated with --tp: the codec then takes and returns
@@ -77,7 +81,8 @@ class KVTCCodec:
     def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
                  rate_control: bool = True, ecsq_format: str = "rans",
-                 basis_dtype: torch.dtype | None = None, rank: int | None = None, sink_format: str = "cache") -> None:
+                 basis_dtype: torch.dtype | None = None, rank: int | None = None, sink_format: str = "cache",
+                 outlier_factor: float | None = outliers.OUTLIER_FACTOR) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -98,6 +103,10 @@ class KVTCCodec:
         if sink_format not in SINK_FORMATS:
             raise ValueError(f"sink_format must be one of {SINK_FORMATS}, got {sink_format!r}")
         self.sink_format = sink_format
+        if outlier_factor is not None and (isinstance(outlier_factor, bool) or not isinstance(outlier_factor, (int, float))
+                                          or not 0 < outlier_factor < float("inf")):
+            raise ValueError(f"outlier_factor must be None or a number > 0 (times the stream's error), got {outlier_factor!r}")
+        self.outlier_factor = outlier_factor
         self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
         if basis_dtype not in (None, *_DTYPES):
             raise ValueError(f"basis_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {basis_dtype!r}")
@@ -254,7 +263,8 @@ class KVTCCodec:
             self._subs[layers] = KVTCCodec(restrict(self.spec, layers), backend=self.backend, level=self.level,
                                            coder=self.coder, max_tokens=self.max_tokens, mode=self.mode,
                                            rate_control=self.rate_control, ecsq_format=self.ecsq_format,
-                                           basis_dtype=self.basis_dtype, sink_format=self.sink_format)
+                                           basis_dtype=self.basis_dtype, sink_format=self.sink_format,
+                                           outlier_factor=self.outlier_factor)
             self._subs[layers].device_entropy = self.device_entropy
         return self._subs[layers]
 
@@ -320,6 +330,7 @@ class KVTCCodec:
         head, mid, tail = self.split(T, start)
         ops = resolve_ops(self.backend, dev)
         sections, ctx = [], self._context(dev, ops)
+        bd = self.basis_dtype_on(dev, keys.dtype)
         sink_format = self.sink_format if head else "cache"
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
             if hi > lo:
@@ -328,23 +339,73 @@ class KVTCCodec:
                     raw = sinks_to_int8(raw) if tag == TAG_RAW_HEAD and sink_format == "int8" else \
                         tensor_bytes(raw.to(cache_dtype))
                     sections.append(self._section(SectionKey(tag, si, 0, 0), raw, dev))
+        s = self.spec
+        header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
+                            s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format,
+                            sink_format=sink_format)
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
+            feats = []
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
-                bd = self.basis_dtype_on(dev, keys.dtype)
-                mean, parts = self._params(stream, dev, self.mode, bd)
                 cos, sin, layout = self._cos_sin(stream, positions)
                 with self._stage("rope_center", dev):
                     xm = self._mode.admit(x[:, :, head:head + mid], stream)
                     if stream == self.spec.rope_stream and self._per_layer_rope:
                         xm = self._remove_rope(xm, positions)
-                    feat = ops.rope_center(xm, cos, sin, mean, layout)
-                sections += self._mode.encode(ctx, feat, si, stream, parts, budget_scale)
-        s = self.spec
-        header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
-                            s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format,
-                            sink_format=sink_format)
+                    feats.append(ops.rope_center(xm, cos, sin, self._params(stream, dev, self.mode, bd)[0], layout))
+            coded = self._encode_middle(ctx, feats, bd, budget_scale)
+            if self.uses_outliers:
+                found = self._outliers(ctx, feats, coded, header, bd, [x[:, :, head:head + mid] for x in (keys, values)],
+                                       budget_scale)
+                if found is not None:
+                    header = replace(header, outliers=True)
+                    spent = sum(len(b) for b in found)
+                    scale = budget_scale - spent / self._mode.bound_bytes(s, mid)
+                    coded = self._encode_middle(ctx, feats, bd, scale)
+                    coded += [Section(SectionKey(TAG_OUTLIERS, si, 0, 0), PLAIN, len(b), b) for si, b in enumerate(found)]
+            sections += coded
         return write_blob(header, sections)
+
+    @property
+    def uses_outliers(self) -> bool:
+        """Whether new blobs may carry outlier vectors: an outlier error set, and a mode whose budget can shrink
+        by their bytes (ECSQ with rate control; fixed-rate sizes are exact)."""
+        return self.outlier_factor is not None and not self._mode.exact and self.rate_control
+
+    def _encode_middle(self, ctx: BlobContext, feats: list[torch.Tensor], bd: torch.dtype, budget_scale: float
+                       ) -> list[Section]:
+        """Each stream's centred features (mid, p) -> the coded middle's sections at `budget_scale`."""
+        out = []
+        for si, (stream, feat) in enumerate(zip(STREAMS, feats)):
+            out += self._mode.encode(ctx, feat, si, stream, self._params(stream, ctx.device, self.mode, bd)[1],
+                                     budget_scale)
+        return out
+
+    def _outliers(self, ctx: BlobContext, feats: list[torch.Tensor], coded: list[Section], header: BlobHeader,
+                  bd: torch.dtype, middle: list[torch.Tensor], budget_scale: float) -> list[bytes] | None:
+        """The coded middle decoded as a reader would -> each stream's outlier section (kernels/codec/outliers.py)
+        of its cache tokens `middle` (L, H, mid, W), within OUTLIER_SHARE of the middle's budget; None where no
+        vector's error exceeds `outlier_factor` times its stream's. Their bytes come out of the middle's budget
+        (times `budget_scale`), which the caller re-codes at the rest."""
+        s, dev, mid = self.spec, ctx.device, middle[0].shape[2]
+        data = {c.key: decode_section(c.coding, c.stored, c.raw_len, str(tuple(c.key))) for c in coded}
+        found, per = [], []
+        for si, (stream, feat) in enumerate(zip(STREAMS, feats)):
+            mean, parts = self._params(stream, dev, self.mode, bd, decode=True)
+            rows = self._mode.decoder(ctx, data, si, stream, mid, header, parts)
+            with self._stage("outliers", dev):
+                feat_hat = torch.empty_like(feat, dtype=torch.float32)
+                for a, b in token_blocks(mid, decode_block_tokens(feat.shape[1], mid)):
+                    rows(a, b, feat_hat[a:b])
+                found.append(outliers.find(feat, feat_hat, mean, len(s.coded_layers), self.outlier_factor))
+            per.append(outliers.vector_bytes(s.kv_heads, s.dim(stream)))
+        if not any(len(o.index) for o in found):
+            return None
+        budget = int(outliers.OUTLIER_SHARE * self._mode.bound_bytes(s, mid) * budget_scale)
+        kept = outliers.cap(found, budget, per)
+        if not any(len(o.index) for o in kept):
+            return None
+        return [outliers.pack(o.index, x) for o, x in zip(kept, middle)]
 
     def on_device(self, dev: torch.device, ops_name: str) -> bool:
         """Whether the rANS symbols are coded by the Triton kernels where the tensors are."""
@@ -373,6 +434,9 @@ class KVTCCodec:
                for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
         if mid:
             out += mode_for(header.mode).section_bounds(self.spec, mid, {s.key: s for s in sections or ()}, header)
+        if mid and header.outliers:
+            out += [SectionBound(SectionKey(TAG_OUTLIERS, si, 0, 0), L * mid * outliers.vector_bytes(H, widths[si]),
+                                 exact=False, plain=True) for si in range(2)]
         return out
 
     def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
@@ -448,6 +512,8 @@ class KVTCCodec:
                                     f"{(where[0], where[1], lo + where[2], where[3])}: encode never stores one, the "
                                     "blob is corrupt or forged")
                 out[si][:, :, lo:hi] = raw.to(dev).to(dtype)
+        patches = [outliers.unpack(data[SectionKey(TAG_OUTLIERS, si, 0, 0)], L, H, mid, widths[si], dtype)
+                   for si in range(2)] if mid and header.outliers else []
         if mid:
             ops, mode = resolve_ops(self.backend, dev), mode_for(header.mode)
             ctx = self._context(dev, ops)
@@ -462,6 +528,8 @@ class KVTCCodec:
                     self._restore(stream, feat, mean, out[si][:, :, head + a:head + b], header.start + head + a, ops,
                                   stored)
                 del rows
+        for si, (index, vectors) in enumerate(patches):
+            outliers.scatter(index, vectors, out[si][:, :, head:head + mid])
         if stored != dtype:
             return out[0].to(stored), out[1].to(stored)
         return out[0], out[1]

@@ -1,0 +1,128 @@
+"""Outlier vectors (kernels/codec/outliers.py): the coded middle's worst (layer, token) vectors stored int8 inside
+the budget, and their place in the blob (flag bit 4, one TAG_OUTLIERS section per stream)."""
+import struct
+
+import pytest
+import torch
+
+from kvtc.kernels.codec import outliers
+from kvtc.kernels.codec.blob import FLAG_LAYERED, FLAG_OUTLIERS, TAG_OUTLIERS, BlobError, read_blob
+from kvtc.kernels.codec.chunk_serde import ChunkTransform, unframe
+from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (3, 2, 7, 5), (2, 3, 4, 64)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 0.006), (torch.bfloat16, 0.01), (torch.float16, 0.006)])
+def test_pack_and_unpack_put_each_vector_back_at_its_layer_and_token_on_odd_shapes(shape, dtype, tol):
+    L, H, T, W = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    index = torch.unique(torch.randint(0, L * T, (max(1, L * T // 2),), generator=g))
+    data = outliers.pack(index, x)
+    assert len(data) == len(index) * outliers.vector_bytes(H, W)
+    got, vectors = outliers.unpack(data, L, H, T, W, dtype)
+    assert torch.equal(got, index) and vectors.shape == (len(index), H, W) and vectors.dtype == dtype
+    out = torch.zeros_like(x)
+    outliers.scatter(got, vectors, out)
+    layer, token = index // T, index % T
+    mask = torch.zeros(L, T, dtype=torch.bool)
+    mask[layer, token] = True
+    assert not out.permute(0, 2, 1, 3)[~mask].any()  # nothing written elsewhere
+    want, have = x[layer, :, token].float(), out[layer, :, token].float()
+    step = want.abs().amax(-1, keepdim=True) / 127
+    assert ((have - want).abs() <= step / 2 + want.abs() * tol).all()
+    assert outliers.unpack(b"", L, H, T, W, dtype)[1].shape == (0, H, W)
+
+
+def test_a_forged_outlier_section_is_a_blob_error():
+    L, H, T, W = 2, 2, 5, 3
+    x = torch.randn(L, H, T, W)
+    good = outliers.pack(torch.tensor([1, 6]), x)
+    with pytest.raises(BlobError, match="whole number"):
+        outliers.unpack(good[:-1], L, H, T, W, torch.float32)
+    for index in ([6, 1], [3, 3], [1, L * T]):  # not increasing, repeated, beyond the coded tokens
+        forged = struct.pack("<2I", *index) + good[8:]
+        with pytest.raises(BlobError, match="increasing"):
+            outliers.unpack(forged, L, H, T, W, torch.float32)
+    forged = bytearray(good)
+    forged[-4:] = struct.pack("<f", float("nan"))
+    with pytest.raises(BlobError, match="int8"):
+        outliers.unpack(bytes(forged), L, H, T, W, torch.float32)
+
+
+def test_find_takes_the_vectors_coded_far_worse_than_their_stream_and_cap_keeps_the_worst_within_the_budget():
+    n, L, p_layer = 50, 3, 8
+    g = torch.Generator().manual_seed(3)
+    mean = torch.zeros(L * p_layer)
+    feat = torch.randn(n, L * p_layer, generator=g)
+    feat.view(n, L, p_layer)[7, 1] *= 0.05  # a short vector, as a mid-sequence sink's value
+    feat.view(n, L, p_layer)[20, 2] *= 0.1
+    noisy = feat + 0.2 * torch.randn(n, L * p_layer, generator=g)  # the same noise everywhere
+    found = outliers.find(feat, noisy, mean, L, 2.5)
+    assert found.index.tolist() == [1 * n + 7, 2 * n + 20]
+    assert float(found.score[0]) > float(found.score[1])  # the shorter vector is the worse coded
+    assert len(outliers.find(feat, noisy, mean, L, 1000.0).index) == 0
+    per = [10, 10]
+    kept = outliers.cap([found, outliers.Outliers(torch.tensor([4]), torch.tensor([0.5]))], 25, per)
+    assert kept[0].index.tolist() == [1 * n + 7, 2 * n + 20] and kept[1].index.tolist() == []
+    kept = outliers.cap([found, outliers.Outliers(torch.tensor([4]), torch.tensor([1e9]))], 15, per)
+    assert kept[0].index.tolist() == [] and kept[1].index.tolist() == [4]  # the worst of both streams first
+
+
+def _cache_with_sinks_mid_sequence(spec, tokens: int):
+    from helpers.synthetic import synthetic_cache
+
+    keys, values = synthetic_cache(spec, tokens, torch.float32, start=0)
+    values = values.clone()
+    values[0, :, 9] *= 0.02  # short value vectors in the middle, as the embedded model's " " and " the"
+    values[1, :, 14] *= 0.02
+    return keys, values
+
+
+def test_the_codec_stores_the_worst_vectors_int8_inside_the_budget_and_decode_writes_them_back():
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    keys, values = _cache_with_sinks_mid_sequence(spec, 40)
+    plain, kept = KVTCCodec(spec, outlier_factor=None), KVTCCodec(spec)
+    assert kept.outlier_factor == outliers.OUTLIER_FACTOR and kept.uses_outliers
+    old, new = plain.encode(keys, values), kept.encode(keys, values)
+    assert not read_blob(old)[0].outliers and not old[6] & FLAG_OUTLIERS
+    header, sections = read_blob(new)
+    assert header.outliers and new[6] & FLAG_OUTLIERS
+    table = {s.key.tag: s for s in sections if s.key.tag == TAG_OUTLIERS and s.key.stream == 1}
+    index, _ = outliers.unpack(bytes(table[TAG_OUTLIERS].stored), 2, 2, 40 - 2 - 3, 8, torch.float32)
+    assert {(0 * 35 + 7), (1 * 35 + 12)} <= set(index.tolist())  # tokens 9 and 14 of the coded middle
+    for codec in (plain, kept):  # decode follows the blob
+        _, v = codec.decode(new)
+        for layer, token in ((0, 9), (1, 14)):
+            assert (v[layer, :, token] - values[layer, :, token]).norm() < 0.02 * values[layer, :, token].norm()
+    _, v_old = plain.decode(old)
+    assert (v_old[0, :, 9] - values[0, :, 9]).norm() > 0.5 * values[0, :, 9].norm()
+    # paid from the budget: the middle is re-coded at the rest, the blob within the mode's bound
+    t = ChunkTransform(kept, positions=True)
+    data = t.serialize(torch.stack([x.permute(0, 2, 1, 3).reshape(2, 40, 16) for x in (keys, values)]), start=16)
+    assert len(data) == t.serialized_size((2, 2, 40, 16), torch.float32)
+    assert read_blob(unframe(data)[1])[0].outliers
+
+
+def test_a_blob_whose_flag_and_sections_disagree_is_refused_and_bad_options_are_named():
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    keys, values = _cache_with_sinks_mid_sequence(spec, 40)
+    codec = KVTCCodec(spec)
+    for blob in (codec.encode(keys, values), KVTCCodec(spec, outlier_factor=None).encode(keys, values)):
+        forged = bytearray(blob)
+        forged[6] ^= FLAG_OUTLIERS
+        with pytest.raises(BlobError):
+            codec.decode(bytes(forged))
+        forged = bytearray(blob)
+        forged[6] |= FLAG_OUTLIERS | FLAG_LAYERED
+        with pytest.raises(BlobError, match="unknown flags"):
+            codec.decode(bytes(forged))
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "2.5"):
+        with pytest.raises(ValueError, match="outlier_factor"):
+            KVTCCodec(spec, outlier_factor=bad)
+    fixed = KVTCCodec(spec, mode="fixed")
+    assert not fixed.uses_outliers and not read_blob(fixed.encode(keys, values))[0].outliers  # exact sizes
