@@ -33,9 +33,16 @@ def scale_bits(qtype: str) -> int:
     return 16 if qtype == "fp8" else 32
 
 
+def code_bits(qtype: str, size: int) -> int:
+    """Bits per token a block's codes take as stored: `size` codes of the type's bits, padded to whole bytes
+    (each token's row of a block is packed on its own; a 1-component int2 block stores 8 bits, not 2)."""
+    return -(-size * qtype_bits(qtype) // 8) * 8
+
+
 def block_cost_bits(qtype: str, size: int) -> int:
-    """Bits per token that a block of `size` components of type `qtype` costs."""
-    return size * qtype_bits(qtype) + scale_bits(qtype)
+    """Bits per token that a block of `size` components of type `qtype` costs as stored: its codes padded to
+    whole bytes and its per-token side information."""
+    return code_bits(qtype, size) + scale_bits(qtype)
 
 
 def check_ratios(ratios, where: str = "") -> tuple[float, ...]:
@@ -130,8 +137,8 @@ class Block(NamedTuple):
 
     @property
     def cost_bits(self) -> int:
-        """Bits per token: size * bits + per-token side information."""
-        return self.size * self.bits + self.scale_bits
+        """Bits per token as stored: the codes padded to whole bytes, and per-token side information."""
+        return block_cost_bits(self.qtype, self.size)
 
     def to_dict(self) -> dict:
         return {"start": self.start, "size": self.size, "type": self.qtype, "bits": self.bits,

@@ -50,10 +50,10 @@ class Allocation:
     warnings: tuple[str, ...] = field(default=())
 
     def bits_per_component(self) -> np.ndarray:
-        """(kept,) float64: each component's bits with its block's scale cost amortised in."""
+        """(kept,) float64: each component's bits as stored, its block's padding and scale cost amortised in."""
         out = np.zeros(self.kept)
         for b in self.blocks:
-            out[b.start:b.end] = b.bits + b.scale_bits / b.size if b.bits else 0.0
+            out[b.start:b.end] = b.cost_bits / b.size if b.bits else 0.0
         return out
 
     def to_dict(self) -> dict:

@@ -205,7 +205,9 @@ def test_block_widths_the_codec_takes_from_artifacts_are_pinned():
     assert QTYPES == ("none", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8")
     assert [qtype_bits(t) for t in QTYPES] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 8]
     assert [scale_bits(t) for t in QTYPES] == [0] + [32] * 8 + [16]
-    assert block_cost_bits("int3", 10) == 62 and block_cost_bits("fp8", 4) == 48 and block_cost_bits("none", 9) == 0
+    # each token's codes are padded to whole bytes (kernels/codec/bitpack.py), and the allocator counts that padding
+    assert block_cost_bits("int3", 10) == 64 and block_cost_bits("fp8", 4) == 48 and block_cost_bits("none", 9) == 0
+    assert block_cost_bits("int2", 1) == 40 and block_cost_bits("int4", 16) == 96
 
 
 def test_from_registry_checks_the_kernel_bundle_and_integrations_are_not_in_it(tmp_path, monkeypatch):
@@ -271,3 +273,20 @@ def test_groups_must_cover_every_layer_and_head_once():
         synthetic_spec(2, 2, 8, groups=[FeatureGroup((0, 1)), FeatureGroup((0,), (1, 2))], kept=4)
     with pytest.raises(ValueError, match="missing"):
         synthetic_spec(2, 2, 8, groups=[FeatureGroup((0, 1), (0, 1))], kept=4)
+
+
+def test_a_fixed_rate_blob_stores_exactly_the_bits_its_allocation_is_charged():
+    """The allocator's cost of a block (artifacts/blocks.block_cost_bits) is what the fixed-rate mode stores per
+    token, each block's codes padded to whole bytes: a 1-component int2 block costs 40 bits, not 34 (an
+    allocation of many such blocks, as a capped basis at CR 8 chooses, once came out 27% over its budget)."""
+    from kvtc.artifacts.blocks import block_cost_bits
+    from kvtc.kernels.codec.blob import TAG_PARAMS
+
+    spec = synthetic_spec(2, 2, 8, 8.0, kept=29, sinks=0, window=0, seed=4)  # odd sizes of every type
+    tokens = 11
+    keys, values = synthetic_cache(spec, tokens, torch.float32)
+    _, sections = read_blob(KVTCCodec(spec, mode="fixed", level=0).encode(keys, values))
+    for si, stream in enumerate(("keys", "values")):
+        blocks = [b for b in spec.streams[stream][0].blocks if b.qtype != "none"]
+        stored = sum(s.raw_len for s in sections if s.key.tag in (TAG_CODES, TAG_PARAMS) and s.key.stream == si)
+        assert stored * 8 == tokens * sum(block_cost_bits(b.qtype, b.size) for b in blocks)
