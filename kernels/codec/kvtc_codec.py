@@ -32,6 +32,7 @@ from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec import outliers
 from kvtc.kernels.codec.blob import (NO_CACHE, TAG_OUTLIERS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, SINK_FORMATS,
                                      Section, SectionBound, SectionKey, read_blob, write_blob)
+from kvtc.kernels.codec.chunk_options import OUTLIER_FACTOR, check_outlier_factor
 from kvtc.kernels.codec.entropy import CODERS, PLAIN, decode_section, decode_sections, encode_section
 from kvtc.kernels.codec.layout import bytes_to_tensor, tensor_bytes
 from kvtc.kernels.codec.backend import BACKENDS, Ops, resolve_ops
@@ -82,7 +83,7 @@ class KVTCCodec:
                  coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
                  rate_control: bool = True, ecsq_format: str = "rans",
                  basis_dtype: torch.dtype | None = None, rank: int | None = None, sink_format: str = "cache",
-                 outlier_factor: float | None = outliers.OUTLIER_FACTOR) -> None:
+                 outlier_factor: float | None = OUTLIER_FACTOR) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -103,10 +104,7 @@ class KVTCCodec:
         if sink_format not in SINK_FORMATS:
             raise ValueError(f"sink_format must be one of {SINK_FORMATS}, got {sink_format!r}")
         self.sink_format = sink_format
-        if outlier_factor is not None and (isinstance(outlier_factor, bool) or not isinstance(outlier_factor, (int, float))
-                                          or not 0 < outlier_factor < float("inf")):
-            raise ValueError(f"outlier_factor must be None or a number > 0 (times the stream's error), got {outlier_factor!r}")
-        self.outlier_factor = outlier_factor
+        self.outlier_factor = check_outlier_factor(outlier_factor)
         self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
         if basis_dtype not in (None, *_DTYPES):
             raise ValueError(f"basis_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {basis_dtype!r}")

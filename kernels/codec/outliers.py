@@ -21,8 +21,6 @@ import torch
 from kvtc.kernels.codec.blob import BlobError
 from kvtc.kernels.codec.sinks_int8 import int8_bytes, sinks_from_int8, sinks_to_int8
 
-OUTLIER_FACTOR = 2.5  # a (layer, token) vector is stored int8 where its relative error exceeds this many times its
-# stream's over the coded tokens (the default; 2.0 and 3.0 served less well on unseen text at CR 8, 16 and 32)
 OUTLIER_SHARE = 0.1  # of the coded middle's budget, at most, spent on outlier vectors
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvtc.kernels.codec.chunk_options import OUTLIER_FACTOR
 from kvtc.kernels.codec.chunk_serde import ChunkTransform, Placement, place, placement_spec
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.model_config import check_config
@@ -56,7 +57,8 @@ class RankedChunkTransforms:
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None, pad: bool = True,
                  positions: bool = False, partition: tuple[int, ...] | None = None, sink_budget: str = "shared",
-                 sink_format: str = "int8", chunk_key: bytes | None = None) -> None:
+                 sink_format: str = "int8", chunk_key: bytes | None = None,
+                 outlier_factor: float | None = OUTLIER_FACTOR) -> None:
         self.spec = codec.spec
         if self.spec.rank is not None:
             raise ValueError("RankedChunkTransforms takes the artifact's whole-model codec (rank=None)")
@@ -64,6 +66,7 @@ class RankedChunkTransforms:
             check_config(self.spec, model_config)
         self._codec, self._mode, self._pad, self._positions = codec, mode, pad, positions
         self._sink_budget, self._sink_format, self._chunk_key = sink_budget, sink_format, chunk_key
+        self._outlier_factor = outlier_factor
         self.partition = parse_partition(partition)
         self._lock = threading.Lock()
         self._built: dict[Placement, ChunkTransform | ValueError] = {}
@@ -85,7 +88,7 @@ class RankedChunkTransforms:
         chunk_key = settings.chunk_key()
         return cls(codec, model_config, mode=settings.mode, pad=settings.pad, positions=positions,
                    partition=settings.pp_partition, sink_budget=settings.sink_budget,
-                   sink_format=settings.sink_format, chunk_key=chunk_key)
+                   sink_format=settings.sink_format, chunk_key=chunk_key, outlier_factor=settings.outlier_factor)
 
     def transform(self, placement: Placement) -> ChunkTransform:
         with self._lock:
@@ -94,7 +97,8 @@ class RankedChunkTransforms:
             try:
                 spec = placement_spec(self.spec, placement)
                 c = self._codec
-                codec = KVTCCodec(spec, backend=c.backend, ecsq_format=c.ecsq_format, basis_dtype=c.basis_dtype)
+                codec = KVTCCodec(spec, backend=c.backend, ecsq_format=c.ecsq_format, basis_dtype=c.basis_dtype,
+                                  outlier_factor=self._outlier_factor)
                 built = ChunkTransform(codec, mode=self._mode, pad=self._pad, positions=self._positions,
                                        label=f"artifact {self.spec.name}@{self.spec.version} {placement.describe(self.spec)}",
                                        sink_budget=self._sink_budget, sink_format=self._sink_format,

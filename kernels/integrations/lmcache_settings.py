@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtc.artifacts.blocks import check_ratios
-from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, SINK_BUDGETS, SINK_FORMATS
+from kvtc.kernels.codec.chunk_options import (CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, OUTLIER_FACTOR, SINK_BUDGETS,
+                                              SINK_FORMATS, check_outlier_factor)
 
 _KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition",
-           "sink_budget", "sink_format", "key_file")
+           "sink_budget", "sink_format", "outlier_factor", "key_file")
 
 
 def load_chunk_key(path: str | os.PathLike) -> bytes:
@@ -85,7 +86,8 @@ class ChunkSerdeSettings:
     sink_budget ("shared", the default: a first chunk's raw sinks come out of its own budget, so the bound, and
     every padded chunk, is a later chunk's; "extra": they come on top of its budget, and the bound counts them),
     sink_format ("int8", the default: raw sinks as int8 codes with a scale per token vector; "cache": in the
-    chunk's dtype),
+    chunk's dtype), outlier_factor (2.5, the default: a (layer, token) vector coded worse than this many times its
+    stream is stored int8 inside the budget, kernels/codec/outliers.py; null: none),
     key_file (the deployment's chunk key, created once with mode 0600; default: $KVTC_CHUNK_KEY_FILE, else no key:
     every server sharing a store must use the same key, kept outside the store)."""
 
@@ -100,6 +102,7 @@ class ChunkSerdeSettings:
     pp_partition: tuple[int, ...] | None = None
     sink_budget: str = "shared"
     sink_format: str = "int8"
+    outlier_factor: float | None = OUTLIER_FACTOR
     key_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -120,6 +123,7 @@ class ChunkSerdeSettings:
             raise ValueError(f'kvtc serde "sink_budget" must be one of {SINK_BUDGETS}, got {self.sink_budget!r}')
         if self.sink_format not in SINK_FORMATS:
             raise ValueError(f'kvtc serde "sink_format" must be one of {SINK_FORMATS}, got {self.sink_format!r}')
+        object.__setattr__(self, "outlier_factor", check_outlier_factor(self.outlier_factor, 'kvtc serde "outlier_factor"'))
         object.__setattr__(self, "pp_partition", parse_partition(self.pp_partition))
         if self.key_file is not None and (not isinstance(self.key_file, str) or not self.key_file):
             raise ValueError(f'kvtc serde "key_file" must be a path (the deployment\'s chunk key), got {self.key_file!r}')

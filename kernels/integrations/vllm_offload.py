@@ -144,7 +144,7 @@ class ChunkCodec:
             spec = restrict(spec, list(layers))
         self.spec = spec
         options = dict(backend=codec.backend, level=codec.level, coder=codec.coder, ecsq_format=codec.ecsq_format,
-                       basis_dtype=codec.basis_dtype)
+                       basis_dtype=codec.basis_dtype, outlier_factor=codec.outlier_factor)
         # sinks as int8 (kernels/codec/sinks_int8.py): a first chunk's blob pays about half of bf16 sinks on top
         self.codec = KVTCCodec(spec, mode=codec.mode, sink_format="int8", **options)
         # the mode's fixed-rate fallback (kernels/codec/mode.py), or the codec where the mode has none

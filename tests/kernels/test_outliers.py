@@ -7,6 +7,7 @@ import torch
 
 from kvtc.kernels.codec import outliers
 from kvtc.kernels.codec.blob import FLAG_LAYERED, FLAG_OUTLIERS, TAG_OUTLIERS, BlobError, read_blob
+from kvtc.kernels.codec.chunk_options import OUTLIER_FACTOR
 from kvtc.kernels.codec.chunk_serde import ChunkTransform, unframe
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 
@@ -85,7 +86,7 @@ def test_the_codec_stores_the_worst_vectors_int8_inside_the_budget_and_decode_wr
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
     keys, values = _cache_with_sinks_mid_sequence(spec, 40)
     plain, kept = KVTCCodec(spec, outlier_factor=None), KVTCCodec(spec)
-    assert kept.outlier_factor == outliers.OUTLIER_FACTOR and kept.uses_outliers
+    assert kept.outlier_factor == OUTLIER_FACTOR and kept.uses_outliers
     old, new = plain.encode(keys, values), kept.encode(keys, values)
     assert not read_blob(old)[0].outliers and not old[6] & FLAG_OUTLIERS
     header, sections = read_blob(new)
@@ -126,3 +127,18 @@ def test_a_blob_whose_flag_and_sections_disagree_is_refused_and_bad_options_are_
             KVTCCodec(spec, outlier_factor=bad)
     fixed = KVTCCodec(spec, mode="fixed")
     assert not fixed.uses_outliers and not read_blob(fixed.encode(keys, values))[0].outliers  # exact sizes
+
+
+def test_the_serving_integrations_take_the_outlier_factor_and_null_turns_it_off():
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    from kvtc.kernels.integrations.lmcache_ranks import RankedChunkTransforms
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    on = RankedChunkTransforms(KVTCCodec(spec), positions=True)
+    off = RankedChunkTransforms(KVTCCodec(spec), positions=True, outlier_factor=None)
+    assert on.default.codec.outlier_factor == OUTLIER_FACTOR and off.default.codec.outlier_factor is None
+    keys, values = _cache_with_sinks_mid_sequence(spec, 40)
+    kv = torch.stack([x.permute(0, 2, 1, 3).reshape(2, 40, 16) for x in (keys, values)])
+    assert read_blob(on.default.encode(kv, start=16))[0].outliers
+    assert not read_blob(off.default.encode(kv, start=16))[0].outliers
