@@ -47,6 +47,9 @@ class EcsqMode(Mode):
         """The rate control's budget: each (stream, group)'s share of the ratio's bits per coded token, in bytes."""
         return sum(g.budget_bytes(spec.ratio, tokens) for groups in spec.ecsq.values() for g in groups) if tokens else 0
 
+    def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
+        return sum(g.budget_bytes(spec.ratio, tokens) for g in spec.ecsq[stream]) if tokens else 0
+
     @property
     def fallback(self) -> Mode:
         """Fixed-rate: it saturates instead of refusing, and its sizes are exact."""
@@ -56,8 +59,12 @@ class EcsqMode(Mode):
                budget_scale: float) -> list[Section]:
         out = []
         for gi, (cols, comps, g) in enumerate(parts):
-            with ctx.stage("project"):
-                z = (feat[:, cols].to(comps.dtype) @ comps).float()
+            z = None if ctx.projections is None else ctx.projections.get((si, gi))
+            if z is None:
+                with ctx.stage("project"):
+                    z = (feat[:, cols].to(comps.dtype) @ comps).float()
+                if ctx.projections is not None:
+                    ctx.projections[(si, gi)] = z
             budget = int(g.budget_bytes(ctx.spec.ratio, z.shape[0]) * budget_scale) if ctx.rate_control else None
             with ctx.stage("entropy"):
                 words, escapes = ecsq.encode_group(z, g, budget, ctx.ecsq_format, ctx.entropy_on_device)

@@ -62,6 +62,9 @@ class FixedMode(Mode):
         """The exact size: every block's params and packed codes."""
         return sum(b.max_raw for b in self._bounds(spec, tokens))
 
+    def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
+        return sum(b.max_raw for b in self._bounds(spec, tokens) if b.key.stream == STREAMS.index(stream))
+
     @property
     def fallback(self) -> None:
         """None: its blobs always fit, their size being exact."""

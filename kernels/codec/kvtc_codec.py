@@ -229,11 +229,11 @@ class KVTCCodec:
             coding, stored = encode_section(raw, self.level, self.coder)
         return Section(key, coding, len(raw), stored)
 
-    def _context(self, dev: torch.device, ops: Ops) -> BlobContext:
+    def _context(self, dev: torch.device, ops: Ops, projections: dict | None = None) -> BlobContext:
         """What a mode's blob methods get of this codec on `dev` (kernels/codec/mode.py): never the codec itself."""
         return BlobContext(self.spec, dev, ops, partial(self._stage, device=dev), partial(self._section, device=dev),
                            partial(self._offsets, device=dev), self.on_device(dev, ops.name), self.ecsq_format,
-                           self.rate_control)
+                           self.rate_control, projections)
 
     def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         s = self.spec
@@ -327,7 +327,7 @@ class KVTCCodec:
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
         ops = resolve_ops(self.backend, dev)
-        sections, ctx = [], self._context(dev, ops)
+        sections, ctx = [], self._context(dev, ops, {} if self.uses_outliers else None)
         bd = self.basis_dtype_on(dev, keys.dtype)
         sink_format = self.sink_format if head else "cache"
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
@@ -343,25 +343,25 @@ class KVTCCodec:
                             sink_format=sink_format)
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
-            feats = []
+            found = []
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
                 cos, sin, layout = self._cos_sin(stream, positions)
+                mean, parts = self._params(stream, dev, self.mode, bd)
                 with self._stage("rope_center", dev):
                     xm = self._mode.admit(x[:, :, head:head + mid], stream)
                     if stream == self.spec.rope_stream and self._per_layer_rope:
                         xm = self._remove_rope(xm, positions)
-                    feats.append(ops.rope_center(xm, cos, sin, self._params(stream, dev, self.mode, bd)[0], layout))
-            coded = self._encode_middle(ctx, feats, bd, budget_scale)
-            if self.uses_outliers:
-                found = self._outliers(ctx, feats, coded, header, bd, [x[:, :, head:head + mid] for x in (keys, values)],
-                                       budget_scale)
-                if found is not None:
-                    header = replace(header, outliers=True)
-                    spent = sum(len(b) for b in found)
-                    scale = budget_scale - spent / self._mode.bound_bytes(s, mid)
-                    coded = self._encode_middle(ctx, feats, bd, scale)
-                    coded += [Section(SectionKey(TAG_OUTLIERS, si, 0, 0), PLAIN, len(b), b) for si, b in enumerate(found)]
-            sections += coded
+                    feat = ops.rope_center(xm, cos, sin, mean, layout)
+                coded = self._mode.encode(ctx, feat, si, stream, parts, budget_scale)
+                if self.uses_outliers:
+                    coded, kept = self._with_outliers(ctx, feat, coded, header, bd, si, x[:, :, head:head + mid],
+                                                      budget_scale)
+                    found.append(kept)
+                sections += coded
+                del feat
+            if any(found):
+                header = replace(header, outliers=True)
+                sections += [Section(SectionKey(TAG_OUTLIERS, si, 0, 0), PLAIN, len(b), b) for si, b in enumerate(found)]
         return write_blob(header, sections)
 
     @property
@@ -370,40 +370,30 @@ class KVTCCodec:
         by their bytes (ECSQ with rate control; fixed-rate sizes are exact)."""
         return self.outlier_factor is not None and not self._mode.exact and self.rate_control
 
-    def _encode_middle(self, ctx: BlobContext, feats: list[torch.Tensor], bd: torch.dtype, budget_scale: float
-                       ) -> list[Section]:
-        """Each stream's centred features (mid, p) -> the coded middle's sections at `budget_scale`."""
-        out = []
-        for si, (stream, feat) in enumerate(zip(STREAMS, feats)):
-            out += self._mode.encode(ctx, feat, si, stream, self._params(stream, ctx.device, self.mode, bd)[1],
-                                     budget_scale)
-        return out
-
-    def _outliers(self, ctx: BlobContext, feats: list[torch.Tensor], coded: list[Section], header: BlobHeader,
-                  bd: torch.dtype, middle: list[torch.Tensor], budget_scale: float) -> list[bytes] | None:
-        """The coded middle decoded as a reader would -> each stream's outlier section (kernels/codec/outliers.py)
-        of its cache tokens `middle` (L, H, mid, W), within OUTLIER_SHARE of the middle's budget; None where no
-        vector's error exceeds `outlier_factor` times its stream's. Their bytes come out of the middle's budget
-        (times `budget_scale`), which the caller re-codes at the rest."""
-        s, dev, mid = self.spec, ctx.device, middle[0].shape[2]
+    def _with_outliers(self, ctx: BlobContext, feat: torch.Tensor, coded: list[Section], header: BlobHeader,
+                       bd: torch.dtype, si: int, middle: torch.Tensor, budget_scale: float) -> tuple[list[Section], bytes]:
+        """One stream's coded middle decoded as a reader would, its outlier vectors found (kernels/codec/outliers.py)
+        -> (its sections, re-coded at a budget smaller by their bytes where they do not fit beside them; its outlier
+        section's bytes, empty where none). feat (mid, p) its centred features, middle (L, H, mid, W) its tokens."""
+        s, dev, mid, stream = self.spec, ctx.device, feat.shape[0], STREAMS[si]
         data = {c.key: decode_section(c.coding, c.stored, c.raw_len, str(tuple(c.key))) for c in coded}
-        found, per = [], []
-        for si, (stream, feat) in enumerate(zip(STREAMS, feats)):
-            mean, parts = self._params(stream, dev, self.mode, bd, decode=True)
-            rows = self._mode.decoder(ctx, data, si, stream, mid, header, parts)
-            with self._stage("outliers", dev):
-                feat_hat = torch.empty_like(feat, dtype=torch.float32)
-                for a, b in token_blocks(mid, decode_block_tokens(feat.shape[1], mid)):
-                    rows(a, b, feat_hat[a:b])
-                found.append(outliers.find(feat, feat_hat, mean, len(s.coded_layers), self.outlier_factor))
-            per.append(outliers.vector_bytes(s.kv_heads, s.dim(stream)))
-        if not any(len(o.index) for o in found):
-            return None
-        budget = int(outliers.OUTLIER_SHARE * self._mode.bound_bytes(s, mid) * budget_scale)
-        kept = outliers.cap(found, budget, per)
-        if not any(len(o.index) for o in kept):
-            return None
-        return [outliers.pack(o.index, x) for o, x in zip(kept, middle)]
+        mean, parts = self._params(stream, dev, self.mode, bd, decode=True)
+        rows = self._mode.decoder(ctx, data, si, stream, mid, header, parts)
+        errors = []
+        with self._stage("outliers", dev):
+            for a, b in token_blocks(mid, decode_block_tokens(feat.shape[1], mid)):
+                feat_hat = torch.empty(b - a, feat.shape[1], dtype=torch.float32, device=dev)
+                rows(a, b, feat_hat)
+                errors.append(outliers.errors(feat[a:b], feat_hat, mean, len(s.coded_layers)))
+            bound = self._mode.stream_bound_bytes(s, mid, stream)
+            found = outliers.select(errors, self.outlier_factor, int(outliers.OUTLIER_SHARE * bound * budget_scale),
+                                    outliers.vector_bytes(s.kv_heads, s.dim(stream)))
+        packed = outliers.pack(found, middle) if len(found) else b""
+        if packed and sum(len(c.stored) for c in coded) + len(packed) > budget_scale * bound:  # else they fit beside it
+            coded = self._mode.encode(ctx, feat, si, stream, self._params(stream, dev, self.mode, bd)[1],
+                                      budget_scale - len(packed) / bound)  # the projections kept from the first
+        ctx.projections.clear()
+        return coded, packed
 
     def on_device(self, dev: torch.device, ops_name: str) -> bool:
         """Whether the rANS symbols are coded by the Triton kernels where the tensors are."""

@@ -41,6 +41,8 @@ class BlobContext:
     entropy_on_device: bool  # whether the rANS symbols are coded by the Triton kernels where the tensors are
     ecsq_format: str  # the ECSQ symbols' format new blobs are written in (decode follows the blob's header)
     rate_control: bool  # ECSQ: coarsen the step of a (stream, group) whose bytes would exceed its budget
+    # (stream index, group) -> its projected coefficients, kept where the codec codes a stream more than once
+    projections: dict | None = None
 
 
 class ResidentCoder(Protocol):
@@ -85,6 +87,10 @@ class Mode(abc.ABC):
     def bound_bytes(self, spec: CodecSpec, tokens: int) -> int:
         """Most bytes the coded-middle sections of `tokens` coded tokens take, stored plain: their exact size
         where `exact`, else the rate control's budget."""
+
+    @abc.abstractmethod
+    def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
+        """bound_bytes of one stream's sections."""
 
     @property
     @abc.abstractmethod

@@ -14,8 +14,6 @@ strictly increasing, little endian; then codes (n, H, 1, W) int8 and scales (n, 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-
 import torch
 
 from kvtc.kernels.codec.blob import BlobError
@@ -29,40 +27,30 @@ def vector_bytes(heads: int, width: int) -> int:
     return 4 + int8_bytes(1, heads, 1, width)
 
 
-@dataclass(frozen=True)
-class Outliers:
-    """One stream's outlier vectors: `index` (n,) int64 layer * coded_tokens + token, increasing; `score` (n,)
-    their relative squared errors."""
-
-    index: torch.Tensor
-    score: torch.Tensor
-
-
-def find(feat: torch.Tensor, feat_hat: torch.Tensor, mean: torch.Tensor, layers: int, factor: float) -> Outliers:
-    """feat, feat_hat (n, L * H * W) centred features and their reconstruction, mean (L * H * W,) -> the (layer,
-    token) vectors whose relative error ||x_hat - x|| / ||x|| exceeds `factor` times the stream's own over the n
-    tokens (at CR 32 the embedded model's values are coded at about 32%, its mid-sequence sinks at 100-190%)."""
+def errors(feat: torch.Tensor, feat_hat: torch.Tensor, mean: torch.Tensor, layers: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """feat, feat_hat (n, L * H * W) centred features of n tokens and their reconstruction, mean (L * H * W,) ->
+    (squared error, squared norm) of each (token, layer) vector, both (n, L) float32."""
     n = feat.shape[0]
     err = (feat_hat.float() - feat.float()).reshape(n, layers, -1).pow(2).sum(-1)
     norm = (feat.float() + mean.float()).reshape(n, layers, -1).pow(2).sum(-1)
+    return err, norm
+
+
+def select(blocks: list[tuple[torch.Tensor, torch.Tensor]], factor: float, budget: int, per_vector: int
+           ) -> torch.Tensor:
+    """`errors` of consecutive token blocks of one stream -> the indices layer * tokens + token, increasing, of the
+    vectors whose relative error ||x_hat - x|| / ||x|| exceeds `factor` times the stream's own over every token (at
+    CR 32 the embedded model's values are coded at about 32%, its mid-sequence sinks at 100-190%), the worst first
+    while `budget` bytes hold them."""
+    err = torch.cat([e for e, _ in blocks]).cpu()
+    norm = torch.cat([n for _, n in blocks]).cpu()
     tiny = torch.finfo(torch.float32).tiny
-    score = (err / norm.clamp_min(tiny)).T.reshape(-1)  # layer-major: layer * n + token
+    score = (err / norm.clamp_min(tiny)).T.reshape(-1)  # layer-major: layer * tokens + token
     typical = float(err.sum() / norm.sum().clamp_min(tiny))
     index = torch.nonzero(score > factor * factor * typical).flatten()
-    return Outliers(index.cpu(), score[index].cpu())
-
-
-def cap(found: list[Outliers], budget: int, per_vector: list[int]) -> list[Outliers]:
-    """Each stream's outliers, the worst of all streams first, within `budget` bytes."""
-    ranked = sorted(((float(s), si, int(i)) for si, o in enumerate(found) for i, s in zip(o.index, o.score)),
-                    reverse=True)
-    kept: list[list[int]] = [[] for _ in found]
-    for _, si, i in ranked:
-        if budget < per_vector[si]:
-            break
-        budget -= per_vector[si]
-        kept[si].append(i)
-    return [Outliers(torch.tensor(sorted(k), dtype=torch.int64), torch.zeros(len(k))) for k in kept]
+    worst = index[torch.argsort(score[index], descending=True)][: max(0, budget) // per_vector]
+    return torch.sort(worst).values
 
 
 def pack(index: torch.Tensor, x: torch.Tensor) -> bytes:

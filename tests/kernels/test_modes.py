@@ -84,7 +84,7 @@ def test_a_mode_is_an_abstract_strategy_implemented_whole():
 
     with pytest.raises(TypeError, match="abstract"):
         Half()
-    assert not Mode.__abstractmethods__ - {"codes", "check", "check_resident", "admit", "bound_bytes", "fallback",
+    assert not Mode.__abstractmethods__ - {"codes", "check", "check_resident", "admit", "bound_bytes", "stream_bound_bytes", "fallback",
                                            "encode", "decoder", "section_bounds", "check_capacity", "encode_resident",
                                            "coefficients", "resident_nbytes", "select"}
     assert {"encode", "decoder", "section_bounds", "check_capacity", "check", "bound_bytes", "fallback"} \

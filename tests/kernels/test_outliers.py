@@ -51,7 +51,7 @@ def test_a_forged_outlier_section_is_a_blob_error():
         outliers.unpack(bytes(forged), L, H, T, W, torch.float32)
 
 
-def test_find_takes_the_vectors_coded_far_worse_than_their_stream_and_cap_keeps_the_worst_within_the_budget():
+def test_select_takes_the_vectors_coded_far_worse_than_their_stream_the_worst_first_within_the_budget():
     n, L, p_layer = 50, 3, 8
     g = torch.Generator().manual_seed(3)
     mean = torch.zeros(L * p_layer)
@@ -59,15 +59,12 @@ def test_find_takes_the_vectors_coded_far_worse_than_their_stream_and_cap_keeps_
     feat.view(n, L, p_layer)[7, 1] *= 0.05  # a short vector, as a mid-sequence sink's value
     feat.view(n, L, p_layer)[20, 2] *= 0.1
     noisy = feat + 0.2 * torch.randn(n, L * p_layer, generator=g)  # the same noise everywhere
-    found = outliers.find(feat, noisy, mean, L, 2.5)
-    assert found.index.tolist() == [1 * n + 7, 2 * n + 20]
-    assert float(found.score[0]) > float(found.score[1])  # the shorter vector is the worse coded
-    assert len(outliers.find(feat, noisy, mean, L, 1000.0).index) == 0
-    per = [10, 10]
-    kept = outliers.cap([found, outliers.Outliers(torch.tensor([4]), torch.tensor([0.5]))], 25, per)
-    assert kept[0].index.tolist() == [1 * n + 7, 2 * n + 20] and kept[1].index.tolist() == []
-    kept = outliers.cap([found, outliers.Outliers(torch.tensor([4]), torch.tensor([1e9]))], 15, per)
-    assert kept[0].index.tolist() == [] and kept[1].index.tolist() == [4]  # the worst of both streams first
+    blocks = [outliers.errors(feat[a:b], noisy[a:b], mean, L) for a, b in ((0, 13), (13, 50))]  # as decode's blocks
+    assert blocks[0][0].shape == (13, L)
+    assert outliers.select(blocks, 2.5, 1000, 10).tolist() == [1 * n + 7, 2 * n + 20]
+    assert outliers.select(blocks, 2.5, 19, 10).tolist() == [1 * n + 7]  # the shorter vector is the worse coded
+    assert outliers.select(blocks, 2.5, 9, 10).tolist() == []
+    assert outliers.select(blocks, 1000.0, 1000, 10).tolist() == []
 
 
 def _cache_with_sinks_mid_sequence(spec, tokens: int):
