@@ -84,6 +84,7 @@ FRAME_BYTES = _FRAME.size
 UNBOUND = bytes(16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 MIN_SHARED_SCALE = 0.5  # shared sinks where the first chunk keeps at least this share of its budget, else extra
+FLOOR_SHARE = 0.9  # and where the mode's floor (every symbol 0) is at most this share of what it keeps
 ECSQ_TRIES = 3  # ECSQ codings of a chunk, each at a smaller budget where the last overshot the bound, before fixed-rate
 
 
@@ -278,6 +279,7 @@ class ChunkTransform:
             if self.shared and not self.coding.exact and self.sinks > 1 else None
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
         self._told: set[tuple[int, torch.dtype]] = set()
+        self._floors: dict[int, float] = {}  # coded tokens -> the mode's floor over its budget
 
     def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """-> tokens; ValueError naming what does not match the artifact."""
@@ -324,18 +326,27 @@ class ChunkTransform:
 
     def _shares(self, tokens: int, dtype: torch.dtype) -> bool:
         """Whether a first chunk of this shape pays its raw sinks from its own budget: shared sinks, a mode with
-        a budget (ECSQ; not one whose sizes are exact), and at least MIN_SHARED_SCALE of the budget left for its
-        other tokens. Elsewhere its sinks come on top as with "extra" (short chunks at a high ratio; the fixed-rate
+        a budget (ECSQ; not one whose sizes are exact), at least MIN_SHARED_SCALE of the budget left for its other
+        tokens, and a mode able to code them in what is left (its floor, every symbol 0, at most FLOOR_SHARE of it:
+        a basis capped by --basis-budget at a high ratio may not be). Elsewhere its sinks come on top as with "extra" (short chunks at a high ratio; the fixed-rate
         mode, whose sizes are exact), said once per chunk shape in the log."""
         if not self.shared:
             return False
         scale = 0.0 if self.coding.exact else self._shared_scale(tokens, dtype, 0)
-        if scale >= MIN_SHARED_SCALE:
+        _, _, mid = self._sizes(self.codec, tokens, dtype, 0)
+        floor = self._floors.get(mid)
+        if floor is None:
+            budget = self.coding.bound_bytes(self.spec, mid)
+            floor = self._floors.setdefault(mid, self.coding.floor_bytes(self.spec, mid) / budget if budget else 0.0)
+        if scale >= MIN_SHARED_SCALE and floor <= FLOOR_SHARE * scale:
             return True
         if (tokens, dtype) not in self._told:
             self._told.add((tokens, dtype))
             why = (f"is coded {self.coding.label}, whose sizes are exact" if self.coding.exact else
-                   f"would keep {scale:.0%} of its budget for its other tokens, below {MIN_SHARED_SCALE:.0%}")
+                   f"would keep {scale:.0%} of its budget for its other tokens, below {MIN_SHARED_SCALE:.0%}"
+                   if scale < MIN_SHARED_SCALE else
+                   f"would keep {scale:.0%} of its budget for its other tokens, where the artifact's {self.coding.label} "
+                   f"symbol models cannot code them below {floor:.0%} of it")
             _log.warning("%s: a first chunk of %d tokens %s; its %d raw sinks come on top of its budget (sink_budget "
                          "\"extra\"), so chunks padded to the size bound store %.1fx below bf16 at CR %g", self.label,
                          tokens, why, self.sinks, self._padded_ratio(tokens, dtype), self.spec.ratio)

@@ -260,6 +260,16 @@ def min_token_bits(group: EcsqGroup, fmt: str) -> float:
     return bits if fmt == "rans" else bits / 2
 
 
+def zero_token_bits(group: EcsqGroup) -> float:
+    """The bits one token costs when every symbol is 0 (the coarsest step's limit): the rate control cannot code
+    this group below it, its symbol models being fixed at calibration (rANS frequencies)."""
+    per_model = []
+    for m in group.models:
+        r, f = rans.model_frequencies(int(m.radius), m.counts)
+        per_model.append(-math.log2(float(f[r]) / rans.PROB_TOTAL))
+    return float(np.asarray(per_model, dtype=np.float64)[group.model].sum()) if group.kept else 0.0
+
+
 def check_capacity(group: EcsqGroup, tokens: int, words_len: int, fmt: str) -> None:
     """BlobError when a words section of `words_len` bytes cannot hold `tokens` tokens' symbols: checked
     before any array is built for them, so a short blob declaring many tokens costs nothing to refuse."""

@@ -6,6 +6,7 @@ stream) then its escapes; resident, the same two byte strings per sequence, entr
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -46,6 +47,10 @@ class EcsqMode(Mode):
     def bound_bytes(self, spec: CodecSpec, tokens: int) -> int:
         """The rate control's budget: each (stream, group)'s share of the ratio's bits per coded token, in bytes."""
         return sum(g.budget_bytes(spec.ratio, tokens) for groups in spec.ecsq.values() for g in groups) if tokens else 0
+
+    def floor_bytes(self, spec: CodecSpec, tokens: int) -> int:
+        """Every symbol 0: below it no step can code the tokens (text far from the calibration's costs more)."""
+        return sum(math.ceil(ecsq.zero_token_bits(g) * tokens / 8) for groups in spec.ecsq.values() for g in groups)
 
     def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
         return sum(g.budget_bytes(spec.ratio, tokens) for g in spec.ecsq[stream]) if tokens else 0

@@ -88,6 +88,10 @@ class Mode(abc.ABC):
         """Most bytes the coded-middle sections of `tokens` coded tokens take, stored plain: their exact size
         where `exact`, else the rate control's budget."""
 
+    def floor_bytes(self, spec: CodecSpec, tokens: int) -> int:
+        """Fewest bytes the coded-middle sections of `tokens` coded tokens can take: bound_bytes where `exact`."""
+        return self.bound_bytes(spec, tokens)
+
     @abc.abstractmethod
     def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
         """bound_bytes of one stream's sections."""

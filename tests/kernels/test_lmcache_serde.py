@@ -561,3 +561,31 @@ def test_a_first_chunk_that_cannot_pay_every_sink_keeps_the_first_token_raw_rath
     out = torch.empty_like(kv)
     t.deserialize(data, out, start=0)
     assert _rel(out[:, :, :1], kv[:, :, :1]) < 0.01 and _rel(out[:, :, 1:], kv[:, :, 1:]) < 0.3
+
+
+def test_a_first_chunk_whose_mode_cannot_code_it_in_what_the_sinks_leave_keeps_its_sinks_on_top(caplog, monkeypatch):
+    """ECSQ's floor (every symbol 0: its symbol models are fixed) bounds how far rate control can go; a basis capped
+    by --basis-budget at CR 32 sat at 93% of its budget where its sinks left 75%, and its first chunks then kept
+    one raw sink (perplexity x15). Such a first chunk keeps every sink, on top of its budget, said once."""
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    from kvtc.kernels.codec import ecsq
+    from kvtc.kernels.codec.ecsq_mode import EcsqMode
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    g = spec.ecsq["values"][0]
+    words, escapes = ecsq.encode_group(torch.zeros(500, g.components.shape[1]), g, fmt="rans")
+    assert ecsq.zero_token_bits(g) * 500 / 8 <= len(words) + len(escapes) <= ecsq.zero_token_bits(g) * 500 / 8 * 1.05 + 64
+    shared = ChunkTransform(KVTCCodec(spec), positions=True)
+    assert shared._shares(256, torch.float32)
+    monkeypatch.setattr(EcsqMode, "floor_bytes", lambda self, s, tokens: EcsqMode.bound_bytes(self, s, tokens) * 95 // 100)
+    t = ChunkTransform(KVTCCodec(spec), positions=True)
+    with caplog.at_level("WARNING", logger="kvtc.chunk_serde"):
+        kv = _synthetic_chunk(spec, 256, 0)
+        data = t.serialize(kv, start=0)
+        t.serialize(kv, start=0)
+    assert len(data) == t.serialized_size(tuple(kv.shape), torch.float32) > shared.serialized_size(tuple(kv.shape),
+                                                                                                      torch.float32)
+    assert read_blob(unframe(data)[1])[0].head_raw == 2  # every sink raw
+    told = [r.getMessage() for r in caplog.records if "raw sinks come on top" in r.getMessage()]
+    assert len(told) == 1 and "cannot code them below 95%" in told[0]
