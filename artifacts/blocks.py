@@ -2,9 +2,7 @@
 
 A block is a contiguous range [start, start + size) of PCA components stored with one quantizer
 type: "none" (0 bits, reconstructed as the mean), "int1".."int8" (per-token min/max: an fp16 shift
-and scale, 32 bits of side information) or "fp8" (e4m3 with a per-token fp16 absmax scale; a blob stores two fp16
-params per token for every block, so it too costs 32 bits). A block costs what the fixed-rate mode stores: its
-codes padded to whole bytes per token and its side information.
+and scale, 32 bits of side information) or "fp8" (e4m3 with a per-token fp16 absmax scale, 16 bits).
 The allocator produces blocks, the registry stores them, the runtime codec (kvtc.kernels.codec, whose
 reference quantizers define the arithmetic) consumes them.
 """
@@ -29,9 +27,10 @@ def qtype_bits(qtype: str) -> int:
 
 
 def scale_bits(qtype: str) -> int:
-    """Per-token side information of one block, in bits, as a blob stores it: two fp16 params (shift and scale; an
-    fp8 block's shift is unused but stored)."""
-    return 0 if qtype == "none" else 32
+    """Per-token side information of one block, in bits (fp16 shift + scale, or an fp16 scale)."""
+    if qtype == "none":
+        return 0
+    return 16 if qtype == "fp8" else 32
 
 
 def code_bits(qtype: str, size: int) -> int:

@@ -46,8 +46,9 @@ def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSet
     x_mid = rows.rows[mid]
     z_all = basis.project(rows.rows)  # one GEMM serves the error tables, the ECSQ fit and every metric
     z_mid = z_all[torch.from_numpy(mid)]
-    # the joint split is the ECSQ mode's (the default codec); the fixed mode keeps each basis's own share, its
-    # blocks charged what its blobs store (artifacts/blocks.block_cost_bits)
+    # the joint split is the ECSQ mode's (the default codec); the fixed mode keeps each basis's own share: its
+    # blobs store an fp8 block's side information in 32 bits where the DP counts 16, so a larger share in fp8
+    # blocks would outgrow the ratio's bound
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
     fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
                                ecsq_fit.EcsqSettings(max_components=alloc.max_components), budgets)
