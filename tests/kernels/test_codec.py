@@ -275,11 +275,12 @@ def test_groups_must_cover_every_layer_and_head_once():
         synthetic_spec(2, 2, 8, groups=[FeatureGroup((0, 1), (0, 1))], kept=4)
 
 
-def test_a_fixed_rate_blob_stores_exactly_the_bits_its_allocation_is_charged():
-    """The allocator's cost of a block (artifacts/blocks.block_cost_bits) is what the fixed-rate mode stores per
-    token, each block's codes padded to whole bytes: a 1-component int2 block costs 40 bits, not 34 (an
-    allocation of many such blocks, as a capped basis at CR 8 chooses, once came out 27% over its budget)."""
-    from kvtc.artifacts.blocks import block_cost_bits
+def test_a_fixed_rate_blob_stores_the_code_bits_its_allocation_is_charged():
+    """The allocator charges a block's codes as the fixed-rate mode stores them (artifacts/blocks.code_bits), each
+    token's row padded to whole bytes: a 1-component int2 block stores 8 bits, not 2 (an allocation of many such
+    blocks, as a capped basis at CR 8 chooses, came out over its budget). Side information is stored as two fp16
+    params per token for every block; the allocator charges an fp8 block's as 16 bits (left as it is)."""
+    from kvtc.artifacts.blocks import code_bits
     from kvtc.kernels.codec.blob import TAG_PARAMS
 
     spec = synthetic_spec(2, 2, 8, 8.0, kept=29, sinks=0, window=0, seed=4)  # odd sizes of every type
@@ -288,5 +289,7 @@ def test_a_fixed_rate_blob_stores_exactly_the_bits_its_allocation_is_charged():
     _, sections = read_blob(KVTCCodec(spec, mode="fixed", level=0).encode(keys, values))
     for si, stream in enumerate(("keys", "values")):
         blocks = [b for b in spec.streams[stream][0].blocks if b.qtype != "none"]
-        stored = sum(s.raw_len for s in sections if s.key.tag in (TAG_CODES, TAG_PARAMS) and s.key.stream == si)
-        assert stored * 8 == tokens * sum(block_cost_bits(b.qtype, b.size) for b in blocks)
+        codes = sum(s.raw_len for s in sections if s.key.tag == TAG_CODES and s.key.stream == si)
+        params = sum(s.raw_len for s in sections if s.key.tag == TAG_PARAMS and s.key.stream == si)
+        assert codes * 8 == tokens * sum(code_bits(b.qtype, b.size) for b in blocks)
+        assert params * 8 == tokens * 32 * len(blocks)
