@@ -366,7 +366,7 @@ class KVTCCodec:
 
     @property
     def uses_outliers(self) -> bool:
-        """Whether new blobs may carry outlier vectors: an outlier error set, and a mode whose budget can shrink
+        """Whether new blobs may carry outlier vectors: an outlier factor set, and a mode whose budget can shrink
         by their bytes (ECSQ with rate control; fixed-rate sizes are exact)."""
         return self.outlier_factor is not None and not self._mode.exact and self.rate_control
 
