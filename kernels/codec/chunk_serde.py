@@ -328,8 +328,9 @@ class ChunkTransform:
         """Whether a first chunk of this shape pays its raw sinks from its own budget: shared sinks, a mode with
         a budget (ECSQ; not one whose sizes are exact), at least MIN_SHARED_SCALE of the budget left for its other
         tokens, and a mode able to code them in what is left (its floor, every symbol 0, at most FLOOR_SHARE of it:
-        a basis capped by --basis-budget at a high ratio may not be). Elsewhere its sinks come on top as with "extra" (short chunks at a high ratio; the fixed-rate
-        mode, whose sizes are exact), said once per chunk shape in the log."""
+        a basis capped by --basis-budget at a high ratio may not be). Elsewhere its sinks come on top as with
+        "extra" (short chunks at a high ratio; the fixed-rate mode, whose sizes are exact), said once per chunk
+        shape in the log."""
         if not self.shared:
             return False
         scale = 0.0 if self.coding.exact else self._shared_scale(tokens, dtype, 0)

@@ -4,8 +4,8 @@ Some tokens in the middle of a sequence act as attention sinks in a few layers (
 model's layers 3-10): there their value vectors are 5-10x shorter than a typical token's, so the transform's
 noise, about the same for every token, is 100-190% of them, and every later query attends to them. After
 coding the middle, encode measures each (layer, token)'s relative error per stream and keeps those above
-`factor` times the stream's own (at most OUTLIER_SHARE of the middle's budget, worst first) as int8 codes with a float32 scale per
-(KV head) vector (kernels/codec/sinks_int8.py's format); the middle is then re-coded at a budget smaller by
+`factor` times the stream's own (at most OUTLIER_SHARE of the middle's budget, worst first) as int8 codes with
+a float32 scale per (KV head) vector (kernels/codec/sinks_int8.py's format); the middle is then re-coded at a budget smaller by
 their bytes, so a blob's size bound is unchanged. Decode writes them over the restored tokens.
 
 Section layout (TAG_OUTLIERS, one per stream, stored plain): n uint32 indices layer * coded_tokens + token,
@@ -14,6 +14,7 @@ strictly increasing, little endian; then codes (n, H, 1, W) int8 and scales (n, 
 from __future__ import annotations
 
 import struct
+
 import torch
 
 from kvtc.kernels.codec.blob import BlobError
