@@ -5,8 +5,10 @@ Layout (little endian):
            bit 1: per-layer container, see below; bit 2, with bit 0: ECSQ symbols in the interleaved
            rANS format, else constriction's; bit 3: the raw sinks (TAG_RAW_HEAD) stored as int8 codes with a
            float32 scale per token vector, kernels/codec/sinks_int8.py, else in the cache's dtype; bit 4: the
-           coded middle is followed by one TAG_OUTLIERS section per stream, kernels/codec/outliers.py),
-           meta length, CRC32 of meta
+           coded middle is followed by one TAG_OUTLIERS section per stream, kernels/codec/outliers.py; bit 5,
+           fixed-rate only: each (stream, group)'s blocks share one TAG_PARAMS and one TAG_CODES section, an fp8
+           block's params its fp16 scale alone, kernels/codec/fixed_mode.py; else two sections per block, an fp8
+           block's params an fp16 shift of 0 and its scale), meta length, CRC32 of meta
   meta     name, version, model id (each u16 length + UTF-8), then "<dBIIIIQIIIII": ratio, dtype code,
            layers, kv_heads, tokens, head_dim, start position, sinks, window, raw head tokens,
            raw tail tokens, section count; then per section "<BBHHBQQI": tag, stream, group, block,
@@ -43,7 +45,8 @@ FLAG_LAYERED = 2
 FLAG_RANS = 4
 FLAG_SINKS_INT8 = 8
 FLAG_OUTLIERS = 16
-_FLAGS = FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS | FLAG_SINKS_INT8 | FLAG_OUTLIERS
+FLAG_GROUPED = 32
+_FLAGS = FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS | FLAG_SINKS_INT8 | FLAG_OUTLIERS | FLAG_GROUPED
 MODE_FLAGS = {"fixed": 0, "ecsq": FLAG_ECSQ}  # each codec mode's flag (kernels/codec/modes.py)
 MODES = tuple(MODE_FLAGS)  # by flag bit 0
 ECSQ_FORMATS = ("constriction", "rans")  # ECSQ symbol formats, by flag bit 2
@@ -100,6 +103,7 @@ class BlobHeader:
     ecsq_format: str = "constriction"  # the ECSQ mode's symbol format; ignored by the fixed mode
     sink_format: str = "cache"  # the raw sinks' format: the cache's dtype, or int8 codes and a scale per vector
     outliers: bool = False  # the coded middle's worst (layer, token) vectors follow it, int8
+    grouped: bool = False  # fixed-rate: one params and one codes section per (stream, group), fp8 params a scale
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -108,6 +112,8 @@ class BlobHeader:
             raise ValueError(f"blob ECSQ format must be one of {ECSQ_FORMATS}, got {self.ecsq_format!r}")
         if self.sink_format not in SINK_FORMATS:
             raise ValueError(f"blob sink format must be one of {SINK_FORMATS}, got {self.sink_format!r}")
+        if self.grouped and (self.mode != "fixed" or self.layered):
+            raise ValueError("grouped block sections belong to a fixed-rate blob, not a container or an ECSQ blob")
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,8 @@ def write_blob(header: BlobHeader, sections: list[Section]) -> bytes:
         flags |= FLAG_SINKS_INT8
     if header.outliers:
         flags |= FLAG_OUTLIERS
+    if header.grouped:
+        flags |= FLAG_GROUPED
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(meta_b), zlib.crc32(meta_b))
     return b"".join([prefix, meta_b, *(bytes(s.stored) for s in sections)])
 
@@ -179,7 +187,8 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     if fmt != FORMAT_VERSION:
         raise BlobError(f"blob format version {fmt} is not supported by this reader (version {FORMAT_VERSION}); "
                         "decode it with the kernels release that wrote it")
-    if flags & ~_FLAGS or (flags & FLAG_RANS and not flags & FLAG_ECSQ) or (flags & FLAG_OUTLIERS and flags & FLAG_LAYERED):
+    if flags & ~_FLAGS or (flags & FLAG_RANS and not flags & FLAG_ECSQ) or (flags & FLAG_OUTLIERS and flags & FLAG_LAYERED) \
+            or (flags & FLAG_GROUPED and flags & (FLAG_ECSQ | FLAG_LAYERED)):
         raise BlobError(f"blob has unknown flags {flags:#x}")
     r.what = "metadata"
     meta = r.take(meta_len)
@@ -192,7 +201,8 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
         raise BlobError(f"blob has unknown dtype code {f[1]}")
     header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11], mode=MODES[flags & FLAG_ECSQ],
                         layered=bool(flags & FLAG_LAYERED), ecsq_format=ECSQ_FORMATS[(flags & FLAG_RANS) >> 2],
-                        sink_format=SINK_FORMATS[(flags & FLAG_SINKS_INT8) >> 3], outliers=bool(flags & FLAG_OUTLIERS))
+                        sink_format=SINK_FORMATS[(flags & FLAG_SINKS_INT8) >> 3], outliers=bool(flags & FLAG_OUTLIERS),
+                        grouped=bool(flags & FLAG_GROUPED))
     count = f[11]
     if count > _MAX_SECTIONS or count * _SECTION.size > len(meta) - m.pos:
         raise BlobError(f"blob section table declares {count} sections, metadata holds fewer")

@@ -1,9 +1,13 @@
 """The fixed-rate mode: each group's kept components quantized per DP block with per-token scales.
 
-In a blob, every block with bits is two sections, its per-token params then its packed codes (DEFLATEd
-by the codec's coder; `block_bytes` and `block_tensors` are their byte layout); resident, the same packed
-codes and fp16 params as tensors, so they can be dequantized every step. Its sizes are exact: a blob of a
-number of coded tokens always takes the same bytes (stored plain), and it needs no fallback.
+In a blob (new blobs, flag bit 5 `grouped`), each (stream, group) with bits is two sections: every block's
+per-token params, then every block's packed codes, each block's after the one before (DEFLATEd by the
+codec's coder; `group_bytes` and `block_tensors` are their byte layout). A min/max block's params are an
+fp16 shift and scale, an fp8 block's its fp16 scale alone, as the allocator charges them
+(artifacts/blocks.scale_bits). Blobs written before the flag hold two sections per block, key block =
+its index, with an fp16 shift of 0 beside each fp8 scale; they still decode. Resident, the same packed
+codes and (N, 2) fp16 params as tensors, so they can be dequantized every step. Its sizes are exact: a
+blob of a number of coded tokens always takes the same bytes (stored plain), and it needs no fallback.
 """
 from __future__ import annotations
 
@@ -23,17 +27,37 @@ from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 BLOCK_TYPES = ("int1", "int2", "int3", "int4", "int5", "int6", "int7", "int8", "fp8", "none")
 
 
-def block_bytes(packed: torch.Tensor, params: torch.Tensor) -> tuple[bytes, bytes]:
-    """A block's per-token params and packed codes as their sections' raw bytes (TAG_PARAMS, TAG_CODES)."""
-    return params_bytes(params), codes_bytes(packed)
+def _params_per_token(qtype: str, grouped: bool) -> int:
+    """Bytes of a block's params per token: 2 for an fp8 block in a grouped blob (its scale), else 4."""
+    return 2 if grouped and qtype == "fp8" else 4
 
 
-def block_tensors(data: dict, si: int, gi: int, bi: int, mid: int, dev: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed codes and params of `mid` tokens that one block's sections hold (`block_bytes` inverted)."""
-    packed = codes_from_bytes(data[SectionKey(TAG_CODES, si, gi, bi)], mid, dev)
-    params = params_from_bytes(data[SectionKey(TAG_PARAMS, si, gi, bi)], mid, dev)
-    return packed, params
+def group_bytes(coded: list, blocks: tuple) -> tuple[bytes, bytes] | None:
+    """A group's blocks' (packed codes, params) pairs (None: a block without bits) -> the raw bytes of its two
+    sections (TAG_PARAMS, TAG_CODES) in a new blob; None where no block has bits."""
+    pairs = [(params_bytes(c[1], scale_only=b.qtype == "fp8"), codes_bytes(c[0])) for c, b in zip(coded, blocks) if c]
+    return (b"".join(p for p, _ in pairs), b"".join(c for _, c in pairs)) if pairs else None
+
+
+def block_tensors(data: dict, si: int, gi: int, blocks: tuple, mid: int, dev: torch.device, grouped: bool
+                  ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each block's packed codes and params of `mid` tokens (None: no bits) from one group's sections, in the
+    layout the header names (`group_bytes` inverted, or the per-block sections of blobs written before it)."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    if grouped and any(b.bits for b in blocks):
+        params, codes = data[SectionKey(TAG_PARAMS, si, gi, 0)], data[SectionKey(TAG_CODES, si, gi, 0)]
+    po = co = 0
+    for bi, b in enumerate(blocks):
+        if not b.bits:
+            out.append(None)
+            continue
+        pn, cn = mid * _params_per_token(b.qtype, grouped), mid * packed_nbytes(b.size, b.bits)
+        if not grouped:
+            params, codes, po, co = data[SectionKey(TAG_PARAMS, si, gi, bi)], data[SectionKey(TAG_CODES, si, gi, bi)], 0, 0
+        out.append((codes_from_bytes(codes[co:co + cn], mid, dev),
+                    params_from_bytes(params[po:po + pn], mid, dev, scale_only=grouped and b.qtype == "fp8")))
+        po, co = po + pn, co + cn
+    return out
 
 
 class FixedMode(Mode):
@@ -70,6 +94,9 @@ class FixedMode(Mode):
         """None: its blobs always fit, their size being exact."""
         return None
 
+    def header_fields(self, spec: CodecSpec) -> dict[str, Any]:
+        return {"grouped": True}
+
     def encode(self, ctx: BlobContext, feat: torch.Tensor, si: int, stream: str, parts: list,
                budget_scale: float) -> list[Section]:
         out = []
@@ -77,19 +104,16 @@ class FixedMode(Mode):
             with ctx.stage("project"):
                 z = (feat[:, cols].to(comps.dtype) @ comps).float().contiguous()
             with ctx.stage("quantize_pack"):
-                coded = quantize_pack_blocks(z, code.blocks, reference=ctx.ops.name == "torch")
-                coded = [block_bytes(*c) if c else None for c in coded]
-            for bi, c in enumerate(coded):
-                if c is not None:
-                    out.append(ctx.section(SectionKey(TAG_PARAMS, si, gi, bi), c[0]))
-                    out.append(ctx.section(SectionKey(TAG_CODES, si, gi, bi), c[1]))
+                coded = group_bytes(quantize_pack_blocks(z, code.blocks, reference=ctx.ops.name == "torch"), code.blocks)
+            if coded is not None:
+                out.append(ctx.section(SectionKey(TAG_PARAMS, si, gi, 0), coded[0]))
+                out.append(ctx.section(SectionKey(TAG_CODES, si, gi, 0), coded[1]))
         return out
 
     def decoder(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
                 parts: list) -> Callable[[int, int, torch.Tensor], None]:
         dev, ops = ctx.device, ctx.ops
-        held = [[block_tensors(data, si, gi, bi, mid, dev) if b.bits else None for bi, b in enumerate(code.blocks)]
-                for gi, (_, _, code) in enumerate(parts)]
+        held = [block_tensors(data, si, gi, code.blocks, mid, dev, header.grouped) for gi, (_, _, code) in enumerate(parts)]
 
         def rows(a: int, b: int, feat: torch.Tensor) -> None:
             for gi, (cols, comps, code) in enumerate(parts):
@@ -104,17 +128,20 @@ class FixedMode(Mode):
         return rows
 
     def section_bounds(self, spec: CodecSpec, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
-        return list(self._bounds(spec, mid))
+        return list(self._bounds(spec, mid, header.grouped))
 
     @staticmethod
-    def _bounds(spec: CodecSpec, mid: int) -> Iterator[SectionBound]:
-        """Every block's sections with their exact raw sizes, in blob order."""
+    def _bounds(spec: CodecSpec, mid: int, grouped: bool = True) -> Iterator[SectionBound]:
+        """Every section with its exact raw size, in blob order (by default as new blobs store them)."""
         for si, stream in enumerate(STREAMS):
             for gi, g in enumerate(spec.streams[stream]):
-                for bi, b in enumerate(g.blocks):
-                    if b.bits:
-                        yield SectionBound(SectionKey(TAG_PARAMS, si, gi, bi), mid * 4)
-                        yield SectionBound(SectionKey(TAG_CODES, si, gi, bi), mid * packed_nbytes(b.size, b.bits))
+                sizes = [(bi, mid * _params_per_token(b.qtype, grouped), mid * packed_nbytes(b.size, b.bits))
+                         for bi, b in enumerate(g.blocks) if b.bits]
+                if grouped and sizes:
+                    sizes = [(0, sum(p for _, p, _ in sizes), sum(c for _, _, c in sizes))]
+                for bi, params, codes in sizes:
+                    yield SectionBound(SectionKey(TAG_PARAMS, si, gi, bi), params)
+                    yield SectionBound(SectionKey(TAG_CODES, si, gi, bi), codes)
 
     def check_capacity(self, spec: CodecSpec, mid: int, sections: list[Section], header: BlobHeader) -> None:
         """Exact sizes: nothing to check beyond read_blob's bound on their stored bytes."""

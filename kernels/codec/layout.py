@@ -2,7 +2,7 @@
 
 Codes: packed (N, nbytes) uint8 stored byte-column major (nbytes, N): one component's symbols of
 all tokens are adjacent. Params: (N, 2) fp16 stored as four byte planes (shift lo, shift hi,
-scale lo, scale hi), each (N,). Raw tensors: C-contiguous native little-endian bytes.
+scale lo, scale hi), each (N,); an fp8 block's, whose shift is always 0, as the scale's two planes alone. Raw tensors: C-contiguous native little-endian bytes.
 Every inverse copies into a fresh C-contiguous tensor before reinterpreting bytes: a transposed view
 of one token, (1, 4), is "contiguous" with strides (1, 1), which a dtype view refuses.
 """
@@ -39,12 +39,15 @@ def codes_from_bytes(b: bytes, n: int, device: torch.device) -> torch.Tensor:
     return _transposed_copy(planes).to(device)
 
 
-def params_bytes(params: torch.Tensor) -> bytes:
-    """params (N, 2) fp16 -> 4 byte planes of N bytes."""
-    return params.contiguous().view(torch.uint8).reshape(-1, 4).t().contiguous().cpu().numpy().tobytes()
+def params_bytes(params: torch.Tensor, scale_only: bool = False) -> bytes:
+    """params (N, 2) fp16 -> 4 byte planes of N bytes, or the scale's 2 (scale_only: an fp8 block's)."""
+    planes = params.contiguous().view(torch.uint8).reshape(-1, 4).t()
+    return (planes[2:] if scale_only else planes).contiguous().cpu().numpy().tobytes()
 
 
-def params_from_bytes(b: bytes, n: int, device: torch.device) -> torch.Tensor:
-    """Inverse of params_bytes -> (N, 2) fp16 on device."""
-    planes = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(4, n)
+def params_from_bytes(b: bytes, n: int, device: torch.device, scale_only: bool = False) -> torch.Tensor:
+    """Inverse of params_bytes -> (N, 2) fp16 on device (scale_only: a shift of 0)."""
+    planes = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(2 if scale_only else 4, n)
+    if scale_only:
+        planes = torch.cat([torch.zeros_like(planes), planes])
     return _transposed_copy(planes).view(torch.float16).to(device)

@@ -103,6 +103,10 @@ class Mode(abc.ABC):
         overshot, or values beyond any step); None where this mode's blobs always fit."""
 
     # the blob (KVTCCodec)
+    def header_fields(self, spec: CodecSpec) -> dict[str, Any]:
+        """BlobHeader fields this mode sets on a new blob of `spec` (its layout flags), beside its name."""
+        return {}
+
     @abc.abstractmethod
     def encode(self, ctx: BlobContext, feat: torch.Tensor, si: int, stream: str, parts: list,
                budget_scale: float) -> list[Section]:

@@ -278,13 +278,17 @@ def test_groups_must_cover_every_layer_and_head_once():
 def test_a_fixed_rate_blob_stores_the_code_bits_its_allocation_is_charged():
     """The allocator charges a block's codes as the fixed-rate mode stores them (artifacts/blocks.code_bits), each
     token's row padded to whole bytes: a 1-component int2 block stores 8 bits, not 2 (an allocation of many such
-    blocks, as a capped basis at CR 8 chooses, came out over its budget). Side information is stored as two fp16
-    params per token for every block; the allocator charges an fp8 block's as 16 bits (left as it is)."""
-    from kvtc.artifacts.blocks import code_bits
+    blocks, as a capped basis at CR 8 chooses, came out over its budget). Side information too: two fp16 params per
+    token for a min/max block, the fp16 scale alone for an fp8 block (blob flag bit 5)."""
+    for seed in (4, 22):  # odd sizes of every type; seed 22 draws fp8 blocks in both streams
+        spec = synthetic_spec(2, 2, 8, 8.0, kept=29, sinks=0, window=0, seed=seed)
+        _check_stored_bits(spec, 11)
+
+
+def _check_stored_bits(spec, tokens):
+    from kvtc.artifacts.blocks import code_bits, scale_bits
     from kvtc.kernels.codec.blob import TAG_PARAMS
 
-    spec = synthetic_spec(2, 2, 8, 8.0, kept=29, sinks=0, window=0, seed=4)  # odd sizes of every type
-    tokens = 11
     keys, values = synthetic_cache(spec, tokens, torch.float32)
     _, sections = read_blob(KVTCCodec(spec, mode="fixed", level=0).encode(keys, values))
     for si, stream in enumerate(("keys", "values")):
@@ -292,4 +296,4 @@ def test_a_fixed_rate_blob_stores_the_code_bits_its_allocation_is_charged():
         codes = sum(s.raw_len for s in sections if s.key.tag == TAG_CODES and s.key.stream == si)
         params = sum(s.raw_len for s in sections if s.key.tag == TAG_PARAMS and s.key.stream == si)
         assert codes * 8 == tokens * sum(code_bits(b.qtype, b.size) for b in blocks)
-        assert params * 8 == tokens * 32 * len(blocks)
+        assert params * 8 == tokens * sum(scale_bits(b.qtype) for b in blocks)

@@ -1,10 +1,12 @@
 """The blob's bytes, pinned: a fixed cache coded with a tiny hand-built spec in each mode (and ECSQ symbol format)
 hashes to what the codec wrote when this test was recorded. Every value is exact in float32 (an identity basis,
 dyadic cache, mean and step, integer symbol counts, no RoPE, sections stored plain), so the bytes depend on the
-wire format alone, not on a machine's BLAS or zlib. A change of format must change FORMAT_VERSION and these."""
+wire format alone, not on a machine's BLAS or zlib. A change of format must change these, and a new flag bit (or
+FORMAT_VERSION) must say it; the bytes written before a flag are pinned too, and still decode."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,10 +22,11 @@ P = L * H * D
 BLOCKS = (CodedBlock(0, 4, "fp8", 8), CodedBlock(4, 8, "int4", 4), CodedBlock(12, 4, "none", 0),
           CodedBlock(16, 8, "int2", 2))
 PINNED = {
-    ("fixed", "rans"): "71b574cf7c3d5f78d6088c5acf13608a45277b0afd913d5588c41133eb50c191",
+    ("fixed", "rans"): "c457c566cfe4012378187a24a1a096b79f0b0d26927ff135d2f35a237ee1fc40",
     ("ecsq", "rans"): "856171db23fce2b28328fb7b8e05ae7e4e0ce4e84da37dda587664835efef147",
     ("ecsq", "constriction"): "763798ab1d2a52189e5402c81e18225ba7269272221e31cbdcf94de0cbd337c4",
 }
+PINNED_FIXED_BEFORE_GROUPED = "71b574cf7c3d5f78d6088c5acf13608a45277b0afd913d5588c41133eb50c191"  # fixed, flag bit 5 clear
 PINNED_INT8_SINKS = "cc694cb467595009571352ec9444c333853098294988c277fd7b1f1d459a35f1"  # ECSQ, rANS, the raw sinks as int8 (blob flag bit 3)
 
 
@@ -75,3 +78,55 @@ def test_int8_sink_blob_bytes_are_pinned():
     k0, _ = _cache()
     step = k0[:, :, :1].abs().amax(-1, keepdim=True) / 127  # each sink vector within half its int8 step
     assert ((keys[:, :, :1] - k0[:, :, :1]).abs() <= step / 2 * 1.001).all()
+
+
+def test_a_fixed_rate_blob_written_before_grouped_sections_still_decodes():
+    """Blob flag bit 5: a new fixed-rate blob holds one params and one codes section per (stream, group), an fp8
+    block's params its fp16 scale alone (2 bytes per token, as the allocator charges it). The same blob cut into two
+    sections per block, a zero fp16 shift beside each fp8 scale and the flag clear is, byte for byte, what the codec
+    wrote before the flag; it decodes to the same cache."""
+    from kvtc.kernels.codec.bitpack import packed_nbytes
+    from kvtc.kernels.codec.blob import FLAG_GROUPED, TAG_CODES, TAG_PARAMS, Section, SectionKey, read_blob, write_blob
+
+    new = _blob("fixed", "rans")
+    header, sections = read_blob(new)
+    assert header.grouped and new[6] & FLAG_GROUPED
+    mid = T - 1 - 3  # one raw sink, three raw window tokens
+    assert sum(1 for s in sections if s.key.tag in (TAG_PARAMS, TAG_CODES)) == 2 * len(STREAMS)
+    old_sections = []
+    for s in sections:
+        if s.key.tag == TAG_CODES:
+            continue
+        if s.key.tag != TAG_PARAMS:
+            old_sections.append(s)
+            continue
+        params = bytes(s.stored)
+        codes = bytes(next(c.stored for c in sections if c.key == s.key._replace(tag=TAG_CODES)))
+        po = co = 0
+        for bi, b in enumerate(BLOCKS):
+            if not b.bits:
+                continue
+            pn, cn = mid * (2 if b.qtype == "fp8" else 4), mid * packed_nbytes(b.size, b.bits)
+            p = params[po:po + pn]
+            p = bytes(pn) + p if b.qtype == "fp8" else p  # the shift's two byte planes, all 0, before the scale's
+            key = SectionKey(TAG_PARAMS, s.key.stream, s.key.group, bi)
+            old_sections += [Section(key, s.coding, len(p), p),
+                             Section(key._replace(tag=TAG_CODES), s.coding, cn, codes[co:co + cn])]
+            po, co = po + pn, co + cn
+        assert (po, co) == (len(params), len(codes))
+    old = write_blob(replace(header, grouped=False), old_sections)
+    assert hashlib.sha256(old).hexdigest() == PINNED_FIXED_BEFORE_GROUPED
+    codec = KVTCCodec(_spec(), backend="torch", mode="fixed")
+    for a, b in zip(codec.decode(new), codec.decode(old)):
+        assert torch.equal(a, b)
+    assert len(new) < len(old)
+
+
+@pytest.mark.parametrize("mode", ["ecsq", "layered"])
+def test_the_grouped_flag_outside_a_plain_fixed_rate_blob_is_refused(mode):
+    from kvtc.kernels.codec.blob import FLAG_ECSQ, FLAG_GROUPED, FLAG_LAYERED, BlobError, read_blob
+
+    forged = bytearray(_blob("ecsq" if mode == "ecsq" else "fixed", "rans"))
+    forged[6] |= FLAG_GROUPED | (FLAG_ECSQ if mode == "ecsq" else FLAG_LAYERED)
+    with pytest.raises(BlobError, match="unknown flags"):
+        read_blob(bytes(forged))
