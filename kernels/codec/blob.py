@@ -8,7 +8,8 @@ Layout (little endian):
            coded middle is followed by one TAG_OUTLIERS section per stream, kernels/codec/outliers.py; bit 5,
            fixed-rate only: each (stream, group)'s blocks share one TAG_PARAMS and one TAG_CODES section, an fp8
            block's params its fp16 scale alone, kernels/codec/fixed_mode.py; else two sections per block, an fp8
-           block's params an fp16 shift of 0 and its scale), meta length, CRC32 of meta
+           block's params an fp16 shift of 0 and its scale; bit 6, ECSQ only: some (stream, group)'s words code
+           its first components alone, kernels/codec/ecsq.py), meta length, CRC32 of meta
   meta     name, version, model id (each u16 length + UTF-8), then "<dBIIIIQIIIII": ratio, dtype code,
            layers, kv_heads, tokens, head_dim, start position, sinks, window, raw head tokens,
            raw tail tokens, section count; then per section "<BBHHBQQI": tag, stream, group, block,
@@ -46,7 +47,8 @@ FLAG_RANS = 4
 FLAG_SINKS_INT8 = 8
 FLAG_OUTLIERS = 16
 FLAG_GROUPED = 32
-_FLAGS = FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS | FLAG_SINKS_INT8 | FLAG_OUTLIERS | FLAG_GROUPED
+FLAG_TRUNCATED = 64
+_FLAGS = FLAG_ECSQ | FLAG_LAYERED | FLAG_RANS | FLAG_SINKS_INT8 | FLAG_OUTLIERS | FLAG_GROUPED | FLAG_TRUNCATED
 MODE_FLAGS = {"fixed": 0, "ecsq": FLAG_ECSQ}  # each codec mode's flag (kernels/codec/modes.py)
 MODES = tuple(MODE_FLAGS)  # by flag bit 0
 ECSQ_FORMATS = ("constriction", "rans")  # ECSQ symbol formats, by flag bit 2
@@ -104,6 +106,7 @@ class BlobHeader:
     sink_format: str = "cache"  # the raw sinks' format: the cache's dtype, or int8 codes and a scale per vector
     outliers: bool = False  # the coded middle's worst (layer, token) vectors follow it, int8
     grouped: bool = False  # fixed-rate: one params and one codes section per (stream, group), fp8 params a scale
+    truncated: bool = False  # ECSQ: some words sections code their group's first components alone
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -114,6 +117,8 @@ class BlobHeader:
             raise ValueError(f"blob sink format must be one of {SINK_FORMATS}, got {self.sink_format!r}")
         if self.grouped and (self.mode != "fixed" or self.layered):
             raise ValueError("grouped block sections belong to a fixed-rate blob, not a container or an ECSQ blob")
+        if self.truncated and (self.mode != "ecsq" or self.layered):
+            raise ValueError("truncated ECSQ sections belong to an ECSQ blob, not a container or a fixed-rate blob")
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,8 @@ def write_blob(header: BlobHeader, sections: list[Section]) -> bytes:
         flags |= FLAG_OUTLIERS
     if header.grouped:
         flags |= FLAG_GROUPED
+    if header.truncated:
+        flags |= FLAG_TRUNCATED
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(meta_b), zlib.crc32(meta_b))
     return b"".join([prefix, meta_b, *(bytes(s.stored) for s in sections)])
 
@@ -188,7 +195,8 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
         raise BlobError(f"blob format version {fmt} is not supported by this reader (version {FORMAT_VERSION}); "
                         "decode it with the kernels release that wrote it")
     if flags & ~_FLAGS or (flags & FLAG_RANS and not flags & FLAG_ECSQ) or (flags & FLAG_OUTLIERS and flags & FLAG_LAYERED) \
-            or (flags & FLAG_GROUPED and flags & (FLAG_ECSQ | FLAG_LAYERED)):
+            or (flags & FLAG_GROUPED and flags & (FLAG_ECSQ | FLAG_LAYERED)) \
+            or (flags & FLAG_TRUNCATED and (flags & FLAG_LAYERED or not flags & FLAG_ECSQ)):
         raise BlobError(f"blob has unknown flags {flags:#x}")
     r.what = "metadata"
     meta = r.take(meta_len)
@@ -202,7 +210,8 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[BlobHeader, list[Se
     header = BlobHeader(name, version, mid, f[0], DTYPES[f[1]], *f[2:11], mode=MODES[flags & FLAG_ECSQ],
                         layered=bool(flags & FLAG_LAYERED), ecsq_format=ECSQ_FORMATS[(flags & FLAG_RANS) >> 2],
                         sink_format=SINK_FORMATS[(flags & FLAG_SINKS_INT8) >> 3], outliers=bool(flags & FLAG_OUTLIERS),
-                        grouped=bool(flags & FLAG_GROUPED))
+                        grouped=bool(flags & FLAG_GROUPED),
+                        truncated=bool(flags & FLAG_TRUNCATED))
     count = f[11]
     if count > _MAX_SECTIONS or count * _SECTION.size > len(meta) - m.pos:
         raise BlobError(f"blob section table declares {count} sections, metadata holds fewer")

@@ -425,7 +425,7 @@ class ChunkTransform:
                 scale = self._shared_scale(tokens, kv.dtype, start, codec) if first else 1.0
                 for _ in range(ECSQ_TRIES if scale > 0 else 0):
                     try:
-                        blob = codec.encode(x[0], x[1], start=start, budget_scale=scale)
+                        blob = codec.encode(x[0], x[1], start=start, budget_scale=scale, truncate=first)
                     except (ValueError, OverflowError, RuntimeError):
                         break  # beyond any ECSQ step or symbol range: coded fixed-rate below
                     if len(blob) <= limit:

@@ -15,7 +15,12 @@ components that share a model in one call, on the host).
 Rate control (`encode_group`): the calibrated step meets the ratio's budget on average over
 held-out text; text that codes larger (another domain) gets a coarser step, step 2^(j / 32) for
 the smallest j found that fits the budget, and j leads the words section (int32), so no blob
-exceeds its budget while in-domain blobs keep the calibrated step.
+exceeds its budget while in-domain blobs keep the calibrated step. The symbol models are fixed, so
+a coarser step cannot code a token below every symbol 0 (`zero_token_bits`: 62% of the budget for
+the embedded model at CR 32, 93% for a basis capped by --basis-budget). Where the budget lies below
+that, or the step had to be doubled, a caller may let the group code its first `coded` components
+alone (the rest 0, their mean): the exponent field then says so (stream format 2) and a u32 `coded` follows it; the
+(coded, step) pair with the least squared error that fits is kept. Such a section sets blob flag bit 6.
 """
 from __future__ import annotations
 
@@ -38,8 +43,12 @@ PROBABILITY_TOTAL = 1 << 20
 STEP_GRID = 32  # rate control: step multipliers 2^(j / STEP_GRID)
 MAX_STEP_EXPONENT = 255
 _EXPONENT = struct.Struct("<i")
+_CODED = struct.Struct("<I")
 ECSQ_FORMATS = ("rans", "constriction")
 STREAM_FORMAT = 1  # high 16 bits of the exponent field: 1 = coder started from the end-of-stream state
+TRUNCATED_FORMAT = 2  # as 1, the first `coded` components alone, a u32 after the field
+EMPTY_BYTES = _EXPONENT.size + _CODED.size + 8  # a group coding no component: its header, at most 8 bytes of coder state
+TRUNCATE_FROM = STEP_GRID  # rate control tries fewer components where the step had to grow by this exponent (x2)
 _INITIAL = (0, 1)  # the coder's initial state 2^32 as constriction writes it (low word, high word)
 _STATE_BITS = 32   # constriction's num_valid_bits() of that state; a well-formed stream never drops below it
 _MAX_SYMBOL_BITS = 25  # a symbol costs at most 24 bits (+ rounding) under a 24-bit-precision model
@@ -141,6 +150,23 @@ class EcsqGroup:
                      for m in self.models)
 
 
+@functools.lru_cache(maxsize=256)
+def truncated(group: EcsqGroup, coded: int) -> EcsqGroup:
+    """The group's first `coded` components alone (cached per group object, as its coding tables are)."""
+    dec = None if group.decoder is None else group.decoder[:, :coded].contiguous()
+    return EcsqGroup(group.group, group.mean, group.components[:, :coded].contiguous(), group.step,
+                     group.model[:coded].copy(), group.offsets[:coded].contiguous(), group.models, dec, group.budget_bits)
+
+
+def component_zero_bits(group: EcsqGroup) -> np.ndarray:
+    """(kept,) the bits each component's symbol 0 costs under its model (rANS frequencies)."""
+    per_model = []
+    for m in group.models:
+        r, f = rans.model_frequencies(int(m.radius), m.counts)
+        per_model.append(-math.log2(float(f[r]) / rans.PROB_TOTAL))
+    return np.asarray(per_model, dtype=np.float64)[group.model] if group.kept else np.zeros(0)
+
+
 def quantize(z: torch.Tensor, step: float) -> torch.Tensor:
     """z (N, kept) float -> symbols (N, kept) int32; ValueError for non-finite or absurdly large values."""
     q = torch.round(z.float() / step)
@@ -224,13 +250,13 @@ def _check_format(fmt: str) -> None:
 
 def section_bounds(group: EcsqGroup, tokens: int, words_len: int | None = None, fmt: str = "constriction"
                    ) -> tuple[int, int]:
-    """(most bytes of the words section, exponent included; most bytes of the escapes section) for
+    """(most bytes of the words section, its header included; most bytes of the escapes section) for
     `tokens` rows; with the words section's real length, escapes are also bounded by what it can name."""
     symbols = tokens * group.kept
     if fmt == "rans":
-        words_max = _EXPONENT.size + rans.max_section_bytes(symbols)
+        words_max = _EXPONENT.size + _CODED.size + rans.max_section_bytes(symbols)
     else:
-        words_max = _EXPONENT.size + 4 * (len(_INITIAL) + 1 + (symbols * _MAX_SYMBOL_BITS + 31) // 32)
+        words_max = _EXPONENT.size + _CODED.size + 4 * (len(_INITIAL) + 1 + (symbols * _MAX_SYMBOL_BITS + 31) // 32)
     escapes = symbols
     if fmt != "rans" and words_len is not None and group.escape_bits > 0:  # rans: no constriction needed
         bits = 8 * max(0, words_len - _EXPONENT.size) + 64
@@ -261,20 +287,20 @@ def min_token_bits(group: EcsqGroup, fmt: str) -> float:
 
 
 def zero_token_bits(group: EcsqGroup) -> float:
-    """The bits one token costs when every symbol is 0 (the coarsest step's limit): the rate control cannot code
-    this group below it, its symbol models being fixed at calibration (rANS frequencies)."""
-    per_model = []
-    for m in group.models:
-        r, f = rans.model_frequencies(int(m.radius), m.counts)
-        per_model.append(-math.log2(float(f[r]) / rans.PROB_TOTAL))
-    return float(np.asarray(per_model, dtype=np.float64)[group.model].sum()) if group.kept else 0.0
+    """The bits one token costs when every symbol is 0 (the coarsest step's limit): a step alone cannot code
+    this group below it, its symbol models being fixed at calibration (rANS frequencies); fewer coded
+    components can (`encode_group`)."""
+    return float(component_zero_bits(group).sum())
 
 
-def check_capacity(group: EcsqGroup, tokens: int, words_len: int, fmt: str) -> None:
-    """BlobError when a words section of `words_len` bytes cannot hold `tokens` tokens' symbols: checked
-    before any array is built for them, so a short blob declaring many tokens costs nothing to refuse."""
+def check_capacity(group: EcsqGroup, tokens: int, words: bytes | memoryview, fmt: str) -> None:
+    """BlobError when a words section cannot hold `tokens` tokens' symbols (of the components its header says it
+    codes): checked before any array is built for them, so a short blob declaring many tokens costs nothing to
+    refuse."""
+    group, _, head = coded_group(group, words)
+    words_len = len(words)
     need = tokens * min_token_bits(group, fmt)
-    have = 8 * max(0, words_len - _EXPONENT.size) + 64
+    have = 8 * max(0, words_len - head) + 64
     if need > have:
         raise BlobError(f"ECSQ section of {words_len} bytes cannot hold {tokens} tokens of group "
                         f"{group.group.label} (they need at least {math.ceil(need / 8)} bytes): the blob is "
@@ -282,29 +308,45 @@ def check_capacity(group: EcsqGroup, tokens: int, words_len: int, fmt: str) -> N
 
 
 def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None, fmt: str = "constriction",
-                 on_device: bool = False) -> tuple[bytes, bytes]:
-    """z (N, kept) projections -> (words section: step exponent j then the coded symbols, escapes section).
-    max_bytes: the two sections' budget; j is the smallest exponent (step 2^(j / STEP_GRID)) that fits.
-    fmt: "rans" or "constriction"; on_device (rans): code with the Triton kernel where z lies, so only
-    the coded bytes reach the host."""
+                 on_device: bool = False, truncate: bool = False) -> tuple[bytes, bytes]:
+    """z (N, kept) projections -> (words section: step exponent j [and the coded components] then the coded
+    symbols, escapes section). max_bytes: the two sections' budget; j is the smallest exponent (step
+    2^(j / STEP_GRID)) that fits; never within it, the coarsest tried, for the caller to weigh (a chunk store
+    codes the chunk fixed-rate). truncate: where no step fits or j >= TRUNCATE_FROM, fewer coded components are
+    tried (the module docstring), so the sections always fit: for a caller with no better way to meet the budget
+    (a first chunk paying its raw sinks). fmt: "rans" or "constriction"; on_device (rans): code with the Triton
+    kernel where z lies, so only the coded bytes reach the host."""
     _check_format(fmt)
-
-    def attempt(j: int) -> tuple[tuple[bytes, bytes], int, torch.Tensor]:
-        q = quantize(z, group.step * 2.0 ** (j / STEP_GRID))
-        if fmt == "constriction":
-            words, escapes = encode_symbols(q.cpu().numpy(), group)
-        elif on_device:
-            from kvtc.kernels.codec.rans_triton import encode_device  # noqa: PLC0415 - triton loads only to code on a device
-
-            words, escapes = encode_device(q, rans.group_tables(group))
-        else:
-            words, escapes = rans.encode(q.cpu().numpy(), rans.group_tables(group))
-        return (_EXPONENT.pack(j | STREAM_FORMAT << 16) + words, escapes), _EXPONENT.size + len(words) + len(escapes), q
-
-    best, size, q = attempt(0)
-    if max_bytes is None or size <= max_bytes or not q.numel():
+    best, size, j, q = _fit_step(z, group, max_bytes, fmt, on_device, None)
+    if max_bytes is None or not truncate or not q.numel() or (size <= max_bytes and j < TRUNCATE_FROM):
         return best
-    lo, hi, j = 0, None, 0
+    return _fit_components(z, group, max_bytes, fmt, on_device, (best, size, j, q))
+
+
+def _attempt(z: torch.Tensor, group: EcsqGroup, j: int, fmt: str, on_device: bool, coded: int | None
+             ) -> tuple[tuple[bytes, bytes], int, torch.Tensor]:
+    q = quantize(z, group.step * 2.0 ** (j / STEP_GRID))
+    if fmt == "constriction":
+        words, escapes = encode_symbols(q.cpu().numpy(), group)
+    elif on_device:
+        from kvtc.kernels.codec.rans_triton import encode_device  # noqa: PLC0415 - triton loads only to code on a device
+
+        words, escapes = encode_device(q, rans.group_tables(group))
+    else:
+        words, escapes = rans.encode(q.cpu().numpy(), rans.group_tables(group))
+    head = _EXPONENT.pack(j | STREAM_FORMAT << 16) if coded is None else \
+        _EXPONENT.pack(j | TRUNCATED_FORMAT << 16) + _CODED.pack(coded)
+    return (head + words, escapes), len(head) + len(words) + len(escapes), q
+
+
+def _fit_step(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None, fmt: str, on_device: bool,
+              coded: int | None) -> tuple[tuple[bytes, bytes], int, int, torch.Tensor]:
+    """The smallest step exponent that fits max_bytes -> (sections, their bytes, j, symbols); never within the
+    budget: the coarsest tried, for the caller to weigh."""
+    best, size, q = _attempt(z, group, 0, fmt, on_device, coded)
+    if max_bytes is None or size <= max_bytes or not q.numel():
+        return best, size, 0, q
+    lo, hi, j, found = 0, None, 0, (best, size, 0, q)
     for _ in range(16):
         if hi is None:
             # a doubled step saves about one bit per token on each component coded at a useful rate
@@ -312,19 +354,55 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
             j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil((size - max_bytes) * 8 / q.shape[0] / live * STEP_GRID)))
         else:
             j = (lo + hi) // 2
-        out, size, q = attempt(j)
+        out, size, q = _attempt(z, group, j, fmt, on_device, coded)
         if size <= max_bytes:
-            hi, best = j, out
+            hi, found = j, (out, size, j, q)
         else:
             lo = j
             if j >= MAX_STEP_EXPONENT:
-                return out
+                return out, size, j, q
         if hi is not None and hi - lo <= 1:
             break
-    return best if hi is not None else out  # never within the budget: the coarsest tried, for the caller to weigh
+    return found if hi is not None else (out, size, j, q)
 
 
-def _exponent(words: bytes | memoryview) -> int:
+def _error(z: torch.Tensor, group: EcsqGroup, j: int, q: torch.Tensor) -> float:
+    """Squared error of z (N, kept) coded as symbols q (N, coded <= kept) at exponent j, the rest 0."""
+    coded = q.shape[1]
+    zhat = dequantize(q.to(z.device), group.step * 2.0 ** (j / STEP_GRID), group.offsets[:coded].to(z.device))
+    return float((z[:, :coded].float() - zhat).square().sum() + z[:, coded:].float().square().sum())
+
+
+def _fit_components(z: torch.Tensor, group: EcsqGroup, max_bytes: int, fmt: str, on_device: bool,
+                    plain: tuple) -> tuple[bytes, bytes]:
+    """Rate control below the step's reach: the first `coded` components alone, for the counts whose symbols
+    0 leave room in max_bytes (from the most, each 4/5 of the last), each at its smallest fitting step; the
+    one with the least squared error wins, the plain step's result among them where it fits."""
+    n = z.shape[0]
+    best, err = (plain[0], _error(z, group, plain[2], plain[3])) if plain[1] <= max_bytes else (None, math.inf)
+    room = (max_bytes - _EXPONENT.size - _CODED.size - 8) * 8 / max(n, 1)  # 8: the rANS states' slack
+    zero = np.concatenate([[0.0], np.cumsum(component_zero_bits(group))])
+    coded = min(group.kept - 1, int(np.searchsorted(zero, 0.9 * room, side="right")) - 1)
+    worse = 0
+    while coded >= 0:
+        out, size, j, q = _fit_step(z[:, :coded].contiguous(), truncated(group, coded), max_bytes, fmt, on_device,
+                                    coded)
+        e = _error(z, group, j, q) if size <= max_bytes else math.inf
+        if e < err:
+            best, err, worse = out, e, 0
+        elif best is not None:
+            worse += 1
+            if worse >= 2:
+                break
+        if coded == 0:
+            break
+        coded = int(coded * 0.8)
+    return best if best is not None else plain[0]
+
+
+def coded_group(group: EcsqGroup, words: bytes | memoryview) -> tuple[EcsqGroup, int, int]:
+    """A words section's header -> (the group its symbols code: `group`, or its first components alone; step
+    exponent j; header bytes). BlobError for a header that is not one this reader writes."""
     if len(words) < _EXPONENT.size:
         raise BlobError("ECSQ section is shorter than its step exponent: the stream is truncated")
     (field,) = _EXPONENT.unpack(words[:_EXPONENT.size])
@@ -332,21 +410,43 @@ def _exponent(words: bytes | memoryview) -> int:
     if stream_format == 0 and j <= MAX_STEP_EXPONENT:
         raise BlobError("ECSQ stream was written by an older release without an end-of-stream state (a truncated "
                         "one cannot be told apart): re-encode the cache with this release")
-    if stream_format != STREAM_FORMAT or not 0 <= j <= MAX_STEP_EXPONENT:
+    if stream_format not in (STREAM_FORMAT, TRUNCATED_FORMAT) or not 0 <= j <= MAX_STEP_EXPONENT:
         raise BlobError(f"ECSQ step exponent {j} is outside 0..{MAX_STEP_EXPONENT}: the blob is corrupt")
-    return j
+    if stream_format == STREAM_FORMAT:
+        return group, j, _EXPONENT.size
+    if len(words) < _EXPONENT.size + _CODED.size:
+        raise BlobError("ECSQ section is shorter than its coded-components count: the stream is truncated")
+    (coded,) = _CODED.unpack(words[_EXPONENT.size:_EXPONENT.size + _CODED.size])
+    if coded >= group.kept:
+        raise BlobError(f"ECSQ section codes {coded} components of a group that keeps {group.kept} (a truncated "
+                        "section codes fewer): the blob is corrupt")
+    return truncated(group, coded), j, _EXPONENT.size + _CODED.size
+
+
+def is_truncated(words: bytes | memoryview) -> bool:
+    """Whether a words section codes fewer components than its group keeps (its header's stream format)."""
+    return len(words) >= _EXPONENT.size and _EXPONENT.unpack(words[:_EXPONENT.size])[0] >> 16 == TRUNCATED_FORMAT
+
+
+def _padded(q, kept: int):
+    """Symbols of the first components (tokens, coded) -> (tokens, kept), the rest 0."""
+    if q.shape[1] == kept:
+        return q
+    if isinstance(q, torch.Tensor):
+        return torch.nn.functional.pad(q, (0, kept - q.shape[1]))
+    return np.pad(q, ((0, 0), (0, kept - q.shape[1])))
 
 
 def decode_group(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup, fmt: str = "constriction"
                  ) -> tuple[np.ndarray, float]:
     """Inverse of encode_group on the host -> (symbols (tokens, kept) int32, the step they were quantized with)."""
     _check_format(fmt)
-    j = _exponent(words)
+    sub, j, head = coded_group(group, words)
     if fmt == "rans":
-        q = rans.decode(memoryview(words)[_EXPONENT.size:], escapes, tokens, rans.group_tables(group))
+        q = rans.decode(memoryview(words)[head:], escapes, tokens, rans.group_tables(sub))
     else:
-        q = decode_symbols(words[_EXPONENT.size:], escapes, tokens, group)
-    return q, group.step * 2.0 ** (j / STEP_GRID)
+        q = decode_symbols(words[head:], escapes, tokens, sub)
+    return _padded(q, group.kept), group.step * 2.0 ** (j / STEP_GRID)
 
 
 def decode_group_to(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup, fmt: str,
@@ -357,8 +457,8 @@ def decode_group_to(words: bytes, escapes: bytes, tokens: int, group: EcsqGroup,
     if fmt == "rans" and on_device:
         from kvtc.kernels.codec.rans_triton import decode_device  # noqa: PLC0415 - triton loads only to code on a device
 
-        j = _exponent(words)
-        q = decode_device(memoryview(words)[_EXPONENT.size:], escapes, tokens, rans.group_tables(group), device)
-        return q, group.step * 2.0 ** (j / STEP_GRID)
+        sub, j, head = coded_group(group, words)
+        q = decode_device(memoryview(words)[head:], escapes, tokens, rans.group_tables(sub), device)
+        return _padded(q, group.kept), group.step * 2.0 ** (j / STEP_GRID)
     q, step = decode_group(words, escapes, tokens, group, fmt)
     return torch.from_numpy(q).to(device), step

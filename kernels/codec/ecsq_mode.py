@@ -6,7 +6,6 @@ stream) then its escapes; resident, the same two byte strings per sequence, entr
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -49,11 +48,15 @@ class EcsqMode(Mode):
         return sum(g.budget_bytes(spec.ratio, tokens) for groups in spec.ecsq.values() for g in groups) if tokens else 0
 
     def floor_bytes(self, spec: CodecSpec, tokens: int) -> int:
-        """Every symbol 0: below it no step can code the tokens (text far from the calibration's costs more)."""
-        return sum(math.ceil(ecsq.zero_token_bits(g) * tokens / 8) for groups in spec.ecsq.values() for g in groups)
+        """No component coded: each (stream, group)'s words header and coder states. A blob coded with `truncate`
+        (a first chunk paying its sinks) codes fewer components where every symbol 0 would not fit."""
+        return sum(ecsq.EMPTY_BYTES for groups in spec.ecsq.values() for _ in groups) if tokens else 0
 
     def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
         return sum(g.budget_bytes(spec.ratio, tokens) for g in spec.ecsq[stream]) if tokens else 0
+
+    def blob_fields(self, sections: list[Section]) -> dict[str, Any]:
+        return {"truncated": any(ecsq.is_truncated(s.stored) for s in sections if s.key.tag == TAG_ECSQ)}
 
     @property
     def fallback(self) -> Mode:
@@ -72,7 +75,8 @@ class EcsqMode(Mode):
                     ctx.projections[(si, gi)] = z
             budget = int(g.budget_bytes(ctx.spec.ratio, z.shape[0]) * budget_scale) if ctx.rate_control else None
             with ctx.stage("entropy"):
-                words, escapes = ecsq.encode_group(z, g, budget, ctx.ecsq_format, ctx.entropy_on_device)
+                words, escapes = ecsq.encode_group(z, g, budget, ctx.ecsq_format, ctx.entropy_on_device,
+                                                   truncate=ctx.truncate)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
             out.append(ctx.section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes))
         return out
@@ -115,12 +119,17 @@ class EcsqMode(Mode):
         bounded by their stored bytes in read_blob)."""
         if not mid or spec.ecsq is None:
             return
-        table = {s.key: s for s in sections}
+        table, truncated = {s.key: s for s in sections}, False
         for si, stream in enumerate(STREAMS):
             for gi, g in enumerate(spec.ecsq[stream]):
                 words = table.get(SectionKey(TAG_ECSQ, si, gi, 0))
-                if words is not None:
-                    ecsq.check_capacity(g, mid, len(words.stored), header.ecsq_format)
+                if words is not None and words.coding == PLAIN:  # else refused as not plain (section_bounds)
+                    ecsq.check_capacity(g, mid, words.stored, header.ecsq_format)
+                    truncated |= ecsq.is_truncated(words.stored)
+                elif words is not None:
+                    return
+        if truncated != header.truncated:
+            raise BlobError("blob flag bit 6 (truncated ECSQ sections) disagrees with its sections: the blob is corrupt")
 
     def encode_resident(self, coder: ResidentCoder, z: torch.Tensor, stream: str, gi: int, ops: Ops, batch: int,
                         n: int) -> tuple:

@@ -297,12 +297,14 @@ class KVTCCodec:
                 raise BlobError(f"the coded {stream} decode to NaN: the blob's parameters are corrupt or forged")
 
     def encode(self, keys: torch.Tensor | Sequence[torch.Tensor | None], values: torch.Tensor | Sequence[torch.Tensor | None],
-               start: int = 0, *, budget_scale: float = 1.0) -> bytes:
+               start: int = 0, *, budget_scale: float = 1.0, truncate: bool = False) -> bytes:
         """keys, values (L, H, T, D) fp16/bf16/fp32 (L: the layers that keep a KV cache), token 0 at absolute
         position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob.
         ValueError for a cache holding NaN or inf anywhere (raw sinks and window included), naming the first.
         budget_scale (ECSQ, rate control): each (stream, group)'s budget times this share in (0, 1], for a
-        caller whose raw tokens come out of the ratio's budget (kernels/codec/chunk_serde.py's shared sinks)."""
+        caller whose raw tokens come out of the ratio's budget (kernels/codec/chunk_serde.py's shared sinks).
+        truncate (ECSQ): a group whose budget no step meets codes its first components alone (kernels/codec/ecsq.py),
+        for a caller with no better way to meet it; else such a blob exceeds its budget."""
         start = _position(start)
         if isinstance(budget_scale, bool) or not isinstance(budget_scale, (int, float)) or not 0 < budget_scale <= 1:
             raise ValueError(f"budget_scale must be a share in (0, 1], got {budget_scale!r}")
@@ -327,7 +329,7 @@ class KVTCCodec:
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
         ops = resolve_ops(self.backend, dev)
-        sections, ctx = [], self._context(dev, ops, {} if self.uses_outliers else None)
+        sections, ctx = [], replace(self._context(dev, ops, {} if self.uses_outliers else None), truncate=truncate)
         bd = self.basis_dtype_on(dev, keys.dtype)
         sink_format = self.sink_format if head else "cache"
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
@@ -359,6 +361,7 @@ class KVTCCodec:
                     found.append(kept)
                 sections += coded
                 del feat
+            header = replace(header, **self._mode.blob_fields(sections))
             if any(found):
                 header = replace(header, outliers=True)
                 sections += [Section(SectionKey(TAG_OUTLIERS, si, 0, 0), PLAIN, len(b), b) for si, b in enumerate(found)]

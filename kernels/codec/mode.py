@@ -43,6 +43,7 @@ class BlobContext:
     rate_control: bool  # ECSQ: coarsen the step of a (stream, group) whose bytes would exceed its budget
     # (stream index, group) -> its projected coefficients, kept where the codec codes a stream more than once
     projections: dict | None = None
+    truncate: bool = False  # ECSQ: a group may code fewer components to meet its budget (kernels/codec/ecsq.py)
 
 
 class ResidentCoder(Protocol):
@@ -105,6 +106,10 @@ class Mode(abc.ABC):
     # the blob (KVTCCodec)
     def header_fields(self, spec: CodecSpec) -> dict[str, Any]:
         """BlobHeader fields this mode sets on a new blob of `spec` (its layout flags), beside its name."""
+        return {}
+
+    def blob_fields(self, sections: list[Section]) -> dict[str, Any]:
+        """BlobHeader fields that one blob's coded sections decide (its layout flags)."""
         return {}
 
     @abc.abstractmethod

@@ -207,3 +207,50 @@ def test_rate_control_coarsens_the_step_only_for_text_that_codes_larger():
     assert float((zhat - wide).abs().max()) <= step
     with pytest.raises(BlobError, match="exponent"):
         decode_group((-1).to_bytes(4, "little", signed=True) + words[4:], esc, 200, group)
+
+
+@pytest.mark.parametrize("fmt", ["rans", "constriction"])
+def test_rate_control_codes_fewer_components_where_no_step_reaches_the_budget(fmt):
+    """The symbol models are fixed, so a coarser step cannot code a token below every symbol 0 (zero_token_bits):
+    a basis capped by --basis-budget sat at 93% of its CR 32 budget there. With `truncate`, the group codes its
+    first components alone (stream format 2, their count after the exponent) and always fits; without it, the
+    coarsest attempt comes back over the budget, for the caller to weigh (a chunk store codes it fixed-rate)."""
+    from kvtc.kernels.codec.ecsq import (EMPTY_BYTES, coded_group, decode_group, encode_group, is_truncated,
+                                         zero_token_bits)
+
+    p, n = 40, 131
+    lam = np.exp(-np.arange(p) / 8.0) * 5 + 1e-3
+    fit = fit_ecsq(2.0, _gaussian(lam, 2000), p)  # a fine step: symbol 0 costs several bits
+    group = _group(fit, torch.zeros(p), torch.eye(p))
+    z = _gaussian(lam, n, seed=3)[:, :fit.kept]
+    floor = zero_token_bits(group) * n / 8
+    errors = []
+    for budget in (int(floor * 0.8), int(floor * 0.3), int(floor * 0.05), EMPTY_BYTES):
+        words, esc = encode_group(z, group, budget, fmt)
+        assert len(words) + len(esc) > budget and not is_truncated(words)  # the plain step: over, said to the caller
+        words, esc = encode_group(z, group, budget, fmt, truncate=True)
+        assert len(words) + len(esc) <= budget and is_truncated(words)
+        sub, _, _ = coded_group(group, words)
+        q, step = decode_group(words, esc, n, group, fmt)
+        assert q.shape == (n, fit.kept) and not q[:, sub.kept:].any()
+        zhat = dequantize(torch.from_numpy(q), step, torch.from_numpy(fit.offsets))
+        errors.append(float((zhat - z).square().sum() / z.square().sum()))
+    assert errors == sorted(errors) and errors[0] < 0.5 and errors[-1] == pytest.approx(1.0)
+    # in budget at the calibrated step: truncate changes nothing
+    words, esc = encode_group(z, group, 10 * int(floor) + 10_000, fmt, truncate=True)
+    assert not is_truncated(words) and decode_group(words, esc, n, group, fmt)[1] == fit.step
+
+
+def test_a_truncated_words_header_is_checked():
+    from kvtc.kernels.codec.ecsq import _CODED, _EXPONENT, TRUNCATED_FORMAT, decode_group, encode_group
+
+    p, n = 24, 50
+    lam = np.exp(-np.arange(p) / 6.0) * 5 + 1e-3
+    fit = fit_ecsq(2.0, _gaussian(lam, 1000), p)
+    group = _group(fit, torch.zeros(p), torch.eye(p))
+    words, esc = encode_group(_gaussian(lam, n, seed=2)[:, :fit.kept], group, 40, "rans", truncate=True)
+    head = _EXPONENT.size + _CODED.size
+    with pytest.raises(BlobError, match="codes 24 components of a group that keeps"):
+        decode_group(words[:_EXPONENT.size] + _CODED.pack(fit.kept) + words[head:], esc, n, group, "rans")
+    with pytest.raises(BlobError, match="shorter than its coded-components count"):
+        decode_group(_EXPONENT.pack(TRUNCATED_FORMAT << 16) + b"\0", b"", n, group, "rans")

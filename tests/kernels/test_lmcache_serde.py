@@ -563,6 +563,48 @@ def test_a_first_chunk_that_cannot_pay_every_sink_keeps_the_first_token_raw_rath
     assert _rel(out[:, :, :1], kv[:, :, :1]) < 0.01 and _rel(out[:, :, 1:], kv[:, :, 1:]) < 0.3
 
 
+def test_a_first_chunk_below_the_step_floor_codes_fewer_components_and_keeps_the_bound(caplog):
+    """Every symbol 0 costs 82% of this spec's budget, and a 32-token first chunk's 4 sinks leave 65%: no step
+    reaches it. The first chunk codes its groups' first components alone (blob flag bit 6), keeps all 4 sinks
+    raw and is a later chunk's size, where it kept its sinks on top of the bound before."""
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    from kvtc.kernels.codec import ecsq
+    from kvtc.kernels.codec.blob import FLAG_TRUNCATED, TAG_ECSQ, write_blob
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=4, window=3)
+    t = ChunkTransform(KVTCCodec(spec), positions=True)
+    assert t._shared_scale(32, torch.float32, 0) < 0.7 < ecsq.zero_token_bits(spec.ecsq["keys"][0]) / (16 * 32 / 4)
+    kv = _synthetic_chunk(spec, 32, 0)
+    with caplog.at_level("WARNING", logger="kvtc.chunk_serde"):
+        data = t.serialize(kv, start=0)
+    assert not [r for r in caplog.records if "raw sinks come on top" in r.getMessage()]
+    size = t.serialized_size(tuple(kv.shape), torch.float32)
+    later = t.serialize(_synthetic_chunk(spec, 32, 32), start=32)
+    assert len(data) == size == len(later)
+    blob = unframe(data)[1]
+    header, sections = read_blob(blob)
+    assert header.head_raw == 4 and header.truncated and blob[6] & FLAG_TRUNCATED
+    assert any(ecsq.is_truncated(s.stored) for s in sections if s.key.tag == TAG_ECSQ)
+    out = torch.empty_like(kv)
+    t.deserialize(data, out, start=0)
+    assert _rel(out[:, :, :4], kv[:, :, :4]) < 0.01 and _rel(out[:, :, 4:], kv[:, :, 4:]) < 0.9
+    # the flag and the sections must agree, both ways
+    codec = KVTCCodec(t.spec)
+    with pytest.raises(BlobError, match="flag bit 6"):
+        codec.decode(write_blob(dataclasses.replace(header, truncated=False), sections))
+    plain = codec.encode(*synthetic_cache_pair(spec, 32, 32), start=32)
+    h, secs = read_blob(plain)
+    with pytest.raises(BlobError, match="flag bit 6"):
+        codec.decode(write_blob(dataclasses.replace(h, truncated=True), secs))
+
+
+def synthetic_cache_pair(spec, tokens: int, start: int):
+    from helpers.synthetic import synthetic_cache
+
+    return synthetic_cache(spec, tokens, torch.float32, start=start)
+
+
 def test_a_first_chunk_whose_mode_cannot_code_it_in_what_the_sinks_leave_keeps_its_sinks_on_top(caplog, monkeypatch):
     """ECSQ's floor (every symbol 0: its symbol models are fixed) bounds how far rate control can go; a basis capped
     by --basis-budget at CR 32 sat at 93% of its budget where its sinks left 75%, and its first chunks then kept

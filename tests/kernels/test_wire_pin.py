@@ -130,3 +130,13 @@ def test_the_grouped_flag_outside_a_plain_fixed_rate_blob_is_refused(mode):
     forged[6] |= FLAG_GROUPED | (FLAG_ECSQ if mode == "ecsq" else FLAG_LAYERED)
     with pytest.raises(BlobError, match="unknown flags"):
         read_blob(bytes(forged))
+
+
+def test_the_truncated_flag_outside_a_plain_ecsq_blob_is_refused():
+    from kvtc.kernels.codec.blob import FLAG_LAYERED, FLAG_TRUNCATED, BlobError, read_blob
+
+    for blob, extra in ((_blob("fixed", "rans"), 0), (_blob("ecsq", "rans"), FLAG_LAYERED)):
+        forged = bytearray(blob)
+        forged[6] |= FLAG_TRUNCATED | extra
+        with pytest.raises(BlobError, match="unknown flags"):
+            read_blob(bytes(forged))
