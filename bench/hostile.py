@@ -781,7 +781,7 @@ def amplification(geometry: tuple[int, int, int] = (8, 2, 64)) -> list[Ended]:
     input's bytes) -- rANS lane tables with no words, a constriction stream of one word, DEFLATE bombs in
     fixed mode, a stored chunk longer than its destination."""
     from kvtc.kernels.codec.chunk_serde import ChunkTransform
-    from kvtc.kernels.codec.ecsq import _EXPONENT, STREAM_FORMAT
+    from kvtc.kernels.codec.ecsq import _CODED, _EXPONENT, STREAM_FORMAT, TRUNCATED_FORMAT
 
     layers, heads, dim = geometry
     spec = synthetic_ecsq_spec(layers, heads, dim, 8.0, sinks=2, window=3)
@@ -790,15 +790,17 @@ def amplification(geometry: tuple[int, int, int] = (8, 2, 64)) -> list[Ended]:
         codec = KVTCCodec(spec, backend="torch", mode="ecsq", ecsq_format=fmt, outlier_factor=None)  # no decode inside encode
         keys, values = synthetic_cache(spec, 16, torch.float16, seed=1)
         header, sections = read_blob(codec.encode(keys, values))
-        for tokens in (8192, 131072):
-            long = dataclasses.replace(header, tokens=tokens)
+        for tokens, coded in ((8192, None), (131072, None), (131072, 1)):
+            long = dataclasses.replace(header, tokens=tokens, truncated=coded is not None)
             _, mid, _ = codec.split(tokens, 0)
             kept = {s.key: g.kept for si, st in enumerate(("keys", "values"))
                     for gi, g in enumerate(spec.ecsq[st]) for s in sections if s.key == (TAG_ECSQ, si, gi, 0)}
-            head = _EXPONENT.pack(STREAM_FORMAT << 16)
+            head = _EXPONENT.pack(STREAM_FORMAT << 16) if coded is None else \
+                _EXPONENT.pack(TRUNCATED_FORMAT << 16) + _CODED.pack(coded)  # the first component alone
             forged = [Section(s.key, PLAIN, 0, b"") if s.key.tag == TAG_ESCAPES else
                       Section(s.key, PLAIN, *(lambda b: (len(b), b))(
-                          head + (_no_words(b"", mid * kept[s.key]) if fmt == "rans" else struct.pack("<II", 0, 1))))
+                          head + (_no_words(b"", mid * (coded or kept[s.key])) if fmt == "rans"
+                                  else struct.pack("<II", 0, 1))))
                       if s.key.tag == TAG_ECSQ else s for s in sections]
             blob = write_blob(long, forged)
 
@@ -808,7 +810,8 @@ def amplification(geometry: tuple[int, int, int] = (8, 2, 64)) -> list[Ended]:
                 except BlobError as exc:
                     return ("BlobError before decoding" if "cannot hold" in str(exc) else "BlobError"), True
                 return "DECODED", False
-            out.append(measured("amplification", f"{fmt}: no words, {tokens} tokens declared, {layers}x{heads}x{dim}",
+            what = "no words" if coded is None else f"{coded} component coded, no words"
+            out.append(measured("amplification", f"{fmt}: {what}, {tokens} tokens declared, {layers}x{heads}x{dim}",
                                 len(blob), case))
     plain = synthetic_spec(layers, heads, dim, 8.0, sinks=0, window=0, kept=64, rope_theta=None)
     fixed = KVTCCodec(plain, backend="torch", mode="fixed")

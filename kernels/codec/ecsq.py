@@ -48,6 +48,7 @@ ECSQ_FORMATS = ("rans", "constriction")
 STREAM_FORMAT = 1  # high 16 bits of the exponent field: 1 = coder started from the end-of-stream state
 TRUNCATED_FORMAT = 2  # as 1, the first `coded` components alone, a u32 after the field
 EMPTY_BYTES = _EXPONENT.size + _CODED.size + 8  # a group coding no component: its header, at most 8 bytes of coder state
+TRUNCATED_MIN_SHARE = 4  # a truncated words section holds at least 1/4 of its group's budget (amplification bound)
 TRUNCATE_FROM = STEP_GRID  # rate control tries fewer components where the step had to grow by this exponent (x2)
 _INITIAL = (0, 1)  # the coder's initial state 2^32 as constriction writes it (low word, high word)
 _STATE_BITS = 32   # constriction's num_valid_bits() of that state; a well-formed stream never drops below it
@@ -293,12 +294,18 @@ def zero_token_bits(group: EcsqGroup) -> float:
     return float(component_zero_bits(group).sum())
 
 
-def check_capacity(group: EcsqGroup, tokens: int, words: bytes | memoryview, fmt: str) -> None:
+def check_capacity(group: EcsqGroup, tokens: int, words: bytes | memoryview, fmt: str, budget: int = 0) -> None:
     """BlobError when a words section cannot hold `tokens` tokens' symbols (of the components its header says it
-    codes): checked before any array is built for them, so a short blob declaring many tokens costs nothing to
-    refuse."""
-    group, _, head = coded_group(group, words)
+    codes; a truncated one, at least 1 / TRUNCATED_MIN_SHARE of `budget`, its group's budget for the tokens):
+    checked before any array is built for them, so a short blob declaring many tokens costs nothing to refuse."""
+    sub, _, head = coded_group(group, words)
     words_len = len(words)
+    if sub is not group and words_len < budget // TRUNCATED_MIN_SHARE:
+        raise BlobError(f"ECSQ section of {words_len} bytes cannot hold {tokens} tokens of group {group.group.label} "
+                        f"coded to its first {sub.kept} components (such a section holds at least "
+                        f"{budget // TRUNCATED_MIN_SHARE} bytes, a quarter of its budget): the blob is truncated or "
+                        "declares tokens it does not hold")
+    group = sub
     need = tokens * min_token_bits(group, fmt)
     have = 8 * max(0, words_len - head) + 64
     if need > have:
@@ -308,19 +315,20 @@ def check_capacity(group: EcsqGroup, tokens: int, words: bytes | memoryview, fmt
 
 
 def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None, fmt: str = "constriction",
-                 on_device: bool = False, truncate: bool = False) -> tuple[bytes, bytes]:
+                 on_device: bool = False, truncate: bool = False, min_words: int = 0) -> tuple[bytes, bytes]:
     """z (N, kept) projections -> (words section: step exponent j [and the coded components] then the coded
     symbols, escapes section). max_bytes: the two sections' budget; j is the smallest exponent (step
     2^(j / STEP_GRID)) that fits; never within it, the coarsest tried, for the caller to weigh (a chunk store
     codes the chunk fixed-rate). truncate: where no step fits or j >= TRUNCATE_FROM, fewer coded components are
-    tried (the module docstring), so the sections always fit: for a caller with no better way to meet the budget
-    (a first chunk paying its raw sinks). fmt: "rans" or "constriction"; on_device (rans): code with the Triton
+    tried (the module docstring): for a caller with no better way to meet the budget (a first chunk paying its raw
+    sinks); min_words: the fewest bytes a truncated words section may take (a reader refuses fewer, so a short blob
+    cannot declare a long cache; the codec passes TRUNCATED_MIN_SHARE's share of the group's budget). fmt: "rans" or "constriction"; on_device (rans): code with the Triton
     kernel where z lies, so only the coded bytes reach the host."""
     _check_format(fmt)
     best, size, j, q = _fit_step(z, group, max_bytes, fmt, on_device, None)
     if max_bytes is None or not truncate or not q.numel() or (size <= max_bytes and j < TRUNCATE_FROM):
         return best
-    return _fit_components(z, group, max_bytes, fmt, on_device, (best, size, j, q))
+    return _fit_components(z, group, max_bytes, fmt, on_device, (best, size, j, q), min_words)
 
 
 def _attempt(z: torch.Tensor, group: EcsqGroup, j: int, fmt: str, on_device: bool, coded: int | None
@@ -374,10 +382,11 @@ def _error(z: torch.Tensor, group: EcsqGroup, j: int, q: torch.Tensor) -> float:
 
 
 def _fit_components(z: torch.Tensor, group: EcsqGroup, max_bytes: int, fmt: str, on_device: bool,
-                    plain: tuple) -> tuple[bytes, bytes]:
+                    plain: tuple, min_words: int) -> tuple[bytes, bytes]:
     """Rate control below the step's reach: the first `coded` components alone, for the counts whose symbols
-    0 leave room in max_bytes (from the most, each 4/5 of the last), each at its smallest fitting step; the
-    one with the least squared error wins, the plain step's result among them where it fits."""
+    0 leave room in max_bytes (from the most, each 4/5 of the last), each at its smallest fitting step, words of
+    at least min_words bytes; the one with the least squared error wins, the plain step's result among them where
+    it fits (none fitting: the plain step's, over the budget, for the caller to weigh)."""
     n = z.shape[0]
     best, err = (plain[0], _error(z, group, plain[2], plain[3])) if plain[1] <= max_bytes else (None, math.inf)
     room = (max_bytes - _EXPONENT.size - _CODED.size - 8) * 8 / max(n, 1)  # 8: the rANS states' slack
@@ -387,7 +396,7 @@ def _fit_components(z: torch.Tensor, group: EcsqGroup, max_bytes: int, fmt: str,
     while coded >= 0:
         out, size, j, q = _fit_step(z[:, :coded].contiguous(), truncated(group, coded), max_bytes, fmt, on_device,
                                     coded)
-        e = _error(z, group, j, q) if size <= max_bytes else math.inf
+        e = _error(z, group, j, q) if size <= max_bytes and len(out[0]) >= min_words else math.inf
         if e < err:
             best, err, worse = out, e, 0
         elif best is not None:

@@ -75,8 +75,9 @@ class EcsqMode(Mode):
                     ctx.projections[(si, gi)] = z
             budget = int(g.budget_bytes(ctx.spec.ratio, z.shape[0]) * budget_scale) if ctx.rate_control else None
             with ctx.stage("entropy"):
-                words, escapes = ecsq.encode_group(z, g, budget, ctx.ecsq_format, ctx.entropy_on_device,
-                                                   truncate=ctx.truncate)
+                words, escapes = ecsq.encode_group(
+                    z, g, budget, ctx.ecsq_format, ctx.entropy_on_device, truncate=ctx.truncate,
+                    min_words=g.budget_bytes(ctx.spec.ratio, z.shape[0]) // ecsq.TRUNCATED_MIN_SHARE)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
             out.append(ctx.section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes))
         return out
@@ -124,7 +125,7 @@ class EcsqMode(Mode):
             for gi, g in enumerate(spec.ecsq[stream]):
                 words = table.get(SectionKey(TAG_ECSQ, si, gi, 0))
                 if words is not None and words.coding == PLAIN:  # else refused as not plain (section_bounds)
-                    ecsq.check_capacity(g, mid, words.stored, header.ecsq_format)
+                    ecsq.check_capacity(g, mid, words.stored, header.ecsq_format, g.budget_bytes(spec.ratio, mid))
                     truncated |= ecsq.is_truncated(words.stored)
                 elif words is not None:
                     return
