@@ -24,6 +24,7 @@ alone (the rest 0, their mean): the exponent field then says so (stream format 2
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import struct
@@ -153,10 +154,14 @@ class EcsqGroup:
 
 @functools.lru_cache(maxsize=256)
 def truncated(group: EcsqGroup, coded: int) -> EcsqGroup:
-    """The group's first `coded` components alone (cached per group object, as its coding tables are)."""
-    dec = None if group.decoder is None else group.decoder[:, :coded].contiguous()
-    return EcsqGroup(group.group, group.mean, group.components[:, :coded].contiguous(), group.step,
-                     group.model[:coded].copy(), group.offsets[:coded].contiguous(), group.models, dec, group.budget_bits)
+    """The group's first `coded` components alone (cached per group object, as its coding tables are): views of
+    its tensors, no copy, and not checked again (a full pass over the decoder; the group's own check holds)."""
+    sub = object.__new__(EcsqGroup)
+    values = dict(vars(group), components=group.components[:, :coded], model=group.model[:coded].copy(),
+                  offsets=group.offsets[:coded], decoder=None if group.decoder is None else group.decoder[:, :coded])
+    for f in dataclasses.fields(EcsqGroup):
+        object.__setattr__(sub, f.name, values[f.name])
+    return sub
 
 
 def component_zero_bits(group: EcsqGroup) -> np.ndarray:
