@@ -606,9 +606,9 @@ def synthetic_cache_pair(spec, tokens: int, start: int):
 
 
 def test_a_first_chunk_whose_mode_cannot_code_it_in_what_the_sinks_leave_keeps_its_sinks_on_top(caplog, monkeypatch):
-    """ECSQ's floor (every symbol 0: its symbol models are fixed) bounds how far rate control can go; a basis capped
-    by --basis-budget at CR 32 sat at 93% of its budget where its sinks left 75%, and its first chunks then kept
-    one raw sink (perplexity x15). Such a first chunk keeps every sink, on top of its budget, said once."""
+    """A mode's floor bounds how far rate control can go. ECSQ's first chunks now code fewer components below it
+    (the test above), so its floor is a few bytes; where a mode's floor lies above what the sinks leave (forced
+    here), a first chunk keeps every sink on top of its budget, said once, never one raw sink (perplexity x15)."""
     from helpers.ecsq_synthetic import synthetic_ecsq_spec
 
     from kvtc.kernels.codec import ecsq
