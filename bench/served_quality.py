@@ -5,6 +5,9 @@
     python bench/served_quality.py --registry REG --artifacts smollm2-mse@latest smollm2-attn@latest \
         --ratios 8,16,32 --domains stdlib,licenses=/usr/share/common-licenses --out bench/figures
 
+A domain's corpus may be `repeat:CORPUS`: each sequence a passage of CORPUS followed by itself, so the scored
+tokens repeat what the prefix holds (a model copying from its context: duplicated documents, retrieved passages).
+
 For each domain (text the calibration did not see) and each of --prefixes, --sequences sequences of that many
 prefix tokens (256-token chunks) and --continuation scored tokens: the embedded model's bf16 prefix cache goes
 through each path, then the continuation is scored against the uncompressed cache (perplexity ratio, KL per
@@ -55,7 +58,13 @@ VARIANTS = {"chunk": {}, "chunk-extra": dict(sink_budget="extra", sink_format="c
 
 
 def sequences(lm, corpus: str, count: int, length: int) -> list[list[int]]:
+    """`count` sequences of `length` tokens of `corpus`, in order. "repeat:CORPUS": each a passage followed by
+    itself, so every scored token after the prefix repeats one the prefix holds (the model copies from context)."""
     from kvtc.pipeline.job.corpus import iter_documents
+
+    if corpus.startswith("repeat:"):
+        half = length // 2 + 1  # the second copy starts before the prefix ends and runs past the continuation
+        return [(ids + ids)[:length] for ids in sequences(lm, corpus[len("repeat:"):], count, half)]
 
     ids: list[int] = []
     for doc in iter_documents(corpus):
