@@ -311,7 +311,7 @@ class ChunkTransform:
                                 tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode,
                                 sink_format=codec.sink_format if head else "cache",
                                 outliers=codec.uses_outliers and mid > 0,  # fixed-width: the table holds its sections
-                                **mode_for(codec.mode).header_fields(s))
+                                **mode_for(codec.mode).header_fields())
             expected = codec.expected_sections(header)
             frame = len(write_blob(header, [Section(k, 0, 0, b"") for k, _ in expected]))
             raw = sum(n or 0 for k, n in expected if k.tag in (TAG_RAW_HEAD, TAG_RAW_TAIL))

@@ -19,8 +19,9 @@ exceeds its budget while in-domain blobs keep the calibrated step. The symbol mo
 a coarser step cannot code a token below every symbol 0 (`zero_token_bits`: 62% of the budget for
 the embedded model at CR 32, 93% for a basis capped by --basis-budget). Where the budget lies below
 that, or the step had to be doubled, a caller may let the group code its first `coded` components
-alone (the rest 0, their mean): the exponent field then says so (stream format 2) and a u32 `coded` follows it; the
-(coded, step) pair with the least squared error that fits is kept. Such a section sets blob flag bit 6.
+alone (the rest 0, their mean): the exponent field then says so (stream format 2) and a u32 `coded`
+follows it; the (coded, step) pair with the least squared error that fits is kept. Such a section sets
+blob flag bit 6.
 """
 from __future__ import annotations
 
@@ -327,8 +328,9 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
     codes the chunk fixed-rate). truncate: where no step fits or j >= TRUNCATE_FROM, fewer coded components are
     tried (the module docstring): for a caller with no better way to meet the budget (a first chunk paying its raw
     sinks); min_words: the fewest bytes a truncated words section may take (a reader refuses fewer, so a short blob
-    cannot declare a long cache; the codec passes TRUNCATED_MIN_SHARE's share of the group's budget). fmt: "rans" or "constriction"; on_device (rans): code with the Triton
-    kernel where z lies, so only the coded bytes reach the host."""
+    cannot declare a long cache; the codec passes TRUNCATED_MIN_SHARE's share of the group's budget).
+    fmt: "rans" or "constriction"; on_device (rans): code with the Triton kernel where z lies, so only the coded
+    bytes reach the host."""
     _check_format(fmt)
     best, size, j, q = _fit_step(z, group, max_bytes, fmt, on_device, None)
     if max_bytes is None or not truncate or not q.numel() or (size <= max_bytes and j < TRUNCATE_FROM):
@@ -442,7 +444,7 @@ def is_truncated(words: bytes | memoryview) -> bool:
     return len(words) >= _EXPONENT.size and _EXPONENT.unpack(words[:_EXPONENT.size])[0] >> 16 == TRUNCATED_FORMAT
 
 
-def _padded(q, kept: int):
+def _padded(q: np.ndarray | torch.Tensor, kept: int) -> np.ndarray | torch.Tensor:
     """Symbols of the first components (tokens, coded) -> (tokens, kept), the rest 0."""
     if q.shape[1] == kept:
         return q

@@ -73,11 +73,11 @@ class EcsqMode(Mode):
                     z = (feat[:, cols].to(comps.dtype) @ comps).float()
                 if ctx.projections is not None:
                     ctx.projections[(si, gi)] = z
-            budget = int(g.budget_bytes(ctx.spec.ratio, z.shape[0]) * budget_scale) if ctx.rate_control else None
+            full = g.budget_bytes(ctx.spec.ratio, z.shape[0])
+            budget = int(full * budget_scale) if ctx.rate_control else None
             with ctx.stage("entropy"):
-                words, escapes = ecsq.encode_group(
-                    z, g, budget, ctx.ecsq_format, ctx.entropy_on_device, truncate=ctx.truncate,
-                    min_words=g.budget_bytes(ctx.spec.ratio, z.shape[0]) // ecsq.TRUNCATED_MIN_SHARE)
+                words, escapes = ecsq.encode_group(z, g, budget, ctx.ecsq_format, ctx.entropy_on_device,
+                                                   truncate=ctx.truncate, min_words=full // ecsq.TRUNCATED_MIN_SHARE)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
             out.append(ctx.section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes))
         return out

@@ -94,7 +94,7 @@ class FixedMode(Mode):
         """None: its blobs always fit, their size being exact."""
         return None
 
-    def header_fields(self, spec: CodecSpec) -> dict[str, Any]:
+    def header_fields(self) -> dict[str, Any]:
         return {"grouped": True}
 
     def encode(self, ctx: BlobContext, feat: torch.Tensor, si: int, stream: str, parts: list,

@@ -342,7 +342,7 @@ class KVTCCodec:
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
                             s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format,
-                            sink_format=sink_format, **self._mode.header_fields(s))
+                            sink_format=sink_format, **self._mode.header_fields())
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
             found = []

@@ -2,7 +2,8 @@
 
 Codes: packed (N, nbytes) uint8 stored byte-column major (nbytes, N): one component's symbols of
 all tokens are adjacent. Params: (N, 2) fp16 stored as four byte planes (shift lo, shift hi,
-scale lo, scale hi), each (N,); an fp8 block's, whose shift is always 0, as the scale's two planes alone. Raw tensors: C-contiguous native little-endian bytes.
+scale lo, scale hi), each (N,); an fp8 block's, whose shift is always 0, as the scale's two planes
+alone. Raw tensors: C-contiguous native little-endian bytes.
 Every inverse copies into a fresh C-contiguous tensor before reinterpreting bytes: a transposed view
 of one token, (1, 4), is "contiguous" with strides (1, 1), which a dtype view refuses.
 """

@@ -104,8 +104,8 @@ class Mode(abc.ABC):
         overshot, or values beyond any step); None where this mode's blobs always fit."""
 
     # the blob (KVTCCodec)
-    def header_fields(self, spec: CodecSpec) -> dict[str, Any]:
-        """BlobHeader fields this mode sets on a new blob of `spec` (its layout flags), beside its name."""
+    def header_fields(self) -> dict[str, Any]:
+        """BlobHeader fields this mode sets on every new blob (its layout flags), beside its name."""
         return {}
 
     def blob_fields(self, sections: list[Section]) -> dict[str, Any]:

@@ -27,7 +27,8 @@ PINNED = {
     ("ecsq", "constriction"): "763798ab1d2a52189e5402c81e18225ba7269272221e31cbdcf94de0cbd337c4",
 }
 PINNED_FIXED_BEFORE_GROUPED = "71b574cf7c3d5f78d6088c5acf13608a45277b0afd913d5588c41133eb50c191"  # fixed, flag bit 5 clear
-PINNED_INT8_SINKS = "cc694cb467595009571352ec9444c333853098294988c277fd7b1f1d459a35f1"  # ECSQ, rANS, the raw sinks as int8 (blob flag bit 3)
+# ECSQ, rANS, the raw sinks as int8 (blob flag bit 3)
+PINNED_INT8_SINKS = "cc694cb467595009571352ec9444c333853098294988c277fd7b1f1d459a35f1"
 
 
 def _spec() -> CodecSpec:
