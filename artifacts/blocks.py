@@ -104,6 +104,16 @@ def cheapest_block_bits(types, sizes, p: int) -> int:
     return min(block_cost_bits(t, s) for t in types if t != "none" for s in sizes if s <= p)
 
 
+def check_payable(ratios, p: int, types, sizes, where: str = "") -> None:
+    """The one rule that a ratio must leave a stream of p features the bits of one quantized block (of `types`, a
+    size in `sizes`): ValueError naming the first ratio that does not, and the largest that would."""
+    cheapest = cheapest_block_bits(types, sizes, p)
+    for r in ratios:
+        if budget_bits(p, r) < cheapest:
+            raise ValueError(f"{where}compression ratio {r:g} leaves {budget_bits(p, r)} bits per token for p={p}, less "
+                             f"than the cheapest quantized block ({cheapest} bits); use a ratio <= {16 * p / cheapest:g}")
+
+
 def cheapest_bits_per_component(types, sizes, p: int) -> float:
     """The fewest bits per token per component any quantized block (size up to p) costs."""
     return min(block_cost_bits(t, s) / s for t in types if t != "none" for s in sizes if s <= p)

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 from kvtc.artifacts.artifact import Artifact, contained, verify_folder
+from kvtc.artifacts.env_values import env_flag
 from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.local_files import cache_root, stage_folder
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manifest_digest
@@ -103,7 +104,7 @@ def pull(name: str, ref: str = "latest", registry: "Registry | str | None" = Non
     reg = as_registry(registry)
     public_key = public_key or os.environ.get(PUBLIC_KEY_ENV) or None
     if require_signature is None:
-        require_signature = os.environ.get(REQUIRE_SIGNATURE_ENV, "") not in ("", "0")
+        require_signature = env_flag(REQUIRE_SIGNATURE_ENV)
     name, ref = split_ref(name, ref)
     version, digest = reg.resolve_pinned(name, ref)
     manifest_bytes, manifest = reg.read_manifest_bytes(name, version, digest)

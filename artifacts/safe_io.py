@@ -29,8 +29,27 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def open_regular(path: str, what: str) -> int:
-    """fd of a local regular file, opened without following a symlink or blocking on a FIFO."""
+LINKS = ("refuse", "in_folder", "follow")
+
+
+def open_regular(path: str, what: str, *, links: str = "refuse") -> int:
+    """fd of a local regular file, opened without blocking on a FIFO; whatever the path names, only a regular file.
+
+    links: "refuse" a symlink (the default: kvtc's own stores and caches hold none); "in_folder": follow one whose
+    target resolves inside the link's own folder (how a Kubernetes Secret or ConfigMap volume mounts a file:
+    `key -> ..data/key`), refusing one that points elsewhere with the target to give instead; "follow": follow any
+    (a model file the user names, which a hub snapshot links to its blob), the target still a regular file."""
+    if links not in LINKS:
+        raise ValueError(f"links must be one of {LINKS}, got {links!r}")
+    if links == "follow":
+        path = os.path.realpath(path)
+    elif links == "in_folder" and os.path.islink(path):
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(path))).rstrip(os.sep) + os.sep
+        target = os.path.realpath(path)
+        if not target.startswith(folder):
+            raise IntegrityError(f"{what} {path} is a symlink to {target}, outside its own folder; refusing to follow "
+                                 f"it: give {target} itself")
+        path = target
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -75,15 +94,16 @@ def _contained(path: str, root: str | None, what: str) -> None:
 
 
 def open_untrusted(fs: Any, local: bool, path: str, what: str, *, limit: int | None = None,
-                   root: str | None = None) -> tuple[BinaryIO, int]:
+                   root: str | None = None, links: str = "refuse") -> tuple[BinaryIO, int]:
     """(open binary handle, size) of a regular file or object: the one way kvtc opens a file it did not just
     write. Local: opened with O_NOFOLLOW | O_NONBLOCK and checked with fstat (a FIFO never blocks, a
     device, directory or symlink is refused), and, with `root`, refused when its folders resolve outside
     root. Object stores: its listing must say "file". With `limit`, a larger file is refused before a
-    byte of it is read. IntegrityError names the path; FileNotFoundError when it is absent."""
+    byte of it is read. IntegrityError names the path; FileNotFoundError when it is absent. `links`: as
+    `open_regular`'s."""
     if local:
         _contained(path, root, what)
-        fd = open_regular(path, what)
+        fd = open_regular(path, what, links=links)
         size = os.fstat(fd).st_size
         handle: BinaryIO = os.fdopen(fd, "rb")
     else:
@@ -99,14 +119,15 @@ def open_untrusted(fs: Any, local: bool, path: str, what: str, *, limit: int | N
     return (handle if handle is not None else fs.open(path, "rb", block_size=_CHUNK)), size
 
 
-def _open(fs: Any, local: bool, path: str, what: str, limit: int | None = None) -> BinaryIO:
-    return open_untrusted(fs, local, path, what, limit=limit)[0]
+def _open(fs: Any, local: bool, path: str, what: str, limit: int | None = None, links: str = "refuse") -> BinaryIO:
+    return open_untrusted(fs, local, path, what, limit=limit, links=links)[0]
 
 
-def read_limited(fs: Any, local: bool, path: str, limit: int, what: str) -> bytes:
-    """The bytes of a regular file or object, at most `limit` of them (IntegrityError beyond)."""
+def read_limited(fs: Any, local: bool, path: str, limit: int, what: str, *, links: str = "refuse") -> bytes:
+    """The bytes of a regular file or object, at most `limit` of them (IntegrityError beyond); `links`: as
+    `open_regular`'s."""
     parts: list[bytes] = []
-    with _open(fs, local, path, what, limit) as source:
+    with _open(fs, local, path, what, limit, links) as source:
         _stream(source, parts.append, limit, what, path)
     return b"".join(parts)
 

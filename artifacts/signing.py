@@ -34,7 +34,7 @@ def _crypto():
 
 def _read_key_file(path: str | os.PathLike, what: str) -> bytes:
     try:
-        return read_limited(None, True, str(Path(path).expanduser()), SMALL_FILE, f"{what} key file")
+        return read_limited(None, True, str(Path(path).expanduser()), SMALL_FILE, f"{what} key file", links="in_folder")
     except OSError as exc:
         raise ValueError(f"cannot read the {what} key file {path}: {exc.strerror or exc}") from None
 

@@ -3,7 +3,7 @@
 imports it.
 
 The arguments are parsed and checked before the job is imported: the `kvtc` parser is light
-(kvtc.pipeline.commands), the shared checks run next (kvtc.pipeline.cli_checks) and the settings are
+(kvtc.pipeline.commands), the shared checks run next (kvtc.pipeline.checks.words) and the settings are
 built (and refused) by the calibrate handler before it imports kvtc.pipeline.job.calibrate, torch and
 Ray; so a bad argument exits 2 in well under a second, not after the job's imports.
 """

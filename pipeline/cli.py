@@ -10,7 +10,7 @@ arguments (`kvtc_main`, `kvtc_parser`).
 
 One handler here turns every expected failure into one line on stderr and an exit code
 (EXIT_CODES; a traceback only with --debug or KVTC_DEBUG=1), checks the options shared by the
-commands before any of them starts work (cli_checks.py), and keeps `--json` stdout pure: while a
+commands before any of them starts work (kvtc.pipeline.checks), and keeps `--json` stdout pure: while a
 command runs, file descriptor 1 and every thread but the main one write to stderr (Ray's worker
 logs, child processes), and only what the command itself prints reaches stdout.
 """
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
 from kvtc.kernels.integrations.lmcache_server import main as lmcache_server
-from kvtc.pipeline.cli_checks import check_args
+from kvtc.pipeline.checks.words import check_args
 
 COMMAND_MODULES = (
     "kvtc.pipeline.commands.calibrate",
@@ -59,9 +59,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (`kvtc COMMAND: error: ...`, exit 2) instead of the full usage."""
 
     def error(self, message: str) -> NoReturn:
+        message = _LONG_VALUE.sub(lambda m: f"{m.group(0)[:24]}...' ({len(m.group(0)) - 2} characters)", message)
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
+_LONG_VALUE = re.compile(r"'[^'\n]{64,}'")  # a value argparse quotes back: shown by its head and length
 _NEGATIVE = re.compile(r"^-[0-9.]+%?$")
 
 
@@ -168,6 +170,9 @@ def exit_code(exc: BaseException) -> int | None:
         return EXIT_INTEGRITY
     if isinstance(exc, (ValueError, LookupError, OSError, TimeoutError)):
         return EXIT_ERROR  # bad input (InputError is a ValueError); OSError: missing files, permissions, hosts
+    boto = sys.modules.get("botocore.exceptions")  # an object store that failed (unreachable, refused credentials)
+    if boto is not None and isinstance(exc, boto.BotoCoreError):
+        return EXIT_ERROR
     ray = sys.modules.get("ray.exceptions")
     if ray is not None and isinstance(exc, ray.RayError) and not isinstance(exc, ray.RayTaskError):
         return EXIT_ERROR  # the cluster failed (a node or its raylet died, out of memory): not the job's bug

@@ -19,6 +19,7 @@ This module imports nothing heavy at import time: the CLI builds its parser from
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import Field, dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, Iterator
@@ -26,7 +27,7 @@ from typing import Any, Iterator
 from kvtc.artifacts.blocks import check_ratios
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.schema import check_name
-from kvtc.pipeline.cli_checks import parse_ratios
+from kvtc.pipeline.checks.words import parse_ratios
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings, BitSplit
 from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.pipeline.fit.metric import AttentionMetric
@@ -177,6 +178,12 @@ class RuntimeSettings:
         for flag, value in (("--registry", self.registry), ("--store", self.store), ("--cache-dir", self.cache_dir)):
             if value is not None and not str(value).strip():
                 raise ValueError(f"{flag} is empty; pass a path or URI, or omit it for the default")
+
+    @property
+    def cluster_address(self) -> str | None:
+        """The Ray cluster this job joins (--address, else $RAY_ADDRESS), or None for a local Ray: the one place
+        that tells whether a job runs on a cluster."""
+        return self.address or os.environ.get("RAY_ADDRESS") or None
 
 
 GROUPS = ("model", "plan", "capture", "allocator", "reduce", "runtime")

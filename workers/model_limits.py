@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.safe_io import open_regular, read_limited
 from kvtc.workers.tiny_specs import GEOMETRY_ARCHS, parse_tiny
 
 EMBEDDED_SPEC = "smollm2-135m"
@@ -174,7 +176,7 @@ def read_gguf_header(path: str | os.PathLike) -> GgufHeader:
     ValueError naming the file (and what is wrong) otherwise: never a struct error deep in a reader."""
     path = Path(path)
     try:
-        with open(path, "rb", buffering=1 << 16) as f:
+        with os.fdopen(open_regular(str(path), "GGUF model file", links="follow"), "rb", buffering=1 << 16) as f:
             r = _Reader(f, os.fstat(f.fileno()).st_size)
             if r.read(4) != GGUF_MAGIC:
                 raise ValueError("it does not start with the GGUF magic")
@@ -210,6 +212,8 @@ def read_gguf_header(path: str | os.PathLike) -> GgufHeader:
             return GgufHeader(str(path), version, tensors, fields, parameters, start)
     except OSError as exc:
         raise ValueError(f"model file {path} cannot be read ({exc.strerror or exc}); check the path") from None
+    except IntegrityError as exc:  # a FIFO, a device, a folder named .gguf
+        raise ValueError(f"{exc}; pass a .gguf file") from None
     except (ValueError, struct.error) as exc:
         raise ValueError(f"model file {path} is not a valid GGUF file ({exc}); pass a complete .gguf file "
                          "(a partial download or another format?)") from None
@@ -247,8 +251,9 @@ def context_limit(spec: str) -> int | None:
     config = Path(spec).expanduser() / "config.json"
     if not spec.startswith("tiny:") and config.is_file() and config.stat().st_size < MAX_STRING_BYTES:
         try:
-            return config_context_length(json.loads(config.read_text()))
-        except (ValueError, AttributeError):
+            return config_context_length(json.loads(read_limited(None, True, str(config), MAX_STRING_BYTES,
+                                                                 "model config", links="follow")))
+        except (ValueError, AttributeError, IntegrityError):
             return None  # the plan stage reads it with transformers and names what is wrong
     return None
 

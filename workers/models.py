@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.local_files import atomic_write, sha256_handle, stage_folder
+from kvtc.artifacts.safe_io import open_regular, read_limited
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.workers.layers import layer_schema, layer_types
@@ -79,7 +81,7 @@ def embedded_gguf_path() -> Path:
 
 @functools.lru_cache(maxsize=16)
 def _sha256_file(path: str, size: int, mtime_ns: int) -> str:
-    with open(path, "rb") as f:  # a model file may be a symlink (a hub snapshot's blobs): followed
+    with os.fdopen(open_regular(path, "model file", links="follow"), "rb") as f:  # a hub snapshot links its blobs
         return sha256_handle(f)
 
 
@@ -94,6 +96,7 @@ def _atomic_save(final: Path, save: Any) -> None:
 
 
 CONVERSION_RECORD = "kvtc-conversion.json"  # in a converted folder: the GGUF's digest and every file's sha256 and size
+RECORD_LIMIT = 1 << 20  # a record names a handful of files: anything larger is not one kvtc wrote
 
 
 def _folder_files(folder: Path) -> dict[str, Path]:
@@ -108,12 +111,14 @@ def conversion_problem(folder: Path, digest: str, only: tuple[str, ...] | None =
     if not folder.is_dir():
         return "is missing"
     try:
-        record = json.loads((folder / CONVERSION_RECORD).read_text())
+        record = json.loads(read_limited(None, True, str(folder / CONVERSION_RECORD), RECORD_LIMIT, CONVERSION_RECORD))
         files = record["files"]
         if record["source_sha256"] != digest or not isinstance(files, dict):
             return "was converted from another file"
     except FileNotFoundError:
         return f"has no {CONVERSION_RECORD} (converted by an earlier release, or not by kvtc)"
+    except IntegrityError as exc:  # a FIFO, a device, a symlink (to /dev/zero), an oversized record
+        return f"has an unusable {CONVERSION_RECORD} ({exc})"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"has an unreadable {CONVERSION_RECORD} ({type(exc).__name__})"
     present = _folder_files(folder)

@@ -16,7 +16,6 @@ servers store): coded from their exact bfloat16 values, decoded back to float8_e
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 import warnings
@@ -27,6 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from kvtc.artifacts import kernel_bundle_hash, pull
+from kvtc.artifacts.env_values import env_flag
 from kvtc.artifacts.groups import group_columns
 from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec import outliers
@@ -131,7 +131,7 @@ class KVTCCodec:
         gives tensor-parallel rank r's codec."""
         require_kernels = kwargs.pop("require_kernels", None)
         if require_kernels is None:
-            require_kernels = os.environ.get("KVTC_REQUIRE_KERNELS", "") not in ("", "0")
+            require_kernels = env_flag("KVTC_REQUIRE_KERNELS")
         artifact = pull(ref, registry=registry, public_key=public_key, require_signature=require_signature)
         if not artifact.kernels_match():
             made_for, running = artifact.manifest.get("kernel_bundle_hash"), kernel_bundle_hash()

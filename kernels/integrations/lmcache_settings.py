@@ -11,8 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtc.artifacts.blocks import check_ratios
+from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.safe_io import open_regular
 from kvtc.kernels.codec.chunk_options import (CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, OUTLIER_FACTOR, SINK_BUDGETS,
                                               SINK_FORMATS, check_outlier_factor)
+
+NEW_KEY_S = 2.0  # an empty key file younger than this is being written by the server that created it
 
 _KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition",
            "sink_budget", "sink_format", "outlier_factor", "key_file")
@@ -20,13 +24,14 @@ _KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "
 
 def load_chunk_key(path: str | os.PathLike) -> bytes:
     """The deployment's chunk key at `path` (CHUNK_KEY_BYTES random bytes): read it, or create it once,
-    exclusively, with mode 0600. ValueError naming the file when it cannot serve: not a regular file, readable by
-    group or others, or not CHUNK_KEY_BYTES long. Keep it outside the chunk store: a writer of the store who can
-    read it can forge chunks."""
+    exclusively, with mode 0600. ValueError naming the file when it cannot serve: not a regular file (a FIFO,
+    a device, a folder, a symlink out of its folder; one within it, as a Kubernetes Secret mounts, is followed),
+    readable by group or others, empty, or not CHUNK_KEY_BYTES long. Keep it outside the chunk store: a writer of
+    the store who can read it can forge chunks."""
     path = os.fspath(path)
     for _ in range(40):
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = open_regular(path, "kvtc chunk key", links="in_folder")  # never blocks: a FIFO is refused
         except FileNotFoundError:
             fresh = secrets.token_bytes(CHUNK_KEY_BYTES)
             try:
@@ -41,26 +46,28 @@ def load_chunk_key(path: str | os.PathLike) -> bytes:
                 f.flush()
                 os.fsync(f.fileno())
             return fresh
+        except IntegrityError as exc:
+            raise ValueError(f"{exc}: the key must be a regular file of {CHUNK_KEY_BYTES} bytes, mode 0600") from None
         except OSError as exc:
             raise ValueError(f"kvtc chunk key {path} cannot be read ({exc.strerror}): it must be a regular file of "
                              f"{CHUNK_KEY_BYTES} bytes, mode 0600") from None
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
+        if st.st_mode & 0o077:
             os.close(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"kvtc chunk key {path} is not a regular file")
             raise ValueError(f"kvtc chunk key {path} is readable or writable by others (mode "
                              f"{stat.S_IMODE(st.st_mode):04o}): chmod 600 it")
         with os.fdopen(fd, "rb") as f:
             data = f.read(CHUNK_KEY_BYTES + 1)
-        if not data:
-            time.sleep(0.05)  # being written by the server that created it
+        if not data and time.time() - st.st_mtime < NEW_KEY_S:
+            time.sleep(0.05)  # being written by the server that created it a moment ago
             continue
         if len(data) != CHUNK_KEY_BYTES:
-            raise ValueError(f"kvtc chunk key {path} holds {len(data)} bytes, not {CHUNK_KEY_BYTES}: restore it, or "
-                             "delete it to start a fresh key (every stored chunk is then a miss)")
+            held = "is empty" if not data else f"holds {len(data)} bytes, not {CHUNK_KEY_BYTES}"
+            raise ValueError(f"kvtc chunk key {path} {held}: restore it, or delete it to start a fresh key (every "
+                             "stored chunk is then a miss)")
         return data
-    raise ValueError(f"kvtc chunk key {path} could not be created or read")
+    raise ValueError(f"kvtc chunk key {path} is empty: restore it, or delete it to start a fresh key (every stored "
+                     "chunk is then a miss)")
 
 
 def parse_partition(value: Any) -> tuple[int, ...] | None:

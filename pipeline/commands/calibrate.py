@@ -8,9 +8,9 @@ import warnings
 
 from kvtc.pipeline.commands import module_doc
 from kvtc.pipeline.json_stdout import stdout_to_stderr
-from kvtc.pipeline.resource_bounds import Machine, check_job
+from kvtc.pipeline.checks.machine import Machine, check_job
 from kvtc.pipeline.settings_args import add_settings_arguments, settings_from_args
-from kvtc.pipeline.early_checks import check_calibration
+from kvtc.pipeline.checks.header import check_calibration
 
 JOB = "kvtc.pipeline.job.calibrate"
 

@@ -39,7 +39,7 @@ def add_drift_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from kvtc.pipeline.early_checks import check_artifact_model
+    from kvtc.pipeline.checks.header import check_artifact_model
 
     check_artifact_model(args.target, args.registry, args.model)  # a bad spec refused before torch loads
     from kvtc.pipeline.operations.drift import check_drift

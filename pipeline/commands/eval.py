@@ -13,9 +13,9 @@ OPERATION = "kvtc.pipeline.operations.quality"
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from kvtc.pipeline.early_checks import check_artifact_model
+    from kvtc.pipeline.checks.header import check_artifact_model
 
-    check_artifact_model(args.artifact, args.registry, args.model)  # a bad spec refused before torch loads
+    check_artifact_model(args.artifact, args.registry, args.model, args.prefix, args.continuation)  # before torch loads
     from kvtc.pipeline.evaluation.report import limit_table, quality_table
     from kvtc.pipeline.operations.quality import EvalSettings, run
 

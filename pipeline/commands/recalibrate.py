@@ -32,7 +32,7 @@ def print_result(result, as_json: bool) -> None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    from kvtc.pipeline.early_checks import check_recalibration
+    from kvtc.pipeline.checks.header import check_recalibration
 
     check_recalibration(args.target, settings_options(args))  # the settings it will run, before torch loads
     from kvtc.pipeline.operations import recalibrate as operation

@@ -9,11 +9,13 @@ import sys
 from kvtc.pipeline.commands import module_doc
 
 BUILDER = "kvtc.pipeline.evaluation.report"
+QUALITY_LIMIT = 64 << 20  # a `kvtc eval --json` result: tables of a few thousand numbers
 
 
 def _handler(args: argparse.Namespace) -> int:
     from kvtc.artifacts.local_files import write_outputs
     from kvtc.artifacts.pull import pull
+    from kvtc.artifacts.safe_io import read_limited
     from kvtc.artifacts.schema import check_name
     from kvtc.pipeline.evaluation import report
 
@@ -21,8 +23,7 @@ def _handler(args: argparse.Namespace) -> int:
     art = pull(ref, registry=args.registry)
     quality = None
     if args.quality:
-        with open(args.quality) as f:
-            quality = json.load(f)
+        quality = json.loads(read_limited(None, True, args.quality, QUALITY_LIMIT, "--quality file", links="follow"))
     out = args.out or f"kvtc-report-{check_name('artifact name', art.name)}-{check_name('version', art.version)}"
     for path in write_outputs(out, report.build_from_artifact(art, quality)):  # whole, never through a planted link
         print(path)

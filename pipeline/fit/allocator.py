@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtc.artifacts.blocks import Block, block_cost_bits, budget_bits, check_ratios, cheapest_block_bits, qtype_bits
+from kvtc.artifacts.blocks import Block, block_cost_bits, budget_bits, check_payable, check_ratios, qtype_bits
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings
 from kvtc.pipeline.fit.block_errors import ErrorTables, analytic_tables, measured_tables
 from kvtc.pipeline.fit.heldout import heldout_variances
@@ -66,11 +66,7 @@ class Allocation:
 def validate_ratios(ratios, p: int, settings: AllocatorSettings = AllocatorSettings()) -> tuple[float, ...]:
     """Check every ratio before any model work; returns them as floats, in the given order."""
     out = check_ratios(ratios)
-    cheapest = cheapest_block_bits(settings.types, settings.block_sizes, p)
-    for r in out:
-        if budget_bits(p, r) < cheapest:
-            raise ValueError(f"compression ratio {r:g} leaves {budget_bits(p, r)} bits per token for p={p}, less than "
-                             f"the cheapest quantized block ({cheapest} bits); use a ratio <= {16 * p / cheapest:g}")
+    check_payable(out, p, settings.types, settings.block_sizes)
     return out
 
 

@@ -59,7 +59,7 @@ class BasisBudget:
 
 def model_parameters(config: Any) -> int:
     """Parameter count of a transformers config's causal LM, built on the meta device (no memory, no weights)."""
-    import torch  # noqa: PLC0415 - this module is the light CLI checks' (kvtc.pipeline.early_checks)
+    import torch  # noqa: PLC0415 - this module is the light CLI checks' (kvtc.pipeline.checks.header)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 - as torch above
 
     with torch.device("meta"):

@@ -41,7 +41,7 @@ from kvtc.pipeline.job.shards import plan_shards, shard_plan
 from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
 from kvtc.pipeline.job.store_reach import alive_nodes, check_store_reach
 
-from kvtc.pipeline.resource_bounds import Machine, check_cluster, check_job
+from kvtc.pipeline.checks.machine import Machine, check_cluster, check_job
 from kvtc.pipeline.settings import DEFAULT_CPU_TOKENS, DEFAULT_GPU_TOKENS, JobSettings
 from kvtc.workers.attention_metric import choose_objective
 from kvtc.workers.capture import CaptureSettings, check_seq_len, resolve_groups
@@ -164,7 +164,7 @@ def check_settings(cfg: JobSettings, info: ModelSpec, in_process: bool) -> fold_
     for group in capture.group_layers(info.layers, info.num_kv_heads):
         for heads, dim in set(stream_dims(info.fingerprint).values()):  # an MLA model's RoPE key is narrower
             validate_ratios(cfg.reduce.ratios, group.dim(heads, dim), cfg.allocator)
-    if not in_process and (rt.address or os.environ.get("RAY_ADDRESS")):
+    if not in_process and rt.cluster_address:
         return fold_planning.job_sizer(cfg, info)  # a cluster: its CPU workers are admitted per node once joined
     if rt.gpus_per_worker and not in_process and not torch.cuda.is_available():  # local: this machine holds everything
         raise ValueError(f"--gpus-per-worker {rt.gpus_per_worker}: this machine has no GPU torch can see and no "
@@ -253,7 +253,7 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
 
         from kvtc.pipeline.job import ray_pool  # noqa: PLC0415 - it imports Ray
 
-        started = ray_pool.start_ray(rt.address, num_cpus=None, verbose=rt.verbose)
+        started = ray_pool.start_ray(rt.cluster_address, num_cpus=None, verbose=rt.verbose)
         if not rt.verbose and ray_pool.worker_log_dir():
             print(f"kvtc calibrate: worker output goes to {ray_pool.worker_log_dir()} (--verbose shows it here)",
                   file=sys.stderr)
@@ -261,7 +261,7 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         gpu_plan, worker_cuda = None, None
         if not in_process:
             check_store_reach(planned.store_root, rt.store_shared, alive_nodes())  # before any model work
-            if planned.settings.runtime.address or os.environ.get("RAY_ADDRESS"):  # a joined cluster: its nodes
+            if rt.cluster_address:  # a joined cluster: its nodes
                 check_cluster(rt, ray.nodes())
             gpus = ray_pool.cluster_gpus()
             if rt.gpus_per_worker and gpus < 1:
@@ -277,7 +277,7 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
         # the reduce runs on the fold's workers (their actors are gone: the model's memory is free), one group per worker
         placement = Placement(0 if in_process else folded.workers, rt.threads_per_worker, folded.on_cluster_gpu,
                               gpu_plan.gpu_bytes if gpu_plan is not None else 0,
-                              cluster=not in_process and bool(rt.address or os.environ.get("RAY_ADDRESS")))
+                              cluster=not in_process and rt.cluster_address is not None)
         if not in_process:  # a node that joined during the fold would not see the store either
             check_store_reach(planned.store_root, rt.store_shared, alive_nodes(), "before the reduce")
         reduced = reduce(inp, placement)
@@ -406,7 +406,7 @@ def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, wor
     workers = rt.workers or (gpu_plan.workers if gpu_plan else max(1, cpus // rt.threads_per_worker))
     fold_plan, memory = None, 0
     if fold is not None and gpu_plan is None:  # Ray's own processes now count as used
-        if rt.address or os.environ.get("RAY_ADDRESS"):  # a joined cluster: per node, each actor asking for its peak
+        if rt.cluster_address:  # a joined cluster: per node, each actor asking for its peak
             fold_plan = fold_planning.admit_on_nodes(fold, workers, rt.threads_per_worker, ray.nodes())
             memory = fold_plan.worker_bytes
         else:

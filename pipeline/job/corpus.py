@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import sysconfig
 import warnings
 from collections.abc import Callable, Iterator
@@ -37,8 +38,12 @@ from pathlib import Path
 
 from pydoc_data.topics import topics
 
+from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.safe_io import open_regular, read_limited
+
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_TEXT_COLUMN = "text"
+TEXT_FILE_LIMIT = 1 << 30  # one .txt document; larger text belongs in a .jsonl or .parquet of records
 STDLIB_EXCLUDED_DIRS = frozenset({
     "site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo",
     "lib2to3", "ensurepip", "encodings", "pydoc_data", "lib-dynload", "__pycache__",
@@ -232,11 +237,13 @@ def _stdlib_documents(counts: ReadCounts) -> Iterator[Document]:
 
 def _read_text(path: Path, source: str, counts: ReadCounts) -> str | None:
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = read_limited(None, True, str(path), TEXT_FILE_LIMIT, "corpus file", links="follow").decode("utf-8")
     except UnicodeDecodeError as exc:
         reason = f"not UTF-8 ({exc.reason} at byte {exc.start})"
     except OSError as exc:
         reason = f"unreadable ({exc.strerror or exc})"
+    except IntegrityError as exc:  # a FIFO, a device, a file beyond TEXT_FILE_LIMIT
+        reason = f"unusable ({exc})"
     else:
         if text.strip():
             counts.files_read += 1
@@ -267,7 +274,7 @@ def _files_documents(paths: list[str], column: str, counts: ReadCounts, spec: st
                         yield Document(id=f"{name}:{i}", text=text)
                     else:
                         counts.records_skipped += 1
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, IntegrityError) as exc:
                 counts.skip_file(name, f"unreadable ({exc})")
             else:
                 counts.files_read += count > 0
@@ -276,7 +283,7 @@ def _files_documents(paths: list[str], column: str, counts: ReadCounts, spec: st
 
 
 def _jsonl_records(path: Path, column: str, counts: ReadCounts) -> Iterator[object]:
-    with path.open("rb") as handle:
+    with os.fdopen(open_regular(str(path), "corpus file", links="follow"), "rb") as handle:
         for line in handle:
             if not line.strip():
                 continue
@@ -291,7 +298,7 @@ def _jsonl_records(path: Path, column: str, counts: ReadCounts) -> Iterator[obje
 def _parquet_records(path: Path, column: str, counts: ReadCounts) -> Iterator[object]:
     import pyarrow.parquet as pq  # noqa: PLC0415 - only for a Parquet corpus: the corpus reader stays light
 
-    parquet = pq.ParquetFile(path)
+    parquet = pq.ParquetFile(os.fdopen(open_regular(str(path), "corpus file", links="follow"), "rb"))
     if column not in parquet.schema_arrow.names:
         raise ValueError(f"no column {column!r} (columns: {', '.join(parquet.schema_arrow.names)}); set text_column")
     for batch in parquet.iter_batches(columns=[column], batch_size=256):

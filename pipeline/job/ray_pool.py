@@ -90,7 +90,8 @@ def actor_env_options(kvtc_env: dict[str, str], job_env_vars: dict[str, str], en
 
 
 def start_ray(address: str | None, num_cpus: int | None, verbose: bool = True) -> bool:
-    """Join `address` (or $RAY_ADDRESS, as inside `ray job submit`), else start a local Ray.
+    """Join `address` (RuntimeSettings.cluster_address: --address, else $RAY_ADDRESS as inside `ray job submit`), else
+    start a local Ray.
     Returns True when this call started Ray and the caller should shut it down.
 
     A joined cluster gets the KVTC_* settings through the job's runtime environment. A local Ray
@@ -102,8 +103,8 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool = True) -
     instead of this process's terminal; `worker_log_dir()` says where."""
     if ray.is_initialized():
         return False
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or None, log_to_driver=verbose, runtime_env={"env_vars": job_env()})
+    if address:  # RuntimeSettings.cluster_address: --address, else $RAY_ADDRESS
+        ray.init(address=address, log_to_driver=verbose, runtime_env={"env_vars": job_env()})
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # a task the memory monitor kills comes back to the reduce (one line, a rerun alone from its checkpoint)

@@ -15,7 +15,6 @@ error-by-position curve uses all of them.
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -295,7 +294,7 @@ def _node_memory_now() -> tuple[int, int]:
 def reduce_budget(placement: Placement) -> int:
     """Bytes the group tasks may hold together: this node's (in process, or a Ray started here) below the
     kill line; on a joined cluster, the largest node's Ray `memory` resource."""
-    if placement.workers and (placement.cluster or os.environ.get("RAY_ADDRESS")):
+    if placement.workers and placement.cluster:
         import ray  # noqa: PLC0415 - Ray loads only on a Ray run (an in-process job runs without it)
 
         return int(max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0))

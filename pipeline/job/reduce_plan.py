@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvtc.artifacts.env_values import ray_float
 from kvtc.pipeline.fit.pca import EXACT_DRIVERS, EXACT_MAX_P, exact_peak_bytes
 
 GIB = 1 << 30
@@ -143,8 +144,8 @@ class GpuSolve:
 
 def kill_threshold() -> float:
     """Share of a node's memory above which Ray's memory monitor kills tasks."""
-    try:
-        return min(1.0, max(0.1, float(os.environ.get("RAY_memory_usage_threshold", "0.95"))))
+    try:  # the parser the command line's check used (kvtc.artifacts.env_values): it accepts what Ray reads
+        return min(1.0, max(0.1, ray_float(os.environ.get("RAY_memory_usage_threshold", "0.95"))))
     except ValueError:
         return 0.95
 

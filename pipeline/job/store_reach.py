@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from fsspec.core import split_protocol
 
+from kvtc.pipeline.checks.words import PROCESS_PROTOCOLS, check_uri
+
 LOCAL_PROTOCOLS = (None, "file", "local")
-PROCESS_PROTOCOLS = ("memory",)  # held by one process: no Ray worker, on any node, reaches it
 
 
 def is_node_local(store_root: str) -> bool:
@@ -30,9 +31,8 @@ def check_store_reach(store_root: str, shared: bool, nodes: int, when: str = "")
     """Refuse a node-local store (a plain path, not declared `shared`) on a cluster of `nodes` > 1.
     `when`: what the job is about to do, for the message (e.g. "before the reduce")."""
     at = f" {when}" if when else ""
-    if split_protocol(store_root.split("::")[-1])[0] in PROCESS_PROTOCOLS:
-        raise ValueError(f"--store {store_root} lives in this process's memory{at}, and the job's Ray workers are other "
-                         "processes; pass a path or an fsspec URI every node reaches (e.g. s3://bucket/kvtc-cache)")
+    if split_protocol(store_root.split("::")[-1])[0] in PROCESS_PROTOCOLS:  # the command line refused it (check_uri)
+        check_uri("--store", store_root, starts_ray=True)  # a job started from Python: the same rule, named the same
     if nodes <= 1 or shared or not is_node_local(store_root):
         return
     raise ValueError(

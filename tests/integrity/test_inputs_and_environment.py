@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtc.pipeline import cli
-from kvtc.pipeline.env_checks import check_environment
+from kvtc.pipeline.checks.environment import check_environment
 from kvtc.workers import models
 from kvtc.workers.model_limits import embedded_gguf, gguf_context_length, model_facts, read_gguf_header
 
@@ -145,7 +145,7 @@ def test_bad_command_lines_refuse_before_any_model_or_tokenizer_loads(hostile, t
 
 
 def test_the_early_checks_pass_the_defaults_and_refuse_what_the_plan_stage_would(tmp):
-    from kvtc.pipeline.early_checks import check_calibration
+    from kvtc.pipeline.checks.header import check_calibration
     from kvtc.pipeline.settings import JobSettings
 
     assert check_calibration(JobSettings.of()).features == 5760

@@ -176,7 +176,7 @@ def test_analytic_tables_use_heldout_variances_when_given_projections():
 
 def test_every_entry_point_applies_the_one_ratio_rule():
     from kvtc.artifacts.blocks import check_ratios
-    from kvtc.pipeline.cli_checks import parse_ratios
+    from kvtc.pipeline.checks.words import parse_ratios
     from kvtc.pipeline.evaluation.model_quality import EvalSettings
     from kvtc.pipeline.settings import JobSettings
 

@@ -97,7 +97,7 @@ def test_no_import_cycle():
 
 # within pipeline, sub-packages depend one way: commands -> operations -> job -> evaluation -> fit (a
 # stage's measurement never imports the job that runs it; no domain module imports the command layer);
-# the top-level modules (cli, cli_checks, settings) are shared by all
+# the top-level modules (cli, settings) and checks/ are shared by all
 PIPELINE_ORDER = {"fit": 0, "evaluation": 1, "job": 2, "operations": 3, "commands": 4}
 
 

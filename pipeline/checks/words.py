@@ -10,14 +10,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
+from urllib.parse import urlsplit
 
-from kvtc.artifacts.blocks import check_ratios
+from fsspec.core import split_protocol
+from fsspec.registry import known_implementations, registry
+
+from kvtc.artifacts.blocks import QTYPES, check_payable, check_ratios
 from kvtc.artifacts.registry import split_ref
 from kvtc.artifacts.schema import check_name
 from kvtc.artifacts.signing import load_private_key
-from kvtc.pipeline.env_checks import check_address, check_environment
+from kvtc.pipeline.checks.environment import check_address, check_environment
 
-COUNTS = ("workers", "threads_per_worker", "gpus_per_worker", "tp", "tokens", "eval_tokens", "seq_len", "seqs_per_shard",
+COUNTS = ("prefix", "workers", "threads_per_worker", "gpus_per_worker", "tp", "tokens", "eval_tokens", "seq_len", "seqs_per_shard",
           "drift_tokens", "max_runs", "heldout_rows", "accumulators", "continuation", "sequences")
 NON_NEGATIVE_INTS = ("sinks", "window", "seed", "tokens_curve_points", "served_sequences")
 NON_NEGATIVE_FLOATS = ("threshold", "if_drift", "tolerance")
@@ -26,7 +31,11 @@ NON_EMPTY = ("registry", "store", "cache_dir", "to", "out")
 REFS = ("ref", "target", "artifact")
 KEY_FILES = ("key", "quality")
 MAX_FEATURES = 1 << 24  # no model's p (layers x kv heads x head_dim) comes near this
-CHEAPEST_BLOCK_BITS = 18  # one int2 component plus a 16-bit scale: the cheapest block any allocator pays for
+URIS = ("store", "registry")  # where a word names storage: its protocol, its process, its endpoint
+PROCESS_PROTOCOLS = ("memory",)  # held by one process: no Ray worker, on any node, reaches it
+S3_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's own order
+DEFAULT_S3_ENDPOINT = "https://s3.amazonaws.com"
+ENDPOINT_TIMEOUT_S = 1.5
 RAY_COMMANDS = ("kvtc.pipeline.commands.calibrate", "kvtc.pipeline.commands.recalibrate")  # they start or join Ray
 
 
@@ -43,11 +52,48 @@ def parse_ratios(text: str, flag: str = "--ratios") -> tuple[float, ...]:
     if not ratios:
         raise ValueError(f"{flag} is empty; pass e.g. {flag} 8,16,32")
     check_ratios(ratios, f"{flag}: ")
-    for r in ratios:
-        if 16 * MAX_FEATURES / r < CHEAPEST_BLOCK_BITS:
-            raise ValueError(f"{flag}: compression ratio {r:g} leaves no model enough bits for one quantized "
-                             f"component; use a ratio <= {16 * MAX_FEATURES / CHEAPEST_BLOCK_BITS:.0f} (8 to 64 is usual)")
+    check_payable(ratios, MAX_FEATURES, QTYPES, (1,), f"{flag}: even for the widest model, ")  # any allocator's cheapest
     return ratios
+
+
+def check_uri(flag: str, uri: str, starts_ray: bool, probe_timeout: float = ENDPOINT_TIMEOUT_S) -> None:
+    """A store or registry URI as its word tells it: a protocol fsspec knows, not memory:// where the job's Ray
+    workers are other processes, and for an object store an endpoint that accepts a TCP connection within
+    `probe_timeout` (ConnectionError naming `flag` and the endpoint). A plain path is left to its use."""
+    last = uri.split("::")[-1]
+    protocol = split_protocol(last)[0]
+    if protocol is None:
+        return
+    known = sorted(set(known_implementations) | set(registry))
+    for part in uri.split("::"):
+        name = split_protocol(part)[0]
+        if name is not None and name not in known:
+            raise ValueError(f"{flag} {uri}: unknown storage protocol {name!r}; pass a path or an fsspec URI "
+                             f"({', '.join(p for p in ('file', 's3', 'gs', 'az', 'hdfs') if p in known)}, ...)")
+    if protocol in PROCESS_PROTOCOLS and starts_ray:
+        raise ValueError(f"{flag} {uri} lives in this process's memory, and the job's Ray workers are other processes; "
+                         "pass a path or an fsspec URI every node reaches (e.g. s3://bucket/kvtc-cache)")
+    endpoint = _endpoint(protocol, last)
+    if endpoint is None:
+        return
+    parts = urlsplit(endpoint)
+    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=probe_timeout):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"{flag} {uri}: its endpoint {endpoint} does not answer within {probe_timeout:g} s "
+                              f"({exc.strerror or type(exc).__name__}); start the object store or fix the endpoint "
+                              "($AWS_ENDPOINT_URL for s3://)") from None
+
+
+def _endpoint(protocol: str, uri: str) -> str | None:
+    """The URL an object-store URI is served from, where its word and the environment tell it."""
+    if protocol in ("http", "https"):
+        return uri
+    if protocol in ("s3", "s3a"):
+        return next((os.environ[v] for v in S3_ENDPOINT_ENV if os.environ.get(v)), DEFAULT_S3_ENDPOINT)
+    return None
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -86,6 +132,10 @@ def check_args(args: argparse.Namespace) -> None:
     for dest in REFS:
         if isinstance(values.get(dest), str):
             split_ref(values[dest])
+    starts_ray = "address" in values or getattr(values.get("func"), "__module__", "") in RAY_COMMANDS
+    for dest in URIS:
+        if isinstance(values.get(dest), str):
+            check_uri(_flag(dest), values[dest], dest == "store" and starts_ray)
     for dest in ("to", "out", "store", "cache_dir"):
         path = values.get(dest)
         if path and "://" not in path and os.path.exists(path) and not os.path.isdir(path):
@@ -100,4 +150,4 @@ def check_args(args: argparse.Namespace) -> None:
         load_private_key(os.environ["KVTC_SIGNING_KEY"])
     if values.get("address") is not None:
         check_address(values["address"])
-    check_environment(starts_ray="address" in values or getattr(values.get("func"), "__module__", "") in RAY_COMMANDS)
+    check_environment(starts_ray=starts_ray)

@@ -44,8 +44,7 @@ class Machine:
     @classmethod
     def of(cls, runtime: RuntimeSettings) -> "Machine":
         """This machine, or a cluster when --address or $RAY_ADDRESS names one."""
-        cluster = bool(runtime.address or os.environ.get("RAY_ADDRESS"))
-        return cls(max(1, os.cpu_count() or 1), local_gpus(), cluster)
+        return cls(max(1, os.cpu_count() or 1), local_gpus(), runtime.cluster_address is not None)
 
 
 def local_gpus() -> int:

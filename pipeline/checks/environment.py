@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
-FLAG_WORDS = ("", "0", "1")
+from kvtc.artifacts.env_values import flag, ray_float, ray_int
+
 ADDRESS_TIMEOUT_S = 5.0
 
 
@@ -33,10 +34,7 @@ class EnvRule:
 
 def _fraction(low: float, high: float) -> Callable[[str], None]:
     def check(text: str) -> None:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"must be a number in [{low:g}, {high:g}], got {text!r}") from None
+        value = ray_float(text)  # Ray's own reading of the word (kvtc.artifacts.env_values), which kvtc reads too
         if not (math.isfinite(value) and low <= value <= high):
             raise ValueError(f"must be a number in [{low:g}, {high:g}] (the share of a node's memory above which "
                              f"Ray kills tasks; Ray's default 0.95), got {text!r}")
@@ -45,11 +43,7 @@ def _fraction(low: float, high: float) -> Callable[[str], None]:
 
 def _integer(low: int) -> Callable[[str], None]:
     def check(text: str) -> None:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise ValueError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
+        if ray_int(text) < low:
             raise ValueError(f"must be an integer >= {low}, got {text!r}")
     return check
 
@@ -57,11 +51,6 @@ def _integer(low: int) -> Callable[[str], None]:
 def _bit(text: str) -> None:
     if text not in ("0", "1"):
         raise ValueError(f"must be 0 or 1 (Ray reads nothing else), got {text!r}")
-
-
-def _flag(text: str) -> None:
-    if text.strip() not in FLAG_WORDS:
-        raise ValueError(f"must be 1 (on) or 0 (off), got {text!r}")
 
 
 def _address(text: str) -> None:
@@ -118,8 +107,8 @@ RULES = (
     EnvRule("RAY_task_oom_retries", _integer(-1), ray=True, empty_ok=False),
     EnvRule("RAY_USAGE_STATS_ENABLED", _bit, ray=True, empty_ok=False),
     EnvRule("RAY_ADDRESS", _address, ray=True),
-    EnvRule("KVTC_REQUIRE_SIGNATURE", _flag),
-    EnvRule("KVTC_REQUIRE_KERNELS", _flag),
+    EnvRule("KVTC_REQUIRE_SIGNATURE", flag),
+    EnvRule("KVTC_REQUIRE_KERNELS", flag),
     EnvRule("KVTC_PUBLIC_KEY", _file),
     EnvRule("KVTC_CACHE", _folder),
     EnvRule("KVTC_TEST_KILL_ON_SHARD", _hook(2), ray=True),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
-from kvtc.artifacts.blocks import budget_bits, cheapest_block_bits
+from kvtc.artifacts.blocks import check_payable
 from kvtc.artifacts.registry import Registry, split_ref
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.pipeline.fit.basis_budget import BasisBudget
@@ -50,12 +50,7 @@ def check_calibration(cfg: JobSettings) -> ModelFacts:
         TensorParallelLayout(capture.tp, facts.kv_heads, facts.attention_heads or 0)
     p = facts.features
     if p:  # no group is wider than every layer's KV heads: a ratio that starves it starves every group
-        cheapest = cheapest_block_bits(alloc.types, alloc.block_sizes, p)
-        for r in cfg.reduce.ratios:
-            if budget_bits(p, r) < cheapest:
-                raise ValueError(f"compression ratio {r:g} leaves {budget_bits(p, r)} bits per token for p={p}, less "
-                                 f"than the cheapest quantized block ({cheapest} bits); use a ratio <= "
-                                 f"{16 * p / cheapest:g}")
+        check_payable(cfg.reduce.ratios, p, alloc.types, alloc.block_sizes)
     if p and facts.parameters and alloc.basis_budget:
         BasisBudget(alloc.basis_budget).cap(facts.parameters, p)  # the widest split: fewer features only raise it
     return facts
@@ -89,16 +84,31 @@ def _exists(part: str) -> bool:
     return Path(path).exists()
 
 
-def check_artifact_model(ref: str, registry: str | None, model: str | None) -> None:
-    """The model spec a command on a published artifact will load (`model`, else the artifact's manifest's),
-    checked before anything loads it (`check_model_spec`)."""
-    spec = model
-    if spec is None:
+def check_artifact_model(ref: str, registry: str | None, model: str | None, prefix: int | None = None,
+                         continuation: int = 0) -> None:
+    """The model spec a command on a published artifact will load (`model`, else the artifact's manifest's), checked
+    before anything loads it (`check_model_spec`); with `prefix` (`kvtc eval --prefix`), the prefix against what the
+    manifest and the model's header tell: it must leave a coded middle after the artifact's raw sinks and window,
+    and with the `continuation` scored after it fit the model's context."""
+    manifest: dict = {}
+    if model is None or prefix is not None:
         reg = Registry(registry)
         name, version = split_ref(ref)
-        spec = (reg.read_manifest(name, *reg.resolve_pinned(name, version)).get("model") or {}).get("spec")
-    if isinstance(spec, str):
-        check_model_spec(spec)
+        manifest = reg.read_manifest(name, *reg.resolve_pinned(name, version))
+    spec = model if model is not None else (manifest.get("model") or {}).get("spec")
+    facts = check_model_spec(spec) if isinstance(spec, str) else None
+    if prefix is None:
+        return
+    cal = manifest.get("calibration") or {}
+    raw = int(cal.get("sinks") or 0) + int(cal.get("window") or 0)
+    if prefix <= raw:
+        raise ValueError(f"--prefix {prefix} leaves nothing to code: the artifact keeps {cal.get('sinks')} sink and "
+                         f"{cal.get('window')} window tokens raw; use --prefix {raw + 1} or more")
+    context = facts.context if facts is not None else None
+    if context is not None and prefix + continuation + 1 > context:
+        raise ValueError(f"--prefix {prefix} with --continuation {continuation} needs {prefix + continuation + 1} "
+                         f"positions, beyond model {spec}'s limit of {context}: lower --prefix to at most "
+                         f"{context - continuation - 1}")
 
 
 def check_recalibration(target: str, given: dict) -> None:

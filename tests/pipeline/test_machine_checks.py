@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvtc.pipeline.resource_bounds import MAX_WORKERS, Machine, check_cluster, check_job
+from kvtc.pipeline.checks.machine import MAX_WORKERS, Machine, check_cluster, check_job
 from kvtc.pipeline.settings import JobSettings, RuntimeSettings
 from kvtc.workers.model_limits import context_limit, gguf_context_length
 
