@@ -22,14 +22,15 @@ FLAG_WORDS = ("", "0", "1")
 def ray_int(text: str) -> int:
     """An integer as Ray's C++ parser reads it: ASCII digits with an optional '-', nothing around them."""
     if not _INT.fullmatch(text):
-        raise ValueError(f"must be a plain integer (ASCII digits, no spaces or underscores), got {text!r}")
+        raise ValueError(f"must be an integer in plain ASCII digits (no spaces, underscores or other digits), got {text!r}")
     return int(text)
 
 
 def ray_float(text: str) -> float:
     """A non-negative number as Ray's C++ parser reads it: ASCII digits, one '.', an optional exponent."""
     if not _FLOAT.fullmatch(text):
-        raise ValueError(f"must be a plain number such as 0.95 (ASCII digits, no spaces or underscores), got {text!r}")
+        raise ValueError(f"must be a number such as 0.95 in plain ASCII digits (no spaces, underscores or other digits), "
+                         f"got {text!r}")
     return float(text)
 
 

@@ -226,12 +226,18 @@ class ChunkTransform:
     model_config: checked if given (a whole-model spec only); mode: None keeps the codec's mode; pad:
     see the module docstring; positions: whether callers pass each chunk's position (`start`): an
     artifact calibrated with RoPE removed needs it, and only then are a first chunk's sinks kept raw;
-    label: how errors name what this transform codes."""
+    label: how errors name what this transform codes; charge: the bound `encode` keeps a chunk within
+    (`chunk_bound`), "shape" the largest over starts (a store sizing every chunk of a shape alike: LMCache),
+    "start" its own start's (a store charging a first chunk, its raw sinks on top, more: the vLLM tier)."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
                  pad: bool = True, positions: bool = False, label: str | None = None,
-                 sink_budget: str = "shared", sink_format: str = "int8", chunk_key: bytes | None = None) -> None:
+                 sink_budget: str = "shared", sink_format: str = "int8", chunk_key: bytes | None = None,
+                 charge: str = "shape") -> None:
         spec = codec.spec
+        if charge not in ("shape", "start"):
+            raise ValueError(f'charge must be "shape" or "start", got {charge!r}')
+        self.charge = charge
         if chunk_key is not None and len(chunk_key) != CHUNK_KEY_BYTES:
             raise ValueError(f"a chunk key is {CHUNK_KEY_BYTES} bytes, got {len(chunk_key)}")
         self.chunk_key = chunk_key
@@ -389,6 +395,11 @@ class ChunkTransform:
         fixed-rate fallback's exact size where that is larger."""
         return max(self.fixed_size(tokens, dtype, start), self.mode_bound(tokens, dtype, start))
 
+    def chunk_bound(self, tokens: int, dtype: torch.dtype, start: int) -> int:
+        """Most bytes `encode` codes a chunk of `tokens` tokens at `start` in (see `charge`): the mode's attempts
+        above it are coded by its fixed-rate fallback, whose exact size it holds."""
+        return self.blob_bound(tokens, dtype, self._start(start) if self.charge == "start" else None)
+
     def serialized_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Upper bound on `serialize`'s output for a chunk of this shape at any position (what LMCache
         allocates), exact for every chunk when padding."""
@@ -419,7 +430,7 @@ class ChunkTransform:
         x = kv.reshape(2, s.num_layers, tokens, s.kv_heads, s.head_dim).permute(0, 1, 3, 2, 4)
         first = start < self.sinks and self._shares(tokens, kv.dtype)
         if self.coding.fallback is not None:  # a blob may exceed the bound: tried, then coded by the fallback
-            limit = self.blob_bound(tokens, kv.dtype)  # what the store keeps for any chunk of this shape
+            limit = self.chunk_bound(tokens, kv.dtype, start)  # what the store keeps for this chunk
             codecs = (self.codec, self.one) if first and self.one is not None and start == 0 else (self.codec,)
             for codec in codecs:
                 scale = self._shared_scale(tokens, kv.dtype, start, codec) if first else 1.0

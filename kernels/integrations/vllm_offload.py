@@ -47,7 +47,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -59,12 +59,10 @@ from kvtc.kernels.codec.chunk_options import CHUNK_MODES
 from kvtc.kernels.codec.chunk_serde import UNBOUND, ChunkTransform, binding
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
-from kvtc.kernels.codec.modes import mode_for
 
 PAGE_ORDERS = {"LBNHC": "NHC", "BLNHC": "NHC", "LBHNC": "HNC", "BLHNC": "HNC"}
 CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SLOT_SLACK = 1.05  # a chunk's blob: the ratio's budget plus header and raw sinks (slot_count's estimate)
-BOUND_SLACK = 1.01  # a blob's bound, over DEFLATE's worst case expansion of fixed-rate sections
 OBJECT_BYTES = 256  # Python's bytes object, its dict entry and key binding, per stored chunk
 MAX_POSITION = 1 << 62
 _log = logging.getLogger(__name__)
@@ -129,12 +127,15 @@ def layer_index(name: str) -> int:
 
 
 class ChunkCodec:
-    """A rank's codec for offload chunks: no recent window (a chunk is not the end of the sequence),
-    sinks kept raw where a chunk starts at position 0, and only the `layers` this worker holds (a
-    pipeline stage), in the order vLLM lists them. A finite chunk ECSQ cannot code is coded fixed-rate."""
+    """A rank's coder for offload chunks: the LMCache chunk transform (kernels/codec/chunk_serde.py) of the `layers`
+    this worker holds (a pipeline stage), in the order vLLM lists them, with positions (no recent window, sinks kept
+    raw where a chunk starts before position `sinks`, as int8), unpadded, each chunk bounded by its own start's bound
+    (`charge="start"`: a first chunk's raw sinks on top, "extra"). The tier's slots are sized from that bound
+    (SlotPlan), and a chunk ECSQ cannot code within it (values unlike the calibration's) is coded fixed-rate, whose
+    size is exact: no chunk is stored above what its slot was charged."""
 
     def __init__(self, codec: KVTCCodec, layers: Sequence[int]) -> None:
-        spec = replace(codec.spec, window=0)
+        spec = codec.spec
         coded = list(spec.coded_layers)
         missing = [layer for layer in layers if layer not in coded]
         if missing:
@@ -142,29 +143,29 @@ class ChunkCodec:
                              f"layers {missing} it has no basis for")
         if list(layers) != coded:
             spec = restrict(spec, list(layers))
-        self.spec = spec
-        options = dict(backend=codec.backend, level=codec.level, coder=codec.coder, ecsq_format=codec.ecsq_format,
-                       basis_dtype=codec.basis_dtype, outlier_factor=codec.outlier_factor)
-        # sinks as int8 (kernels/codec/sinks_int8.py): a first chunk's blob pays about half of bf16 sinks on top
-        self.codec = KVTCCodec(spec, mode=codec.mode, sink_format="int8", **options)
-        # the mode's fixed-rate fallback (kernels/codec/mode.py), or the codec where the mode has none
-        fallback = mode_for(self.codec.mode).fallback
-        self.fixed = self.codec if fallback is None else KVTCCodec(spec, mode=fallback.name, sink_format="int8",
-                                                                   **options)
+        stage = KVTCCodec(spec, mode=codec.mode, backend=codec.backend, ecsq_format=codec.ecsq_format,
+                          basis_dtype=codec.basis_dtype, outlier_factor=codec.outlier_factor)
+        self.transform = ChunkTransform(stage, mode=codec.mode, pad=False, positions=True, sink_budget="extra",
+                                        charge="start", label=f"the vLLM tier's artifact {spec.name}@{spec.version}")
+        self.spec, self.codec = self.transform.spec, self.transform.codec
+
+    def bound(self, tokens: int, dtype: torch.dtype, start: int) -> int:
+        """Most blob bytes a chunk of `tokens` tokens in `dtype` at `start` is stored in (what its slot is charged)."""
+        return self.transform.chunk_bound(tokens, dtype, start)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> bytes:
-        """keys, values (layers, kv_heads, tokens, head_dim), first token at absolute position `start`;
-        ValueError naming where a non-finite value is (the codec's check)."""
-        if self.fixed is not self.codec:  # the mode has a fallback: tried first, the fallback where it fails
-            try:
-                return self.codec.encode(keys, values, start=start)
-            except (ValueError, OverflowError, RuntimeError):
-                pass  # beyond any ECSQ step or symbol range: fixed-rate below (which saturates, never overflows)
-        return self.fixed.encode(keys, values, start=start)
+        """keys, values (layers, kv_heads, tokens, head_dim), first token at absolute position `start` -> the blob
+        the tier stores; ValueError naming where a non-finite value is."""
+        L, H, T, D = keys.shape
+        blob = self.transform.encode(torch.stack((keys, values)).transpose(2, 3).reshape(2, L, T, H * D), start)
+        if len(blob) > self.bound(T, keys.dtype, start):  # never: the fixed-rate fallback's size is exact
+            raise RuntimeError(f"the chunk at position {start} was coded in {len(blob)} bytes, above its slot's "
+                               f"{self.bound(T, keys.dtype, start)}; it is not stored")
+        return blob
 
     def decode(self, blob: bytes, device: torch.device, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         header, _ = read_blob(blob)
-        if header.start != start:
+        if header.start != (start if self.transform.positional else 0):  # RoPE kept and no sinks: coded at 0
             raise BlobError(f"stored chunk starts at position {header.start}, the load expects {start}")
         return self.codec.decode(blob, device=device)
 
@@ -249,14 +250,12 @@ class SlotPlan:
     @classmethod
     def for_codec(cls, settings: OffloadSettings, chunk_codec: "ChunkCodec", tokens: int, dtype: torch.dtype,
                   world_size: int) -> "SlotPlan":
-        """From the rank's codec: its size bounds of a first and a later chunk of `tokens` tokens in `dtype`
-        (ECSQ's rate-control bound and the fixed-rate fallback's exact size, kernels/codec/chunk_serde.py)."""
-        t = ChunkTransform(chunk_codec.codec, positions=True, mode=chunk_codec.codec.mode, sink_budget="extra")
-        sinks = min(t.sinks, tokens)
+        """From the rank's chunk coder: the bound it codes a first and a later chunk of `tokens` tokens in `dtype`
+        within (ECSQ's rate-control bound, or the fixed-rate fallback's exact size where larger)."""
+        sinks = min(chunk_codec.transform.sinks, tokens)
 
         def bound(start: int) -> int:
-            blob = t.blob_bound(tokens, dtype, start)  # the mode's bound, or its fallback's exact size where larger
-            return math.ceil(blob * BOUND_SLACK) + OBJECT_BYTES  # DEFLATE's worst case; Python's object and slot
+            return chunk_codec.bound(tokens, dtype, start) + OBJECT_BYTES  # Python's object and slot
 
         later = bound(sinks) * world_size
         first = bound(0) * world_size if sinks else later
