@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtc.artifacts import bundle, ecsq_tables, tables
+from kvtc.artifacts import bundle
 from kvtc.artifacts.bit_split import check_bit_split
 from kvtc.artifacts.errors import IntegrityError
-from kvtc.artifacts.schema import SCHEMA_VERSION, ArtifactContent, check_name, normalize_block, to_json
+from kvtc.artifacts.names import check_name
+from kvtc.artifacts.schema import SCHEMA_VERSION, ArtifactContent, normalize_block, to_json
 
 MANIFEST = "manifest.json"
 DIGEST_FILE = "manifest.sha256"   # "sha256:HEX\n" of manifest.json, written with it
@@ -65,6 +66,8 @@ def kept_components(content: ArtifactContent, stream: str, group: int) -> int:
 def build_files(content: ArtifactContent, codec_dir: Path | None = None) -> tuple[dict[str, bytes], dict]:
     """-> ({relative path: bytes}, manifest without name/version/created/files); the codec folder
     `codec_dir` (default: the installed one) is shipped under kernels/ and hashed (artifacts.bundle)."""
+    from kvtc.artifacts import ecsq_tables, tables  # noqa: PLC0415 - Parquet only to write: reading a manifest needs none
+
     files: dict[str, bytes] = {}
     entries = []
     layers = content.group_layers()

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from kvtc.artifacts.errors import ArtifactNotFoundError, VersionExistsError
 from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIGNATURE_FILE, build_files, build_manifest,
                                      encode_manifest, manifest_digest)
-from kvtc.artifacts.registry import RESERVED_ALIASES, Registry, as_registry, split_ref
+from kvtc.artifacts.names import split_ref
+from kvtc.artifacts.registry import RESERVED_ALIASES, Registry, as_registry
 from kvtc.artifacts.local_files import stage_folder, write_outputs
 from kvtc.artifacts.safe_io import SMALL_FILE
 from kvtc.artifacts.schema import ArtifactContent

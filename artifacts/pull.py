@@ -21,7 +21,8 @@ from kvtc.artifacts.env_values import env_flag
 from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.local_files import cache_root, stage_folder
 from kvtc.artifacts.manifest import DIGEST_FILE, MANIFEST, SIGNATURE_FILE, manifest_digest
-from kvtc.artifacts.registry import Registry, as_registry, split_ref
+from kvtc.artifacts.names import split_ref
+from kvtc.artifacts.registry import Registry, as_registry
 from kvtc.artifacts.local_files import write_outputs
 from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, read_limited
 from kvtc.artifacts.signing import load_public_key, verify_signature

@@ -3,7 +3,7 @@ path or any fsspec URI. A version is visible once its manifest.json exists (writ
 staged folder renamed into place on a local disk); an alias is one small JSON object
 {"version": ..., "digest": ...} replaced in a single write.
 
-Every name, version and alias that becomes a path segment matches schema.NAME_PATTERN in full, and
+Every name, version and alias that becomes a path segment matches names.NAME_PATTERN in full, and
 every path is checked to stay under the root. Every manifest read checks the manifest against its
 digest file (and against the digest an alias recorded or a NAME@sha256:HEX ref pinned), that it
 names the folder it was read from, and that its listing hash holds.
@@ -31,30 +31,12 @@ from kvtc.artifacts.errors import ArtifactNotFoundError, IntegrityError, Registr
 from kvtc.artifacts.manifest import (DIGEST_FILE, MANIFEST, SIDECARS, SIGNATURE_FILE, check_digest, decode_manifest,
                                      manifest_digest)
 from kvtc.artifacts.safe_io import MANIFEST_LIMIT, SMALL_FILE, copy_limited, read_limited
-from kvtc.artifacts.schema import DIGEST_PATTERN, NAME_PATTERN, check_name
+from kvtc.artifacts.names import NAME_PATTERN, check_name, check_ref, split_ref
 from kvtc.artifacts.signing import sign_manifest
 
 DEFAULT_ROOT = "registry"
 VERSION_ID_PATTERN = re.compile(r"[0-9]{8}T[0-9]{12}Z-[0-9a-f]{8}")  # manifest.new_version_id's form
 RESERVED_ALIASES = ("latest",)
-
-
-def check_ref(ref: str) -> str:
-    """A version id, an alias, or a content digest "sha256:<64 hex>"."""
-    if isinstance(ref, str) and DIGEST_PATTERN.fullmatch(ref):
-        return ref
-    return check_name("ref", ref)
-
-
-def split_ref(spec: str, ref: str | None = None) -> tuple[str, str]:
-    """"name", "name@version", "name@alias" or "name@sha256:HEX" (+ optional explicit ref) -> (name, ref);
-    default ref "latest"."""
-    if not isinstance(spec, str):
-        raise ValueError(f"an artifact reference is a string NAME[@REF], got {type(spec).__name__}")
-    name, _, inline = spec.partition("@")
-    if inline and ref not in (None, "latest", inline):
-        raise ValueError(f"{spec!r} already names a ref; do not also pass ref={ref!r}")
-    return check_name("artifact name", name), check_ref(inline or ref or "latest")
 
 
 def write_local_atomic(target: str, data: bytes) -> None:

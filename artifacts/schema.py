@@ -10,7 +10,6 @@ decoder.T @ components = I_k); without one the basis is orthonormal and decodes 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,25 +17,16 @@ import numpy as np
 
 from kvtc.artifacts.bit_split import check_table_budgets
 from kvtc.artifacts.blocks import normalize_block
-from kvtc.artifacts.ecsq_tables import check_table
+from kvtc.artifacts.names import check_name
 from kvtc.artifacts.groups import FeatureGroup, parse_groups, stream_dims
 
 SCHEMA_VERSION = 1
 STREAMS = ("keys", "values")
 BASES_DTYPES = ("float32", "float16")
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # always fullmatch: "$" would accept "x\n"
-DIGEST_PATTERN = re.compile(r"sha256:[0-9a-f]{64}")
 REQUIRED_MODEL_KEYS = ("spec", "num_layers", "num_kv_heads", "head_dim", "rope")
 REQUIRED_CALIBRATION_KEYS = ("sinks", "window", "seq_len", "tokens", "groups", "seed", "allocator", "ratios")
 RESERVED_TOP_LEVEL = ("manifest.json", "bases", "allocations.parquet", "ecsq.parquet", "metrics.parquet", "curves",
                       "kernels")
-
-
-def check_name(kind: str, value: str) -> str:
-    """Names, versions and aliases become path segments: letters, digits, '.', '_', '-' only."""
-    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
-        raise ValueError(f"invalid {kind} {value!r}: use letters, digits, '.', '_', '-' (start with a letter or digit)")
-    return value
 
 
 def to_json(value: Any, where: str) -> Any:
@@ -167,6 +157,8 @@ class ArtifactContent:
             raise ValueError(f"ECSQ table {key!r} has no basis ({stream!r}, {group})")
         if not any(math.isclose(float(ratio), float(r)) for r in self.calibration["ratios"]):
             raise ValueError(f"ECSQ table {key!r}: ratio {ratio} is not in calibration ratios {self.calibration['ratios']}")
+        from kvtc.artifacts.ecsq_tables import check_table  # noqa: PLC0415 - pyarrow: only for content with tables
+
         check_table(key, table)
         if int(table["kept"]) > np.asarray(self.bases[(stream, group)][2]).shape[1]:
             raise ValueError(f"ECSQ table {key!r} codes {table['kept']} components, the basis has fewer")

@@ -26,11 +26,10 @@ from typing import Any, Iterator
 
 from kvtc.artifacts.blocks import check_ratios
 from kvtc.artifacts.calibration import CalibrationRecord
-from kvtc.artifacts.schema import check_name
+from kvtc.artifacts.names import check_name
 from kvtc.pipeline.checks.words import parse_ratios
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings, BitSplit
 from kvtc.workers.capture_settings import CaptureSettings
-from kvtc.pipeline.fit.metric import AttentionMetric
 from kvtc.workers.objective import (Balance, ObjectiveChoice, Weighting, balance_option, floor_option,
                                     weighting_option)
 from kvtc.workers.options import Option, joined, option
@@ -125,6 +124,8 @@ class ReduceSettings:
     attention_weighting: Weighting = weighting_option()
 
     def __post_init__(self) -> None:
+        from kvtc.pipeline.fit.metric import AttentionMetric  # noqa: PLC0415 - pyarrow: not for the command line's parse
+
         metric = AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)  # validated there
         object.__setattr__(self, "attention_balance", metric.balance)  # the words read: Balance, Weighting
         object.__setattr__(self, "attention_weighting", metric.weighting)
@@ -135,7 +136,9 @@ class ReduceSettings:
         _count(self.served_sequences, "--served-sequences", minimum=0)
 
     @property
-    def attention_metric(self) -> AttentionMetric:
+    def attention_metric(self) -> "AttentionMetric":
+        from kvtc.pipeline.fit.metric import AttentionMetric  # noqa: PLC0415 - pyarrow: not for the command line's parse
+
         return AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)
 
     @property

@@ -18,7 +18,7 @@ import glob
 from pathlib import Path
 
 from kvtc.artifacts.blocks import check_payable
-from kvtc.artifacts.registry import Registry, split_ref
+from kvtc.artifacts.names import split_ref
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.pipeline.fit.basis_budget import BasisBudget
 from kvtc.pipeline.settings import JobSettings, settings_from_manifest
@@ -92,6 +92,8 @@ def check_artifact_model(ref: str, registry: str | None, model: str | None, pref
     and with the `continuation` scored after it fit the model's context."""
     manifest: dict = {}
     if model is None or prefix is not None:
+        from kvtc.artifacts.registry import Registry  # noqa: PLC0415 - pyarrow: only where a manifest is read
+
         reg = Registry(registry)
         name, version = split_ref(ref)
         manifest = reg.read_manifest(name, *reg.resolve_pinned(name, version))
@@ -114,6 +116,8 @@ def check_artifact_model(ref: str, registry: str | None, model: str | None, pref
 def check_recalibration(target: str, given: dict) -> None:
     """`kvtc recalibrate`: the parent's recorded settings (validated naming the manifest field) with the options
     `given`, checked as a calibration's (`check_calibration`) before anything loads."""
+    from kvtc.artifacts.registry import Registry  # noqa: PLC0415 - pyarrow: only where a manifest is read
+
     reg = Registry(given.get("registry"))
     name, version = split_ref(target)
     manifest = reg.read_manifest(name, *reg.resolve_pinned(name, version))

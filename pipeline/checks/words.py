@@ -17,8 +17,8 @@ from fsspec.core import split_protocol
 from fsspec.registry import known_implementations, registry
 
 from kvtc.artifacts.blocks import QTYPES, check_payable, check_ratios
-from kvtc.artifacts.registry import split_ref
-from kvtc.artifacts.schema import check_name
+from kvtc.artifacts.names import split_ref
+from kvtc.artifacts.names import check_name
 from kvtc.artifacts.signing import load_private_key
 from kvtc.pipeline.checks.environment import check_address, check_environment
 

@@ -77,7 +77,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from kvtc.artifacts.calibration import CalibrationRecord
     from kvtc.artifacts.groups import groups_json
-    from kvtc.artifacts.registry import split_ref
+    from kvtc.artifacts.names import split_ref
 
     reg = registry(args)
     name, ref = split_ref(args.ref)
@@ -114,7 +114,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reg = registry(args)
     adopted = None
     if args.adopt:
-        from kvtc.artifacts.registry import split_ref
+        from kvtc.artifacts.names import split_ref
 
         name, ref = split_ref(args.ref)
         version = reg.resolve(name, ref)
@@ -148,7 +148,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_sign(args: argparse.Namespace) -> int:
-    from kvtc.artifacts.registry import split_ref
+    from kvtc.artifacts.names import split_ref
 
     reg = registry(args)
     name, ref = split_ref(args.ref)
@@ -166,7 +166,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_alias(args: argparse.Namespace) -> int:
-    from kvtc.artifacts.registry import split_ref
+    from kvtc.artifacts.names import split_ref
 
     reg = registry(args)
     name, ref = split_ref(args.ref)

@@ -16,7 +16,7 @@ def _handler(args: argparse.Namespace) -> int:
     from kvtc.artifacts.local_files import write_outputs
     from kvtc.artifacts.pull import pull
     from kvtc.artifacts.safe_io import read_limited
-    from kvtc.artifacts.schema import check_name
+    from kvtc.artifacts.names import check_name
     from kvtc.pipeline.evaluation import report
 
     ref = args.artifact if "@" in args.artifact else f"{args.artifact}@latest"

@@ -23,12 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from kvtc.artifacts.errors import CorruptArtifactError
 from kvtc.artifacts.groups import FeatureGroup, layer_slots
-from kvtc.artifacts.parquet_bounds import Declared, dense_bytes, read_checked, tensor_of
-from kvtc.artifacts.tables import from_parquet, to_parquet
 from kvtc.workers.objective import Balance, Weighting
 
 SENSITIVITY_FLOOR = 1e-4  # of the group's largest block scale: a head the model barely feels still costs something
@@ -131,6 +128,10 @@ def metric_file(stream: str, group: int) -> str:
 
 def encode_root(root: np.ndarray) -> bytes:
     """S blocks (blocks, d, d) -> Parquet bytes: one row per block, a float32 (d, d) tensor."""
+    import pyarrow as pa  # noqa: PLC0415 - Parquet only where a file is written: the settings import this module
+
+    from kvtc.artifacts.tables import to_parquet  # noqa: PLC0415
+
     return to_parquet(pa.table({"root": pa.FixedShapeTensorArray.from_numpy_ndarray(
         np.ascontiguousarray(root, dtype=np.float32))}), "none")
 
@@ -140,6 +141,8 @@ MAX_CONDITION = 1e6  # of a stored S (1e12 of M): the floor keeps a block's near
 
 def root_declared(p: int, d: int):
     """The shape of a metric file of p features in blocks of d: p / d rows of a float32 (d, d) tensor."""
+    from kvtc.artifacts.parquet_bounds import Declared, dense_bytes, tensor_of  # noqa: PLC0415 - Parquet, as above
+
     rows = p // d if d > 0 and p % d == 0 else -1
     return Declared(dense_bytes(max(rows, 0), [4 * d * d]), max(rows, 0) * d * d, rows=rows,
                     columns={"root": tensor_of((d, d), ("float32",))})
@@ -164,6 +167,9 @@ def decode_root(path: str, p: int, d: int | None = None) -> "Whitening":
     """A stored S of a group of p features in blocks of d (its stream's head width) -> its Whitening; the
     file is checked from its footer against that shape before it is read, and S must pass check_root.
     CorruptArtifactError naming the file when it does not (d None: any square blocks, read unchecked)."""
+    from kvtc.artifacts.parquet_bounds import read_checked  # noqa: PLC0415 - Parquet, as above
+    from kvtc.artifacts.tables import from_parquet  # noqa: PLC0415
+
     try:
         table = from_parquet(path) if d is None else read_checked(path, root_declared(p, d), "attention metric file")
         root = np.asarray(table.column("root").combine_chunks().to_numpy_ndarray(), dtype=np.float64)

@@ -37,7 +37,7 @@ import psutil
 import torch
 
 from kvtc.kernels.codec.layers import cached_layers
-from kvtc.pipeline.job.memory_plan import GIB, packed_bytes
+from kvtc.pipeline.job.memory_plan import GIB, statistics_bytes
 from kvtc.pipeline.job.reduce_plan import MARGIN, kill_threshold, node_budget
 from kvtc.pipeline.settings import ReduceSettings
 from kvtc.workers.capture_settings import CaptureSettings
@@ -194,11 +194,8 @@ class FoldSizer:
             raise ValueError("fold sizer: needs groups of p >= 1 and accumulators >= 1")
 
     def totals_bytes(self, workers: int) -> int:
-        """The statistics a worker holds: its accumulators' packed Grams and sums, both streams, and a row tile."""
-        busy = max(1, min(workers, self.accumulators))
-        pmax = max(self.group_dims)
-        tile = 4 * 3 * min(1024, pmax) * pmax
-        return math.ceil(self.accumulators / busy) * 2 * sum(packed_bytes(p) for p in self.group_dims) + tile
+        """The statistics a worker holds (memory_plan.statistics_bytes)."""
+        return statistics_bytes(self.group_dims, self.accumulators, workers)
 
     def captured(self, seq_len: int) -> int:
         eligible = max(0, seq_len - self.sinks - self.window)

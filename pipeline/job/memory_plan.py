@@ -30,6 +30,16 @@ def packed_bytes(p: int) -> int:
     return 8 * (p * (p + 1) // 2 + p)
 
 
+def statistics_bytes(group_dims, accumulators: int, workers: int) -> int:
+    """The statistics one of `workers` shard workers holds: its share of the `accumulators`' packed Grams and sums,
+    both streams, and a row tile of x^T x (its selection and float64 copy). The one formula of it: the plan's
+    estimate and the fold's sizer (fold_plan.FoldSizer) both call it."""
+    busy = max(1, min(workers, accumulators))
+    pmax = max(group_dims)
+    tile = 4 * 3 * min(1024, pmax) * pmax
+    return math.ceil(accumulators / busy) * 2 * sum(packed_bytes(p) for p in group_dims) + tile
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes: `worker` per worker actor, `workers` actors, `reduce` for the reducer."""
@@ -56,9 +66,7 @@ def estimate(group_dims: list[int], *, accumulators: int, workers: int, rows_per
     the running sums of all but the last prefix)."""
     p_total = sum(group_dims)
     busy = max(1, min(workers, accumulators))
-    per_worker_accs = math.ceil(accumulators / busy)
-    tile = 4 * 3 * min(1024, max(group_dims)) * max(group_dims)  # a row tile of x^T x, its selection, float64 copy
-    worker = per_worker_accs * 2 * sum(packed_bytes(p) for p in group_dims) + rows_per_batch * p_total * 4 * 2 + tile
+    worker = statistics_bytes(group_dims, accumulators, workers) + rows_per_batch * p_total * 4 * 2
     p = max(group_dims)
     held = 2 * heldout_rows * p_total * 4 * 2  # the driver: held-out and second-domain rows, both streams, float32
     prefixes = max(0, min(curve_points, accumulators) - 1)

@@ -22,7 +22,7 @@ from kvtc import artifacts
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.errors import InputError
 from kvtc.artifacts.fingerprint import model_id
-from kvtc.artifacts.schema import check_name
+from kvtc.artifacts.names import check_name
 from kvtc.pipeline.job.calibrate import run
 from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
