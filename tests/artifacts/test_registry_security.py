@@ -11,7 +11,7 @@ import pytest
 
 from kvtc.artifacts import ArtifactNotFoundError, IntegrityError, Registry, publish, pull
 from kvtc.artifacts.manifest import encode_manifest, manifest_digest
-from kvtc.artifacts.registry import split_ref
+from kvtc.artifacts.names import split_ref
 from helpers.toy_artifacts import forge_version, toy_content
 
 
