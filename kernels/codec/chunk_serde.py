@@ -228,12 +228,14 @@ class ChunkTransform:
     artifact calibrated with RoPE removed needs it, and only then are a first chunk's sinks kept raw;
     label: how errors name what this transform codes; charge: the bound `encode` keeps a chunk within
     (`chunk_bound`), "shape" the largest over starts (a store sizing every chunk of a shape alike: LMCache),
-    "start" its own start's (a store charging a first chunk, its raw sinks on top, more: the vLLM tier)."""
+    "start" its own start's (a store charging a first chunk, its raw sinks on top, more: the vLLM tier);
+    level, coder: the blob sections' entropy coding (KVTCCodec's), 0 plain; a section DEFLATE would not shrink
+    is stored plain, so a blob coded at any level is within the bound."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
                  pad: bool = True, positions: bool = False, label: str | None = None,
                  sink_budget: str = "shared", sink_format: str = "int8", chunk_key: bytes | None = None,
-                 charge: str = "shape") -> None:
+                 charge: str = "shape", level: int = 0, coder: str = "zlib") -> None:
         spec = codec.spec
         if charge not in ("shape", "start"):
             raise ValueError(f'charge must be "shape" or "start", got {charge!r}')
@@ -265,8 +267,8 @@ class ChunkTransform:
             mode = codec.mode if codec.mode in CHUNK_MODES else default_mode(spec).name
         if mode not in CHUNK_MODES:
             raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {CHUNK_MODES}, not {mode!r}")
-        options = dict(backend=codec.backend, level=0, ecsq_format=codec.ecsq_format, basis_dtype=codec.basis_dtype,
-                       outlier_factor=codec.outlier_factor)
+        options = dict(backend=codec.backend, level=level, coder=coder, ecsq_format=codec.ecsq_format,
+                       basis_dtype=codec.basis_dtype, outlier_factor=codec.outlier_factor)
         self.codec = KVTCCodec(self.spec, mode=mode, sink_format=sink_format, **options)
         self.mode = self.codec.mode
         self.coding = mode_for(self.mode)  # the mode's size bound and fallback (kernels/codec/mode.py)

@@ -19,9 +19,10 @@ at its position.
 
 Worker side, `KVTCOffloadingWorker` reads each layer's pages from the KV cache tensors vLLM
 registers (one (num_blocks, page bytes) view per layer: page = [tokens, kv heads, K|V] or [kv heads,
-tokens, K|V] by the cache layout), codes a chunk as one blob with the rank's codec (`KVTCCodec`,
-this rank's bases of a `--tp N` artifact), keeps the blob in host memory under its slot, and on a
-load decodes it back into the GPU blocks vLLM names. Transfers are asynchronous: `submit_store` and
+tokens, K|V] by the cache layout), codes a chunk as one blob with the rank's chunk coder (`ChunkCodec`:
+the LMCache chunk transform over `KVTCCodec`, this rank's bases of a `--tp N` artifact, within the bound its
+slot was charged), keeps the blob in host memory under its slot, and on a load decodes it back into the GPU
+blocks vLLM names. Transfers are asynchronous: `submit_store` and
 `submit_load` queue the job on a thread pool (`kvtc_transfer_threads`, default 1) and return, so the
 engine's forward pass does not wait for a chunk's encode; `get_finished` reports the jobs done (vLLM's
 connector then frees the fenced blocks or resumes the request) and `wait` blocks on the ones named. A
@@ -129,10 +130,10 @@ def layer_index(name: str) -> int:
 class ChunkCodec:
     """A rank's coder for offload chunks: the LMCache chunk transform (kernels/codec/chunk_serde.py) of the `layers`
     this worker holds (a pipeline stage), in the order vLLM lists them, with positions (no recent window, sinks kept
-    raw where a chunk starts before position `sinks`, as int8), unpadded, each chunk bounded by its own start's bound
-    (`charge="start"`: a first chunk's raw sinks on top, "extra"). The tier's slots are sized from that bound
-    (SlotPlan), and a chunk ECSQ cannot code within it (values unlike the calibration's) is coded fixed-rate, whose
-    size is exact: no chunk is stored above what its slot was charged."""
+    raw where a chunk starts before position `sinks`, as int8), unpadded, sections at the codec's DEFLATE level,
+    each chunk within its own start's bound (`charge="start"`; a first chunk's raw sinks on top: "extra"). The
+    tier's slots are charged that bound (SlotPlan), and a chunk ECSQ cannot code within it (values unlike the
+    calibration's) is coded fixed-rate, whose size is exact: no chunk is held above what its slot was charged."""
 
     def __init__(self, codec: KVTCCodec, layers: Sequence[int]) -> None:
         spec = codec.spec
@@ -146,7 +147,8 @@ class ChunkCodec:
         stage = KVTCCodec(spec, mode=codec.mode, backend=codec.backend, ecsq_format=codec.ecsq_format,
                           basis_dtype=codec.basis_dtype, outlier_factor=codec.outlier_factor)
         self.transform = ChunkTransform(stage, mode=codec.mode, pad=False, positions=True, sink_budget="extra",
-                                        charge="start", label=f"the vLLM tier's artifact {spec.name}@{spec.version}")
+                                        charge="start", level=codec.level, coder=codec.coder,
+                                        label=f"the vLLM tier's artifact {spec.name}@{spec.version}")
         self.spec, self.codec = self.transform.spec, self.transform.codec
 
     def bound(self, tokens: int, dtype: torch.dtype, start: int) -> int:
