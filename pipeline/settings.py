@@ -22,7 +22,7 @@ import math
 import os
 from dataclasses import Field, dataclass, field, fields, replace
 from enum import Enum
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from kvtc.artifacts.blocks import check_ratios
 from kvtc.artifacts.calibration import CalibrationRecord
@@ -33,6 +33,9 @@ from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.workers.objective import (Balance, ObjectiveChoice, Weighting, balance_option, floor_option,
                                     weighting_option)
 from kvtc.workers.options import Option, joined, option
+
+if TYPE_CHECKING:
+    from kvtc.pipeline.fit.metric import AttentionMetric
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "pydoc+pkgdocs"  # prose mixture; stdlib code stays the evaluation domain
