@@ -26,6 +26,7 @@ usable remains, a ValueError names the reasons.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -208,6 +209,13 @@ def _pydoc_documents() -> Iterator[Document]:
 
 
 def _pkgdocs_documents() -> Iterator[Document]:
+    yield from _pkgdocs_snapshot()
+
+
+@functools.lru_cache(maxsize=1)
+def _pkgdocs_snapshot() -> tuple[Document, ...]:
+    """The installed distributions' documents, read once per process: a package installed while a job runs (between
+    its fold and its served check's rebuild of the held-out shards) must not change the job's corpus."""
     # the environment's site-packages only: sys.path additions (Ray's vendored packages) must not change the corpus
     paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     seen: dict[str, Document] = {}
@@ -219,8 +227,7 @@ def _pkgdocs_documents() -> Iterator[Document]:
         text = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
         if isinstance(text, str) and len(text.strip()) >= PKGDOCS_MIN_CHARS:
             seen[key] = Document(id=f"pkgdocs:{name}=={dist.version}", text=text)
-    for key in sorted(seen):
-        yield seen[key]
+    return tuple(seen[key] for key in sorted(seen))
 
 
 def _stdlib_documents(counts: ReadCounts) -> Iterator[Document]:
