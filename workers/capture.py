@@ -32,7 +32,7 @@ import torch
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers
 from kvtc.workers.attention_metric import MetricCapture
 from kvtc.workers.capture_settings import CaptureSettings
-from kvtc.workers.full_cache import full_cache
+from kvtc.workers.full_cache import cache_kwargs, full_cache
 from kvtc.workers.models import LoadedModel
 
 
@@ -106,7 +106,7 @@ def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor, metric: Any = None
     """-> keys, values of each coded layer (ascending), each (B, H, T, D) with every position; `metric`: a
     MetricCapture collecting this forward's query statistics."""
     with torch.inference_mode(), (metric.during(tuple(input_ids.shape)) if metric is not None else nullcontext()):
-        out = lm.base(input_ids=input_ids.to(lm.device), past_key_values=full_cache(lm), use_cache=True)
+        out = lm.base(input_ids=input_ids.to(lm.device), **cache_kwargs(lm.base, full_cache(lm)), use_cache=True)
     cache = out.cache if "cache" in out else out.past_key_values  # renamed in transformers 5.x
     coded = cached_layers(lm.layers)
     if len(cache.layers) != lm.num_layers:

@@ -1,8 +1,21 @@
 """The model's own KV cache for a capture: every position of every layer kept (kvtc.workers.capture, the
-KL sensitivity and the RoPE check run their forwards through it)."""
+KL sensitivity and the RoPE check run their forwards through it), and the keyword a forward takes it by."""
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
+
+
+def cache_kwargs(module: Any, cache: Any) -> dict[str, Any]:
+    """{keyword: cache} for `module`'s forward: `cache` where it takes one (transformers 5.x), else the deprecated
+    `past_key_values`, which 5.x still reads but warns about on every call."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def full_cache(lm: Any, cls: type | None = None) -> Any:

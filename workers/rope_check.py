@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from kvtc.kernels.codec.layers import cached_layers
-from kvtc.workers.full_cache import full_cache
+from kvtc.workers.full_cache import cache_kwargs, full_cache
 from kvtc.workers.models import LoadedModel
 
 ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")
@@ -57,7 +57,7 @@ def rope_round_trip(lm: LoadedModel, input_ids: torch.Tensor) -> dict[int, float
         setattr(module, name, recorder(name, fn))
     try:
         with torch.inference_mode():
-            out = lm.base(input_ids=input_ids.to(lm.device), past_key_values=full_cache(lm), use_cache=True)
+            out = lm.base(input_ids=input_ids.to(lm.device), **cache_kwargs(lm.base, full_cache(lm)), use_cache=True)
     finally:
         for name, fn in originals.items():
             setattr(module, name, fn)

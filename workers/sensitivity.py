@@ -43,7 +43,7 @@ from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from kvtc.kernels.codec.layers import cached_layers
 from kvtc.workers.attention_metric import decoder_layers, pair_mean
-from kvtc.workers.full_cache import full_cache
+from kvtc.workers.full_cache import cache_kwargs, full_cache
 
 
 LOGIT_BLOCK_BYTES = 64 << 20  # one float32 (positions x vocab) logits block; about six such live at once
@@ -157,7 +157,7 @@ def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, se
     ids = input_ids.to(lm.device)
     layers = decoder_layers(lm.base) if checkpoint else torch.nn.ModuleList()
     with torch.enable_grad(), _frozen(lm.model), _checkpointed(layers, coded if checkpoint else []):
-        hidden = lm.base(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state  # (1, T, hidden)
+        hidden = lm.base(input_ids=ids, **cache_kwargs(lm.base, cache), use_cache=True).last_hidden_state  # (1, T, hidden)
         missing = [i for i in coded if i not in cache.leaves]
         if missing:
             raise RuntimeError(f"layer {missing[0]} wrote no keys and values through the cache; the KL sensitivity "

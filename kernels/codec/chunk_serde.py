@@ -83,6 +83,7 @@ KEYED_MAGIC = b"KVTCCHK2"  # a MAC, under the deployment's chunk key, of the key
 FRAME_BYTES = _FRAME.size
 UNBOUND = bytes(16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_TOLD: set[tuple] = set()  # the first-chunk shapes whose sinks come on top, said once per process (INFO: a server's log)
 MIN_SHARED_SCALE = 0.5  # shared sinks where the first chunk keeps at least this share of its budget, else extra
 FLOOR_SHARE = 0.9  # and where the mode's floor (every symbol 0) is at most this share of what it keeps
 ECSQ_TRIES = 3  # ECSQ codings of a chunk, each at a smaller budget where the last overshot the bound, before fixed-rate
@@ -286,7 +287,6 @@ class ChunkTransform:
         self.one = KVTCCodec(replace(self.spec, sinks=1), mode=self.mode, sink_format=sink_format, **options) \
             if self.shared and not self.coding.exact and self.sinks > 1 else None
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
-        self._told: set[tuple[int, torch.dtype]] = set()
         self._floors: dict[int, float] = {}  # coded tokens -> the mode's floor over its budget
 
     def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -350,14 +350,15 @@ class ChunkTransform:
             floor = self._floors.setdefault(mid, self.coding.floor_bytes(self.spec, mid) / budget if budget else 0.0)
         if scale >= MIN_SHARED_SCALE and floor <= FLOOR_SHARE * scale:
             return True
-        if (tokens, dtype) not in self._told:
-            self._told.add((tokens, dtype))
+        told = (self.label, self.spec.ratio, tokens, dtype)
+        if told not in _TOLD:  # once per process: every transform of the artifact and ratio would say the same
+            _TOLD.add(told)
             why = (f"is coded {self.coding.label}, whose sizes are exact" if self.coding.exact else
                    f"would keep {scale:.0%} of its budget for its other tokens, below {MIN_SHARED_SCALE:.0%}"
                    if scale < MIN_SHARED_SCALE else
                    f"would keep {scale:.0%} of its budget for its other tokens, where the artifact's {self.coding.label} "
                    f"symbol models cannot code them below {floor:.0%} of it")
-            _log.warning("%s: a first chunk of %d tokens %s; its %d raw sinks come on top of its budget (sink_budget "
+            _log.info("%s: a first chunk of %d tokens %s; its %d raw sinks come on top of its budget (sink_budget "
                          "\"extra\"), so chunks padded to the size bound store %.1fx below bf16 at CR %g", self.label,
                          tokens, why, self.sinks, self._padded_ratio(tokens, dtype), self.spec.ratio)
         return False

@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass, field
 
 import copy
-import inspect
 
 import torch
 from transformers import DynamicCache
@@ -23,6 +22,7 @@ from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
 from kvtc.pipeline.fit.metric import AttentionMetric
 from kvtc.workers import mla
 from kvtc.workers.capture import metric_capture, raw_cache
+from kvtc.workers.full_cache import cache_kwargs
 
 @dataclass
 class _Tally:
@@ -49,9 +49,9 @@ class _Tally:
 def _forward(model, ids, cache, attention_mask=None):
 
 
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        out = model(ids, use_cache=True, attention_mask=attention_mask, **({name: cache} if cache is not None else {}))
+        out = model(ids, use_cache=True, attention_mask=attention_mask,
+                    **(cache_kwargs(model, cache) if cache is not None else {}))
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 

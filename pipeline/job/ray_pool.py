@@ -110,8 +110,16 @@ def start_ray(address: str | None, num_cpus: int | None, verbose: bool = True) -
     # a task the memory monitor kills comes back to the reduce (one line, a rerun alone from its checkpoint)
     # instead of Ray retrying it without end beside the tasks that starved it
     os.environ.setdefault("RAY_task_oom_retries", "0")
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose,
-             logging_level=logging.WARNING)
+    # Ray says on every start that its default, token authentication, is on: true of a Ray only this job's processes
+    # use, and nothing the job's user acts on (it stays on; RAY_AUTH_MODE still chooses)
+    notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = notice.level
+    notice.setLevel(logging.ERROR)
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose,
+                 logging_level=logging.WARNING)
+    finally:
+        notice.setLevel(level)
     return True
 
 

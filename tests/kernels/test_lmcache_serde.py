@@ -515,8 +515,12 @@ def test_shared_sinks_fit_a_later_chunks_bound_and_still_come_back_raw():
             shared.codec.encode(keys, values, start=0, budget_scale=bad)
 
 
-def test_int8_sinks_by_default_keep_more_of_a_first_chunks_budget_and_a_short_chunk_falls_back_once_in_the_log(caplog):
+def test_int8_sinks_by_default_keep_more_of_a_first_chunks_budget_and_a_short_chunk_falls_back_once_in_the_log(caplog,
+                                                                                                             monkeypatch):
     from helpers.ecsq_synthetic import synthetic_ecsq_spec
+    from kvtc.kernels.codec import chunk_serde
+
+    monkeypatch.setattr(chunk_serde, "_TOLD", set())  # said once per process: this test's process-wide slate
 
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
     cache = ChunkTransform(KVTCCodec(spec), positions=True, sink_format="cache")
@@ -536,7 +540,7 @@ def test_int8_sinks_by_default_keep_more_of_a_first_chunks_budget_and_a_short_ch
     later = read_blob(unframe(t.serialize(_synthetic_chunk(spec, 256, 256), start=256))[1])[0]
     assert (later.head_raw, later.sink_format) == (0, "cache")  # no sinks: the blob as before
     # an 8-token first chunk cannot pay its sinks from its budget: stored with them on top, said once
-    with caplog.at_level("WARNING", logger="kvtc.chunk_serde"):
+    with caplog.at_level("INFO", logger="kvtc.chunk_serde"):
         for _ in range(3):
             small = _synthetic_chunk(spec, 8, 0)
             data = t.serialize(small, start=0)
@@ -576,7 +580,7 @@ def test_a_first_chunk_below_the_step_floor_codes_fewer_components_and_keeps_the
     t = ChunkTransform(KVTCCodec(spec), positions=True)
     assert t._shared_scale(32, torch.float32, 0) < 0.7 < ecsq.zero_token_bits(spec.ecsq["keys"][0]) / (16 * 32 / 4)
     kv = _synthetic_chunk(spec, 32, 0)
-    with caplog.at_level("WARNING", logger="kvtc.chunk_serde"):
+    with caplog.at_level("INFO", logger="kvtc.chunk_serde"):
         data = t.serialize(kv, start=0)
     assert not [r for r in caplog.records if "raw sinks come on top" in r.getMessage()]
     size = t.serialized_size(tuple(kv.shape), torch.float32)
@@ -606,6 +610,9 @@ def synthetic_cache_pair(spec, tokens: int, start: int):
 
 
 def test_a_first_chunk_whose_mode_cannot_code_it_in_what_the_sinks_leave_keeps_its_sinks_on_top(caplog, monkeypatch):
+    from kvtc.kernels.codec import chunk_serde
+
+    monkeypatch.setattr(chunk_serde, "_TOLD", set())  # said once per process: this test's process-wide slate
     """A mode's floor bounds how far rate control can go. ECSQ's first chunks now code fewer components below it
     (the test above), so its floor is a few bytes; where a mode's floor lies above what the sinks leave (forced
     here), a first chunk keeps every sink on top of its budget, said once, never one raw sink (perplexity x15)."""
@@ -622,7 +629,7 @@ def test_a_first_chunk_whose_mode_cannot_code_it_in_what_the_sinks_leave_keeps_i
     assert shared._shares(256, torch.float32)
     monkeypatch.setattr(EcsqMode, "floor_bytes", lambda self, s, tokens: EcsqMode.bound_bytes(self, s, tokens) * 95 // 100)
     t = ChunkTransform(KVTCCodec(spec), positions=True)
-    with caplog.at_level("WARNING", logger="kvtc.chunk_serde"):
+    with caplog.at_level("INFO", logger="kvtc.chunk_serde"):
         kv = _synthetic_chunk(spec, 256, 0)
         data = t.serialize(kv, start=0)
         t.serialize(kv, start=0)
