@@ -62,7 +62,8 @@ def task_settings(args: argparse.Namespace) -> tuple:
     """`kvtc eval --tasks`'s options checked before anything heavy loads (torch is not imported): the task
     names, lengths and depths, the ratios and paths, the chart path, the model's context (its GGUF header or
     config, `model_facts`) and the haystack's text -> (TaskSettings, ratios, paths). ValueError names the value."""
-    from kvtc.artifacts.registry import Registry, split_ref
+    from kvtc.artifacts.names import split_ref
+    from kvtc.artifacts.registry import Registry
     from kvtc.pipeline.evaluation.tasks import DEFAULT_HAYSTACK, TaskSettings, pydoc_texts
     from kvtc.pipeline.job.corpus import iter_documents
     from kvtc.workers.model_limits import model_facts

@@ -75,10 +75,12 @@ def served_paths(artifact: Any, ratios: Sequence[float], names: Sequence[str] = 
     bad = [n for n in names if n not in PATHS]
     if bad:
         raise ValueError(f"unknown path {bad[0]!r}; choose from {','.join(PATHS)}")
-    out = []
+    out, codecs = [], {}
     for name in names:
         for r in ratios:
-            codec = KVTCCodec(artifact, float(r), mode=mode)
+            if r not in codecs:  # one codec per ratio for every path (its bases are read and held once)
+                codecs[r] = KVTCCodec(artifact, float(r), mode=mode)
+            codec = codecs[r]
             if name == "offline":
                 out.append(CachePath(name, float(r), restore=_offline(codec)))
             elif name == "chunk":

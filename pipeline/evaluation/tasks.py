@@ -183,14 +183,19 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
-@dataclass
+@dataclass(frozen=True)
 class Haystack:
-    """A text source tokenized once: `ids` the pool of token ids (documents joined by a blank line), `breaks`
-    the positions in [0, len(ids)] where a needle may go (after a token ending a sentence or a line)."""
+    """A text source tokenized once. ids: the pool of token ids, (n,), documents joined by a blank line; breaks:
+    (n + 1,) whether a needle may go before token i (after a line, or after a sentence's end followed by a space;
+    both ends always); source: what the text is, for messages."""
 
-    ids: list[int]
-    breaks: list[bool] = field(repr=False)
+    ids: tuple[int, ...]
+    breaks: tuple[bool, ...] = field(repr=False)
     source: str = DEFAULT_HAYSTACK
+
+    def __post_init__(self) -> None:
+        if len(self.breaks) != len(self.ids) + 1 or not (self.breaks[0] and self.breaks[-1]):
+            raise ValueError(f"a haystack of {len(self.ids)} tokens needs {len(self.ids) + 1} breaks, both ends set")
 
     @classmethod
     def build(cls, tokenizer: Any, texts: Iterable[str] | None = None, source: str = DEFAULT_HAYSTACK,
@@ -210,7 +215,7 @@ class Haystack:
         # a break before token j: after a line, or after a sentence's end followed by a space
         breaks = [True] + [words[a].endswith("\n") or (bool(_SENTENCE.search(words[a])) and words[b][:1].isspace())
                            for a, b in zip(ids, ids[1:])]
-        return cls(ids, breaks + [True] if ids else [True], source)
+        return cls(tuple(ids), tuple(breaks + [True] if ids else [True]), source)
 
     def spot(self, offset: int, size: int, target: int) -> int:
         """The break in the window [offset, offset + size) nearest `target` (0..size, window-relative)."""
@@ -332,7 +337,7 @@ def _passage(rng: random.Random, hay: Haystack, tokenizer: Any, avoid: tuple[int
         return None
     a, b = rng.choice(free)
     start = rng.randrange(a, b - COPY_TOKENS - 1)
-    words = tokenizer.decode(hay.ids[start:start + COPY_TOKENS + 2]).replace('"', "'").split()
+    words = tokenizer.decode(list(hay.ids[start:start + COPY_TOKENS + 2])).replace('"', "'").split()
     words = words[1:-1]  # the first and last words may be cut
     return " ".join(words) if len(words) >= 5 else None
 
@@ -370,7 +375,7 @@ def make_sample(task: str, tokenizer: Any, hay: Haystack | None, length: int, de
                              f"the {size} this {task} prompt needs; use a shorter length or a larger haystack")
         offset = offset_guess if task == "copy" and offset_guess + size <= len(hay.ids) else \
             rng.randrange(0, len(hay.ids) - size + 1)
-        window = hay.ids[offset:offset + size]
+        window = list(hay.ids[offset:offset + size])
         others = [] if task == "vt" else [text for i, (_, text) in enumerate(d.needles) if i != d.target]  # vt: a chain
         if _leaks(d.secret, [tokenizer.decode(window), head_t + d.instruction, d.question + tail_t + d.prefix,
                              *others]):
