@@ -8,9 +8,7 @@ from typing import Any
 
 import torch
 
-from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layers import cached_layers
-from kvtc.workers.capture import raw_cache
 
 CACHE_COPIES = 8  # the float32 cache, each ratio's decoded copy and the scoring's own cache, measured under 8
 LOGIT_COPIES = 2  # the forward's float32 logits over every position, and their log-softmax
@@ -42,24 +40,19 @@ def position_edges(tokens: int, sinks: int, per_octave: int = 2) -> list[int]:
     return sorted(e for e in edges if e >= min(sinks, tokens) or e == 0)
 
 
-def position_errors(lm: Any, artifact: Any, ids: Any, ratios: list[float], sinks: int) -> list[dict]:
-    """ids (T,) tokens -> curve rows {stream, group: None, ratio, lo, hi, rows, rel_error}: the cache's
-    relative error by position bucket through the offline codec (sinks and window raw), every coded layer and
-    head, at each ratio."""
-    seq = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1).to(lm.device)
-    keys, values = raw_cache(lm, seq)
-    tokens = keys.shape[2]
-    edges = position_edges(tokens, sinks)
+def position_errors(keys: torch.Tensor, values: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, ratio: float,
+                    sinks: int) -> list[dict]:
+    """A cache (layers, heads, T, d) and its reconstruction through the offline codec at `ratio` (sinks and window
+    raw) -> curve rows {stream, group: None, ratio, lo, hi, rows, rel_error}: the relative error by position
+    bucket over every coded layer and head. The served check hands it the long window's own reconstruction (its
+    scoring made it): no second prefill, no second coding."""
+    edges = position_edges(keys.shape[2], sinks)
     rows = []
-    for ratio in ratios:
-        codec = KVTCCodec(artifact, ratio, max_tokens=max(tokens + 1, 1 << 17))
-        k_hat, v_hat = codec.decode(codec.encode(keys, values, start=0), device=keys.device)
-        for stream, x, x_hat in (("keys", keys, k_hat), ("values", values, v_hat)):
-            err = (x_hat.float() - x.float()).pow(2).sum(dim=(0, 1, 3), dtype=torch.float64)
-            norm = x.float().pow(2).sum(dim=(0, 1, 3), dtype=torch.float64)
-            for lo, hi in zip(edges, edges[1:]):
-                n = float(norm[lo:hi].sum())
-                rows.append({"stream": stream, "group": None, "ratio": float(ratio), "lo": lo, "hi": hi,
-                             "rows": hi - lo, "rel_error": math.sqrt(float(err[lo:hi].sum()) / n) if n else 0.0})
-        del k_hat, v_hat
+    for stream, x, x_hat in (("keys", keys, k_hat), ("values", values, v_hat)):
+        err = (x_hat.float() - x.float()).pow(2).sum(dim=(0, 1, 3), dtype=torch.float64)
+        norm = x.float().pow(2).sum(dim=(0, 1, 3), dtype=torch.float64)
+        for lo, hi in zip(edges, edges[1:]):
+            n = float(norm[lo:hi].sum())
+            rows.append({"stream": stream, "group": None, "ratio": float(ratio), "lo": lo, "hi": hi,
+                         "rows": hi - lo, "rel_error": math.sqrt(float(err[lo:hi].sum()) / n) if n else 0.0})
     return rows

@@ -140,13 +140,15 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
         yield "deflate-fp16", None, bl.deflate(keys, values, sinks, window)
 
 
-def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None) -> list[dict]:
+def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None, observe=None) -> list[dict]:
     """sequences: iterable of (T,) token arrays. Returns one row per method: method, ratio (target,
     or None for fixed-rate methods), bytes_per_token, cr, key_rel_error, value_rel_error,
     ppl_ratio, kl, tokens, sequences; key_attn_error, value_attn_error: the same errors in the attention
     objective's metric (kvtc.pipeline.fit.metric, measured on each sequence's own queries), where the model's
     query and output projections can be read; for a multi-head latent attention model (keys: its latent, values: its
-    RoPE key) also key_up_error, value_up_error: the per-head keys and values after kv_b_proj (workers.mla)."""
+    RoPE key) also key_up_error, value_up_error: the per-head keys and values after kv_b_proj (workers.mla).
+    observe(method, keys, values, reconstruction), where given, sees each method's reconstruction of each prefix
+    cache (the served check reads its position errors from the offline codec's)."""
 
 
 
@@ -177,6 +179,8 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
         ref_nll = -ref.gather(1, target[:, None]).sum().item()
         head, mid, _ = bl.split(keys.shape[2], sinks, window)
         for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window, codecs):
+            if observe is not None:
+                observe(name, keys, values, rec)
             keep = None if rec.keep is None else rec.keep.to(lm.device)
             lp = continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep, **state)
             t = tallies.setdefault(name, _Tally(ratio=ratio))

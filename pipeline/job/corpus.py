@@ -32,7 +32,7 @@ import json
 import os
 import sysconfig
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -107,8 +107,11 @@ def _split_last(text: str, sep: str) -> tuple[str, str | None]:
     return (head, tail) if found else (text, None)
 
 
-def iter_documents(spec: str, text_column: str | None = None, counts: ReadCounts | None = None) -> Iterator[Document]:
-    """The documents of `spec` in a deterministic order (grammar: module docstring). Bad specs fail here, eagerly."""
+def iter_documents(spec: str, text_column: str | None = None, counts: ReadCounts | None = None,
+                   pkgdocs: Sequence[str] | None = None) -> Iterator[Document]:
+    """The documents of `spec` in a deterministic order (grammar: module docstring). Bad specs fail here, eagerly.
+    pkgdocs: the "name==version" distributions a recorded corpus read (its manifest's `mixture.pkgdocs`): exactly
+    those are read again, whatever was installed since (ValueError naming any no longer installed)."""
     counts = counts if counts is not None else ReadCounts()
     parts = [part.strip() for part in spec.split(",")]
     if not spec.strip() or not all(parts):
@@ -116,7 +119,7 @@ def iter_documents(spec: str, text_column: str | None = None, counts: ReadCounts
     mixed = [_mixed_parts(part) for part in parts]
     if any(not p for m in mixed for p in m):
         raise ValueError(f"empty part in corpus spec {spec!r}; accepted forms: {ACCEPTED_FORMS}")
-    sources = [_mixture([_resolve(p, text_column) for p in m]) for m in mixed]
+    sources = [_mixture([_resolve(p, text_column, pkgdocs) for p in m]) for m in mixed]
     return _stream(spec, sources, counts)
 
 
@@ -165,13 +168,13 @@ def _stream(spec: str, sources: list[Source], counts: ReadCounts) -> Iterator[Do
         raise ValueError(f"corpus {spec!r} has no usable document ({counts.files_skipped} file(s) skipped: {reasons})")
 
 
-def _resolve(part: str, text_column: str | None) -> Source:
+def _resolve(part: str, text_column: str | None, pkgdocs: Sequence[str] | None = None) -> Source:
     if part == "pydoc":
         return lambda counts: _pydoc_documents()
     if part == "stdlib":
         return _stdlib_documents
     if part == "pkgdocs":
-        return lambda counts: _pkgdocs_documents()
+        return lambda counts: _pkgdocs_documents(pkgdocs)
     if part.startswith("hf:"):
         hf = parse_hf_spec(part)
         column = _pick_column(part, hf.column, text_column)
@@ -208,8 +211,20 @@ def _pydoc_documents() -> Iterator[Document]:
             yield Document(id=f"pydoc:{key}", text=topics[key])
 
 
-def _pkgdocs_documents() -> Iterator[Document]:
-    yield from _pkgdocs_snapshot()
+def _pkgdocs_documents(pinned: Sequence[str] | None = None) -> Iterator[Document]:
+    """The installed distributions' long descriptions, or exactly the `pinned` "name==version" ones."""
+    docs = _pkgdocs_snapshot()
+    if pinned is None:
+        yield from docs
+        return
+    wanted = set(pinned)
+    found = [d for d in docs if d.id.split(":", 1)[1] in wanted]
+    missing = sorted(wanted - {d.id.split(":", 1)[1] for d in found})
+    if missing:
+        raise ValueError(f"the corpus read the documentation of {len(wanted)} installed packages, and "
+                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} are no longer installed at "
+                         "those versions: its held-out text cannot be rebuilt here; pass --corpus")
+    yield from found
 
 
 @functools.lru_cache(maxsize=1)

@@ -24,7 +24,7 @@ def heldout_sequences(artifact, tokenizer, spec: str | None, count: int, max_seq
     out = []
     if own:
         held = set(corpus.get("heldout_shards") or [])
-        plan = shard_plan(cfg, cfg.plan.tokens or count * seq_len)
+        plan = shard_plan(cfg, cfg.plan.tokens or count * seq_len, (corpus.get("mixture") or {}).get("pkgdocs"))
         for role, shard in plan_shards(plan, tokenizer, max_seq_len):
             if role == "heldout" and shard.id in held:
                 out.extend(shard.input_ids[: count - len(out)])

@@ -125,8 +125,15 @@ def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> 
         return None
     window = [held[:length]]
     prefix = length - settings.continuation - 1
-    rows = evaluate_sequences(lm, art, window, dataclasses.replace(settings, sequences=1, prefix=prefix))
     sinks = int(art.manifest.get("calibration", {}).get("sinks") or 0)
     ratios = sorted(settings.ratios)
-    positions = position_errors(lm, art, window[0][:prefix], [ratios[len(ratios) // 2]], sinks)  # the chart's bold one
+    middle = ratios[len(ratios) // 2]  # the chart's bold one
+    positions: list[dict] = []
+
+    def observe(method: str, keys: Any, values: Any, rec: Any) -> None:
+        if method == f"kvtc-{middle:g}x":  # the offline codec's reconstruction the scoring just made
+            positions.extend(position_errors(keys, values, rec.keys, rec.values, middle, sinks))
+
+    rows = evaluate_sequences(lm, art, window, dataclasses.replace(settings, sequences=1, prefix=prefix),
+                              observe=observe)
     return {"prefix": prefix, "rows": rows, "positions": positions}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -115,8 +115,9 @@ class PackCounts(ReadCounts):
 def make_shards(spec: str, tokenizer: Any, seq_len: int = 1024, seqs_per_shard: int = 8, max_tokens: int | None = None,
                 seed: int = 0, text_column: str | None = None, holdout_fraction: float = 0.125, *,
                 min_holdout_shards: int = 1, max_seq_len: int | None = None, shuffle_buffer: int = 1024,
-                counts: PackCounts | None = None) -> Iterator[Shard]:
-    """Stream the shards of corpus `spec`; max_seq_len is the model's limit (e.g. LoadedModel.max_positions)."""
+                counts: PackCounts | None = None, pkgdocs: Sequence[str] | None = None) -> Iterator[Shard]:
+    """Stream the shards of corpus `spec`; max_seq_len is the model's limit (e.g. LoadedModel.max_positions);
+    pkgdocs: a recorded corpus's distributions (corpus.iter_documents)."""
     if max_seq_len is not None and seq_len > max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's maximum of {max_seq_len} positions; lower seq_len")
     settings = ShardSettings(seq_len, seqs_per_shard, max_tokens, seed, holdout_fraction, min_holdout_shards,
@@ -124,7 +125,7 @@ def make_shards(spec: str, tokenizer: Any, seq_len: int = 1024, seqs_per_shard: 
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise ValueError("the tokenizer has no eos token to separate documents; set tokenizer.eos_token")
     counts = counts if counts is not None else PackCounts()
-    documents = iter_documents(spec, text_column, counts)
+    documents = iter_documents(spec, text_column, counts, pkgdocs)
     return _holdout_stream(_shard_stream(_pack(shuffled(documents, seed, shuffle_buffer), tokenizer, settings, counts),
                                          settings, counts), settings, counts, spec)
 
@@ -252,6 +253,7 @@ class ShardPlan:
     seed: int
     holdout_fraction: float
     text_column: str | None = None
+    pkgdocs: tuple[str, ...] | None = None  # a recorded corpus's distributions (rebuilding its held-out text)
 
     def __post_init__(self) -> None:
         if self.tokens < self.seq_len:
@@ -283,7 +285,8 @@ def plan_shards(plan: ShardPlan, tokenizer: Any, max_seq_len: int | None = None,
         for shard in make_shards(spec, tokenizer, seq_len=plan.seq_len, seqs_per_shard=plan.seqs_per_shard,
                                  max_tokens=budget, seed=plan.seed, text_column=plan.text_column,
                                  holdout_fraction=0.0 if is_eval else plan.holdout_fraction,
-                                 min_holdout_shards=0 if is_eval else 1, max_seq_len=max_seq_len):
+                                 min_holdout_shards=0 if is_eval else 1, max_seq_len=max_seq_len,
+                                 pkgdocs=None if is_eval else plan.pkgdocs):
             if shard.id in seen:
                 if duplicates is not None:
                     duplicates.append(shard.id)
@@ -292,9 +295,10 @@ def plan_shards(plan: ShardPlan, tokenizer: Any, max_seq_len: int | None = None,
             yield ("eval" if is_eval else "heldout" if shard.holdout else "train"), shard
 
 
-def shard_plan(cfg: JobSettings, tokens: int) -> ShardPlan:
-    """The job's ShardPlan for `tokens` training-corpus tokens."""
+def shard_plan(cfg: JobSettings, tokens: int, pkgdocs: Sequence[str] | None = None) -> ShardPlan:
+    """The job's ShardPlan for `tokens` training-corpus tokens; pkgdocs: a recorded corpus's distributions."""
     p = cfg.plan
     return ShardPlan(corpus=p.corpus, tokens=tokens, eval_corpus=p.eval_corpus, eval_tokens=p.eval_tokens,
                      seq_len=p.seq_len, seqs_per_shard=p.seqs_per_shard, seed=cfg.capture.seed,
-                     holdout_fraction=p.holdout_fraction, text_column=p.text_column)
+                     holdout_fraction=p.holdout_fraction, text_column=p.text_column,
+                     pkgdocs=None if pkgdocs is None else tuple(pkgdocs))
