@@ -157,3 +157,17 @@ def test_mixture_interleaves_pydoc_and_installed_package_descriptions(files: Pat
     assert [d.text for d in iter_documents(str(plus))] == ["a file whose name holds a plus"]
     with pytest.raises(ValueError, match="empty part"):
         iter_documents("pydoc+")
+
+
+def test_a_recorded_pkgdocs_corpus_reads_exactly_its_distributions_whatever_was_installed_since():
+    """The held-out text of a published artifact is rebuilt from the distributions its manifest recorded
+    (`mixture.pkgdocs`): a package installed since (one more document in the interleave) must not move it."""
+    from kvtc.pipeline.job.corpus import describe, iter_documents
+
+    recorded = describe("pkgdocs")["pkgdocs"]
+    assert len(recorded) >= 3
+    pinned = recorded[1:]  # as if the first had been installed after the calibration
+    got = [d.id.split(":", 1)[1] for d in iter_documents("pkgdocs", pkgdocs=pinned)]
+    assert got == pinned
+    with pytest.raises(ValueError, match="no longer installed"):
+        list(iter_documents("pkgdocs", pkgdocs=pinned + ["no-such-package==0.0"]))
