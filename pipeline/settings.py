@@ -60,7 +60,8 @@ class ModelSettings:
     """model: the model spec (see kvtc.workers.models.load_spec); dtype: the workers' dtype (None:
     float32 on CPU workers, bfloat16 on GPU ones)."""
 
-    model: str = option(DEFAULT_MODEL, "the embedded SmolLM2, a hub id, a model dir, a .gguf path, or tiny:ARCH")
+    model: str = option(DEFAULT_MODEL, "the embedded SmolLM2, gemma3-270m (sliding-window and global layers), a hub id, "
+                                       "a model dir, a .gguf path, or tiny:ARCH")
     dtype: str | None = option(None, "float32 (CPU default), bfloat16 or float16")
 
     def __post_init__(self) -> None:
