@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, SINK_BUDGETS, SINK_FORMATS
+from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, SINK_BUDGETS
 from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section, read_blob, write_blob
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
@@ -246,8 +246,6 @@ class ChunkTransform:
         self.chunk_key = chunk_key
         if sink_budget not in SINK_BUDGETS:
             raise ValueError(f"sink_budget must be one of {SINK_BUDGETS}, got {sink_budget!r}")
-        if sink_format not in SINK_FORMATS:
-            raise ValueError(f"sink_format must be one of {SINK_FORMATS}, got {sink_format!r}")
         if spec.value_dim is not None:
             raise ValueError(f"artifact {spec.name}@{spec.version} is for a multi-head latent attention model "
                              f"({spec.widths}): servers move its cache as one latent plane per token (kv_size 1), "
@@ -268,23 +266,21 @@ class ChunkTransform:
             mode = codec.mode if codec.mode in CHUNK_MODES else default_mode(spec).name
         if mode not in CHUNK_MODES:
             raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {CHUNK_MODES}, not {mode!r}")
-        options = dict(backend=codec.backend, level=level, coder=coder, ecsq_format=codec.ecsq_format,
-                       basis_dtype=codec.basis_dtype, outlier_factor=codec.outlier_factor)
-        self.codec = KVTCCodec(self.spec, mode=mode, sink_format=sink_format, **options)
+        options = replace(codec.options, mode=mode, sink_format=sink_format, level=level, coder=coder)
+        self.codec = KVTCCodec(self.spec, options=options)
         self.mode = self.codec.mode
         self.coding = mode_for(self.mode)  # the mode's size bound and fallback (kernels/codec/mode.py)
         # the fixed-rate fallback where the mode has one (a chunk it cannot code within the bound), else the codec
         fallback = self.coding.fallback
-        self.fixed = self.codec if fallback is None else KVTCCodec(self.spec, mode=fallback.name,
-                                                                   sink_format=sink_format, **options)
+        self.fixed = self.codec if fallback is None else KVTCCodec(self.spec, options=replace(options, mode=fallback.name))
         self.pad = pad
         # shared: a first chunk's raw sinks come out of its own budget (ECSQ at a coarser step), or, where they
         # cannot, it is coded whole, sinks included (fixed-rate, a later chunk's size): the bound is a later chunk's
         self.shared = sink_budget == "shared" and self.sinks > 0
-        self.whole = KVTCCodec(replace(self.spec, sinks=0), mode=self.fixed.mode, **options) if self.shared else None
+        self.whole = KVTCCodec(replace(self.spec, sinks=0), options=self.fixed.options) if self.shared else None
         # where the budget left after all the sinks cannot hold the other tokens (a high ratio, text far from the
         # calibration's), a first chunk keeps only the first token raw, the strongest sink, before coding it whole
-        self.one = KVTCCodec(replace(self.spec, sinks=1), mode=self.mode, sink_format=sink_format, **options) \
+        self.one = KVTCCodec(replace(self.spec, sinks=1), options=self.codec.options) \
             if self.shared and not self.coding.exact and self.sinks > 1 else None
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
         self._floors: dict[int, float] = {}  # coded tokens -> the mode's floor over its budget

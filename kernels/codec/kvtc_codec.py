@@ -17,7 +17,7 @@ servers store): coded from their exact bfloat16 values, decoded back to float8_e
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 import warnings
 from contextlib import contextmanager
 from functools import partial
@@ -28,14 +28,13 @@ import torch
 from kvtc.artifacts import kernel_bundle_hash, pull
 from kvtc.artifacts.env_values import env_flag
 from kvtc.artifacts.groups import group_columns
-from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec import outliers
-from kvtc.kernels.codec.blob import (NO_CACHE, TAG_OUTLIERS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, SINK_FORMATS,
+from kvtc.kernels.codec.blob import (NO_CACHE, TAG_OUTLIERS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader,
                                      Section, SectionBound, SectionKey, read_blob, write_blob)
-from kvtc.kernels.codec.chunk_options import OUTLIER_FACTOR, check_outlier_factor
-from kvtc.kernels.codec.entropy import CODERS, PLAIN, decode_section, decode_sections, encode_section
+from kvtc.kernels.codec.codec_options import CodecOptions
+from kvtc.kernels.codec.entropy import PLAIN, decode_section, decode_sections, encode_section
 from kvtc.kernels.codec.layout import bytes_to_tensor, tensor_bytes
-from kvtc.kernels.codec.backend import BACKENDS, Ops, resolve_ops
+from kvtc.kernels.codec.backend import Ops, resolve_ops
 from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
 from kvtc.kernels.codec.mode import BlobContext, Mode
 from kvtc.kernels.codec.modes import mode_for, resolve_mode
@@ -47,7 +46,7 @@ _FP8 = {torch.float8_e4m3fn: "float8_e4m3fn"}  # cache dtypes coded through thei
 _CACHE_DTYPES = {**_DTYPES, **_FP8}
 _MAX_TOKENS = 1 << 31
 _MAX_START = 1 << 62
-DEFAULT_MAX_TOKENS = 1 << 17  # 131072: decode refuses longer blobs unless the caller raises the limit
+_OPTION_NAMES = frozenset(f.name for f in fields(CodecOptions)) - {"mode"}  # `mode` is the property below
 
 
 class KernelBundleWarning(UserWarning):
@@ -57,33 +56,18 @@ class KernelBundleWarning(UserWarning):
 class KVTCCodec:
     """Encode/decode KV caches for one artifact at one compression ratio.
 
-    backend: "auto" (Triton on CUDA, torch on CPU), "torch", or "triton" (interpreter on CPU).
-    level: zlib level per section (0 = store plain); coder: "zlib", "plain" or "nvcomp".
-    mode: "ecsq" (entropy-coded, the default when the artifact carries ECSQ tables for the ratio) or
-    "fixed" (per-block fixed-rate codes with per-token scales, DEFLATE). Decode follows the blob's mode.
-    rate_control (ECSQ): coarsen the step of a (stream, group) whose coded bytes would exceed the
-    ratio's budget (text unlike the calibration's); False keeps the calibrated step everywhere.
-    ecsq_format: the ECSQ symbols' format in new blobs: "rans" (default; interleaved rANS, decoded and
-    encoded on the device by Triton kernels where the cache lives on CUDA, by the numpy reference
-    elsewhere) or "constriction" (the first format, host only). Decode follows the blob's format.
-    max_tokens: decode refuses a blob declaring more tokens, before allocating anything for it.
-    sink_format: the raw sinks in new blobs: "cache" (the cache's dtype) or "int8" (codes and a float32 scale
-    per token vector, about half of bfloat16: kernels/codec/sinks_int8.py). Decode follows the blob's format.
-    outlier_factor (ECSQ with rate control): the coded middle's (layer, token) vectors whose relative error exceeds
-    this many times their stream's are stored int8 inside the budget (kernels/codec/outliers.py); None: none.
-    basis_dtype: dtype of the components held on the device (only the columns the mode's code uses);
-    None: the cache's dtype on CUDA, float32 on CPU.
+    How it codes is `options` (kernels/codec/codec_options.py: backend, level, coder, max_tokens, mode, rate_control,
+    ecsq_format, basis_dtype, sink_format, outlier_factor), given whole or as keywords (`KVTCCodec(art, 16,
+    level=0)`; with `options` too, they replace its fields); read them as `codec.options.level` or `codec.level`.
+    Another codec like this one: `KVTCCodec(spec, options=replace(codec.options, ...))`.
     rank: a tensor-parallel rank of an artifact calibrated with --tp: the codec then takes and returns
     that rank's local cache, (layers, its KV heads, tokens, head_dim) (`spec.heads` says which heads);
     None codes the whole cache (every head, each range with its rank's bases).
     Set `profile = {}` to accumulate seconds per stage (synchronizes CUDA between stages).
     """
 
-    def __init__(self, artifact: Any, ratio: float | None = None, *, backend: str = "auto", level: int = 1,
-                 coder: str = "zlib", max_tokens: int = DEFAULT_MAX_TOKENS, mode: str | None = None,
-                 rate_control: bool = True, ecsq_format: str = "rans",
-                 basis_dtype: torch.dtype | None = None, rank: int | None = None, sink_format: str = "cache",
-                 outlier_factor: float | None = OUTLIER_FACTOR) -> None:
+    def __init__(self, artifact: Any, ratio: float | None = None, *, rank: int | None = None,
+                 options: CodecOptions | None = None, **kwargs: Any) -> None:
         if isinstance(artifact, CodecSpec):
             if ratio is not None and float(ratio) != artifact.ratio:
                 raise ValueError(f"ratio {ratio} differs from the CodecSpec's ratio {artifact.ratio}")
@@ -92,29 +76,26 @@ class KVTCCodec:
             if ratio is None:
                 raise ValueError("KVTCCodec(artifact, ratio): ratio is required, e.g. 8, 16 or 32")
             self.spec = CodecSpec.from_artifact(artifact, ratio, rank=rank)
-        if backend not in BACKENDS or coder not in CODERS or not 0 <= level <= 9:
-            raise ValueError(f"backend must be one of {BACKENDS}, coder one of {CODERS}, level in 0..9")
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        self.backend, self.level, self.coder, self.max_tokens = backend, level, coder, max_tokens
-        self._mode: Mode = resolve_mode(self.spec, mode)
-        if ecsq_format not in ecsq.ECSQ_FORMATS:
-            raise ValueError(f"ecsq_format must be one of {ecsq.ECSQ_FORMATS}, got {ecsq_format!r}")
-        self.ecsq_format = ecsq_format
-        if sink_format not in SINK_FORMATS:
-            raise ValueError(f"sink_format must be one of {SINK_FORMATS}, got {sink_format!r}")
-        self.sink_format = sink_format
-        self.outlier_factor = check_outlier_factor(outlier_factor)
+        options = replace(CodecOptions() if options is None else options, **kwargs)  # an unknown name: TypeError
+        self._mode: Mode = resolve_mode(self.spec, options.mode)
+        self.options = replace(options, mode=self._mode.name)
         self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
-        if basis_dtype not in (None, *_DTYPES):
-            raise ValueError(f"basis_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {basis_dtype!r}")
-        self.basis_dtype = basis_dtype
-        self.rate_control = rate_control
         self.profile: dict[str, float] | None = None
         shared, self.rope = self.spec.shared_rope  # one RoPE for every coded layer: fused into the kernels
         self._per_layer_rope = not shared
         self._subs: dict[tuple[int, ...], KVTCCodec] = {}
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
+
+    def __getattr__(self, name: str) -> Any:  # codec.level, codec.backend, ...: its options' fields
+        if name in _OPTION_NAMES and "options" in self.__dict__:
+            return getattr(self.__dict__["options"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OPTION_NAMES:
+            raise AttributeError(f"{name} is one of the codec's options: make another codec with "
+                                 f"KVTCCodec(codec.spec, options=replace(codec.options, {name}=...))")
+        super().__setattr__(name, value)
 
     @property
     def mode(self) -> str:
@@ -258,11 +239,7 @@ class KVTCCodec:
     def _sub(self, layers: tuple[int, ...]) -> "KVTCCodec":
         """The codec of the spec restricted to `layers` (one segment of a per-layer cache)."""
         if layers not in self._subs:
-            self._subs[layers] = KVTCCodec(restrict(self.spec, layers), backend=self.backend, level=self.level,
-                                           coder=self.coder, max_tokens=self.max_tokens, mode=self.mode,
-                                           rate_control=self.rate_control, ecsq_format=self.ecsq_format,
-                                           basis_dtype=self.basis_dtype, sink_format=self.sink_format,
-                                           outlier_factor=self.outlier_factor)
+            self._subs[layers] = KVTCCodec(restrict(self.spec, layers), options=self.options)
             self._subs[layers].device_entropy = self.device_entropy
         return self._subs[layers]
 

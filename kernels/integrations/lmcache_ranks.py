@@ -3,7 +3,7 @@ built on first use of each (RankedChunkTransforms), from the artifact pulled onc
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -95,10 +95,8 @@ class RankedChunkTransforms:
             built = self._built.get(placement)
         if built is None:
             try:
-                spec = placement_spec(self.spec, placement)
-                c = self._codec
-                codec = KVTCCodec(spec, backend=c.backend, ecsq_format=c.ecsq_format, basis_dtype=c.basis_dtype,
-                                  outlier_factor=self._outlier_factor)
+                codec = KVTCCodec(placement_spec(self.spec, placement),
+                                  options=replace(self._codec.options, outlier_factor=self._outlier_factor))
                 built = ChunkTransform(codec, mode=self._mode, pad=self._pad, positions=self._positions,
                                        label=f"artifact {self.spec.name}@{self.spec.version} {placement.describe(self.spec)}",
                                        sink_budget=self._sink_budget, sink_format=self._sink_format,

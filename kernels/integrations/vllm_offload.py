@@ -142,11 +142,8 @@ class ChunkCodec:
         if missing:
             raise ValueError(f"artifact {spec.name}@{spec.version} codes layers {coded}; vLLM's cache group holds "
                              f"layers {missing} it has no basis for")
-        if list(layers) != coded:
-            spec = restrict(spec, list(layers))
-        stage = KVTCCodec(spec, mode=codec.mode, backend=codec.backend, ecsq_format=codec.ecsq_format,
-                          basis_dtype=codec.basis_dtype, outlier_factor=codec.outlier_factor)
-        self.transform = ChunkTransform(stage, mode=codec.mode, pad=False, positions=True, sink_budget="extra",
+        stage = codec if list(layers) == coded else KVTCCodec(restrict(spec, list(layers)), options=codec.options)
+        self.transform = ChunkTransform(stage, pad=False, positions=True, sink_budget="extra",
                                         charge="start", level=codec.level, coder=codec.coder,
                                         label=f"the vLLM tier's artifact {spec.name}@{spec.version}")
         self.spec, self.codec = self.transform.spec, self.transform.codec
