@@ -317,7 +317,7 @@ def _assemble(named: NamedGguf, parts: list[Path], target: Path) -> None:
     def write(out) -> None:
         digest = hashlib.sha256()
         for part in parts:
-            with open(part, "rb") as f:
+            with os.fdopen(open_regular(str(part), "GGUF part", links="follow"), "rb") as f:
                 for block in iter(lambda: f.read(1 << 22), b""):
                     digest.update(block)
                     out.write(block)
