@@ -73,13 +73,19 @@ def check_address(address: str, timeout: float = ADDRESS_TIMEOUT_S) -> None:
         host, port = None, None
     if not host or not port:
         raise ValueError(f"--address {address!r} is not HOST:PORT, ray://HOST:PORT, auto or local")
+    failed = unanswered(host, port, timeout)
+    if failed:
+        raise ConnectionError(f"--address {address}: nothing answers at {host}:{port} within {timeout:g} s ({failed}); "
+                              "start the cluster (`ray start --head`) or fix the address")
+
+
+def unanswered(host: str, port: int, timeout: float) -> str | None:
+    """Why `host:port` does not accept a TCP connection within `timeout` seconds, or None when it does."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
-            pass
+            return None
     except OSError as exc:
-        raise ConnectionError(f"--address {address}: nothing answers at {host}:{port} within {timeout:g} s "
-                              f"({exc.strerror or type(exc).__name__}); start the cluster (`ray start --head`) or "
-                              "fix the address") from None
+        return exc.strerror or type(exc).__name__
 
 
 def _file(text: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 from urllib.parse import urlsplit
 
 from fsspec.core import split_protocol
@@ -20,7 +19,7 @@ from kvtc.artifacts.blocks import QTYPES, check_payable, check_ratios
 from kvtc.artifacts.names import split_ref
 from kvtc.artifacts.names import check_name
 from kvtc.artifacts.signing import load_private_key
-from kvtc.pipeline.checks.environment import check_address, check_environment
+from kvtc.pipeline.checks.environment import check_address, check_environment, unanswered
 
 COUNTS = ("prefix", "workers", "threads_per_worker", "gpus_per_worker", "tp", "tokens", "eval_tokens", "seq_len", "seqs_per_shard",
           "drift_tokens", "max_runs", "heldout_rows", "accumulators", "continuation", "sequences")
@@ -78,13 +77,10 @@ def check_uri(flag: str, uri: str, starts_ray: bool, probe_timeout: float = ENDP
         return
     parts = urlsplit(endpoint)
     host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=probe_timeout):
-            pass
-    except OSError as exc:
+    failed = unanswered(host, port, probe_timeout)
+    if failed:
         raise ConnectionError(f"{flag} {uri}: its endpoint {endpoint} does not answer within {probe_timeout:g} s "
-                              f"({exc.strerror or type(exc).__name__}); start the object store or fix the endpoint "
-                              "($AWS_ENDPOINT_URL for s3://)") from None
+                              f"({failed}); start the object store or fix the endpoint ($AWS_ENDPOINT_URL for s3://)")
 
 
 def _endpoint(protocol: str, uri: str) -> str | None:
