@@ -33,7 +33,6 @@ MAX_FEATURES = 1 << 24  # no model's p (layers x kv heads x head_dim) comes near
 URIS = ("store", "registry")  # where a word names storage: its protocol, its process, its endpoint
 PROCESS_PROTOCOLS = ("memory",)  # held by one process: no Ray worker, on any node, reaches it
 S3_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's own order
-DEFAULT_S3_ENDPOINT = "https://s3.amazonaws.com"
 ENDPOINT_TIMEOUT_S = 1.5
 RAY_COMMANDS = ("kvtc.pipeline.commands.calibrate", "kvtc.pipeline.commands.recalibrate")  # they start or join Ray
 
@@ -87,8 +86,8 @@ def _endpoint(protocol: str, uri: str) -> str | None:
     """The URL an object-store URI is served from, where its word and the environment tell it."""
     if protocol in ("http", "https"):
         return uri
-    if protocol in ("s3", "s3a"):
-        return next((os.environ[v] for v in S3_ENDPOINT_ENV if os.environ.get(v)), DEFAULT_S3_ENDPOINT)
+    if protocol in ("s3", "s3a"):  # only an endpoint the environment names: one from ~/.aws/config is botocore's to
+        return next((os.environ[v] for v in S3_ENDPOINT_ENV if os.environ.get(v)), None)  # read (its errors: exit 2)
     return None
 
 
