@@ -16,6 +16,8 @@ from fsspec.core import split_protocol
 from fsspec.registry import known_implementations, registry
 
 from kvtc.artifacts.blocks import QTYPES, check_payable, check_ratios
+from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.safe_io import open_regular
 from kvtc.artifacts.names import split_ref
 from kvtc.artifacts.names import check_name
 from kvtc.artifacts.signing import load_private_key
@@ -33,6 +35,7 @@ MAX_FEATURES = 1 << 24  # no model's p (layers x kv heads x head_dim) comes near
 URIS = ("store", "registry")  # where a word names storage: its protocol, its process, its endpoint
 PROCESS_PROTOCOLS = ("memory",)  # held by one process: no Ray worker, on any node, reaches it
 S3_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's own order
+DEFAULT_S3_ENDPOINT = "https://s3.amazonaws.com"
 ENDPOINT_TIMEOUT_S = 1.5
 RAY_COMMANDS = ("kvtc.pipeline.commands.calibrate", "kvtc.pipeline.commands.recalibrate")  # they start or join Ray
 
@@ -86,9 +89,20 @@ def _endpoint(protocol: str, uri: str) -> str | None:
     """The URL an object-store URI is served from, where its word and the environment tell it."""
     if protocol in ("http", "https"):
         return uri
-    if protocol in ("s3", "s3a"):  # only an endpoint the environment names: one from ~/.aws/config is botocore's to
-        return next((os.environ[v] for v in S3_ENDPOINT_ENV if os.environ.get(v)), None)  # read (its errors: exit 2)
+    if protocol in ("s3", "s3a"):
+        named = next((os.environ[v] for v in S3_ENDPOINT_ENV if os.environ.get(v)), None)
+        return named or (None if _configured_endpoint() else DEFAULT_S3_ENDPOINT)
     return None
+
+
+def _configured_endpoint() -> bool:
+    """Whether botocore's own configuration file may name an endpoint (then botocore reads it; its errors: exit 2)."""
+    path = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    try:
+        with os.fdopen(open_regular(path, "AWS config file", links="follow"), "rb") as f:
+            return b"endpoint_url" in f.read(1 << 20)
+    except (OSError, IntegrityError):
+        return False
 
 
 def check_args(args: argparse.Namespace) -> None:
