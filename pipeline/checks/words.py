@@ -3,7 +3,7 @@
 A rule applies to an option wherever a command defines it (same destination name), so every
 command refuses the same bad values the same way: empty URIs, counts below 1, non-finite or
 out-of-range numbers, invalid names and refs, output paths that are files, key files that do
-not exist, and a Ray address nobody answers at.
+not exist, a Ray address nobody answers at, and a store or registry URI its word refuses (`check_uri`).
 """
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ from fsspec.registry import known_implementations, registry
 
 from kvtc.artifacts.blocks import QTYPES, check_payable, check_ratios
 from kvtc.artifacts.errors import IntegrityError
+from kvtc.artifacts.names import check_name, split_ref
 from kvtc.artifacts.safe_io import open_regular
-from kvtc.artifacts.names import split_ref
-from kvtc.artifacts.names import check_name
 from kvtc.artifacts.signing import load_private_key
 from kvtc.pipeline.checks.environment import check_address, check_environment, unanswered
 
@@ -78,7 +77,13 @@ def check_uri(flag: str, uri: str, starts_ray: bool, probe_timeout: float = ENDP
     if endpoint is None:
         return
     parts = urlsplit(endpoint)
-    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        host, port = None, 0
+    if not host:
+        raise ValueError(f"{flag} {uri}: its endpoint {endpoint!r} is not a URL (scheme://host[:port]); fix "
+                         "$AWS_ENDPOINT_URL")
     failed = unanswered(host, port, probe_timeout)
     if failed:
         raise ConnectionError(f"{flag} {uri}: its endpoint {endpoint} does not answer within {probe_timeout:g} s "
