@@ -18,7 +18,7 @@ it published with them (older manifests load unchanged), so their meaning cannot
 manifest schema version. Most of their lines are the calibration's and the registry's checks and messages;
 hashing them would warn every server of a kernel mismatch for an edited error message. Their
 wire-relevant values are pinned by tests instead (tests/artifacts/test_groups.py: feature column order;
-tests/kernels/test_codec.py: block bit widths); docs/registry.md, "The kernel bundle".
+tests/kernels/codec/test_codec.py: block bit widths); docs/registry.md, "The kernel bundle".
 
 Bundle hash = sha256 over the lines "<relative path> <sha256 of file>\\n", sorted by path.
 The codec package is located without importing it (importing would load torch/triton; finding it imports

@@ -319,7 +319,7 @@ def check_attention_objective() -> bool:
 
     from kvtc.artifacts import publish, pull
 
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "kernels" / "codec"))
     from test_decoder import FULL, PARTIAL, _cache, whitened_content  # the decoder tests' pair E = S U, D = S^-1 U
 
     root = Path(tempfile.mkdtemp()) / "reg"

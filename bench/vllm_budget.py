@@ -12,7 +12,7 @@ x1e9, Gaussian noise, 32 spikes of +-1e5 per stream, standard Cauchy samples. Pe
 chunks (positions 0, 256, 512) stored through the tier's manager and worker within `--values-budget` bytes
 (default: room for 5 later chunks, so later requests evict). Reported: the largest chunk's bytes (blob and
 per-object slack) over what its slot was charged, and the largest bytes the worker held over `cpu_bytes_to_use`
-(tests/kernels/test_vllm_budget.py checks both <= 1 on 8 layers).
+(tests/kernels/integrations/test_vllm_budget.py checks both <= 1 on 8 layers).
 
     .venv/bin/python -P bench/vllm_budget.py [--part prompts|values|all] [--budget BYTES] [--values-budget BYTES]
         [--layers N] [--requests N] [--json]   (prompts: 4 MiB at 16-token chunks, 16 MiB at 256)
@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the fixtures: tests/helpers
 
 
 def _tests(name: str = "test_vllm_offload"):
-    """tests/kernels/<name>.py as a module: test_vllm_offload's toy artifact, config and cache builders,
+    """tests/kernels/integrations/<name>.py as a module: test_vllm_offload's toy artifact, config and cache builders,
     test_vllm_budget's chunk kinds and budget filler."""
-    spec = importlib.util.spec_from_file_location(f"_{name}", ROOT / "tests" / "kernels" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_{name}", ROOT / "tests" / "kernels" / "integrations" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

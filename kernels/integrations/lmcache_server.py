@@ -120,7 +120,7 @@ def l2_adapter(argv: list[str], index: int = 0) -> tuple[Any, Any]:
     by LMCache's own calls (its storage-manager argument parser and config, its L1 manager, `create_l2_adapter`
     and, for an adapter with a "serde", `SerdeL2AdapterWrapper` around `create_serde_processor`, as its
     StorageManager does) but without the request transport -> (adapter, l1_manager); close both after use.
-    For checks and benchmarks of the adapter alone (tests/kernels/test_lmcache_live.py runs the whole server)."""
+    For checks and benchmarks of the adapter alone (tests/kernels/integrations/test_lmcache_live.py runs the whole server)."""
     # LMCache, and through the serde torch, load only when an adapter is built: this launcher stays light
     from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config  # noqa: PLC0415 - see above
     from lmcache.v1.distributed.l1_manager import L1Manager  # noqa: PLC0415 - see above

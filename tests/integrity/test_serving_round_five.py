@@ -96,7 +96,7 @@ def test_kvtc_cache_codes_a_spike_fixed_rate_mid_generation_instead_of_raising()
     import pathlib
     import sys
 
-    here = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "test_kvtc_cache.py"
+    here = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "integrations" / "test_kvtc_cache.py"
     loaded = importlib.util.spec_from_file_location("_kvtc_cache_tests", here)
     mod = importlib.util.module_from_spec(loaded)
     sys.modules.setdefault("_kvtc_cache_tests", mod)

@@ -289,15 +289,22 @@ print(json.dumps({{"rc": rc, "heavy": sorted(m for m in HEAVY if m in sys.module
 
 
 def test_tests_mirror_the_packages():
-    """tests/<package>/ for each kvtc package (and integrity/ for the hostile families that cross them);
-    no test at the top, no test module named twice, and the tests that start a live server or job are marked."""
+    """tests/<package>/ for each kvtc package (and integrity/ for the hostile families that cross them), and
+    tests/<package>/<sub-package>/ only for a sub-package that exists (kernels/codec, pipeline/job, ...); kernels'
+    tests all sit in its sub-packages' folders; no test at the top, no test module named twice (pytest imports them
+    by basename), and the tests that start a live server or job are marked."""
     tests = REPO / "tests"
     folders = {"artifacts", "kernels", "workers", "pipeline", "integrity"}
     assert not list(tests.glob("test_*.py"))
-    found = sorted(tests.glob("*/test_*.py"))
-    assert {p.parent.name for p in found} == folders
+    found = sorted(p.relative_to(tests) for p in tests.rglob("test_*.py") if "__pycache__" not in p.parts)
+    assert {p.parts[0] for p in found} == folders
+    misplaced = [p.as_posix() for p in found if len(p.parts) > 3 or (len(p.parts) == 3 and (
+        p.parts[0] not in LAYERS or not (REPO / p.parts[0] / p.parts[1] / "__init__.py").is_file()))]
+    assert not misplaced, misplaced
+    assert not [p.as_posix() for p in found if p.parts[0] == "kernels" and len(p.parts) == 2]
     assert len({p.name for p in found}) == len(found)
-    for rel in ("kernels/test_lmcache_live.py", "kernels/test_vllm_offload.py", "pipeline/test_ray_job.py"):
+    for rel in ("kernels/integrations/test_lmcache_live.py", "kernels/integrations/test_vllm_offload.py",
+                "pipeline/test_ray_job.py"):
         assert "pytest.mark.live" in (tests / rel).read_text()
 
 

@@ -18,7 +18,7 @@ from kvtc.kernels.codec.fixed_mode import FixedMode
 from kvtc.kernels.codec.mode import BlobContext, Mode
 from kvtc.kernels.codec.modes import NAMES, default_mode, mode_for, resolve_mode
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 PLAIN = synthetic_spec(2, 2, 8, 8.0, sinks=1, window=2)
 ECSQ = synthetic_ecsq(PLAIN)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY_LLAMA = ("from transformers import LlamaConfig, LlamaForCausalLM\n"
               "LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
               "                             num_attention_heads=4, num_key_value_heads=2, vocab_size=100))\n")

@@ -26,7 +26,7 @@ from kvtc.kernels.integrations.lmcache_ranks import RankedChunkTransforms
 from helpers.lmcache_artifacts import RATIO, artifacts, chunk, model_cache
 from helpers.lmcache_client import connect, server_process
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHUNK = 256  # docs/serving.md's server runs LMCache's default chunk size
 TOKENS = 512
 START_TIMEOUT = 240.0  # seconds for the server to answer (imports and the artifact pull, on a loaded 2-core CPU)

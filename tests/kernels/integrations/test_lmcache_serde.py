@@ -1,7 +1,7 @@
 """The kvtc chunk serde: its pure transform (ranks, pipeline stages, positions), and the LMCache plugin
 through LMCache's own argument parsing, serde factory, serde wrapper, L1 manager and filesystem L2 adapter
 (skipped where LMCache does not import), with freshly calibrated tiny artifacts (tests/helpers/lmcache_artifacts.py).
-The whole server, started as docs/serving.md shows, is tests/kernels/test_lmcache_live.py."""
+The whole server, started as docs/serving.md shows, is tests/kernels/integrations/test_lmcache_live.py."""
 from __future__ import annotations
 
 import dataclasses
