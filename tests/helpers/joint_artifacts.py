@@ -1,6 +1,6 @@
 """A toy artifact with a joint bit split (`calibration.bit_split` and ECSQ tables fitted within each share), and
-the forgeries of that record and of the tables' budgets that the integrity tests and bench/hostile.py's fifth
-round read back."""
+the forgeries of that record and of the tables' budgets that the integrity tests and bench/hostile.py's
+calibration-side families read back."""
 from __future__ import annotations
 
 import copy

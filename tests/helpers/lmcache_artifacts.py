@@ -1,5 +1,6 @@
 """Tiny artifacts and KV the LMCache tests share, calibrated once per test session (the first module
-that asks calibrates; tests/kernels/integrations/test_lmcache_serde.py and tests/kernels/integrations/test_lmcache_live.py both use them).
+that asks calibrates; tests/kernels/integrations/test_lmcache_serde.py and
+tests/kernels/integrations/test_lmcache_live.py both use them).
 
 - "tiny-kept": tiny:llama (3 layers x 2 KV heads x head_dim 16), keys RoPE-kept, one basis for the
   model (--groups auto), ECSQ tables at CR 4, each stream its own share (--bit-split even: its tests bound the

@@ -1,5 +1,5 @@
 """A small reduce in a shard store (keys and values of one group, p = 48, in this process), for the tests and
-bench/hostile.py's fifth round: its tasks' checkpoints, spectra and results swapped or copied from another job,
+bench/hostile.py's checkpoint families: its tasks' checkpoints, spectra and results swapped or copied from another job,
 then the reduce resumed."""
 from __future__ import annotations
 

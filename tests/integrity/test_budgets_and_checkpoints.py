@@ -1,6 +1,6 @@
-"""Issue 49 (integrity, round five), the calibration side's stored objects: the joint budget a manifest records,
+"""The calibration side's stored objects, forged (issue 49): the joint budget a manifest records,
 checked wherever it is read; reduce checkpoints bound to their task; sensitivity sums checked like the metric
-sums. The families come from bench/hostile.py (`--round-five`), so the bench and the tests try the same cases."""
+sums. The families come from bench/hostile.py, so the bench and the tests try the same cases."""
 from __future__ import annotations
 
 import contextlib

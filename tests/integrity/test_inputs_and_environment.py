@@ -1,7 +1,7 @@
-"""Issue 49 (integrity, round five), the calibration side's inputs: malformed GGUF files refused naming them and
+"""The calibration side's inputs (issue 49): malformed GGUF files refused naming them and
 the conversion cache verified against its record; environment variables checked before Ray starts; `kvtc list`
 of a registry that does not exist; bad command lines refused before any model or tokenizer loads. The families
-come from bench/hostile.py (`--round-five`)."""
+come from bench/hostile.py."""
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Issue 35 (integrity, round four): Parquet files bounded by the manifest before they are read, decode never
+"""Issue 35: Parquet files bounded by the manifest before they are read, decode never
 returns a non-finite value, drift fails closed, degenerate statistics named and moved aside."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Integrity, round five (issue 49), the serving side: every finite chunk a store accepts can be loaded,
+"""The serving side under hostile values and inputs (issue 49): every finite chunk a store accepts can be loaded,
 the KVTCCache falls back to fixed-rate like the stores, the runtime decodes without the CPU-only coder,
 decode holds bounded blocks of tokens, stored chunks survive a server restart (keyed binding), the vLLM
 tier holds at most its budget."""
