@@ -9,6 +9,7 @@ device) instance.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -439,6 +440,21 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
                      layers)
 
 
+@contextlib.contextmanager
+def _no_weight_bars():
+    """transformers' "Loading weights" bar off while a model loads (a second or less here, printed by every worker
+    and by the served check: the job's own progress says what loads), its setting restored after."""
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 - transformers loads only with a model
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
     spec: str = DEFAULT_SPEC,
     dtype: str | torch.dtype | None = None,
@@ -458,16 +474,17 @@ def load_model(
     dt = resolve_dtype(dtype, dev)
     info = load_spec(spec, cache_dir)
     kind, where = info.source
-    if kind == "gguf":
-        model, _, _ = _load_gguf(Path(where), dt, default_cache_dir(cache_dir))
-    elif kind == "tiny":
-        arch, geometry = parse_tiny(where)
-        model = build_tiny(arch, seed=0, dtype=dt, geometry=geometry)
-    elif gpu_budgets:  # straight from the files onto the GPUs: the host never holds the whole model
-        placed = placement.config_device_map(info.config, dt, gpu_budgets)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dt, device_map=placed)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)
+    with _no_weight_bars():
+        if kind == "gguf":
+            model, _, _ = _load_gguf(Path(where), dt, default_cache_dir(cache_dir))
+        elif kind == "tiny":
+            arch, geometry = parse_tiny(where)
+            model = build_tiny(arch, seed=0, dtype=dt, geometry=geometry)
+        elif gpu_budgets:  # straight from the files onto the GPUs: the host never holds the whole model
+            placed = placement.config_device_map(info.config, dt, gpu_budgets)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=dt, device_map=placed)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=dt)
     if gpu_budgets and not hasattr(model, "hf_device_map"):
         model = placement.spread(model, gpu_budgets)
     model = (model if gpu_budgets else model.to(dev)).eval()

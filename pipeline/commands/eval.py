@@ -64,7 +64,8 @@ def task_settings(args: argparse.Namespace) -> tuple:
     config, `model_facts`) and the haystack's text -> (TaskSettings, ratios, paths). ValueError names the value."""
     from kvtc.artifacts.names import split_ref
     from kvtc.artifacts.registry import Registry
-    from kvtc.pipeline.evaluation.tasks import DEFAULT_HAYSTACK, TaskSettings, pydoc_texts
+    from kvtc.pipeline.evaluation.tasks import (DEFAULT_HAYSTACK, HAYSTACK_TASKS, HELDOUT_HAYSTACK, TaskSettings,
+                                                pydoc_texts)
     from kvtc.pipeline.job.corpus import iter_documents
     from kvtc.workers.model_limits import model_facts
 
@@ -90,6 +91,14 @@ def task_settings(args: argparse.Namespace) -> tuple:
     if isinstance(spec, str):
         settings.check_context(model_facts(spec).context, spec)
     source = args.haystack or DEFAULT_HAYSTACK
+    if source == HELDOUT_HAYSTACK:
+        corpus = manifest.get("corpus") or {}
+        held = sum(int((corpus.get("tokens") or {}).get(s, 0)) for s in corpus.get("heldout_shards") or ())
+        if held < max(settings.lengths) and set(settings.tasks) & set(HAYSTACK_TASKS):
+            raise ValueError(f"length {max(settings.lengths)}: --haystack heldout: {args.artifact} held out "
+                             f"{held} tokens of its corpus, fewer than a prompt needs; use a shorter length or "
+                             "another --haystack")
+        return settings, ratios, paths
     texts = pydoc_texts() if source == DEFAULT_HAYSTACK else (d.text for d in iter_documents(source))
     settings.check_supply(texts, source)
     return settings, ratios, paths
@@ -143,8 +152,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--depths", default=None, help="needle depths in [0,1], comma separated, taken in turn (default: "
                    "spread evenly over the samples)")
     t.add_argument("--seed", type=int, default=0, help="the task generator's seed (default 0)")
-    t.add_argument("--haystack", default=None, help="corpus spec of the text the needles hide in (default: pydoc, "
-                   "Python's documentation prose)")
+    t.add_argument("--haystack", default=None, help="the text the needles hide in: heldout (the artifact's held-out "
+                   "text, which its calibration never saw), or a corpus spec (default: pydoc, Python's documentation "
+                   "prose)")
     t.add_argument("--paths", default=",".join(TASK_PATHS), help="served paths: offline (KVTCCodec), chunk (as "
                    "kvtc lmcache-server stores it), cache (the live KVTCCache); default all")
     t.add_argument("--chart", default=None, help="write accuracy against context length here (PNG)")

@@ -19,6 +19,28 @@ from kvtc.pipeline.fit.allocator import Allocation
 from kvtc.pipeline.fit.pca import Basis
 
 
+INTERVAL_BLOCK = 16  # consecutive scored tokens per batch mean: neighbouring tokens' errors are correlated
+
+
+def mean_interval(x: torch.Tensor, block: int = INTERVAL_BLOCK, level: float = 0.95) -> tuple[float, float]:
+    """x (n,) per-token figures in text order -> the `level` interval of their mean by batch means: the mean of
+    each run of `block` consecutive tokens, a Student t interval over those (n // block of them; fewer than two
+    blocks: over the tokens themselves). Nearby tokens of one text are not independent, so an interval over tokens
+    alone would be too narrow."""
+    from scipy.stats import t as student  # noqa: PLC0415 - scipy's import is seconds; only scoring needs it
+
+    x = x.double().flatten()
+    n = x.numel()
+    if n == 0:
+        return math.nan, math.nan
+    means = x[: n // block * block].reshape(-1, block).mean(1) if n >= 2 * block else x
+    mean = float(x.mean())
+    if means.numel() < 2:
+        return mean, mean
+    half = float(student.ppf(0.5 + level / 2, means.numel() - 1)) * float(means.std()) / math.sqrt(means.numel())
+    return mean - half, mean + half
+
+
 @dataclass(frozen=True)
 class PositionBucket:
     """Rows whose context position is in [lo, hi)."""

@@ -4,10 +4,9 @@ cache), with key and value errors and the stored bytes. `kvtc eval` (kvtc.pipeli
 the main job's served check (kvtc.pipeline.job.served_check) run it; see the former for the protocol."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
-
-import copy
 
 import torch
 from transformers import DynamicCache
@@ -18,6 +17,7 @@ from kvtc.kernels import KVTCCodec
 from kvtc.kernels.codec.layers import cached_layers, is_mla, is_uniform
 from kvtc.pipeline.evaluation import baselines as bl
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
+from kvtc.pipeline.evaluation.metrics import mean_interval
 from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
 from kvtc.pipeline.fit.metric import AttentionMetric
 from kvtc.workers import mla
@@ -27,7 +27,6 @@ from kvtc.workers.full_cache import cache_kwargs
 @dataclass
 class _Tally:
     """Sums over sequences for one method."""
-
     ratio: float | None = None
     nll: float = 0.0
     kl: float = 0.0
@@ -44,26 +43,23 @@ class _Tally:
     mid: int = 0
     features: int = 0
     extra: dict = field(default_factory=dict)
+    dnll: list = field(default_factory=list)  # per scored token: its NLL through the method less the raw cache's
+    kls: list = field(default_factory=list)   # per scored token: KL(raw || method)
 
 
 def _forward(model, ids, cache, attention_mask=None):
-
-
     with torch.no_grad():
         out = model(ids, use_cache=True, attention_mask=attention_mask,
                     **(cache_kwargs(model, cache) if cache is not None else {}))
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
-def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=None, coded=None):
-    """keys, values (L, H, P, D) prefix cache; feed (1, n) tokens at positions P.. -> (n, V) float64
-    log-probabilities. keep (P,) bool masks evicted prefix positions out of attention.
+def build_cache(model, keys, values, prefix_cache=None, coded=None):
+    """keys, values (L, H, P, D) of a prefix -> a transformers Cache holding them in the model's dtype.
 
     Models whose layers differ pass `prefix_cache` (the model's own cache after the prefix) and `coded`
     (the model layer of each of the L rows): a copy of it gets each coded layer's keys and values (a
     sliding layer the last positions it holds), so states of layers without a KV cache stay the model's."""
-
-
     dtype = next(model.parameters()).dtype
     if prefix_cache is not None:
         cache = copy.deepcopy(prefix_cache)
@@ -71,10 +67,18 @@ def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=Non
             held = cache.layers[layer].keys.shape[-2]
             cache.layers[layer].keys = keys[j][None, :, keys.shape[2] - held:].to(dtype).contiguous()
             cache.layers[layer].values = values[j][None, :, values.shape[2] - held:].to(dtype).contiguous()
-    else:
-        cache = DynamicCache(config=model.config)
-        for layer in range(keys.shape[0]):
-            cache.update(keys[layer][None].to(dtype).contiguous(), values[layer][None].to(dtype).contiguous(), layer)
+        return cache
+    cache = DynamicCache(config=model.config)
+    for layer in range(keys.shape[0]):
+        cache.update(keys[layer][None].to(dtype).contiguous(), values[layer][None].to(dtype).contiguous(), layer)
+    return cache
+
+
+def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=None, coded=None):
+    """keys, values (L, H, P, D) prefix cache; feed (1, n) tokens at positions P.. -> (n, V) float64
+    log-probabilities. keep (P,) bool masks evicted prefix positions out of attention. prefix_cache, coded: as
+    `build_cache` takes them."""
+    cache = build_cache(model, keys, values, prefix_cache, coded)
     mask = None
     if keep is not None:
         mask = torch.cat([keep.long().to(feed.device), torch.ones(feed.shape[1], dtype=torch.long, device=feed.device)])[None]
@@ -95,21 +99,17 @@ class _Codecs:
         return self._made[kind, ratio]
 
     def codec(self, ratio: float):
-
         return self._get("codec", ratio, lambda: KVTCCodec(self.artifact, ratio, mode=self.mode))
 
     def chunk(self, ratio: float):
-
         return self._get("chunk", ratio, lambda: chunk_transform(self.codec(ratio)))
 
     def pca_uniform(self, ratio: float):
-
         return self._get("pca_uniform", ratio, lambda: bl.pca_uniform_codec(self.artifact, ratio))
 
 
 def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int, codecs: _Codecs):
     """Yield (method, target ratio or None, Reconstruction) for the codec and every baseline."""
-
     p = bl.features(keys, values)
     yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
                                                   4 * p * bl.split(keys.shape[2], sinks, window)[1],
@@ -117,7 +117,6 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
     for r in settings.ratios:
         yield f"kvtc-{r:g}x", r, bl.run_codec(codecs.codec(r), keys, values)
     if settings.served:
-
         for r in settings.ratios:
             transform = codecs.chunk(r)
             rec = None if transform is None else chunk_path(artifact, r, keys, values, transform=transform)
@@ -147,11 +146,10 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     objective's metric (kvtc.pipeline.fit.metric, measured on each sequence's own queries), where the model's
     query and output projections can be read; for a multi-head latent attention model (keys: its latent, values: its
     RoPE key) also key_up_error, value_up_error: the per-head keys and values after kv_b_proj (workers.mla).
-    observe(method, keys, values, reconstruction), where given, sees each method's reconstruction of each prefix
-    cache (the served check reads its position errors from the offline codec's)."""
-
-
-
+    observe(method, keys, values, reconstruction, state), where given, sees each method's reconstruction of each
+    prefix cache ("uncompressed": the raw one) and the `build_cache` arguments that continue from it, {} for a
+    model whose layers are alike (the served check reads its position errors from the offline codec's and asks its
+    needles through the raw cache and the chunk path)."""
     record = CalibrationRecord.from_manifest(artifact.manifest)
     projections = mla.up_projections(lm.model, lm.layers) if is_mla(lm.layers) else None
     metric = _metric_capture(lm) if settings.attention_errors else None
@@ -176,16 +174,20 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             _, own = _forward(lm.model, prefix, DynamicCache(config=lm.model.config))
             state = {"prefix_cache": own, "coded": cached_layers(lm.layers)}
         ref = continuation_logprobs(lm.model, keys, values, feed, **state)
-        ref_nll = -ref.gather(1, target[:, None]).sum().item()
+        ref_tok = ref.gather(1, target[:, None])[:, 0]
         head, mid, _ = bl.split(keys.shape[2], sinks, window)
         for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window, codecs):
             if observe is not None:
-                observe(name, keys, values, rec)
+                observe(name, keys, values, rec, state)
             keep = None if rec.keep is None else rec.keep.to(lm.device)
             lp = continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep, **state)
             t = tallies.setdefault(name, _Tally(ratio=ratio))
-            t.nll += -lp.gather(1, target[:, None]).sum().item() - ref_nll
-            t.kl += float((ref.exp() * (ref - lp)).sum())
+            dnll = ref_tok - lp.gather(1, target[:, None])[:, 0]
+            kl = (ref.exp() * (ref - lp)).sum(-1)
+            t.nll += float(dnll.sum())
+            t.kl += float(kl.sum())
+            t.dnll.append(dnll)
+            t.kls.append(kl)
             t.tokens += n
             for stream, x, xh in (("k", keys, rec.keys), ("v", values, rec.values)):
                 err, norm = bl.rel_error(x[:, :, head:head + mid], xh[:, :, head:head + mid])
@@ -219,6 +221,8 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             "value_rel_error": math.sqrt(t.v_err / max(t.v_norm, 1e-300)),
             "ppl_ratio": math.exp(t.nll / t.tokens), "kl": t.kl / t.tokens, "tokens": t.tokens, "sequences": count,
         })
+        lo, hi = mean_interval(torch.cat(t.dnll))
+        rows[-1].update(ppl_ratio_ci=[math.exp(lo), math.exp(hi)], kl_ci=list(mean_interval(torch.cat(t.kls))))
         if t.k_attn_norm > 0:
             rows[-1].update(key_attn_error=math.sqrt(t.k_attn / t.k_attn_norm),
                             value_attn_error=math.sqrt(t.v_attn / max(t.v_attn_norm, 1e-300)))
@@ -230,7 +234,6 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
 
 def _metric_capture(lm):
     """The model's attention-metric hooks, or None where its projections cannot be read (MLA, unknown layouts)."""
-
     try:
         return metric_capture(lm)
     except ValueError:
@@ -239,8 +242,6 @@ def _metric_capture(lm):
 
 def _metric_blocks(metric, layers: int, heads: int) -> dict:
     """{stream: (layers, heads, d, d) float64}: the attention objective's metric of the last forward's queries."""
-
-
     group = FeatureGroup(tuple(range(layers)))
     sums = {k: v.numpy() for k, v in metric.sums().items()}
     out = {}
@@ -254,7 +255,6 @@ def _metric_blocks(metric, layers: int, heads: int) -> dict:
 
 def _attention_error(x, x_hat, blocks) -> tuple[float, float]:
     """(sum e^T M e, sum x^T M x) over (layers, heads, tokens, d) caches, M (layers, heads, d, d) per head."""
-
     x64 = x.double()
     e = x64 - x_hat.double()
     return (float(torch.einsum("lhtd,lhde,lhte->", e, blocks, e)),

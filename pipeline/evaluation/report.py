@@ -30,11 +30,24 @@ def _md(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _with_ci(value: float, ci: list | None) -> str:
+    return f"{value:.4f}" if not ci else f"{value:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]"
+
+
 def quality_table(rows: list[dict]) -> str:
-    """Markdown table of `kvtc eval` rows."""
+    """Markdown table of `kvtc eval` rows (95% intervals in brackets where the rows carry them)."""
     return _md(["method", "bytes/token", "CR", "keys rel. err", "values rel. err", "ppl ratio", "KL (nats)"],
                [[r["method"], f"{r['bytes_per_token']:.0f}", f"{r['cr']:.2f}", _pct(r["key_rel_error"]),
-                 _pct(r["value_rel_error"]), f"{r['ppl_ratio']:.4f}", f"{r['kl']:.4f}"] for r in rows])
+                 _pct(r["value_rel_error"]), _with_ci(r["ppl_ratio"], r.get("ppl_ratio_ci")),
+                 _with_ci(r["kl"], r.get("kl_ci"))] for r in rows])
+
+
+def needle_table(rows: list[dict]) -> str:
+    """Markdown table of the served check's needle rows (kvtc.pipeline.job.served_check.needle_rows)."""
+    return _md(["path", "CR", "found", "accuracy [95% interval]", "missed at depths"],
+               [[r["path"], "-" if r["ratio"] is None else f"{r['ratio']:g}", f"{r['correct']} / {r['samples']}",
+                 f"{r['accuracy']:.0%} [{r['ci_low']:.0%}, {r['ci_high']:.0%}]",
+                 ", ".join(f"{d:.2f}" for d in r["missed_depths"]) or "-"] for r in rows])
 
 
 def limit_table(rows: list[dict]) -> str:
@@ -302,6 +315,10 @@ def build(metrics: list[dict], curves: dict, allocations: dict, calibration: dic
         if quality.get("long"):
             md += [f"At the longest context scored: one held-out sequence, {quality['long']['prefix']} prefix tokens.",
                    "", quality_table(quality["long"]["rows"]), ""]
+            if quality["long"].get("needles"):
+                md += ["Needles in that window (7-digit values planted at evenly spread depths of its prefix, each "
+                       "asked after it; exact match of the greedy answer):", "",
+                       needle_table(quality["long"]["needles"]), ""]
     files["report.md"] = "\n".join(md).encode()
     return files
 

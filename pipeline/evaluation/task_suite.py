@@ -20,7 +20,6 @@ context length, one panel per task, one line per path and ratio and the raw cach
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from transformers import DynamicCache
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layers import cached_layers, is_uniform
 from kvtc.pipeline.evaluation import charts
-from kvtc.pipeline.evaluation.model_quality import _forward
+from kvtc.pipeline.evaluation.model_quality import _forward, build_cache
 from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
 from kvtc.pipeline.evaluation.tasks import TaskSample
 from kvtc.workers.capture import raw_cache
@@ -121,20 +120,8 @@ def _live(codec: Any) -> Callable:
 
 
 def _cache(model: Any, keys: torch.Tensor, values: torch.Tensor, state: dict) -> Any:
-    """keys, values (L, H, T, D) -> a DynamicCache holding them; models whose layers differ start from a copy of the
-    model's own prefix cache (`state`: prefix_cache, coded) with each coded layer's tokens replaced."""
-    dtype = next(model.parameters()).dtype
-    if state:
-        cache = copy.deepcopy(state["prefix_cache"])
-        for j, layer in enumerate(state["coded"]):
-            held = cache.layers[layer].keys.shape[-2]
-            cache.layers[layer].keys = keys[j][None, :, keys.shape[2] - held:].to(dtype).contiguous()
-            cache.layers[layer].values = values[j][None, :, values.shape[2] - held:].to(dtype).contiguous()
-        return cache
-    cache = DynamicCache(config=model.config)
-    for layer in range(keys.shape[0]):
-        cache.update(keys[layer][None].to(dtype).contiguous(), values[layer][None].to(dtype).contiguous(), layer)
-    return cache
+    """keys, values (L, H, T, D) -> a Cache holding them (`state`: prefix_cache, coded for models whose layers differ)."""
+    return build_cache(model, keys, values, **state)
 
 
 def _eos(lm: Any) -> set[int]:

@@ -33,6 +33,7 @@ from pydoc_data.topics import topics
 TASKS = ("niah", "niah_words", "multikey", "kv", "vt", "copy")
 HAYSTACK_TASKS = tuple(t for t in TASKS if t != "kv")
 DEFAULT_HAYSTACK = "pydoc"
+HELDOUT_HAYSTACK = "heldout"  # an artifact's held-out text: what its calibration never saw (kvtc eval --tasks)
 MIN_LENGTH = 256          # the shortest prompt a task is built for
 MIN_LENGTHS = {"multikey": 512}  # UUID needles take 80 tokens each in SmolLM2's tokenizer: a distractor and the key's
 MIN_HAYSTACK = 16         # haystack tokens a prompt must keep beside its needles
@@ -210,7 +211,12 @@ class Haystack:
                 ids += (sep if ids else []) + _encode(tokenizer, text)
             if len(ids) >= tokens:
                 break
-        ids = ids[:tokens]
+        return cls.of_ids(tokenizer, ids[:tokens], source)
+
+    @classmethod
+    def of_ids(cls, tokenizer: Any, ids: Sequence[int], source: str = DEFAULT_HAYSTACK) -> "Haystack":
+        """Token ids already cut -> their Haystack."""
+        ids = [int(i) for i in ids]
         words = {i: tokenizer.decode([i]) for i in set(ids)}
         # a break before token j: after a line, or after a sentence's end followed by a space
         breaks = [True] + [words[a].endswith("\n") or (bool(_SENTENCE.search(words[a])) and words[b][:1].isspace())

@@ -44,7 +44,7 @@ from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, choose, node_budget, refuse_unless_fits, task_bytes
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_tasks import Placement, rows_name, run_groups
-from kvtc.pipeline.job.served_check import SERVED_CONTINUATION, metric_rows, served_quality
+from kvtc.pipeline.job.served_check import SERVED_CONTINUATION, metric_rows, needle_metrics, served_quality
 from kvtc.pipeline.job.shard_records import ShardEntry
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
@@ -365,6 +365,7 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
             metrics = metrics + metric_rows(quality["rows"])
             if quality.get("long"):  # one held-out window at the longest context: its rows and error by position
                 metrics = metrics + metric_rows(quality["long"]["rows"], "-long", quality["long"]["prefix"])
+                metrics = metrics + needle_metrics(quality["long"].get("needles") or [])
                 curves = {**curves, "error_by_position_long": quality["long"]["positions"]}
                 content = replace(content, curves=curves)
     extra = report.build(metrics, curves, allocations, calibration, fingerprint, f"KVTC report: {cfg.artifact_name}",

@@ -4,7 +4,12 @@ so the report and the manifest's metrics say what serving will cost (splits "ser
 perplexity ratio, KL, stored ratio per CR) and the --json summary carries them (`ratios[].served`). One more
 sequence is scored at the longest context the model, the held-out text and the driver's memory allow (splits
 "served-offline-long", "served-chunk-long", with its "prefix" tokens; kvtc.pipeline.evaluation.long_context), and
-its error by position through the codec extends charts/error_by_position.png across that context."""
+its error by position through the codec extends charts/error_by_position.png across that context. That window also
+carries the job's slice of the retrieval suite: NEEDLES 7-digit needles planted at evenly spread depths of its
+prefix (kvtc.pipeline.evaluation.needle_window), each asked after the prefix through the raw cache and the chunk
+path at every ratio (metrics "needles", "needles_raw" and their Wilson interval in split "served-chunk-long"), for
+a forward per question on caches the scoring restored anyway. Perplexity ratio and KL carry a 95% interval
+(batch means over the scored tokens, kvtc.pipeline.evaluation.metrics.mean_interval)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +25,9 @@ import torch
 from kvtc import artifacts
 from kvtc.pipeline.evaluation.long_context import longest_window, position_errors
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
-from kvtc.pipeline.evaluation.model_quality import evaluate_sequences
+from kvtc.pipeline.evaluation.model_quality import build_cache, evaluate_sequences
+from kvtc.pipeline.evaluation.needle_window import ask, plant
+from kvtc.pipeline.evaluation.task_suite import wilson
 from kvtc.pipeline.fit.basis_budget import model_parameters
 from kvtc.pipeline.job.heldout_text import heldout_sequences, heldout_tokens
 from kvtc.pipeline.job import fold_plan
@@ -29,6 +36,7 @@ from kvtc.workers import models
 # the check's cost is coding each prefix (2 paths x every ratio), its statistic the tokens scored after it: one
 # sequence scoring 128 tokens costs half of two scoring 64 each, for as many scored tokens
 SERVED_CONTINUATION = 128
+NEEDLES = 8  # needles planted in the long window, each asked through the raw cache and the chunk path at every ratio
 MAX_DRIVER_PARAMETERS = 2_000_000_000  # the check loads the model in the driver only below this, or with a GPU
 
 
@@ -46,10 +54,29 @@ def metric_rows(rows: list[dict], suffix: str = "", prefix: int | None = None) -
         if prefix is not None:
             out.append({"ratio": float(r["ratio"]), "stream": None, "group": None, "split": split, "metric": "prefix",
                         "value": float(prefix)})
-        for metric in ("ppl_ratio", "kl", "cr"):
-            value = float(r[metric])
+        figures = {m: r[m] for m in ("ppl_ratio", "kl", "cr")}
+        for m in ("ppl_ratio", "kl"):  # the 95% interval of each (model_quality: batch means over scored tokens)
+            if r.get(f"{m}_ci"):
+                figures[f"{m}_ci_low"], figures[f"{m}_ci_high"] = r[f"{m}_ci"]
+        for metric, value in figures.items():
+            value = float(value)
             out.append({"ratio": float(r["ratio"]), "stream": None, "group": None, "split": split, "metric": metric,
                         "value": value if math.isfinite(value) else None})
+    return out
+
+
+def needle_metrics(needles: list[dict]) -> list[dict]:
+    """The long window's needle rows (`needle_rows`) -> the manifest's metric rows of split "served-chunk-long":
+    per ratio needles (accuracy), needles_ci_low, needles_ci_high, needles_samples and needles_raw (the raw cache's)."""
+    raw = next((n["accuracy"] for n in needles if n["path"] == "raw"), None)
+    out = []
+    for n in needles:
+        if n["path"] != "chunk":
+            continue
+        figures = {"needles": n["accuracy"], "needles_ci_low": n["ci_low"], "needles_ci_high": n["ci_high"],
+                   "needles_samples": n["samples"], "needles_raw": raw}
+        out += [{"ratio": float(n["ratio"]), "stream": None, "group": None, "split": "served-chunk-long",
+                 "metric": metric, "value": None if value is None else float(value)} for metric, value in figures.items()]
     return out
 
 
@@ -116,24 +143,48 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
 
 
 def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> dict | None:
-    """One held-out window at the longest context that fits (long_context.longest_window), scored through both
-    paths, with the codec's error by position over it at the middle ratio -> {"prefix", "rows", "positions"}, or
-    None where no window is longer than the calibration's sequences."""
+    """One held-out window at the longest context that fits (long_context.longest_window), with NEEDLES needles
+    planted in its prefix (needle_window), scored through both paths, with the codec's error by position over it at
+    the middle ratio, and each needle asked through the raw cache and the chunk path at every ratio -> {"prefix",
+    "rows", "positions", "needles"}, or None where no window is longer than the calibration's sequences."""
     held = heldout_tokens(art, lm.tokenizer, lm.max_positions, lm.max_positions)  # built once, cut below
     length = longest_window(lm, len(held), _free_bytes(), shortest)
     if length is None:
         return None
-    window = [held[:length]]
     prefix = length - settings.continuation - 1
+    planted, count = None, NEEDLES
+    while planted is None and count:  # a short window (a tiny model's) holds fewer
+        try:
+            planted = plant(lm.tokenizer, held[:length], prefix, count)
+        except ValueError:
+            count //= 2
+    window = list(planted.ids) if planted else held[:length]
     sinks = int(art.manifest.get("calibration", {}).get("sinks") or 0)
     ratios = sorted(settings.ratios)
     middle = ratios[len(ratios) // 2]  # the chart's bold one
     positions: list[dict] = []
+    answers: dict[str, tuple[float | None, list[bool]]] = {}
 
-    def observe(method: str, keys: Any, values: Any, rec: Any) -> None:
+    def observe(method: str, keys: Any, values: Any, rec: Any, state: dict) -> None:
         if method == f"kvtc-{middle:g}x":  # the offline codec's reconstruction the scoring just made
             positions.extend(position_errors(keys, values, rec.keys, rec.values, middle, sinks))
+        if planted and (method == "uncompressed" or method.startswith("kvtc-chunk-")):  # raw, and what servers restore
+            ratio = None if method == "uncompressed" else float(method[len("kvtc-chunk-"):-1])
+            answers[method] = ratio, ask(lm, lambda: build_cache(lm.model, rec.keys, rec.values, **state), planted)
 
-    rows = evaluate_sequences(lm, art, window, dataclasses.replace(settings, sequences=1, prefix=prefix),
+    rows = evaluate_sequences(lm, art, [window], dataclasses.replace(settings, sequences=1, prefix=prefix),
                               observe=observe)
-    return {"prefix": prefix, "rows": rows, "positions": positions}
+    needles = needle_rows(answers, planted.depths if planted else ())
+    return {"prefix": prefix, "rows": rows, "positions": positions, "needles": needles}
+
+
+def needle_rows(answers: dict[str, tuple[float | None, list[bool]]], depths: tuple[float, ...]) -> list[dict]:
+    """Each path's answers -> rows {path: "raw" | "chunk", ratio, correct, samples, accuracy, ci_low, ci_high (95%
+    Wilson), missed_depths (the depths of the needles it missed)}: the raw cache first."""
+    out = []
+    for method, (ratio, right) in sorted(answers.items(), key=lambda kv: -1.0 if kv[1][0] is None else kv[1][0]):
+        lo, hi = wilson(sum(right), len(right))
+        out.append({"path": "raw" if ratio is None else "chunk", "ratio": ratio, "correct": sum(right),
+                    "samples": len(right), "accuracy": sum(right) / len(right), "ci_low": lo, "ci_high": hi,
+                    "missed_depths": [round(d, 3) for d, ok in zip(depths, right) if not ok]})
+    return out

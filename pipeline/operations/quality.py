@@ -24,6 +24,7 @@ with its 95% Wilson interval and the raw cache's accuracy beside it; a cell wher
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvtc import artifacts
 from kvtc.artifacts.blocks import check_ratios
@@ -33,10 +34,10 @@ from kvtc.pipeline.evaluation.long_context import long_bytes, longest_window
 from kvtc.pipeline.evaluation.model_quality import evaluate_sequences
 from kvtc.pipeline.evaluation.report import limit_rows
 from kvtc.pipeline.evaluation.task_suite import PATHS, score_tasks, served_paths, task_rows
-from kvtc.pipeline.evaluation.tasks import DEFAULT_HAYSTACK, TaskSettings, generate
+from kvtc.pipeline.evaluation.tasks import DEFAULT_HAYSTACK, HELDOUT_HAYSTACK, POOL_TOKENS, TaskSettings, generate
 from kvtc.pipeline.job.corpus import iter_documents
 from kvtc.pipeline.job import fold_plan
-from kvtc.pipeline.job.heldout_text import heldout_sequences
+from kvtc.pipeline.job.heldout_text import heldout_sequences, heldout_tokens
 from kvtc.workers import models
 
 
@@ -85,11 +86,14 @@ def _artifact_model(name: str, registry: str | None, model: str | None, dtype: s
     return art, lm
 
 
-def haystack_texts(haystack: str | None):
-    """The haystack's documents' texts: None (the default, pydoc_data.topics, read by the task generator) or a
-    corpus spec's documents in order (kvtc.pipeline.job.corpus)."""
+def haystack_texts(haystack: str | None, art: Any = None, lm: Any = None):
+    """The haystack's documents' texts: None (pydoc_data.topics, read by the task generator), "heldout" (the
+    artifact's held-out sequences joined, as one text: what its calibration never saw) or a corpus spec's documents
+    in order (kvtc.pipeline.job.corpus)."""
     if haystack is None or haystack == DEFAULT_HAYSTACK:
         return None
+    if haystack == HELDOUT_HAYSTACK:
+        return [lm.tokenizer.decode(heldout_tokens(art, lm.tokenizer, lm.max_positions, POOL_TOKENS))]
     return (doc.text for doc in iter_documents(haystack))
 
 
@@ -97,14 +101,14 @@ def run_tasks(name: str, registry: str | None, settings: TaskSettings, ratios: S
               paths: Sequence[str] = PATHS, haystack: str | None = None, model: str | None = None,
               dtype: str | None = None, mode: str | None = None, progress: bool | None = None) -> dict:
     """The retrieval task suite on an artifact (module docstring): pull it, load its model, generate the samples
-    on `haystack` (a corpus spec; None: Python's documentation prose), decode each through the raw cache and each
+    on `haystack` (a corpus spec, "heldout": the artifact's held-out text; None: Python's documentation prose), decode each through the raw cache and each
     of `paths` at each ratio -> {"artifact", "model", "haystack", "settings", "rows" (task_suite.task_rows),
     "records" (one per sample and path: its generation and whether it is correct)}."""
     check_ratios(tuple(ratios), "kvtc eval: ")
     art, lm = _artifact_model(name, registry, model, dtype)
     spec = model or art.manifest["model"]["spec"]
     settings.check_context(lm.max_positions, spec)
-    samples = generate(lm.tokenizer, settings, haystack_texts(haystack), haystack or DEFAULT_HAYSTACK)
+    samples = generate(lm.tokenizer, settings, haystack_texts(haystack, art, lm), haystack or DEFAULT_HAYSTACK)
     uniform = not lm.layers or is_uniform(lm.layers)
     cache_paths = served_paths(art, [float(r) for r in ratios], paths, mode, uniform)
     records = score_tasks(lm, samples, cache_paths, progress)

@@ -108,13 +108,20 @@ def test_the_chunk_path_is_scored_beside_the_codec_and_the_job_publishes_what_se
         assert served["chunk"]["ppl_ratio"] > 0 and served["chunk"]["kl"] >= 0
         # one more held-out window at the longest context the text allows (the held-out sequences joined)
         assert served["chunk-long"]["prefix"] > 128 and served["chunk-long"]["kl"] >= 0
+        # each figure with its 95% interval; the window's needles asked through the raw cache and the chunk path
+        for path in ("chunk", "chunk-long", "offline"):
+            assert served[path]["kl_ci_low"] <= served[path]["kl"] <= served[path]["kl_ci_high"]
+            assert served[path]["ppl_ratio_ci_low"] <= served[path]["ppl_ratio"] <= served[path]["ppl_ratio_ci_high"]
+        long = served["chunk-long"]
+        assert long["needles_samples"] >= 2 and 0 <= long["needles"] <= 1 and 0 <= long["needles_raw"] <= 1
+        assert long["needles_ci_low"] <= long["needles"] <= long["needles_ci_high"]
     art = artifacts.pull("tiny@latest", registry=calibrated["registry"])
     splits = {(m["split"], m["metric"]) for m in art.metrics() if m["split"].startswith("served")}
     assert {("served-chunk", "ppl_ratio"), ("served-chunk", "kl"), ("served-offline", "ppl_ratio"),
             ("served-chunk-long", "kl"), ("served-chunk-long", "prefix")} <= splits
     report = art.file("report.md").read_text()
     assert "kvtc-chunk-8x" in report and "Model quality with compressed caches" in report
-    assert "At the longest context scored" in report
+    assert "At the longest context scored" in report and "Needles in that window" in report
     # the codec's error by position over that window: the chart spans it, past the calibration's --seq-len
     long = art.curve("error_by_position_long")
     prefix = served["chunk-long"]["prefix"]
