@@ -24,16 +24,21 @@ positions builds its transforms with `positions=False`, and a RoPE-removed artif
 With `positions=True` every chunk's position is required, for either kind of artifact.
 
 Binding: a blob records the artifact (name, version), ratio, placement (the model id names the
-rank's KV heads and the stage's layers) and start position it was coded for, and the frame carries a
-digest of the storage key it was stored under (`binding`). `deserialize` compares them with the
-transform and with what the caller knows of the key (its position, its digest): any disagreement is a
-BlobError, which a storage layer counts as a miss; nothing is written to the destination then. Where the
-caller knows no position for the key (a server restarted on the same store), the blob's own start is used
+rank's KV heads and the stage's layers) and start position it was coded for, and the frame
+(kernels/codec/chunk_frame.py) carries a digest of the storage key it was stored under (`binding`) and the chunk's
+identity (kernels/codec/chunk_identity.py): the artifact's digest, the model (model id, revision, tokenizer, the
+engine's name for it), its RoPE configuration and the KV layout (heads, head width, layers, placement, dtype, tokens,
+world size), four 4-byte digests. `deserialize` compares them with the transform and with what the caller knows of
+the key (its position, its digest, what the store says of the chunk: `engine`): any disagreement is a BlobError,
+which a storage layer counts as a miss; nothing is written to the destination then. Another identity is an
+IdentityMismatch naming the parts that differ (told apart from another key); a version-1 frame (b"KVTCCHK1" or
+b"KVTCCHK2", written before frames carried an identity) is one too: a miss, its blob still readable (`unframe`).
+Where the caller knows no position for the key (a server restarted on the same store), the blob's own start is used
 once the frame binds the chunk to the key asked for. With a deployment chunk key (`key_file`, or the file
 $KVTC_CHUNK_KEY_FILE names: 32 random bytes created once with mode 0600, shared by every server of the
-store and kept outside it) the frame carries instead a MAC of the key's binding and the whole blob under
-that key (magic b"KVTCCHK2"), so a writer of the store cannot make or alter a chunk that loads for any key;
-a server with a key refuses unkeyed frames, one without a key refuses keyed ones.
+store and kept outside it) the frame carries instead a MAC of the key's binding, the identity and the whole blob
+under that key (magic b"KVTCCHK4"), so a writer of the store cannot make or alter a chunk that loads for any key;
+a server with a key refuses unkeyed frames (b"KVTCCHK3"), one without a key refuses keyed ones.
 
 Placement: a storage layer keys chunks by a rank (LMCache packs world size, global rank, local world
 size and local rank into `ObjectKey.kv_rank`: kernels/integrations/lmcache_ranks.py decodes it). With an artifact calibrated for T
@@ -52,17 +57,15 @@ the largest of these over a first chunk (raw sinks) and any other, and every fin
 Sections are stored plain (no DEFLATE). The bound of a chunk shape is the same for every rank and
 stage that can hold it (a storage layer sizes a chunk by its shape alone, before its key).
 
-Bytes: the frame "<8s16sQ" (magic b"KVTCCHK1", the key's binding digest or zeros, blob length), then
-the blob (kernels/codec/blob.py); with `pad` (the default), zero padding up to the bound, for storage layers
-that read back exactly the bound (LMCache's filesystem adapter); without it, exactly the blob, for
-layers that keep variable-size objects.
+Bytes: the frame "<8s16sQ16s" (48 bytes: magic b"KVTCCHK3", or b"KVTCCHK4" keyed; the key's binding digest or
+zeros, or the MAC; blob length; identity), then the blob (kernels/codec/blob.py); with `pad` (the default), zero
+padding up to the bound, for storage layers that read back exactly the bound (LMCache's filesystem adapter); without
+it, exactly the blob, for layers that keep variable-size objects.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
-import struct
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,6 +73,11 @@ import torch
 
 from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, SINK_BUDGETS
 from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section, read_blob, write_blob
+from kvtc.kernels.codec.chunk_frame import FRAME_BYTES, UNBOUND, Frame, frame, keyed_binding, read_frame
+# the frame's names, imported from here by earlier callers and benches
+from kvtc.kernels.codec.chunk_frame import FRAME_MAGIC as FRAME_MAGIC, KEYED_MAGIC as KEYED_MAGIC, binding as binding
+from kvtc.kernels.codec.chunk_frame import unframe as unframe, unframe_keyed as unframe_keyed
+from kvtc.kernels.codec.chunk_identity import ChunkIdentity, Engine, old_frame
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
 from kvtc.kernels.codec.model_config import check_config
@@ -77,35 +85,11 @@ from kvtc.kernels.codec.modes import default_mode, mode_for
 from kvtc.kernels.codec.spec import CodecSpec
 
 _log = logging.getLogger("kvtc.chunk_serde")
-_FRAME = struct.Struct("<8s16sQ")
-FRAME_MAGIC = b"KVTCCHK1"  # the key's unkeyed binding digest (no chunk key configured)
-KEYED_MAGIC = b"KVTCCHK2"  # a MAC, under the deployment's chunk key, of the key's binding and the blob
-FRAME_BYTES = _FRAME.size
-UNBOUND = bytes(16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _TOLD: set[tuple] = set()  # the first-chunk shapes whose sinks come on top, said once per process (INFO: a server's log)
 MIN_SHARED_SCALE = 0.5  # shared sinks where the first chunk keeps at least this share of its budget, else extra
 FLOOR_SHARE = 0.9  # and where the mode's floor (every symbol 0) is at most this share of what it keeps
 ECSQ_TRIES = 3  # ECSQ codings of a chunk, each at a smaller budget where the last overshot the bound, before fixed-rate
-
-
-def binding(*parts: object) -> bytes:
-    """16-byte digest of a storage key's fields (bytes as they are, anything else by its repr), which a
-    chunk's frame carries so that bytes stored under one key never decode for another."""
-    h = hashlib.blake2b(digest_size=16)
-    for part in parts:
-        b = bytes(part) if isinstance(part, (bytes, bytearray, memoryview)) else repr(part).encode()
-        h.update(struct.pack("<Q", len(b)) + b)
-    return h.digest()
-
-
-def keyed_binding(chunk_key: bytes, key: bytes, blob: bytes | memoryview) -> bytes:
-    """16-byte MAC (keyed BLAKE2b) under the deployment's chunk key of a storage key's `binding` and the blob:
-    without the chunk key no writer of the store can make a chunk that loads for any key, or alter one."""
-    h = hashlib.blake2b(key=chunk_key, digest_size=16, person=b"kvtc-chunk-mac")
-    h.update(bytes(key))
-    h.update(blob)
-    return h.digest()
 
 
 def nonfinite_where(kv: torch.Tensor) -> str | None:
@@ -201,27 +185,6 @@ def placement_spec(spec: CodecSpec, placement: Placement) -> CodecSpec:
 # ------------------------------------------------------------------ one placement's transform
 
 
-def unframe(data: bytes | bytearray | memoryview) -> tuple[bytes, memoryview]:
-    """A stored chunk's bytes -> (its key binding or keyed MAC, its blob); BlobError if the frame is not kvtc's."""
-    _, bound, blob = unframe_keyed(data)
-    return bound, blob
-
-
-def unframe_keyed(data: bytes | bytearray | memoryview) -> tuple[bool, bytes, memoryview]:
-    """A stored chunk's bytes -> (whether its frame is keyed, its binding or MAC, its blob); BlobError if the frame
-    is not kvtc's."""
-    view = memoryview(data).cast("B")
-    if len(view) < _FRAME.size:
-        raise BlobError(f"kvtc chunk of {len(view)} bytes is too short")
-    magic, bound, n = _FRAME.unpack(view[:_FRAME.size])
-    if magic not in (FRAME_MAGIC, KEYED_MAGIC):
-        raise BlobError(f"not a kvtc chunk (frame magic {bytes(magic)!r}, expected {FRAME_MAGIC!r} or "
-                        f"{KEYED_MAGIC!r}): written by another serde or an older kvtc release")
-    if n > len(view) - _FRAME.size:
-        raise BlobError(f"kvtc chunk declares {n} blob bytes, holds {len(view) - _FRAME.size}")
-    return magic == KEYED_MAGIC, bytes(bound), view[_FRAME.size:_FRAME.size + n]
-
-
 class ChunkTransform:
     """One placement's transform. codec: a KVTCCodec whose spec is the placement's (`placement_spec`);
     model_config: checked if given (a whole-model spec only); mode: None keeps the codec's mode; pad:
@@ -231,13 +194,15 @@ class ChunkTransform:
     (`chunk_bound`), "shape" the largest over starts (a store sizing every chunk of a shape alike: LMCache),
     "start" its own start's (a store charging a first chunk, its raw sinks on top, more: the vLLM tier);
     level, coder: the blob sections' entropy coding (KVTCCodec's), 0 plain; a section DEFLATE would not shrink
-    is stored plain, so a blob coded at any level is within the bound."""
+    is stored plain, so a blob coded at any level is within the bound; identity: what every frame binds
+    (kernels/codec/chunk_identity.py; default the placement spec's, `ChunkIdentity.of`)."""
 
     def __init__(self, codec: KVTCCodec, model_config: Any = None, *, mode: str | None = None,
                  pad: bool = True, positions: bool = False, label: str | None = None,
                  sink_budget: str = "shared", sink_format: str = "int8", chunk_key: bytes | None = None,
-                 charge: str = "shape", level: int = 0, coder: str = "zlib") -> None:
+                 charge: str = "shape", level: int = 0, coder: str = "zlib", identity: ChunkIdentity | None = None) -> None:
         spec = codec.spec
+        self.identity = ChunkIdentity.of(spec) if identity is None else identity
         if charge not in ("shape", "start"):
             raise ValueError(f'charge must be "shape" or "start", got {charge!r}')
         self.charge = charge
@@ -402,7 +367,7 @@ class ChunkTransform:
     def serialized_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Upper bound on `serialize`'s output for a chunk of this shape at any position (what LMCache
         allocates), exact for every chunk when padding."""
-        return _FRAME.size + self.blob_bound(self.check(shape, dtype), dtype)
+        return FRAME_BYTES + self.blob_bound(self.check(shape, dtype), dtype)
 
     def _start(self, start: int | None) -> int:
         if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
@@ -445,33 +410,40 @@ class ChunkTransform:
             return self.whole.encode(x[0], x[1], start=start)  # fixed-rate with raw sinks would exceed the bound
         return self.fixed.encode(x[0], x[1], start=start)
 
+    def identity_bytes(self, chunk: torch.Tensor, engine: Engine | None = None) -> bytes:
+        """The frame's identity field for a chunk like `chunk` (its dtype and tokens) as the store describes it."""
+        return self.identity.encode(_DTYPE_NAMES.get(chunk.dtype, str(chunk.dtype)), int(chunk.shape[2]), engine)
+
     def serialize(self, kv: torch.Tensor, size: int | None = None, start: int | None = None,
-                  key: bytes = UNBOUND) -> bytes:
+                  key: bytes = UNBOUND, engine: Engine | None = None) -> bytes:
         """kv (2, L, T, H * D) -> bytes: at most `size` (default serialized_size(kv.shape, kv.dtype)),
-        padded to exactly `size` when padding; start: see `encode`; key: the storage key's `binding`."""
+        padded to exactly `size` when padding; start: see `encode`; key: the storage key's `binding`; engine: what
+        the store says of the chunk (its model name, world size), bound in the frame's identity."""
         if len(key) != 16:
             raise ValueError(f"a chunk's key binding is 16 bytes (chunk_serde.binding), got {len(key)}")
         blob = self.encode(kv, start)
         size = self.serialized_size(tuple(kv.shape), kv.dtype) if size is None else size
-        if self.chunk_key is None:
-            out = _FRAME.pack(FRAME_MAGIC, bytes(key), len(blob)) + blob
-        else:
-            out = _FRAME.pack(KEYED_MAGIC, keyed_binding(self.chunk_key, key, blob), len(blob)) + blob
+        out = frame(blob, key, self.identity_bytes(kv, engine), self.chunk_key)
         if len(out) > size:
             raise RuntimeError(f"kvtc serde wrote {len(out)} bytes, above its bound {size}")
         return out + bytes(size - len(out)) if self.pad else out
 
-    def _verified(self, data: bytes | bytearray | memoryview, key: bytes | None) -> bool:
-        """Check a stored chunk's frame against the key asked for (None: not checked) -> whether the chunk is
-        bound to that key, so its blob's start can be trusted. Keyed frames verify their MAC under this transform's
-        chunk key; with a chunk key, unkeyed frames are refused (anyone who can write the store can make one)."""
-        keyed, bound, blob = unframe_keyed(data)
+    def _verified(self, f: Frame, key: bytes | None, out: torch.Tensor, engine: Engine | None) -> bool:
+        """Check a stored chunk's frame against this reader's identity for `out` and the key asked for (None: not
+        checked) -> whether the chunk is bound to that key, so its blob's start can be trusted. A version-1 frame (no
+        identity) or another identity is an IdentityMismatch naming it; keyed frames verify their MAC under this
+        transform's chunk key; with a chunk key, unkeyed frames are refused (anyone who can write the store can
+        make one)."""
+        keyed, bound, blob = f.keyed, f.bound, f.blob
+        if f.identity is None:
+            raise old_frame(f.magic)
         if keyed:
             if self.chunk_key is None:
                 raise BlobError("the stored chunk is keyed (written by a server with a chunk key) and this one has "
                                 f"none: set the serde's key_file (or {CHUNK_KEY_ENV}) to the deployment's key; "
                                 "not loaded")
-            want = keyed_binding(self.chunk_key, UNBOUND if key is None else key, blob)
+            self._same_identity(f.identity, out, engine)  # named before the MAC, which covers it
+            want = keyed_binding(self.chunk_key, UNBOUND if key is None else key, blob, f.identity)
             if not hmac.compare_digest(bound, want):
                 raise BlobError("the stored chunk's keyed binding does not verify: written under another key, "
                                 "altered, or made without the deployment's chunk key; not loaded")
@@ -479,22 +451,31 @@ class ChunkTransform:
         if self.chunk_key is not None:
             raise BlobError("the stored chunk has an unkeyed frame and this server has a chunk key: written by a "
                             "server without the key, or by a writer of the store; not loaded")
+        self._same_identity(f.identity, out, engine)
         if key is not None and bound != bytes(key):
             raise BlobError("the stored chunk was written under another key (its key binding differs): a file "
                             "copied or moved between keys; not loaded")
         return key is not None
 
+    def _same_identity(self, stored: bytes, out: torch.Tensor, engine: Engine | None) -> None:
+        dtype, tokens = _DTYPE_NAMES.get(out.dtype, str(out.dtype)), int(out.shape[2])
+        reasons = self.identity.differing(stored, dtype, tokens, engine)
+        if reasons:
+            raise self.identity.mismatch(reasons, dtype, tokens, engine)
+
     def deserialize(self, data: bytes | bytearray | memoryview, out: torch.Tensor, start: int | None = None,
-                    key: bytes | None = None) -> None:
+                    key: bytes | None = None, engine: Engine | None = None) -> None:
         """Bytes from `serialize` (trailing bytes ignored) -> written into out (2, L, T, H * D) in its
         dtype (RoPE re-applied at the positions the blob records). start: the position the storage layer
         knows for the key; None: the blob's own, trusted where the frame binds the chunk to `key` (a server that
         restarted knows no positions), else refused with RoPE removed; key: the key's `binding` (None: not
-        checked). BlobError if corrupt, not this placement's, or bound to another key or position; `out`
-        is left untouched then."""
+        checked); engine: what the store says of the chunk (as `serialize`). BlobError if corrupt, not this
+        placement's, bound to another key or position, or of another identity (an IdentityMismatch naming the parts
+        that differ; a version-1 frame, which carries none, too); `out` is left untouched then."""
         tokens = self.check(tuple(out.shape), out.dtype)
-        bound = self._verified(data, key)
-        blob = unframe(data)[1]
+        f = read_frame(data)
+        bound = self._verified(f, key, out, engine)
+        blob = f.blob
         header, _ = read_blob(blob)
         codec = self.codec
         if self.shared and header.sinks != self.codec.spec.sinks:  # a first chunk with one raw sink, or coded whole

@@ -21,6 +21,7 @@ from kvtc.kernels.codec.layers import LayerSpec, cached_layers, is_mla, layers_f
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.artifacts.schema import STREAMS
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
+from kvtc.kernels.codec.chunk_identity import artifact_identity
 from kvtc.kernels.codec.ecsq import EcsqGroup, SymbolModel, check_decoder
 
 
@@ -80,6 +81,8 @@ class CodecSpec:
     value_dim: the width of a head in the values slot when it differs from head_dim: a multi-head latent
     attention model's values slot holds its RoPE key (head_dim is then its latent width, kv_heads 1, and the
     RoPE is removed from the values stream: `rope_stream`).
+    identity: the artifact's digest, model id, revision, tokenizer and RoPE as its manifest records them
+    (kernels/codec/chunk_identity.py: what a stored chunk's frame binds); None for a spec built by hand.
     """
 
     name: str
@@ -99,6 +102,7 @@ class CodecSpec:
     rank: int | None = None
     heads: tuple[int, int] | None = None
     value_dim: int | None = None
+    identity: dict[str, str] | None = None  # what the artifact's manifest says of a stored chunk's identity
 
     def __post_init__(self) -> None:
         if self.value_dim is not None and self.value_dim < 1:
@@ -224,7 +228,8 @@ class CodecSpec:
                    rope=None if cal.get("keys") == "rope-kept" else fp.get("rope"),
                    ecsq=_ecsq_groups(artifact, ratio, groups, bases), layers=_schema(fp, cal.get("keys") == "rope-kept"),
                    tensor_parallel=TensorParallelLayout.from_dict(cal.get("tensor_parallel"), groups),
-                   value_dim=None if fp.get("value_dim") is None else int(fp["value_dim"]))
+                   value_dim=None if fp.get("value_dim") is None else int(fp["value_dim"]),
+                   identity=artifact_identity(artifact))
 
 
 def _columns(matrix: np.ndarray, kept: int) -> torch.Tensor:

@@ -18,9 +18,13 @@ so chunks of an artifact calibrated with RoPE removed are coded at their true po
 chunk keeps the artifact's sinks raw. Without the hook (the serde imported into another process) such
 an artifact is refused when the adapter is built, and a rope-kept one codes every token.
 
-Binding: each stored chunk's frame carries `key_binding(key)` (every field of the ObjectKey), and its
-blob the artifact, ratio, rank's heads, stage's layers and start position; the deserializer compares
-them with the key asked for and the position the server resolved, and a mismatch is a miss.
+Binding: each stored chunk's frame carries `key_binding(key)` (every field of the ObjectKey, the tenant's
+`cache_salt` included: one tenant's chunk is a miss for another) and the chunk's identity (artifact digest, model,
+RoPE, KV layout: kernels/codec/chunk_identity.py, with what the key says of the engine, `engine_of`: its model name
+and world size), and its blob the artifact, ratio, rank's heads, stage's layers and start position; the
+deserializer compares them with the key asked for and the position the server resolved, and a mismatch is a miss.
+A chunk of another identity, or a version-1 frame that carries none, is named once per reason in the log (each such
+chunk still fails its load, as LMCache reports it).
 
 Both factory conventions are accepted (the "serde" dict with or without "type"), and the serializers
 take `key` as an optional argument (LMCache revisions differ). A chunk that cannot be coded raises an
@@ -42,6 +46,7 @@ from lmcache.v1.distributed.serde.factory import get_registered_serde_types, reg
 from lmcache.v1.memory_management import MemoryObj
 
 from kvtc.kernels.codec.blob import BlobError
+from kvtc.kernels.codec.chunk_identity import Engine, IdentityMismatch
 from kvtc.kernels.codec.chunk_serde import UNBOUND, binding
 from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings
 from kvtc.kernels.integrations.lmcache_ranks import KVRank, RankedChunkTransforms
@@ -129,6 +134,18 @@ def key_binding(key: Any) -> bytes:
                    getattr(key, "object_group_id", 0), getattr(key, "cache_salt", ""))
 
 
+def engine_of(key: Any) -> Engine:
+    """What an LMCache key says of the engine that stored its chunk: its model name and world size (a chunk's
+    identity, beside the artifact's)."""
+    if key is None:
+        return Engine()
+    try:
+        world = KVRank.decode(getattr(key, "kv_rank", None)).world_size
+    except ValueError:
+        world = 0  # not LMCache's packed rank: the transform refuses the key with the reason
+    return Engine(str(getattr(key, "model_name", "")), world)
+
+
 def _recorded_start(transform: Any, positions: ChunkPositions | None, key: Any) -> int | None:
     """The position the server resolved for `key`'s chunk, where the transform's bytes depend on it."""
     if not transform.positional or positions is None or key is None:
@@ -137,7 +154,7 @@ def _recorded_start(transform: Any, positions: ChunkPositions | None, key: Any) 
 
 
 def describe(key: Any) -> str:
-    """A key as the logs name it: model, rank (decoded) and chunk hash."""
+    """A key as the logs name it: model, rank (decoded), chunk hash and, where it has one, its tenant (cache_salt)."""
     if key is None:
         return "chunk"
     digest = getattr(key, "chunk_hash", b"")
@@ -147,7 +164,8 @@ def describe(key: Any) -> str:
         rank = f"{KVRank.decode(kv_rank)} (kv_rank {kv_rank:#010x})"
     except (ValueError, TypeError):
         rank = f"kv_rank {kv_rank!r}"
-    return f"chunk {getattr(key, 'model_name', '?')}/{rank}/{digest}"
+    salt = getattr(key, "cache_salt", "")
+    return f"chunk {getattr(key, 'model_name', '?')}/{rank}/{digest}" + (f" of tenant {salt!r}" if salt else "")
 
 
 class KVTCSerializer(Serializer):
@@ -161,7 +179,8 @@ class KVTCSerializer(Serializer):
             out = _tensor(dst, "destination").reshape(-1).view(torch.uint8)
             transform = self.transforms(getattr(key, "kv_rank", None))
             start = _recorded_start(transform, self.positions, key)
-            data = transform.serialize(_tensor(src, "source"), out.numel(), start=start, key=key_binding(key))
+            data = transform.serialize(_tensor(src, "source"), out.numel(), start=start, key=key_binding(key),
+                                       engine=engine_of(key))
         except Exception as exc:
             raise ValueError(f"kvtc serde cannot store {describe(key)}: {exc}") from exc
         out[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -185,12 +204,25 @@ class KVTCSerializer(Serializer):
 
 class KVTCDeserializer(Deserializer):
     """Loads a chunk only where its frame and blob agree with the key asked for: the key's binding, its
-    rank's artifact, ratio, heads and layers, and the position the server resolved for it (a mismatch is a
-    BlobError: LMCache logs it once, with the key, and counts a miss)."""
+    rank's artifact, ratio, heads and layers, the position the server resolved for it, and the chunk's identity (a
+    mismatch is a BlobError: LMCache logs it, with the key, and counts a miss; another identity is named here once
+    per reason, its per-chunk error only says so)."""
 
     def __init__(self, transforms: RankedChunkTransforms, positions: ChunkPositions | None = None) -> None:
         self.transforms = transforms
         self.positions = positions
+        self._told: set[tuple[str, ...]] = set()
+        self._lock = threading.Lock()
+
+    def _named_once(self, key: Any, exc: IdentityMismatch) -> BlobError:
+        with self._lock:
+            first = exc.reasons not in self._told
+            self._told.add(exc.reasons)
+        if first:
+            _log.warning("kvtc serde: %s (the first: stored %s); every such chunk is a miss, said once", exc,
+                         describe(key))
+        return BlobError(f"kvtc serde: stored {describe(key)} is a miss: not this deployment's chunk (why: named "
+                         "once in the log)")
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: Any = None) -> None:
         try:
@@ -198,7 +230,9 @@ class KVTCDeserializer(Deserializer):
             start = _recorded_start(transform, self.positions, key)
             data = _tensor(src, "source").reshape(-1).view(torch.uint8).cpu().numpy()
             transform.deserialize(memoryview(data), _tensor(dst, "destination"), start=start,
-                                  key=None if key is None else key_binding(key))
+                                  key=None if key is None else key_binding(key), engine=engine_of(key))
+        except IdentityMismatch as exc:
+            raise self._named_once(key, exc) from None
         except BlobError as exc:
             raise BlobError(f"kvtc serde: stored {describe(key)} does not decode: {exc}") from exc
         except Exception as exc:

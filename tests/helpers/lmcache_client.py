@@ -7,7 +7,8 @@ its paged KV cache, one tensor per layer shaped (2, blocks, block_size, kv_heads
 NHD layout), under its own instance id, in LMCache's server-driven transfer mode (`lmcache_driven`:
 REGISTER_KV_CACHE, then STORE / RETRIEVE naming block ids; on a CPU the server reaches the tensors
 through POSIX shared memory). Keys are `IPCCacheServerKey`s: token ids, the [start, end) token range,
-world size and worker id; the server hashes them into one `ObjectKey` per chunk.
+world size, worker id and the request's tenant (`cache_salt`, vLLM's per-request salt; "" for none); the server
+hashes them into one `ObjectKey` per chunk.
 
     client = MPClient("tcp://127.0.0.1:6555", "my-model", layers=30, kv_heads=3, head_dim=64, tp=1)
     client.write(rank, blocks, keys, values)      # (L, H, T, D) into the paged cache
@@ -76,12 +77,12 @@ class MPClient:
         except TimeoutError as exc:
             raise TimeoutError(f"LMCache server: {what} did not answer within {self.timeout:g} s") from exc
 
-    def _key(self, request_id: str, tokens: list[int], start: int, end: int, worker: int | None) -> Any:
+    def _key(self, request_id: str, tokens: list[int], start: int, end: int, worker: int | None, salt: str = "") -> Any:
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
         return IPCCacheServerKey(model_name=self.model_name, world_size=self.tp, worker_id=worker,
                                  token_ids=tuple(tokens), start=start, end=end, request_id=request_id,
-                                 num_kv_readers=1)
+                                 num_kv_readers=1, cache_salt=salt)
 
     # -- the paged cache
 
@@ -109,23 +110,24 @@ class MPClient:
 
     # -- requests
 
-    def store(self, request_id: str, tokens: list[int], blocks: list[int], start: int = 0) -> list[bool]:
+    def store(self, request_id: str, tokens: list[int], blocks: list[int], start: int = 0, salt: str = "") -> list[bool]:
         """STORE the complete chunks of tokens[start:] from `blocks` (the request's blocks from token 0), every
-        rank -> per rank, whether the server accepted the store (it reaches L2 later, asynchronously)."""
+        rank, for the tenant `salt` -> per rank, whether the server accepted the store (it reaches L2 later,
+        asynchronously)."""
         end = len(tokens) - len(tokens) % self.chunk_size
         ids = [blocks[start // self.block_size:end // self.block_size]]
         out = []
         for rank, (ctx, kv) in enumerate(self.workers):
             event = ctx.create_recorded_event()
-            future = ctx.submit_store(request_id, self._key(request_id, tokens, start, end, rank), kv, ids, event,
+            future = ctx.submit_store(request_id, self._key(request_id, tokens, start, end, rank, salt), kv, ids, event,
                                       self.chunk_size // self.block_size)
             out.append(bool(self._result(future, f"STORE rank {rank}")))
         return out
 
-    def lookup(self, request_id: str, tokens: list[int], poll: float = 0.02) -> int:
-        """LOOKUP, then poll its prefetch (L2 -> L1) -> complete chunks found from token 0."""
+    def lookup(self, request_id: str, tokens: list[int], poll: float = 0.02, salt: str = "") -> int:
+        """LOOKUP for the tenant `salt`, then poll its prefetch (L2 -> L1) -> complete chunks found from token 0."""
         end = len(tokens) - len(tokens) % self.chunk_size
-        self._result(self.client.lookup(self._key(request_id, tokens, 0, end, None), self.tp), "LOOKUP")
+        self._result(self.client.lookup(self._key(request_id, tokens, 0, end, None, salt), self.tp), "LOOKUP")
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             hits = self._result(self.client.query_prefetch_status(request_id), "QUERY_PREFETCH_STATUS")
@@ -134,15 +136,17 @@ class MPClient:
             time.sleep(poll)
         raise TimeoutError(f"LMCache server: the prefetch of {request_id} did not finish within {self.timeout:g} s")
 
-    def retrieve(self, request_id: str, tokens: list[int], blocks: list[int], chunks: int | None = None) -> list[bool]:
-        """RETRIEVE the first `chunks` chunks (default: every complete chunk) into `blocks`, every rank."""
+    def retrieve(self, request_id: str, tokens: list[int], blocks: list[int], chunks: int | None = None,
+                 salt: str = "") -> list[bool]:
+        """RETRIEVE the first `chunks` chunks (default: every complete chunk) into `blocks`, every rank, for the
+        tenant `salt`."""
         n = (len(tokens) // self.chunk_size) if chunks is None else chunks
         end = n * self.chunk_size
         ids = [blocks[:end // self.block_size]]
         out = []
         for rank, (ctx, kv) in enumerate(self.workers):
             event = ctx.create_recorded_event()
-            future = ctx.submit_retrieve(request_id, self._key(request_id, tokens, 0, end, rank), kv, ids, event,
+            future = ctx.submit_retrieve(request_id, self._key(request_id, tokens, 0, end, rank, salt), kv, ids, event,
                                          self.chunk_size // self.block_size, skip_first_n_tokens=0)
             out.append(bool(self._result(future, f"RETRIEVE rank {rank}")))
         return out

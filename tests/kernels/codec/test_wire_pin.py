@@ -2,7 +2,8 @@
 hashes to what the codec wrote when this test was recorded. Every value is exact in float32 (an identity basis,
 dyadic cache, mean and step, integer symbol counts, no RoPE, sections stored plain), so the bytes depend on the
 wire format alone, not on a machine's BLAS or zlib. A change of format must change these, and a new flag bit (or
-FORMAT_VERSION) must say it; the bytes written before a flag are pinned too, and still decode."""
+FORMAT_VERSION) must say it; the bytes written before a flag are pinned too, and still decode. The chunk frame a store
+keeps around a blob (kernels/codec/chunk_frame.py: key binding and identity) is pinned on the fixed-rate blob."""
 from __future__ import annotations
 
 import hashlib
@@ -141,3 +142,37 @@ def test_the_truncated_flag_outside_a_plain_ecsq_blob_is_refused():
         forged[6] |= FLAG_TRUNCATED | extra
         with pytest.raises(BlobError, match="unknown flags"):
             read_blob(bytes(forged))
+
+
+def _frames() -> dict[str, bytes]:
+    """The pinned fixed-rate blob in a version-2 chunk frame, unkeyed and keyed (kernels/codec/chunk_frame.py)."""
+    from kvtc.kernels.codec.chunk_frame import binding, frame
+    from kvtc.kernels.codec.chunk_identity import ChunkIdentity, Engine
+
+    blob = _blob("fixed", "rans")
+    identity = ChunkIdentity.of(_spec()).encode("float32", T, Engine("pin-engine", 1))
+    return {"unkeyed": frame(blob, binding(b"pin", 1), identity),
+            "keyed": frame(blob, binding(b"pin", 1), identity, chunk_key=bytes(range(32)))}
+
+
+PINNED_FRAMES = {  # the frame's version 2: b"KVTCCHK3" unkeyed, b"KVTCCHK4" keyed (version 1 carried no identity)
+    "unkeyed": "b646509a1fb8ce634b755d8c55e58844e9aff96ba89cace0d0553d484b8cb3c7",
+    "keyed": "af5ac80144a8641d85f3c61cbabc0f5d0874afad9a90e449cf49e9bcc68f482f",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PINNED_FRAMES))
+def test_chunk_frame_bytes_are_pinned(kind):
+    """Magic, the key's binding (or the MAC), the blob's length, the identity's four part digests, then the blob."""
+    import struct
+
+    from kvtc.kernels.codec.chunk_frame import FRAME_BYTES, read_frame
+    from kvtc.kernels.codec.chunk_identity import ChunkIdentity, Engine
+
+    data = _frames()[kind]
+    blob = _blob("fixed", "rans")
+    assert hashlib.sha256(data).hexdigest() == PINNED_FRAMES[kind]
+    magic, _, n, identity = struct.unpack("<8s16sQ16s", data[:FRAME_BYTES])
+    assert magic == (b"KVTCCHK4" if kind == "keyed" else b"KVTCCHK3") and n == len(blob) and data[FRAME_BYTES:] == blob
+    assert identity == ChunkIdentity.of(_spec()).encode("float32", T, Engine("pin-engine", 1))
+    assert bytes(read_frame(data).blob) == blob

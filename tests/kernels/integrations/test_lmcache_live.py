@@ -3,7 +3,8 @@ ports, paths and tiny artifacts), a real model's KV stored in vLLM's paged layou
 own multiprocess client in server-driven transfer mode (tests/helpers/lmcache_client.py), L1 cleared, the
 chunks looked up, prefetched from L2 and retrieved, and compared with the offline transform; the bytes on
 disk are the KVTC blobs. At TP 1 (a rope-kept artifact) and TP 2 (a --tp 2 artifact, keys RoPE-removed at
-the positions the server resolves), with bad input that must fail a store or miss, never stop the server.
+the positions the server resolves), with bad input that must fail a store or miss, never stop the server; two
+tenants (`cache_salt`) whose chunks are misses for each other.
 Skipped where LMCache's server cannot start (`pip install -e '.[serve]'` and LMCache: docs/serving.md, "In LMCache")."""
 from __future__ import annotations
 
@@ -141,6 +142,14 @@ def _binding_of(path: Path) -> bytes:
     return key_binding(_filename_to_object_key(path.name))
 
 
+def _engine_of(path: Path):
+    """What the key of a chunk stored in this file says of the engine (its chunk's identity, beside the artifact's)."""
+    from kvtc.kernels.integrations.lmcache_serde import engine_of
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _filename_to_object_key
+
+    return engine_of(_filename_to_object_key(path.name))
+
+
 def _round_trip(client, live: Live, model: str, ids: list[int], heads: list[slice], keys, values) -> None:
     """Write each rank's heads into its paged cache, STORE, wait for L2, clear L1 and zero the cache, LOOKUP
     (prefetch from L2), RETRIEVE."""
@@ -239,7 +248,7 @@ def test_tp2_ranks_round_trip_with_their_own_bases_and_keys_coded_at_their_posit
                 h, s = heads[rank], slice(header.start, header.start + CHUNK)
                 t = transforms(_kv_rank_of(path))
                 assert data == t.serialize(chunk(keys[:, h, s], values[:, h, s]), start=header.start,
-                                           key=_binding_of(path))
+                                           key=_binding_of(path), engine=_engine_of(path))
             blocks = list(range(TOKENS // 16))
             for rank, h in enumerate(heads):
                 got = chunk(*client.read(rank, blocks))
@@ -330,6 +339,70 @@ def test_chunks_stored_before_a_restart_load_after_it_and_a_keyed_store_refuses_
             assert client.lookup("forged", ids) < TOKENS // CHUNK
             client.end_session("forged")
             live.wait_for(lambda: "unkeyed frame" in live.text(), "the forged chunk logged")
+        finally:
+            client.close()
+        live.alive()
+
+
+def test_a_tenants_chunks_hit_for_itself_miss_for_another_and_another_deployments_are_named_once(found, tmp_path):
+    """Two tenants (LMCache's `cache_salt`) of one model: tenant a's chunks are a hit for a and a miss for b, even
+    copied under b's keys (the key binding holds the salt); chunks another deployment wrote (another artifact digest in
+    the frame's identity) or an earlier release (a version-1 frame) are misses, each reason named once in the log."""
+    from dataclasses import replace
+
+    from kvtc.kernels.codec.chunk_identity import WHAT
+
+    registry, ref = found["registry"], found["kept"]
+    ids, keys, values = model_cache(TOKENS)
+    transform = RankedChunkTransforms.from_settings(
+        ChunkSerdeSettings.from_kwargs({"artifact": ref, "ratio": RATIO, "registry": registry}))(None)
+    blocks = list(range(TOKENS // 16))
+    with running(tmp_path, ref, registry) as live:
+        client = live.client("tiny")
+        try:
+            client.write(0, blocks, keys, values)
+            assert client.store("store-a", ids, blocks, salt="tenant-a") == [True]
+            client.end_session("store-a")
+            live.wait_for(lambda: len(live.files("tiny")) >= TOKENS // CHUNK, "tenant a's chunks on disk")
+            files = live.files("tiny")
+            assert all(p.name.endswith("@tenant-a.data") for p in files)
+            client.clear_l1()
+            client.zero(0, blocks)
+
+            def hits(request: str, salt: str) -> int:
+                client.clear_l1()
+                found = client.lookup(request, ids, salt=salt)
+                client.end_session(request)
+                return found
+
+            assert hits("b", "tenant-b") == 0  # LMCache's key: tenant b has no chunk of its own
+            assert client.lookup("a", ids, salt="tenant-a") == TOKENS // CHUNK
+            assert client.retrieve("a", ids, blocks, salt="tenant-a") == [True]
+            client.end_session("a")
+            assert torch.equal(chunk(*client.read(0, blocks)), _offline(transform, keys, values))
+            # a writer of the store copies tenant a's chunks under tenant b's keys: the frames bind a's salt
+            for p in files:
+                p.with_name(p.name.replace("@tenant-a.data", "@tenant-b.data")).write_bytes(p.read_bytes())
+            assert hits("b-copied", "tenant-b") == 0
+            live.wait_for(lambda: "written under another key" in live.text(), "the copied chunk logged")
+            assert hits("a-again", "tenant-a") == TOKENS // CHUNK
+
+            # another deployment's chunks (another artifact digest) in a's files: misses, named once for every chunk
+            other = replace(transform.identity, digest="sha256:" + "0" * 64)
+            for p in files:
+                data = bytearray(p.read_bytes())
+                data[32:48] = other.encode("bfloat16", CHUNK, _engine_of(p))
+                p.write_bytes(bytes(data))
+            assert hits("other-1", "tenant-a") == 0 and hits("other-2", "tenant-a") == 0
+            live.wait_for(lambda: live.text().count("not this deployment's chunk") >= 2, "both misses logged")
+            assert live.text().count(WHAT["artifact"]) == 1 and transform.identity.digest in live.text()
+            # an earlier release's frame (version 1: no identity): a miss, named once too
+            for p in files:
+                data = p.read_bytes()
+                p.write_bytes(b"KVTCCHK1" + data[8:32] + data[48:] + bytes(16))  # the same size: the bound
+            assert hits("v1-1", "tenant-a") == 0 and hits("v1-2", "tenant-a") == 0
+            live.wait_for(lambda: live.text().count("not this deployment's chunk") >= 4, "the version-1 misses logged")
+            assert live.text().count("earlier kvtc release") == 1
         finally:
             client.close()
         live.alive()

@@ -303,7 +303,7 @@ def _server_argv(l2: str, serde: dict) -> list[str]:
 
 def test_lmcache_server_path_stores_every_chunk_and_disk_holds_the_kvtc_blob(calibrated, tmp_path, capfd):
     pytest.importorskip("lmcache.v1.distributed.l2_adapters.serde_wrapper", reason="LMCache does not import here")
-    from kvtc.kernels.integrations.lmcache_serde import key_binding
+    from kvtc.kernels.integrations.lmcache_serde import engine_of, key_binding
     from kvtc.kernels.integrations.lmcache_server import main as launcher
     from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.distributed.serde import get_registered_serde_types
@@ -322,10 +322,10 @@ def test_lmcache_server_path_stores_every_chunk_and_disk_holds_the_kvtc_blob(cal
             assert server.store(key, x), name
             files = [p for p in (tmp_path / "l2").rglob("*.data")]
             data = max(files, key=lambda p: p.stat().st_mtime_ns).read_bytes()
-            assert data == transform.serialize(x, key=key_binding(key)), name  # the KVTC bytes, nothing else
+            assert data == transform.serialize(x, key=key_binding(key), engine=engine_of(key)), name  # KVTC's bytes alone
             assert read_blob(unframe(data)[1])[0].name == "tiny-kept"
             out = server.load(key, x)
-            assert out is not None and torch.equal(out, _decoded(transform, data, x)), name
+            assert out is not None and torch.equal(out, _decoded(transform, data, x, engine_of(key))), name
         assert len(list((tmp_path / "l2").rglob("*.data"))) == len(cases)  # every chunk offered is stored
 
         # bad input: another shape or rank is refused with a logged error, a corrupt chunk is a miss naming
@@ -359,15 +359,64 @@ def test_lmcache_server_path_stores_every_chunk_and_disk_holds_the_kvtc_blob(cal
         server.close()
 
 
+def test_a_tenants_chunk_is_a_miss_for_another_and_another_deployments_chunks_are_named_once(calibrated, tmp_path,
+                                                                                            capfd):
+    """LMCache's `cache_salt` keeps tenants apart in its keys; the frame's key binding holds it, so a chunk copied
+    under another tenant's key is a miss. Chunks another deployment wrote (another artifact digest in the frame's
+    identity) are misses, the reason named once in the log whatever the number of chunks."""
+    pytest.importorskip("lmcache.v1.distributed.l2_adapters.serde_wrapper", reason="LMCache does not import here")
+    from pathlib import Path
+
+    from kvtc.kernels.codec.chunk_identity import WHAT
+    from kvtc.kernels.integrations.lmcache_serde import engine_of
+    from lmcache.v1.distributed.api import ObjectKey
+
+    registry, ref, kv = calibrated
+    transform = _transform(calibrated)
+    name, version = ref.split("@")
+    # the identity's artifact digest is the version's content address in its registry
+    assert transform.identity.digest == (Path(registry) / name / "versions" / version / "manifest.sha256").read_text().strip()
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    server = _Server(_server_argv(str(l2), {"artifact": ref, "ratio": RATIO, "registry": registry}))
+    one = _kv_rank(1, 0)
+    try:
+        a = ObjectKey(b"\x01" * 32, "tiny", one, cache_salt="tenant-a")
+        b = dataclasses.replace(a, cache_salt="tenant-b")
+        assert server.store(a, kv)
+        assert server.load(a, kv) is not None and server.load(b, kv) is None  # LMCache's own keys differ
+        stored = next(l2.rglob("*@tenant-a.data"))
+        stored.with_name(stored.name.replace("@tenant-a", "@tenant-b")).write_bytes(stored.read_bytes())
+        capfd.readouterr()
+        records = _LogLines.attach()
+        assert server.load(b, kv) is None  # tenant a's bytes under tenant b's key: its binding holds a's salt
+        assert server.load(a, kv) is not None
+        other = dataclasses.replace(transform.identity, digest="sha256:" + "0" * 64)
+        keys = [ObjectKey(bytes([i]) * 32, "tiny", one, cache_salt="tenant-a") for i in (2, 3)]
+        for key in keys:
+            assert server.store(key, kv)
+            path = next(l2.rglob(f"*{key.chunk_hash.hex()}*"))
+            data = bytearray(path.read_bytes())
+            data[32:48] = other.encode("bfloat16", kv.shape[2], engine_of(key))
+            path.write_bytes(bytes(data))
+        assert all(server.load(key, kv) is None for key in keys)
+        logged = capfd.readouterr().err + "\n".join(records.detach())
+        assert "written under another key" in logged and "tenant-b" in logged
+        assert logged.count(WHAT["artifact"]) == 1 and transform.identity.digest in logged
+        assert logged.count("not this deployment's chunk") >= 2
+    finally:
+        server.close()
+
+
 def _hash_of(path) -> bytes:
     from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _filename_to_object_key
 
     return _filename_to_object_key(path.name).chunk_hash
 
 
-def _decoded(transform: ChunkTransform, data: bytes, like: torch.Tensor) -> torch.Tensor:
+def _decoded(transform: ChunkTransform, data: bytes, like: torch.Tensor, engine=None) -> torch.Tensor:
     out = torch.empty_like(like)
-    transform.deserialize(memoryview(data), out)
+    transform.deserialize(memoryview(data), out, engine=engine)
     return out
 
 
