@@ -8,8 +8,9 @@ above 100% (the seed's second chart) and every later query attends to them. That
 transform built with `positions=False` (a store that hands chunks by content hash alone) cannot tell
 the first chunk from the others and codes every token (docs/serving.md: what that costs). With
 `sink_budget="shared"` (the default) the raw sinks come out of the first chunk's own budget (its other
-tokens at a coarser ECSQ step; coded whole, sinks included, where the budget cannot hold them), so the
-size bound, and every chunk a padding store keeps, is a later chunk's: the ratio's bytes. Where a first
+tokens at a coarser ECSQ step; where ECSQ cannot code it so, fixed-rate keeping every sink raw, the first
+alone or none, the most the bound holds: two codings at most), so the size bound, and every chunk a padding
+store keeps, is a later chunk's: the ratio's bytes. Where a first
 chunk would keep less than MIN_SHARED_SCALE of its budget (short chunks at a high ratio) or is coded
 fixed-rate, its sinks come on top as with "extra", said once in the log: the bound then counts them and a
 store that pads every chunk to the bound pays them on every chunk. `sink_format="int8"` (the default)
@@ -89,7 +90,6 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
 _TOLD: set[tuple] = set()  # the first-chunk shapes whose sinks come on top, said once per process (INFO: a server's log)
 MIN_SHARED_SCALE = 0.5  # shared sinks where the first chunk keeps at least this share of its budget, else extra
 FLOOR_SHARE = 0.9  # and where the mode's floor (every symbol 0) is at most this share of what it keeps
-ECSQ_TRIES = 3  # ECSQ codings of a chunk, each at a smaller budget where the last overshot the bound, before fixed-rate
 
 
 def nonfinite_where(kv: torch.Tensor) -> str | None:
@@ -243,10 +243,11 @@ class ChunkTransform:
         # cannot, it is coded whole, sinks included (fixed-rate, a later chunk's size): the bound is a later chunk's
         self.shared = sink_budget == "shared" and self.sinks > 0
         self.whole = KVTCCodec(replace(self.spec, sinks=0), options=self.fixed.options) if self.shared else None
-        # where the budget left after all the sinks cannot hold the other tokens (a high ratio, text far from the
-        # calibration's), a first chunk keeps only the first token raw, the strongest sink, before coding it whole
-        self.one = KVTCCodec(replace(self.spec, sinks=1), options=self.codec.options) \
-            if self.shared and not self.coding.exact and self.sinks > 1 else None
+        # where ECSQ cannot code a first chunk within the bound (text far from the calibration's), its fixed-rate
+        # coding keeps the first token raw, the strongest sink, where all its sinks would not fit, before coding it
+        # whole; it decodes the ECSQ blobs with one raw sink written before (every blob's mode is in its header)
+        self.one = KVTCCodec(replace(self.spec, sinks=1), options=self.fixed.options) \
+            if self.shared and self.sinks > 1 else None
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
         self._floors: dict[int, float] = {}  # coded tokens -> the mode's floor over its budget
 
@@ -330,9 +331,9 @@ class ChunkTransform:
         bound = max(self.blob_bound(tokens, dtype, a) for a in ((0, self.sinks) if self.sinks else (0,)))
         return 2 * s.num_layers * tokens * s.kv_heads * s.head_dim * 2 / (bound + FRAME_BYTES)
 
-    def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int, codec: KVTCCodec | None = None) -> float:
+    def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int) -> float:
         """The share of its ECSQ budget a first chunk may spend so that it fits a later chunk's bound (0: none)."""
-        head, raw, mid = self._sizes(codec or self.codec, tokens, dtype, start)
+        head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
         budget = self.coding.bound_bytes(self.spec, mid)
         room = self._bound_at(self.codec, tokens, dtype, self.sinks) - head - raw
         return min(1.0, room / budget) if budget and room > 0 else 0.0
@@ -382,7 +383,8 @@ class ChunkTransform:
 
     def encode(self, kv: torch.Tensor, start: int | None = None) -> bytes:
         """kv (2, L, T, H * D) -> blob: the transform's mode, or fixed-rate where ECSQ cannot code the chunk
-        within its bound. start: the absolute position of the chunk's first token (required with positions)."""
+        within its bound; at most two codings. start: the absolute position of the chunk's first token (required with
+        positions)."""
         tokens = self.check(tuple(kv.shape), kv.dtype)
         start = self._start(start)
         where = nonfinite_where(kv)
@@ -392,23 +394,21 @@ class ChunkTransform:
                              f"the chunk holds {where}; it is not stored (check the model's numerics)")
         s = self.spec
         x = kv.reshape(2, s.num_layers, tokens, s.kv_heads, s.head_dim).permute(0, 1, 3, 2, 4)
+        if self.coding.fallback is None:  # sizes exact: the bound is the blob's
+            return self.codec.encode(x[0], x[1], start=start)
         first = start < self.sinks and self._shares(tokens, kv.dtype)
-        if self.coding.fallback is not None:  # a blob may exceed the bound: tried, then coded by the fallback
-            limit = self.chunk_bound(tokens, kv.dtype, start)  # what the store keeps for this chunk
-            codecs = (self.codec, self.one) if first and self.one is not None and start == 0 else (self.codec,)
-            for codec in codecs:
-                scale = self._shared_scale(tokens, kv.dtype, start, codec) if first else 1.0
-                for _ in range(ECSQ_TRIES if scale > 0 else 0):
-                    try:
-                        blob = codec.encode(x[0], x[1], start=start, budget_scale=scale, truncate=first)
-                    except (ValueError, OverflowError, RuntimeError):
-                        break  # beyond any ECSQ step or symbol range: coded fixed-rate below
-                    if len(blob) <= limit:
-                        return blob
-                    scale *= 0.97 * limit / len(blob)  # rate control's steps overshot (text unlike the calibration's)
-        if first and self.fixed_size(tokens, kv.dtype, start) > self.blob_bound(tokens, kv.dtype):
-            return self.whole.encode(x[0], x[1], start=start)  # fixed-rate with raw sinks would exceed the bound
-        return self.fixed.encode(x[0], x[1], start=start)
+        limit = self.chunk_bound(tokens, kv.dtype, start)  # what the store keeps for this chunk
+        try:  # rate control holds each (stream, group) to its budget: a blob above the bound is one it cannot code
+            blob = self.codec.encode(x[0], x[1], start=start, truncate=first,
+                                     budget_scale=self._shared_scale(tokens, kv.dtype, start) if first else 1.0)
+            if len(blob) <= limit:
+                return blob
+        except (ValueError, OverflowError, RuntimeError):
+            pass  # beyond any ECSQ step or symbol range
+        # fixed-rate, whose sizes are exact: the most raw sinks within the bound (a first chunk sharing its budget)
+        fits = [c for c in (self.fixed, self.one, self.whole) if c is not None and self._bound_at(c, tokens, kv.dtype,
+                                                                                                start) <= limit]
+        return fits[0].encode(x[0], x[1], start=start)
 
     def identity_bytes(self, chunk: torch.Tensor, engine: Engine | None = None) -> bytes:
         """The frame's identity field for a chunk like `chunk` (its dtype and tokens) as the store describes it."""

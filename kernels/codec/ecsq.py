@@ -321,7 +321,8 @@ def check_capacity(group: EcsqGroup, tokens: int, words: bytes | memoryview, fmt
 
 
 def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None, fmt: str = "constriction",
-                 on_device: bool = False, truncate: bool = False, min_words: int = 0) -> tuple[bytes, bytes]:
+                 on_device: bool = False, truncate: bool = False, min_words: int = 0, first: int = 0
+                 ) -> tuple[bytes, bytes]:
     """z (N, kept) projections -> (words section: step exponent j [and the coded components] then the coded
     symbols, escapes section). max_bytes: the two sections' budget; j is the smallest exponent (step
     2^(j / STEP_GRID)) that fits; never within it, the coarsest tried, for the caller to weigh (a chunk store
@@ -330,9 +331,11 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
     sinks); min_words: the fewest bytes a truncated words section may take (a reader refuses fewer, so a short blob
     cannot declare a long cache; the codec passes TRUNCATED_MIN_SHARE's share of the group's budget).
     fmt: "rans" or "constriction"; on_device (rans): code with the Triton kernel where z lies, so only the coded
-    bytes reach the host."""
+    bytes reach the host. first: the exponent the search starts from, one whose predecessor is known to exceed
+    max_bytes (`step_exponent` of the same z fitted within a larger budget: the codec's re-coding after outlier
+    vectors), so the search skips the exponents below it; 0 searches them all."""
     _check_format(fmt)
-    best, size, j, q = _fit_step(z, group, max_bytes, fmt, on_device, None)
+    best, size, j, q = _fit_step(z, group, max_bytes, fmt, on_device, None, first)
     if max_bytes is None or not truncate or not q.numel() or (size <= max_bytes and j < TRUNCATE_FROM):
         return best
     return _fit_components(z, group, max_bytes, fmt, on_device, (best, size, j, q), min_words)
@@ -355,13 +358,13 @@ def _attempt(z: torch.Tensor, group: EcsqGroup, j: int, fmt: str, on_device: boo
 
 
 def _fit_step(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None, fmt: str, on_device: bool,
-              coded: int | None) -> tuple[tuple[bytes, bytes], int, int, torch.Tensor]:
-    """The smallest step exponent that fits max_bytes -> (sections, their bytes, j, symbols); never within the
-    budget: the coarsest tried, for the caller to weigh."""
-    best, size, q = _attempt(z, group, 0, fmt, on_device, coded)
+              coded: int | None, first: int = 0) -> tuple[tuple[bytes, bytes], int, int, torch.Tensor]:
+    """The smallest step exponent from `first` (encode_group) that fits max_bytes -> (sections, their bytes, j,
+    symbols); never within the budget: the coarsest tried, for the caller to weigh."""
+    best, size, q = _attempt(z, group, first, fmt, on_device, coded)
     if max_bytes is None or size <= max_bytes or not q.numel():
-        return best, size, 0, q
-    lo, hi, j, found = 0, None, 0, (best, size, 0, q)
+        return best, size, first, q
+    lo, hi, j, found = first, None, first, (best, size, first, q)
     for _ in range(16):
         if hi is None:
             # a doubled step saves about one bit per token on each component coded at a useful rate
@@ -437,6 +440,11 @@ def coded_group(group: EcsqGroup, words: bytes | memoryview) -> tuple[EcsqGroup,
         raise BlobError(f"ECSQ section codes {coded} components of a group that keeps {group.kept} (a truncated "
                         "section codes fewer): the blob is corrupt")
     return truncated(group, coded), j, _EXPONENT.size + _CODED.size
+
+
+def step_exponent(words: bytes | memoryview) -> int:
+    """A words section's step exponent j (its step is the group's times 2^(j / STEP_GRID))."""
+    return _EXPONENT.unpack(words[:_EXPONENT.size])[0] & 0xFFFF
 
 
 def is_truncated(words: bytes | memoryview) -> bool:

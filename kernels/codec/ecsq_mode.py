@@ -75,9 +75,14 @@ class EcsqMode(Mode):
                     ctx.projections[(si, gi)] = z
             full = g.budget_bytes(ctx.spec.ratio, z.shape[0])
             budget = int(full * budget_scale) if ctx.rate_control else None
+            first = 0 if ctx.steps is None else ctx.steps.get((si, gi), 0)
             with ctx.stage("entropy"):
                 words, escapes = ecsq.encode_group(z, g, budget, ctx.ecsq_format, ctx.entropy_on_device,
-                                                   truncate=ctx.truncate, min_words=full // ecsq.TRUNCATED_MIN_SHARE)
+                                                   truncate=ctx.truncate, min_words=full // ecsq.TRUNCATED_MIN_SHARE,
+                                                   first=first)
+            if ctx.steps is not None and budget is not None and len(words) + len(escapes) <= budget \
+                    and not ecsq.is_truncated(words):  # fitted: a coding at a smaller budget starts from its step
+                ctx.steps[(si, gi)] = ecsq.step_exponent(words)
             out.append(Section(SectionKey(TAG_ECSQ, si, gi, 0), PLAIN, len(words), words))
             out.append(ctx.section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes))
         return out

@@ -306,7 +306,8 @@ class KVTCCodec:
         dev, (L, H, T, D) = keys.device, keys.shape
         head, mid, tail = self.split(T, start)
         ops = resolve_ops(self.backend, dev)
-        sections, ctx = [], replace(self._context(dev, ops, {} if self.uses_outliers else None), truncate=truncate)
+        sections, ctx = [], replace(self._context(dev, ops, {} if self.uses_outliers else None), truncate=truncate,
+                                    steps={} if self.uses_outliers else None)
         bd = self.basis_dtype_on(dev, keys.dtype)
         sink_format = self.sink_format if head else "cache"
         for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
@@ -371,8 +372,9 @@ class KVTCCodec:
         packed = outliers.pack(found, middle) if len(found) else b""
         if packed and sum(len(c.stored) for c in coded) + len(packed) > budget_scale * bound:  # else they fit beside it
             coded = self._mode.encode(ctx, feat, si, stream, self._params(stream, dev, self.mode, bd)[1],
-                                      budget_scale - len(packed) / bound)  # the projections kept from the first
+                                      budget_scale - len(packed) / bound)  # the projections and steps kept
         ctx.projections.clear()
+        ctx.steps.clear()
         return coded, packed
 
     def on_device(self, dev: torch.device, ops_name: str) -> bool:

@@ -44,6 +44,9 @@ class BlobContext:
     # (stream index, group) -> its projected coefficients, kept where the codec codes a stream more than once
     projections: dict | None = None
     truncate: bool = False  # ECSQ: a group may code fewer components to meet its budget (kernels/codec/ecsq.py)
+    # ECSQ, beside `projections`: (stream index, group) -> the step exponent its last coding fitted, where the codec
+    # codes a stream again at a smaller budget (the search starts there: ecsq.encode_group's `first`)
+    steps: dict | None = None
 
 
 class ResidentCoder(Protocol):

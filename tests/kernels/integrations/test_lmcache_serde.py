@@ -598,22 +598,34 @@ def test_int8_sinks_by_default_keep_more_of_a_first_chunks_budget_and_a_short_ch
     assert len(told) == 1 and "8 tokens" in told[0] and 'sink_budget "extra"' in told[0]
 
 
-def test_a_first_chunk_that_cannot_pay_every_sink_keeps_the_first_token_raw_rather_than_coding_it():
+def test_a_first_chunk_ecsq_cannot_code_within_the_bound_is_coded_once_more_fixed_rate_with_the_most_raw_sinks_it_holds(
+        monkeypatch):
+    """Two codings at most: ECSQ with every sink raw, then fixed-rate (exact sizes) with every sink raw, the first
+    token alone or none, the first whose size the bound holds (here none: the bound is the fixed-rate size of a
+    later chunk; given room for one sink, the first token stays raw)."""
     from helpers.ecsq_synthetic import synthetic_ecsq_spec
 
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=3, window=3)
-    t = ChunkTransform(KVTCCodec(spec), positions=True)
     kv = _synthetic_chunk(spec, 256, 0)
     kv[:, :, 0] *= 40
-    limit = t.blob_bound(256, torch.float32)
-    t.codec.encode = lambda *args, **kwargs: bytes(limit + 1)  # every sink paid: beyond the bound (text unlike any)
-    data = t.serialize(kv, start=0)
-    header = read_blob(unframe(data)[1])[0]
-    assert (header.mode, header.sinks, header.head_raw) == ("ecsq", 1, 1) and len(data) == t.serialized_size(
-        tuple(kv.shape), torch.float32)
+    for room in (None, 1):
+        t = ChunkTransform(KVTCCodec(spec), positions=True)
+        limit = t.blob_bound(256, torch.float32)
+        if room is not None:  # a bound with room for one raw sink beside the fixed-rate codes
+            limit = t._bound_at(t.one, 256, torch.float32, 0)
+            monkeypatch.setattr(t, "chunk_bound", lambda *args: limit)
+        codings = []
+        t.codec.encode = lambda *args, **kwargs: codings.append("ecsq") or bytes(limit + 1)  # beyond the bound
+        for c in (t.fixed, t.one, t.whole):
+            monkeypatch.setattr(c, "encode", lambda *a, c=c, **k: codings.append(c.spec.sinks) or
+                                KVTCCodec.encode(c, *a, **k))
+        header = read_blob(t.encode(kv, start=0))[0]
+        assert codings == ["ecsq", room or 0] and (header.mode, header.sinks, header.head_raw) == ("fixed", room or 0,
+                                                                                                  room or 0)
+    data = t.serialize(kv, start=0, size=limit + FRAME_BYTES)
     out = torch.empty_like(kv)
     t.deserialize(data, out, start=0)
-    assert _rel(out[:, :, :1], kv[:, :, :1]) < 0.01 and _rel(out[:, :, 1:], kv[:, :, 1:]) < 0.3
+    assert _rel(out[:, :, :1], kv[:, :, :1]) < 0.01 and _rel(out[:, :, 1:], kv[:, :, 1:]) < 0.4  # fixed-rate codes
 
 
 def test_a_first_chunk_below_the_step_floor_codes_fewer_components_and_keeps_the_bound(caplog):
