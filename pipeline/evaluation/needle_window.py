@@ -21,6 +21,7 @@ import torch
 
 from kvtc.pipeline.evaluation.model_quality import _forward
 from kvtc.pipeline.evaluation.tasks import Haystack, _encode, _word
+from kvtc.workers.full_cache import cache_kwargs
 
 NEEDLE = " One of the special magic numbers for {key} is: {value}."
 QUESTION = ("\n\nQuestion: What is the special magic number for {key} mentioned in the text above?\n"
@@ -87,18 +88,44 @@ def plant(tokenizer: Any, window: Sequence[int], prefix: int, count: int, seed: 
                          tuple(s / prefix for s, _ in spans), questions, tuple(answer_tokens))
 
 
-def ask(lm: Any, make_cache: Any, planted: PlantedWindow) -> list[bool]:
+def ask(lm: Any, make_cache: Any, planted: PlantedWindow, packed: bool = True) -> list[bool]:
     """Whether greedy decoding after a prefix cache answers each question with its needle's value. make_cache: () ->
     a fresh transformers Cache of the prefix (a forward extends the cache it is given).
 
-    One forward per question, teacher-forced: the question and the answer's tokens fed at once, and greedy decoding
-    would give the answer exactly where the argmax at every answer position is the answer's next token (the question
-    ends in "... is:", so the answer is the first thing a right generation says). A step-by-step decode would cost a
-    forward and a copy of the whole cache per generated token."""
-    out = []
-    for question, tokens in zip(planted.questions, planted.answer_tokens):
-        feed = torch.tensor([list(question) + list(tokens[:-1])], dtype=torch.long, device=lm.device)
-        logits, _ = _forward(lm.model, feed, make_cache())
-        guessed = logits[0, len(question) - 1:].argmax(-1).tolist()
-        out.append(guessed == list(tokens))
-    return out
+    Teacher-forced: a question and its answer's tokens fed at once, and greedy decoding would give the answer
+    exactly where the argmax at every answer position is the answer's next token (the question ends in "... is:",
+    so the answer is the first thing a right generation says). `packed`: every question in one forward, each at the
+    positions right after the prefix and attending to the prefix and itself alone (a block mask); else one forward
+    per question (models whose layers differ: a sliding layer's cache holds fewer positions than the mask)."""
+    feeds = [list(q) + list(a[:-1]) for q, a in zip(planted.questions, planted.answer_tokens)]
+    if not packed:
+        logits = [_forward(lm.model, torch.tensor([f], dtype=torch.long, device=lm.device), make_cache())[0][0]
+                  for f in feeds]
+    else:
+        logits = _packed(lm, make_cache(), feeds, planted.prefix)
+    return [row[len(q) - 1:].argmax(-1).tolist() == list(a)
+            for row, q, a in zip(logits, planted.questions, planted.answer_tokens)]
+
+
+def _packed(lm: Any, cache: Any, feeds: list[list[int]], prefix: int) -> list[torch.Tensor]:
+    """Every feed in one forward after a prefix cache of `prefix` tokens -> each feed's logits (n_i, V)."""
+    dtype = next(lm.model.parameters()).dtype
+    n = sum(len(f) for f in feeds)
+    mask = torch.full((n, prefix + n), torch.finfo(dtype).min, dtype=dtype, device=lm.device)
+    mask[:, :prefix] = 0
+    positions, at = [], 0
+    for f in feeds:
+        m = len(f)
+        block = torch.triu(torch.full((m, m), torch.finfo(dtype).min, dtype=dtype, device=lm.device), diagonal=1)
+        mask[at:at + m, prefix + at:prefix + at + m] = block
+        positions += range(prefix, prefix + m)
+        at += m
+    ids = torch.tensor([[t for f in feeds for t in f]], dtype=torch.long, device=lm.device)
+    with torch.no_grad():
+        out = lm.model(ids, attention_mask=mask[None, None], position_ids=torch.tensor([positions], device=lm.device),
+                       use_cache=True, **cache_kwargs(lm.model, cache))
+    logits, at, rows = out.logits[0], 0, []
+    for f in feeds:
+        rows.append(logits[at:at + len(f)])
+        at += len(f)
+    return rows

@@ -170,7 +170,8 @@ def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> 
             positions.extend(position_errors(keys, values, rec.keys, rec.values, middle, sinks))
         if planted and (method == "uncompressed" or method.startswith("kvtc-chunk-")):  # raw, and what servers restore
             ratio = None if method == "uncompressed" else float(method[len("kvtc-chunk-"):-1])
-            answers[method] = ratio, ask(lm, lambda: build_cache(lm.model, rec.keys, rec.values, **state), planted)
+            answers[method] = ratio, ask(lm, lambda: build_cache(lm.model, rec.keys, rec.values, **state), planted,
+                                         packed=not state)
 
     rows = evaluate_sequences(lm, art, [window], dataclasses.replace(settings, sequences=1, prefix=prefix),
                               observe=observe)

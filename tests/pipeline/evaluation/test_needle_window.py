@@ -60,6 +60,13 @@ def test_an_answer_is_right_where_greedy_decoding_would_say_it(tokenizer, window
     keys, values = raw_cache(lm, torch.tensor([planted.ids[:300]]))
     raw = ask(lm, lambda: build_cache(lm.model, keys, values), planted)
     assert ask(lm, lambda: build_cache(lm.model, keys.clone(), values.clone()), planted) == raw  # identity path
+    # every question in one forward (a block mask, each at the positions after the prefix) = one forward each
+    assert ask(lm, lambda: build_cache(lm.model, keys, values), planted, packed=False) == raw
+    from kvtc.pipeline.evaluation.needle_window import _packed
+    feeds = [list(q) + list(a[:-1]) for q, a in zip(planted.questions, planted.answer_tokens)]
+    apart = [_forward(lm.model, torch.tensor([f]), build_cache(lm.model, keys, values))[0][0] for f in feeds]
+    for one, many in zip(apart, _packed(lm, build_cache(lm.model, keys, values), feeds, 300)):
+        torch.testing.assert_close(many, one, rtol=1e-4, atol=1e-4)
     # the teacher-forced check agrees with step-by-step greedy decoding: a random model says its own digits
     q, a = planted.questions[0], planted.answer_tokens[0]
     cache, feed, said = build_cache(lm.model, keys, values), torch.tensor([q]), []

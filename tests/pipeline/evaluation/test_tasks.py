@@ -159,6 +159,23 @@ def test_a_tiny_model_runs_every_served_path_and_the_command_prints_the_table_an
     assert all("raw model cannot do this" in " ".join(w) for w in lines)  # a random model finds no needle
 
 
+def test_the_haystack_can_be_the_artifacts_held_out_text(calibrated):
+    from kvtc import artifacts
+    from kvtc.pipeline.operations.quality import haystack_texts
+    from kvtc.pipeline.job.heldout_text import heldout_tokens
+    from kvtc.workers.models import load_model
+
+    art = artifacts.pull("tiny-tasks@latest", registry=calibrated)
+    lm = load_model("tiny:llama", device="cpu")
+    (text,) = haystack_texts("heldout", art, lm)
+    held = heldout_tokens(art, lm.tokenizer, lm.max_positions, 1 << 20)
+    assert held and text == lm.tokenizer.decode(held)  # the shards its calibration held out, nothing else
+    samples = generate(lm.tokenizer, TaskSettings(tasks=("niah",), lengths=(256,), samples=1), [text], "heldout")
+    hay = set(held)
+    inside = [t for t in samples[0].prompt[samples[0].context[0]:samples[0].needle[0]]]
+    assert inside and sum(t in hay for t in inside) >= 0.9 * len(inside)
+
+
 def test_an_identity_path_scores_exactly_the_raw_cache_on_a_tiny_model():
     from kvtc.workers.models import load_model
 
@@ -191,8 +208,9 @@ def test_bad_task_inputs_exit_2_in_one_line_naming_the_value_before_torch_loads(
     argvs = [base + ["--tasks", "niah,needle"], base + ["--tasks", "niah", "--depths", "0,1.5"],
              base + ["--tasks", "niah", "--lengths", "9000", "--model", "smollm2-135m"],
              base + ["--tasks", "niah", "--lengths", "1024", "--haystack", str(small)],
-             base + ["--tasks", "kv", "--lengths", "1k"], base[:-1] + ["8", "--tasks", "kv"]]
-    words = ["'needle'", "1.5", "9000", "1024", "'1k'", "ratio 8"]
+             base + ["--tasks", "kv", "--lengths", "1k"], base[:-1] + ["8", "--tasks", "kv"],
+             base + ["--tasks", "niah", "--lengths", "4096", "--haystack", "heldout"]]
+    words = ["'needle'", "1.5", "9000", "1024", "'1k'", "ratio 8", "held out"]
     code = f"ARGVS = {argvs!r}\n" + BAD_INPUTS
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "KVTC_CACHE": str(tmp_path / "cache")})
