@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields, replace
 import warnings
+import weakref
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Iterator, Sequence
@@ -184,13 +185,15 @@ class KVTCCodec:
                 for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.dim(stream))]
 
     def basis_bytes(self) -> int:
-        """Bytes of means and components this codec holds on its devices (the runtime's basis memory)."""
+        """Bytes of means and components this codec holds on its devices (the runtime's basis memory): each
+        storage once, whole (a view of a basis other codecs share counts that basis)."""
         seen, total = set(), 0
         for mean, parts in self._on_device.values():
             for t in [mean] + [c for _, c, _ in parts]:
-                if t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    total += t.numel() * t.element_size()
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
         return total
 
     def split(self, tokens: int, start: int) -> tuple[int, int, int]:
@@ -541,9 +544,28 @@ def _first_non_finite(x: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(int(i) for i in torch.nonzero(bad)[0])
 
 
+_CONVERTED: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
 def _held(matrix: torch.Tensor, device: torch.device, dtype: torch.dtype, group: Any, what: str) -> torch.Tensor:
-    """A basis matrix as the codec holds it; ValueError when `dtype` cannot hold its values (inf there)."""
-    held = matrix.to(device=device, dtype=dtype).contiguous()
+    """A basis matrix as the codec holds it: a view of one tensor per (basis, device, dtype) in the process, so the
+    codecs of every ratio and mode (leading columns of one basis) share it. ValueError when `dtype` cannot hold its
+    values (inf there)."""
+    root = matrix if matrix._base is None else matrix._base
+    leading = (matrix.dim() == root.dim() == 2 and matrix.shape[0] == root.shape[0] and matrix.stride() == root.stride()
+               and matrix.storage_offset() == root.storage_offset())  # matrix is root's first columns
+    if matrix.device == device and matrix.dtype == dtype:
+        held = matrix
+    elif not leading:
+        held = matrix.to(device=device, dtype=dtype).contiguous()  # a basis of its own (a rank's rows)
+    else:
+        key = (root.untyped_storage().data_ptr(), tuple(root.shape), root.stride(), str(device), dtype)
+        whole = _CONVERTED.get(key)
+        if whole is None:
+            whole = root.to(device=device, dtype=dtype)
+            whole._kvtc_source = root  # the source lives while its copy does: its address names no other basis
+            _CONVERTED[key] = whole
+        held = whole[:, : matrix.shape[1]]
     if not bool(torch.isfinite(held).all()):
         raise ValueError(f"group {group.group.label}: its {what} hold values beyond {dtype}'s range "
                          f"({float(matrix.abs().max()):.3g}); pass basis_dtype=torch.float32 to KVTCCodec")

@@ -233,8 +233,10 @@ class CodecSpec:
 
 
 def _columns(matrix: np.ndarray, kept: int) -> torch.Tensor:
-    """The first `kept` columns of a (p, k) basis matrix as a contiguous float32 tensor."""
-    return torch.as_tensor(matrix[:, :kept], dtype=torch.float32).contiguous()
+    """The first `kept` columns of a (p, k) basis matrix as a float32 view of it, no copy: an Artifact reads each
+    matrix once, so every ratio's and mode's components (leading columns of one basis) share its memory."""
+    whole = matrix if matrix.dtype == np.float32 else matrix.astype(np.float32)
+    return torch.as_tensor(whole)[:, :kept]
 
 
 def _decoder(artifact: Any, stream: str, group: int, kept: int) -> torch.Tensor | None:
