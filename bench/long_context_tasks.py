@@ -54,7 +54,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ratios", default="8,16,32")
     ap.add_argument("--paths", default="offline,chunk,cache")
-    ap.add_argument("--haystack", default=None, help="corpus spec (default: pydoc)")
+    ap.add_argument("--haystack", default=None, help="heldout (the artifact's held-out text) or a corpus spec (default: pydoc)")
     ap.add_argument("--mode", choices=("ecsq", "fixed"), default=None)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=None, help="write long_context_tasks.json and .png here")

@@ -87,8 +87,7 @@ class RankedChunkTransforms:
                                 backend=settings.backend)
         chunk_key = settings.chunk_key()
         return cls(codec, model_config, mode=settings.mode, pad=settings.pad, positions=positions,
-                   partition=settings.pp_partition, sink_budget=settings.sink_budget,
-                   sink_format=settings.sink_format, chunk_key=chunk_key, outlier_factor=settings.outlier_factor)
+                   partition=settings.pp_partition, chunk_key=chunk_key)
 
     def transform(self, placement: Placement) -> ChunkTransform:
         with self._lock:

@@ -13,13 +13,15 @@ from typing import Any
 from kvtc.artifacts.blocks import check_ratios
 from kvtc.artifacts.errors import IntegrityError
 from kvtc.artifacts.safe_io import open_regular
-from kvtc.kernels.codec.chunk_options import (CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, OUTLIER_FACTOR, SINK_BUDGETS,
-                                              SINK_FORMATS, check_outlier_factor)
+from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES
 
 NEW_KEY_S = 2.0  # an empty key file younger than this is being written by the server that created it
 
 _KWARGS = ("artifact", "ratio", "registry", "backend", "model", "max_workers", "mode", "pad", "pp_partition",
-           "sink_budget", "sink_format", "outlier_factor", "key_file")
+           "key_file")
+# the chunk coder's research options: what the server codes with is their default, reachable from Python
+# (ChunkTransform / KVTCCodec keywords) and bench/served_quality.py, not from a deployment's config
+RESEARCH_KWARGS = ("sink_budget", "sink_format", "outlier_factor")
 
 
 def load_chunk_key(path: str | os.PathLike) -> bytes:
@@ -90,11 +92,6 @@ class ChunkSerdeSettings:
     local dir whose config is checked against the artifact), max_workers (LMCache's thread pool),
     mode ("ecsq" | "fixed"; default: the artifact's), pad (pad every chunk to the size bound),
     pp_partition (layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION; default: vLLM's),
-    sink_budget ("shared", the default: a first chunk's raw sinks come out of its own budget, so the bound, and
-    every padded chunk, is a later chunk's; "extra": they come on top of its budget, and the bound counts them),
-    sink_format ("int8", the default: raw sinks as int8 codes with a scale per token vector; "cache": in the
-    chunk's dtype), outlier_factor (2.5, the default: a (layer, token) vector coded worse than this many times its
-    stream is stored int8 inside the budget, kernels/codec/outliers.py; null: none),
     key_file (the deployment's chunk key, created once with mode 0600; default: $KVTC_CHUNK_KEY_FILE, else no key:
     every server sharing a store must use the same key, kept outside the store)."""
 
@@ -107,9 +104,6 @@ class ChunkSerdeSettings:
     mode: str | None = None
     pad: bool = True
     pp_partition: tuple[int, ...] | None = None
-    sink_budget: str = "shared"
-    sink_format: str = "int8"
-    outlier_factor: float | None = OUTLIER_FACTOR
     key_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -126,11 +120,6 @@ class ChunkSerdeSettings:
                              f"got {self.mode!r}")
         if not isinstance(self.pad, bool):
             raise ValueError(f'kvtc serde "pad" must be true or false, got {self.pad!r}')
-        if self.sink_budget not in SINK_BUDGETS:
-            raise ValueError(f'kvtc serde "sink_budget" must be one of {SINK_BUDGETS}, got {self.sink_budget!r}')
-        if self.sink_format not in SINK_FORMATS:
-            raise ValueError(f'kvtc serde "sink_format" must be one of {SINK_FORMATS}, got {self.sink_format!r}')
-        object.__setattr__(self, "outlier_factor", check_outlier_factor(self.outlier_factor, 'kvtc serde "outlier_factor"'))
         object.__setattr__(self, "pp_partition", parse_partition(self.pp_partition))
         if self.key_file is not None and (not isinstance(self.key_file, str) or not self.key_file):
             raise ValueError(f'kvtc serde "key_file" must be a path (the deployment\'s chunk key), got {self.key_file!r}')
@@ -148,6 +137,11 @@ class ChunkSerdeSettings:
         kind = kwargs.pop("type", "kvtc")
         if kind != "kvtc":
             raise ValueError(f'the kvtc serde was handed a config of type {kind!r}')
+        research = [k for k in RESEARCH_KWARGS if k in kwargs]
+        if research:
+            raise ValueError(f"kvtc serde option {research[0]!r} is a research option of the chunk coder, not "
+                             "deployment config: remove it (the server codes with its default, the served one; "
+                             f"Python callers pass ChunkTransform(..., {research[0]}=...))")
         unknown = sorted(set(kwargs) - set(_KWARGS))
         if unknown:
             raise ValueError(f"unknown kvtc serde option(s) {unknown}; accepted: {list(_KWARGS)}")
