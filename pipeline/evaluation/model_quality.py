@@ -28,8 +28,6 @@ from kvtc.workers.full_cache import cache_kwargs
 class _Tally:
     """Sums over sequences for one method."""
     ratio: float | None = None
-    nll: float = 0.0
-    kl: float = 0.0
     tokens: int = 0
     k_err: float = 0.0
     k_norm: float = 0.0
@@ -47,9 +45,10 @@ class _Tally:
     kls: list = field(default_factory=list)   # per scored token: KL(raw || method)
 
 
-def _forward(model, ids, cache, attention_mask=None):
+def _forward(model, ids, cache, attention_mask=None, position_ids=None):
     with torch.no_grad():
         out = model(ids, use_cache=True, attention_mask=attention_mask,
+                    **({} if position_ids is None else {"position_ids": position_ids}),
                     **(cache_kwargs(model, cache) if cache is not None else {}))
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
@@ -184,8 +183,6 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             t = tallies.setdefault(name, _Tally(ratio=ratio))
             dnll = ref_tok - lp.gather(1, target[:, None])[:, 0]
             kl = (ref.exp() * (ref - lp)).sum(-1)
-            t.nll += float(dnll.sum())
-            t.kl += float(kl.sum())
             t.dnll.append(dnll)
             t.kls.append(kl)
             t.tokens += n
@@ -214,15 +211,16 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
         raise ValueError("no held-out sequence to evaluate; pass another --corpus or raise --sequences")
     rows = []
     for name, t in tallies.items():
+        dnll, kls = torch.cat(t.dnll), torch.cat(t.kls)
         rows.append({
             "method": name, "ratio": t.ratio, "bytes_per_token": t.stored / max(t.mid, 1),
             "cr": 4.0 * t.features * t.mid / max(t.stored, 1),
             "key_rel_error": math.sqrt(t.k_err / max(t.k_norm, 1e-300)),
             "value_rel_error": math.sqrt(t.v_err / max(t.v_norm, 1e-300)),
-            "ppl_ratio": math.exp(t.nll / t.tokens), "kl": t.kl / t.tokens, "tokens": t.tokens, "sequences": count,
+            "ppl_ratio": math.exp(float(dnll.sum()) / t.tokens), "kl": float(kls.sum()) / t.tokens, "tokens": t.tokens, "sequences": count,
         })
-        lo, hi = mean_interval(torch.cat(t.dnll))
-        rows[-1].update(ppl_ratio_ci=[math.exp(lo), math.exp(hi)], kl_ci=list(mean_interval(torch.cat(t.kls))))
+        lo, hi = mean_interval(dnll)
+        rows[-1].update(ppl_ratio_ci=[math.exp(lo), math.exp(hi)], kl_ci=list(mean_interval(kls)))
         if t.k_attn_norm > 0:
             rows[-1].update(key_attn_error=math.sqrt(t.k_attn / t.k_attn_norm),
                             value_attn_error=math.sqrt(t.v_attn / max(t.v_attn_norm, 1e-300)))

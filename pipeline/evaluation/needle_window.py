@@ -21,7 +21,6 @@ import torch
 
 from kvtc.pipeline.evaluation.model_quality import _forward
 from kvtc.pipeline.evaluation.tasks import Haystack, _encode, _word
-from kvtc.workers.full_cache import cache_kwargs
 
 NEEDLE = " One of the special magic numbers for {key} is: {value}."
 QUESTION = ("\n\nQuestion: What is the special magic number for {key} mentioned in the text above?\n"
@@ -121,10 +120,8 @@ def _packed(lm: Any, cache: Any, feeds: list[list[int]], prefix: int) -> list[to
         positions += range(prefix, prefix + m)
         at += m
     ids = torch.tensor([[t for f in feeds for t in f]], dtype=torch.long, device=lm.device)
-    with torch.no_grad():
-        out = lm.model(ids, attention_mask=mask[None, None], position_ids=torch.tensor([positions], device=lm.device),
-                       use_cache=True, **cache_kwargs(lm.model, cache))
-    logits, at, rows = out.logits[0], 0, []
+    logits, _ = _forward(lm.model, ids, cache, mask[None, None], torch.tensor([positions], device=lm.device))
+    logits, at, rows = logits[0], 0, []
     for f in feeds:
         rows.append(logits[at:at + len(f)])
         at += len(f)
