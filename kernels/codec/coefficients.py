@@ -18,6 +18,7 @@ import torch
 
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.codec.backend import Ops, resolve_ops
+from kvtc.kernels.codec.basis_product import project, reconstruct
 from kvtc.kernels.codec.modes import mode_for
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
@@ -166,7 +167,7 @@ class CoefficientCoder:
             for gi, g in enumerate(s.streams[stream]):
                 mean, comps = self._group(stream, gi, dev, x.dtype)
                 feat = self._features(stream, cache, g.group, mean, ops, start, n, B)
-                z = (feat.to(comps.dtype) @ comps).float().contiguous()
+                z = project(feat, comps).contiguous()
                 groups.append(self._mode.encode_resident(self, z, stream, gi, ops, B, n))
             blocks[stream] = tuple(groups)
         return CodedTokens(start, n, B, blocks, self.mode, str(dev))
@@ -190,7 +191,7 @@ class CoefficientCoder:
             mean, _ = self._group(stream, gi, dev, dtype)
             decoding = self._decoding(stream, gi, dev, dtype)
             rows = slice(row, row + (h1 - h0) * D)
-            feat = (zs[gi].to(decoding.dtype) @ decoding[rows].T).float()  # (B*n, heads*D): this layer's rows only
+            feat = reconstruct(zs[gi], decoding[rows])  # (B*n, heads*D): this layer's rows only
             self._ops(dev).rope_restore(feat, cos, sin, mean[rows].contiguous(), out[:, h0:h1], layout)
         return out[0].reshape(-1, B, n, D).transpose(0, 1)
 

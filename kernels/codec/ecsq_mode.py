@@ -12,6 +12,7 @@ import torch
 
 from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec.backend import Ops, resolve_ops
+from kvtc.kernels.codec.basis_product import project, reconstruct
 from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, BlobError, BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.entropy import PLAIN
 from kvtc.kernels.codec.extremes import refuse_beyond
@@ -20,28 +21,10 @@ from kvtc.kernels.codec.mode import BlobContext, Mode, ResidentCoder
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 
-class EcsqMode(Mode):
-    name = "ecsq"
-    label = "ECSQ"
+class EcsqSizes(SizeBounds):
+    """Rate-controlled: the budget bounds each (stream, group), with fixed-rate to fall back to."""
+
     exact = False
-
-    def codes(self, spec: CodecSpec, stream: str) -> tuple:
-        return spec.ecsq[stream]
-
-    def check(self, spec: CodecSpec) -> None:
-        if spec.ecsq is None:
-            raise ValueError(f"artifact {spec.name}@{spec.version} has no ECSQ tables for ratio {spec.ratio:g} "
-                             f"(calibrated before the ECSQ mode existed, or without it): recalibrate with this release, "
-                             f"e.g. `kvtc recalibrate {spec.name} --corpus SPEC` (cached shards are reused), or use "
-                             f"mode='fixed'")
-
-    def check_resident(self, spec: CodecSpec) -> None:
-        """Every ECSQ group can be held resident (its words and escapes, as in a blob)."""
-
-    def admit(self, x: torch.Tensor, stream: str) -> torch.Tensor:
-        """`x`; ValueError beyond any step (the callers code such a cache fixed-rate)."""
-        refuse_beyond(x, stream)
-        return x
 
     def bound_bytes(self, spec: CodecSpec, tokens: int) -> int:
         """The rate control's budget: each (stream, group)'s share of the ratio's bits per coded token, in bytes."""
@@ -55,13 +38,17 @@ class EcsqMode(Mode):
     def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
         return sum(g.budget_bytes(spec.ratio, tokens) for g in spec.ecsq[stream]) if tokens else 0
 
-    def blob_fields(self, sections: list[Section]) -> dict[str, Any]:
-        return {"truncated": any(ecsq.is_truncated(s.stored) for s in sections if s.key.tag == TAG_ECSQ)}
-
     @property
     def fallback(self) -> Mode:
         """Fixed-rate: it saturates instead of refusing, and its sizes are exact."""
         return FixedMode()
+
+
+class EcsqBlob(BlobCoding):
+    """Per (stream, group) its words (stored plain) then its escapes."""
+
+    def blob_fields(self, sections: list[Section]) -> dict[str, Any]:
+        return {"truncated": any(ecsq.is_truncated(s.stored) for s in sections if s.key.tag == TAG_ECSQ)}
 
     def encode(self, ctx: BlobContext, feat: torch.Tensor, si: int, stream: str, parts: list,
                budget_scale: float) -> list[Section]:
@@ -70,7 +57,7 @@ class EcsqMode(Mode):
             z = None if ctx.projections is None else ctx.projections.get((si, gi))
             if z is None:
                 with ctx.stage("project"):
-                    z = (feat[:, cols].to(comps.dtype) @ comps).float()
+                    z = project(feat[:, cols], comps)
                 if ctx.projections is not None:
                     ctx.projections[(si, gi)] = z
             full = g.budget_bytes(ctx.spec.ratio, z.shape[0])
@@ -102,7 +89,7 @@ class EcsqMode(Mode):
                 with ctx.stage("dequantize"):
                     zhat = ecsq.dequantize(q[a:b], step, ctx.offsets(stream, gi))
                 with ctx.stage("project"):
-                    feat[:, cols] = zhat.to(comps.dtype) @ comps.T
+                    feat[:, cols] = reconstruct(zhat, comps)
 
         return rows
 
@@ -137,7 +124,14 @@ class EcsqMode(Mode):
         if truncated != header.truncated:
             raise BlobError("blob flag bit 6 (truncated ECSQ sections) disagrees with its sections: the blob is corrupt")
 
-    def encode_resident(self, coder: ResidentCoder, z: torch.Tensor, stream: str, gi: int, ops: Ops, batch: int,
+
+class EcsqResident(ResidentForm):
+    """Per (stream, group, sequence) its words and escapes, entropy-decoded when read."""
+
+    def check(self, spec: CodecSpec) -> None:
+        """Every ECSQ group can be held resident (its words and escapes, as in a blob)."""
+
+    def encode(self, coder: ResidentCoder, z: torch.Tensor, stream: str, gi: int, ops: Ops, batch: int,
                         n: int) -> tuple:
         """Per sequence (words, escapes), budgeted like the codec's sections for n tokens."""
         g = coder.spec.ecsq[stream][gi]
@@ -154,10 +148,33 @@ class EcsqMode(Mode):
             parts.append(ecsq.dequantize(q, step, offsets))
         return torch.cat(parts)
 
-    def resident_nbytes(self, blocks: dict) -> int:
+    def nbytes(self, blocks: dict) -> int:
         """The ANS words and escapes (payload bytes, not counting Python's ~33-byte header per bytes object)."""
         return sum(len(w) + len(e) for groups in blocks.values() for seqs in groups for w, e in seqs)
 
     def select(self, blocks: dict, batch: int, tokens: int, index: torch.Tensor) -> dict:
         rows = [int(i) for i in index.tolist()]
         return {s: tuple(tuple(seqs[i] for i in rows) for seqs in groups) for s, groups in blocks.items()}
+
+
+class EcsqMode(Mode):
+    name = "ecsq"
+    label = "ECSQ"
+    blob = EcsqBlob()
+    sizes = EcsqSizes()
+    resident = EcsqResident()
+
+    def codes(self, spec: CodecSpec, stream: str) -> tuple:
+        return spec.ecsq[stream]
+
+    def check(self, spec: CodecSpec) -> None:
+        if spec.ecsq is None:
+            raise ValueError(f"artifact {spec.name}@{spec.version} has no ECSQ tables for ratio {spec.ratio:g} "
+                             f"(calibrated before the ECSQ mode existed, or without it): recalibrate with this release, "
+                             f"e.g. `kvtc recalibrate {spec.name} --corpus SPEC` (cached shards are reused), or use "
+                             f"mode='fixed'")
+
+    def admit(self, x: torch.Tensor, stream: str) -> torch.Tensor:
+        """`x`; ValueError beyond any step (the callers code such a cache fixed-rate)."""
+        refuse_beyond(x, stream)
+        return x

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kvtc.kernels.codec.backend import Ops, resolve_ops
+from kvtc.kernels.codec.basis_product import project, reconstruct
 from kvtc.kernels.codec.bitpack import packed_nbytes
 from kvtc.kernels.codec.blob import TAG_CODES, TAG_PARAMS, BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.extremes import saturate
@@ -102,7 +103,7 @@ class FixedMode(Mode):
         out = []
         for gi, (cols, comps, code) in enumerate(parts):
             with ctx.stage("project"):
-                z = (feat[:, cols].to(comps.dtype) @ comps).float().contiguous()
+                z = project(feat[:, cols], comps).contiguous()
             with ctx.stage("quantize_pack"):
                 coded = group_bytes(quantize_pack_blocks(z, code.blocks, reference=ctx.ops.name == "torch"), code.blocks)
             if coded is not None:
@@ -123,7 +124,7 @@ class FixedMode(Mode):
                         if pair is not None:
                             ops.unpack_dequantize(pair[0][a:b], pair[1][a:b], block.qtype, zhat, block.start, block.size)
                 with ctx.stage("project"):
-                    feat[:, cols] = zhat.to(comps.dtype) @ comps.T  # comps: the group's decoding matrix
+                    feat[:, cols] = reconstruct(zhat, comps)  # comps: the group's decoding matrix
 
         return rows
 

@@ -139,10 +139,11 @@ class KVTCCodec:
 
     def basis_dtype_on(self, device: torch.device, cache_dtype: torch.dtype) -> torch.dtype:
         """dtype of the components held on `device`: `basis_dtype`, or by default the cache's dtype on CUDA
-        (fp16/bf16 GEMMs) and float32 on CPU (where half-precision GEMMs are slow)."""
+        (fp16/bf16 GEMMs) and on the host the dtype the spec holds them in (float32 as read from an artifact; a
+        server's half basis is used as held, its products computed in float32 blocks: basis_product.py)."""
         if self.basis_dtype is not None:
             return self.basis_dtype
-        return cache_dtype if device.type == "cuda" else torch.float32
+        return cache_dtype if device.type == "cuda" else self.spec.held_dtype
 
     def _params(self, stream: str, device: torch.device, mode: str = "fixed", dtype: torch.dtype = torch.float32,
                 decode: bool = False) -> tuple[torch.Tensor, list]:

@@ -148,6 +148,12 @@ class CodecSpec:
         return "values" if is_mla(self.layers) else "keys"
 
     @property
+    def held_dtype(self) -> torch.dtype:
+        """The dtype its bases are held in on the host: float32 as an Artifact reads them, half as a server holds
+        them (kernels/codec/held_basis.py)."""
+        return next((g.components.dtype for groups in self.streams.values() for g in groups), torch.float32)
+
+    @property
     def widths(self) -> str:
         """The per-token shape a cache must have, in words (for error messages)."""
         if self.value_dim is None:
@@ -232,11 +238,18 @@ class CodecSpec:
                    identity=artifact_identity(artifact))
 
 
-def _columns(matrix: np.ndarray, kept: int) -> torch.Tensor:
-    """The first `kept` columns of a (p, k) basis matrix as a float32 view of it, no copy: an Artifact reads each
-    matrix once, so every ratio's and mode's components (leading columns of one basis) share its memory."""
-    whole = matrix if matrix.dtype == np.float32 else matrix.astype(np.float32)
-    return torch.as_tensor(whole)[:, :kept]
+def _columns(matrix: np.ndarray | torch.Tensor, kept: int) -> torch.Tensor:
+    """The first `kept` columns of a (p, k) basis matrix as a view of it, no copy: an Artifact reads each matrix
+    once (a server holds it once, in half precision: kernels/codec/held_basis.py), so every ratio's and mode's
+    components (leading columns of one basis) share its memory. Float32 unless the matrix is held in half."""
+    if isinstance(matrix, np.ndarray):
+        matrix = matrix if matrix.dtype == np.float32 else matrix.astype(np.float32)
+    whole = torch.as_tensor(matrix)
+    if whole.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        whole = whole.float()
+    if kept > whole.shape[1]:
+        raise ValueError(f"the allocation keeps {kept} components, the basis held has {whole.shape[1]}")
+    return whole[:, :kept]
 
 
 def _decoder(artifact: Any, stream: str, group: int, kept: int) -> torch.Tensor | None:
