@@ -88,8 +88,15 @@ def plant(tokenizer: Any, window: Sequence[int], prefix: int, count: int, seed: 
 
 
 def ask(lm: Any, make_cache: Any, planted: PlantedWindow, packed: bool = True) -> list[bool]:
-    """Whether greedy decoding after a prefix cache answers each question with its needle's value. make_cache: () ->
-    a fresh transformers Cache of the prefix (a forward extends the cache it is given).
+    """Whether greedy decoding after a prefix cache answers each question with its needle's value (`answers`)."""
+    return [found for found, _ in answers(lm, make_cache, planted, packed)]
+
+
+def answers(lm: Any, make_cache: Any, planted: PlantedWindow, packed: bool = True) -> list[tuple[bool, float]]:
+    """Each question's (found, nll) after a prefix cache: whether greedy decoding answers it with its needle's value,
+    and the answer's negative log-likelihood in nats (summed over its tokens: a graded measure of the same retrieval,
+    which tells a codec from the raw cache on far fewer needles than exact match). make_cache: () -> a fresh
+    transformers Cache of the prefix (a forward extends the cache it is given).
 
     Teacher-forced: a question and its answer's tokens fed at once, and greedy decoding would give the answer
     exactly where the argmax at every answer position is the answer's next token (the question ends in "... is:",
@@ -102,8 +109,13 @@ def ask(lm: Any, make_cache: Any, planted: PlantedWindow, packed: bool = True) -
                   for f in feeds]
     else:
         logits = _packed(lm, make_cache(), feeds, planted.prefix)
-    return [row[len(q) - 1:].argmax(-1).tolist() == list(a)
-            for row, q, a in zip(logits, planted.questions, planted.answer_tokens)]
+    out = []
+    for row, q, a in zip(logits, planted.questions, planted.answer_tokens):
+        tail = row[len(q) - 1:].float()
+        target = torch.tensor(a, device=tail.device)
+        nll = -torch.log_softmax(tail, -1).gather(-1, target[:, None]).sum()
+        out.append((tail.argmax(-1).tolist() == list(a), float(nll)))
+    return out
 
 
 def _packed(lm: Any, cache: Any, feeds: list[list[int]], prefix: int) -> list[torch.Tensor]:

@@ -44,10 +44,18 @@ def quality_table(rows: list[dict]) -> str:
 
 def needle_table(rows: list[dict]) -> str:
     """Markdown table of the served check's needle rows (kvtc.pipeline.job.served_check.needle_rows)."""
-    return _md(["path", "CR", "found", "accuracy [95% interval]", "missed at depths"],
+    return _md(["path", "CR", "found", "accuracy [95% interval]", "missed at depths", "answer NLL over raw, nats [95%]"],
                [[r["path"], "-" if r["ratio"] is None else f"{r['ratio']:g}", f"{r['correct']} / {r['samples']}",
                  f"{r['accuracy']:.0%} [{r['ci_low']:.0%}, {r['ci_high']:.0%}]",
-                 ", ".join(f"{d:.2f}" for d in r["missed_depths"]) or "-"] for r in rows])
+                 ", ".join(f"{d:.2f}" for d in r["missed_depths"]) or "-", _gap(r)] for r in rows])
+
+
+def _gap(row: dict) -> str:
+    if row.get("path") == "raw" or row.get("nll_gap") is None:
+        return "-"
+    if row.get("nll_gap_ci_low") is None:
+        return f"{row['nll_gap']:+.3f}"
+    return f"{row['nll_gap']:+.3f} [{row['nll_gap_ci_low']:+.3f}, {row['nll_gap_ci_high']:+.3f}]"
 
 
 def limit_table(rows: list[dict]) -> str:

@@ -26,7 +26,8 @@ from kvtc import artifacts
 from kvtc.pipeline.evaluation.long_context import longest_window, position_errors
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
 from kvtc.pipeline.evaluation.model_quality import build_cache, evaluate_sequences
-from kvtc.pipeline.evaluation.needle_window import ask, plant
+from kvtc.pipeline.evaluation.metrics import mean_interval
+from kvtc.pipeline.evaluation.needle_window import answers, plant
 from kvtc.pipeline.evaluation.task_suite import wilson
 from kvtc.pipeline.fit.basis_budget import model_parameters
 from kvtc.pipeline.job.heldout_text import heldout_sequences, heldout_tokens
@@ -67,14 +68,16 @@ def metric_rows(rows: list[dict], suffix: str = "", prefix: int | None = None) -
 
 def needle_metrics(needles: list[dict]) -> list[dict]:
     """The long window's needle rows (`needle_rows`) -> the manifest's metric rows of split "served-chunk-long":
-    per ratio needles (accuracy), needles_ci_low, needles_ci_high, needles_samples and needles_raw (the raw cache's)."""
+    per ratio needles (accuracy), needles_ci_low, needles_ci_high, needles_samples, needles_raw (the raw cache's) and
+    needles_nll_gap with its interval (needles_nll_gap_ci_low, _ci_high)."""
     raw = next((n["accuracy"] for n in needles if n["path"] == "raw"), None)
     out = []
     for n in needles:
         if n["path"] != "chunk":
             continue
         figures = {"needles": n["accuracy"], "needles_ci_low": n["ci_low"], "needles_ci_high": n["ci_high"],
-                   "needles_samples": n["samples"], "needles_raw": raw}
+                   "needles_samples": n["samples"], "needles_raw": raw, "needles_nll_gap": n.get("nll_gap"),
+                   "needles_nll_gap_ci_low": n.get("nll_gap_ci_low"), "needles_nll_gap_ci_high": n.get("nll_gap_ci_high")}
         out += [{"ratio": float(n["ratio"]), "stream": None, "group": None, "split": "served-chunk-long",
                  "metric": metric, "value": None if value is None else float(value)} for metric, value in figures.items()]
     return out
@@ -163,29 +166,37 @@ def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> 
     ratios = sorted(settings.ratios)
     middle = ratios[len(ratios) // 2]  # the chart's bold one
     positions: list[dict] = []
-    answers: dict[str, tuple[float | None, list[bool]]] = {}
+    got: dict[str, tuple[float | None, list[tuple[bool, float]]]] = {}
 
     def observe(method: str, keys: Any, values: Any, rec: Any, state: dict) -> None:
         if method == f"kvtc-{middle:g}x":  # the offline codec's reconstruction the scoring just made
             positions.extend(position_errors(keys, values, rec.keys, rec.values, middle, sinks))
         if planted and (method == "uncompressed" or method.startswith("kvtc-chunk-")):  # raw, and what servers restore
             ratio = None if method == "uncompressed" else float(method[len("kvtc-chunk-"):-1])
-            answers[method] = ratio, ask(lm, lambda: build_cache(lm.model, rec.keys, rec.values, **state), planted,
+            got[method] = ratio, answers(lm, lambda: build_cache(lm.model, rec.keys, rec.values, **state), planted,
                                          packed=not state)
 
     rows = evaluate_sequences(lm, art, [window], dataclasses.replace(settings, sequences=1, prefix=prefix),
                               observe=observe)
-    needles = needle_rows(answers, planted.depths if planted else ())
+    needles = needle_rows(got, planted.depths if planted else ())
     return {"prefix": prefix, "rows": rows, "positions": positions, "needles": needles}
 
 
-def needle_rows(answers: dict[str, tuple[float | None, list[bool]]], depths: tuple[float, ...]) -> list[dict]:
-    """Each path's answers -> rows {path: "raw" | "chunk", ratio, correct, samples, accuracy, ci_low, ci_high (95%
-    Wilson), missed_depths (the depths of the needles it missed)}: the raw cache first."""
+def needle_rows(answers: dict[str, tuple[float | None, list[tuple[bool, float]]]], depths: tuple[float, ...]
+                ) -> list[dict]:
+    """Each path's (found, answer NLL) per needle (needle_window.answers) -> rows {path: "raw" | "chunk", ratio,
+    correct, samples, accuracy, ci_low, ci_high (95% Wilson), missed_depths (the depths of the needles it missed),
+    nll_gap, nll_gap_ci_low, nll_gap_ci_high (the answers' mean NLL in nats over the raw cache's on the same needles,
+    a paired 95% Student t interval: the graded form of the same retrieval)}: the raw cache first."""
+    raw = next((got for ratio, got in answers.values() if ratio is None), None)
     out = []
-    for method, (ratio, right) in sorted(answers.items(), key=lambda kv: -1.0 if kv[1][0] is None else kv[1][0]):
+    for method, (ratio, got) in sorted(answers.items(), key=lambda kv: -1.0 if kv[1][0] is None else kv[1][0]):
+        right = [found for found, _ in got]
         lo, hi = wilson(sum(right), len(right))
+        gaps = torch.tensor([nll - base for (_, nll), (_, base) in zip(got, raw)] if raw else [])
+        gap, (gap_lo, gap_hi) = (float(gaps.mean()), mean_interval(gaps, block=1)) if len(gaps) else (None, (None, None))
         out.append({"path": "raw" if ratio is None else "chunk", "ratio": ratio, "correct": sum(right),
                     "samples": len(right), "accuracy": sum(right) / len(right), "ci_low": lo, "ci_high": hi,
-                    "missed_depths": [round(d, 3) for d, ok in zip(depths, right) if not ok]})
+                    "missed_depths": [round(d, 3) for d, ok in zip(depths, right) if not ok],
+                    "nll_gap": gap, "nll_gap_ci_low": gap_lo, "nll_gap_ci_high": gap_hi})
     return out

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvtc.pipeline.evaluation.needle_window import NEEDLE, ask, plant
+from kvtc.pipeline.evaluation.needle_window import NEEDLE, answers, ask, plant
 from kvtc.pipeline.evaluation.tasks import pydoc_texts
 
 
@@ -77,3 +77,27 @@ def test_an_answer_is_right_where_greedy_decoding_would_say_it(tokenizer, window
     forced = replace(planted, answer_tokens=(tuple(said),) + planted.answer_tokens[1:])
     assert ask(lm, lambda: build_cache(lm.model, keys, values), forced)[0] is True
     assert raw[0] is (said == list(a))
+
+
+def test_the_answer_nll_is_the_teacher_forced_sum_and_an_identity_path_has_no_gap(tokenizer, window):
+    from kvtc.pipeline.evaluation.model_quality import _forward, build_cache
+    from kvtc.pipeline.job.served_check import needle_rows
+    from kvtc.workers.capture import raw_cache
+    from kvtc.workers.models import load_model
+
+    lm = load_model("tiny:llama")
+    planted = plant(tokenizer, window, 300, 2)
+    keys, values = raw_cache(lm, torch.tensor([planted.ids[:300]]))
+    raw = answers(lm, lambda: build_cache(lm.model, keys, values), planted)
+    q, a = planted.questions[1], planted.answer_tokens[1]
+    logits = _forward(lm.model, torch.tensor([list(q) + list(a[:-1])]), build_cache(lm.model, keys, values))[0][0]
+    logp = torch.log_softmax(logits[len(q) - 1:].float(), -1)
+    assert raw[1][1] == pytest.approx(-float(sum(logp[i, t] for i, t in enumerate(a))), rel=1e-4)
+    noisy = answers(lm, lambda: build_cache(lm.model, keys + 0.5 * torch.randn_like(keys), values), planted)
+    rows = needle_rows({"uncompressed": (None, raw), "kvtc-chunk-16x": (16.0, raw), "kvtc-chunk-32x": (32.0, noisy)},
+                       planted.depths)
+    assert [r["path"] for r in rows] == ["raw", "chunk", "chunk"]
+    assert rows[1]["nll_gap"] == 0 and rows[1]["nll_gap_ci_low"] == rows[1]["nll_gap_ci_high"] == 0
+    gaps = [n - b for (_, n), (_, b) in zip(noisy, raw)]
+    assert rows[2]["nll_gap"] == pytest.approx(sum(gaps) / 2)
+    assert rows[2]["nll_gap_ci_low"] <= rows[2]["nll_gap"] <= rows[2]["nll_gap_ci_high"]
