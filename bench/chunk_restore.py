@@ -40,6 +40,8 @@ from kvtc.kernels.codec.blob import TAG_ECSQ, Section, write_blob  # noqa: E402
 from kvtc.kernels.codec.chunk_serde import ChunkTransform  # noqa: E402
 from kvtc.kernels.integrations.lmcache_ranks import RankedChunkTransforms  # noqa: E402
 from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings
+from kvtc.kernels.codec.mode import HeldOffsets  # noqa: E402
+from kvtc.kernels.codec.modes import ECSQ  # noqa: E402
 from kvtc.kernels.codec.spec import STREAMS  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -103,8 +105,8 @@ def stages(transform: ChunkTransform, kv: torch.Tensor, repeats: int) -> dict[st
         return fn()
 
     for si, stream in enumerate(STREAMS):
-        mean, parts = codec._params(stream, CPU, "ecsq", codec.basis_dtype_on(CPU, kv.dtype))
-        _, decoding = codec._params(stream, CPU, "ecsq", codec.basis_dtype_on(CPU, kv.dtype), decode=True)
+        mean, parts = codec._params(stream, CPU, ECSQ, codec.basis_dtype_on(CPU, kv.dtype))
+        _, decoding = codec._params(stream, CPU, ECSQ, codec.basis_dtype_on(CPU, kv.dtype), decode=True)
         cos, sin, layout = codec._cos_sin(stream, positions)
         feat = add("enc rope/centre", lambda: ops.rope_center(x[si], cos, sin, mean, layout))
         back = torch.empty(T, feat.shape[1], dtype=torch.float32)
@@ -116,7 +118,7 @@ def stages(transform: ChunkTransform, kv: torch.Tensor, repeats: int) -> dict[st
             add("enc entropy (numpy reference)", lambda: rans.encode(q, tables, reference=True), 1)
             sym = add("dec entropy", lambda: rans.decode(*coded, T, tables))
             add("dec entropy (numpy reference)", lambda: rans.decode(*coded, T, tables, reference=True), 1)
-            off = codec._offsets(stream, gi, CPU)
+            off = HeldOffsets(codec.spec, CPU)(stream, gi)
             zhat = add("dec dequantize", lambda: ecsq.dequantize(torch.from_numpy(sym), g.step, off))
             add("dec projection", lambda: back.__setitem__((slice(None), cols), zhat.to(dec.dtype) @ dec.T))
         out = torch.empty(L, s.kv_heads, T, s.head_dim, dtype=kv.dtype)
@@ -168,7 +170,7 @@ def speed(transform: ChunkTransform, kv: torch.Tensor, repeats: int) -> None:
     size = dict.fromkeys(coders, 0)
     raw = 0
     for si, stream in enumerate(STREAMS):
-        mean, parts = codec._params(stream, CPU, "ecsq")
+        mean, parts = codec._params(stream, CPU, ECSQ)
         feat = ops.rope_center(x[si], None, None, mean, "half")
         for cols, comps, g in parts:
             q = ecsq.quantize(feat[:, cols] @ comps, g.step).numpy()

@@ -35,6 +35,7 @@ from kvtc.kernels.codec import ecsq, rans  # noqa: E402
 from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, write_blob  # noqa: E402
 from kvtc.kernels.codec.ecsq import EcsqGroup  # noqa: E402
 from kvtc.kernels.codec.rans_triton import decode_device, encode_device  # noqa: E402
+from kvtc.kernels.codec.modes import ECSQ  # noqa: E402
 from kvtc.kernels.codec.spec import STREAMS  # noqa: E402
 
 
@@ -69,7 +70,7 @@ def symbols_of(codec: KVTCCodec, keys: torch.Tensor, values: torch.Tensor) -> li
     ops = resolve_ops("torch", keys.device)
     out = []
     for stream, x in zip(STREAMS, (keys, values)):
-        mean, parts = codec._params(stream, keys.device, "ecsq")
+        mean, parts = codec._params(stream, keys.device, ECSQ)
         cos, sin, layout = codec._cos_sin(stream, torch.arange(head, head + mid))
         feat = ops.rope_center(x[:, :, head:head + mid], cos, sin, mean, layout)
         for cols, comps, g in parts:

@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, CHUNK_MODES, SINK_BUDGETS
+from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, SINK_BUDGETS
 from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section, read_blob, write_blob
 from kvtc.kernels.codec.chunk_frame import FRAME_BYTES, UNBOUND, Frame, frame, keyed_binding, read_frame
 # the frame's names, imported from here by earlier callers and benches
@@ -82,7 +82,6 @@ from kvtc.kernels.codec.chunk_identity import ChunkIdentity, Engine, old_frame
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
 from kvtc.kernels.codec.model_config import check_config
-from kvtc.kernels.codec.modes import default_mode, mode_for
 from kvtc.kernels.codec.spec import CodecSpec
 
 _log = logging.getLogger("kvtc.chunk_serde")
@@ -227,16 +226,12 @@ class ChunkTransform:
         self.positional = self.needs_positions or self.sinks > 0  # whether a chunk's bytes depend on its start
         self.spec = replace(spec, sinks=self.sinks, window=0)
         self.label = label or f"artifact {spec.name}@{spec.version}"
-        if mode is None:  # the codec's mode where this serde knows its size bound
-            mode = codec.mode if codec.mode in CHUNK_MODES else default_mode(spec).name
-        if mode not in CHUNK_MODES:
-            raise ValueError(f"the kvtc chunk serde bounds the sizes of modes {CHUNK_MODES}, not {mode!r}")
-        options = replace(codec.options, mode=mode, sink_format=sink_format, level=level, coder=coder)
+        options = replace(codec.options, mode=codec.mode if mode is None else mode, sink_format=sink_format, level=level,
+                          coder=coder)  # a mode or sink format of another name: CodecOptions' ValueError
         self.codec = KVTCCodec(self.spec, options=options)
-        self.mode = self.codec.mode
-        self.coding = mode_for(self.mode)  # the mode's size bound and fallback (kernels/codec/mode.py)
+        self.mode, self.coding = self.codec.mode, self.codec.coding  # its name, and the mode (kernels/codec/mode.py)
         # the fixed-rate fallback where the mode has one (a chunk it cannot code within the bound), else the codec
-        fallback = self.coding.fallback
+        fallback = self.coding.sizes.fallback
         self.fixed = self.codec if fallback is None else KVTCCodec(self.spec, options=replace(options, mode=fallback.name))
         self.pad = pad
         # shared: a first chunk's raw sinks come out of its own budget (ECSQ at a coarser step), or, where they
@@ -281,7 +276,7 @@ class ChunkTransform:
                                 tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode,
                                 sink_format=codec.sink_format if head else "cache",
                                 outliers=codec.uses_outliers and mid > 0,  # fixed-width: the table holds its sections
-                                **mode_for(codec.mode).header_fields())
+                                **codec.coding.blob.header_fields())
             expected = codec.expected_sections(header)
             frame = len(write_blob(header, [Section(k, 0, 0, b"") for k, _ in expected]))
             raw = sum(n or 0 for k, n in expected if k.tag in (TAG_RAW_HEAD, TAG_RAW_TAIL))
@@ -304,18 +299,18 @@ class ChunkTransform:
         shape in the log."""
         if not self.shared:
             return False
-        scale = 0.0 if self.coding.exact else self._shared_scale(tokens, dtype, 0)
+        scale = 0.0 if self.coding.sizes.exact else self._shared_scale(tokens, dtype, 0)
         _, _, mid = self._sizes(self.codec, tokens, dtype, 0)
         floor = self._floors.get(mid)
         if floor is None:
-            budget = self.coding.bound_bytes(self.spec, mid)
-            floor = self._floors.setdefault(mid, self.coding.floor_bytes(self.spec, mid) / budget if budget else 0.0)
+            budget = self.coding.sizes.bound_bytes(self.spec, mid)
+            floor = self._floors.setdefault(mid, self.coding.sizes.floor_bytes(self.spec, mid) / budget if budget else 0.0)
         if scale >= MIN_SHARED_SCALE and floor <= FLOOR_SHARE * scale:
             return True
         told = (self.label, self.spec.ratio, tokens, dtype)
         if told not in _TOLD:  # once per process: every transform of the artifact and ratio would say the same
             _TOLD.add(told)
-            why = (f"is coded {self.coding.label}, whose sizes are exact" if self.coding.exact else
+            why = (f"is coded {self.coding.label}, whose sizes are exact" if self.coding.sizes.exact else
                    f"would keep {scale:.0%} of its budget for its other tokens, below {MIN_SHARED_SCALE:.0%}"
                    if scale < MIN_SHARED_SCALE else
                    f"would keep {scale:.0%} of its budget for its other tokens, where the artifact's {self.coding.label} "
@@ -334,7 +329,7 @@ class ChunkTransform:
     def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int) -> float:
         """The share of its ECSQ budget a first chunk may spend so that it fits a later chunk's bound (0: none)."""
         head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
-        budget = self.coding.bound_bytes(self.spec, mid)
+        budget = self.coding.sizes.bound_bytes(self.spec, mid)
         room = self._bound_at(self.codec, tokens, dtype, self.sinks) - head - raw
         return min(1.0, room / budget) if budget and room > 0 else 0.0
 
@@ -346,14 +341,14 @@ class ChunkTransform:
 
     def mode_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
         """Largest blob of `tokens` tokens at `start` (None: any) the transform's mode writes within its bound
-        (Mode.bound_bytes): header, raw sinks, and for ECSQ each (stream, group)'s rate-control budget (its share
+        (SizeBounds.bound_bytes): header, raw sinks, and for ECSQ each (stream, group)'s rate-control budget (its share
         of the ratio's bits per coded token, in bytes), for fixed-rate its exact sections."""
         starts = self._starts(tokens, dtype) if start is None else (start,)
         return max(self._bound_at(self.codec, tokens, dtype, a) for a in starts)
 
     def _bound_at(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype, start: int) -> int:
         head, raw, mid = self._sizes(codec, tokens, dtype, start)
-        return head + raw + mode_for(codec.mode).bound_bytes(codec.spec, mid)
+        return head + raw + codec.coding.sizes.bound_bytes(codec.spec, mid)
 
     def blob_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
         """Largest blob of `tokens` tokens at `start` (None: any) this transform stores: the mode's bound, or the
@@ -394,7 +389,7 @@ class ChunkTransform:
                              f"the chunk holds {where}; it is not stored (check the model's numerics)")
         s = self.spec
         x = kv.reshape(2, s.num_layers, tokens, s.kv_heads, s.head_dim).permute(0, 1, 3, 2, 4)
-        if self.coding.fallback is None:  # sizes exact: the bound is the blob's
+        if self.coding.sizes.fallback is None:  # sizes exact: the bound is the blob's
             return self.codec.encode(x[0], x[1], start=start)
         first = start < self.sinks and self._shares(tokens, kv.dtype)
         limit = self.chunk_bound(tokens, kv.dtype, start)  # what the store keeps for this chunk

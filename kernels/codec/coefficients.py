@@ -19,7 +19,8 @@ import torch
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.codec.backend import Ops, resolve_ops
 from kvtc.kernels.codec.basis_product import project, reconstruct
-from kvtc.kernels.codec.modes import mode_for
+from kvtc.kernels.codec.mode import Mode
+from kvtc.kernels.codec.modes import FIXED, mode_for
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
@@ -30,16 +31,17 @@ Packed = tuple[torch.Tensor, torch.Tensor]
 class CodedTokens:
     """n consecutive tokens (absolute positions start .. start + n - 1) of B sequences, all layers.
 
-    mode "fixed": blocks[stream][group][block] = (packed (B*n, nbytes) uint8, params (B*n, 2) fp16),
-    None for a block without bits. mode "ecsq": blocks[stream][group][sequence] = (words, escapes)
-    bytes of that sequence's n tokens (the codec's ECSQ sections); `device` is where they decode to.
+    `coding`, the mode they are held in (its ResidentForm owns `blocks`): fixed-rate, blocks[stream][group][block] =
+    (packed (B*n, nbytes) uint8, params (B*n, 2) fp16), None for a block without bits; ECSQ,
+    blocks[stream][group][sequence] = (words, escapes) bytes of that sequence's n tokens (the codec's ECSQ
+    sections). `device` is where they decode to.
     """
 
     start: int
     tokens: int
     batch: int
     blocks: dict[str, tuple[tuple, ...]]
-    mode: str = "fixed"
+    coding: Mode = FIXED
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -48,15 +50,20 @@ class CodedTokens:
                              f"{self.tokens}, {self.batch}")
 
     @property
+    def mode(self) -> str:
+        """The name of the mode they are held in."""
+        return self.coding.name
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: the tensors' (fixed), or the ANS words and escapes (ecsq; payload bytes, not
         counting Python's ~33-byte header per bytes object)."""
-        return mode_for(self.mode).resident_nbytes(self.blocks)
+        return self.coding.resident.nbytes(self.blocks)
 
     def select_batch(self, index: torch.Tensor) -> "CodedTokens":
         """Keep (or repeat, reorder) sequences: index (B',) into the batch."""
-        blocks = mode_for(self.mode).select(self.blocks, self.batch, self.tokens, index)
-        return CodedTokens(self.start, self.tokens, int(index.numel()), blocks, self.mode, self.device)
+        blocks = self.coding.resident.select(self.blocks, self.batch, self.tokens, index)
+        return CodedTokens(self.start, self.tokens, int(index.numel()), blocks, self.coding, self.device)
 
 
 class CoefficientCoder:
@@ -68,11 +75,11 @@ class CoefficientCoder:
     were calibrated with RoPE kept).
     """
 
-    def __init__(self, spec: CodecSpec, backend: str = "auto", mode: str = "fixed", rate_control: bool = True,
+    def __init__(self, spec: CodecSpec, backend: str = "auto", mode: Mode | str = "fixed", rate_control: bool = True,
                  ecsq_format: str = "rans", basis_dtype: torch.dtype | None = None) -> None:
-        self._mode = mode_for(mode)
-        self._mode.check(spec)
-        self._mode.check_resident(spec)
+        self.coding = mode if isinstance(mode, Mode) else mode_for(mode)  # a name: a caller's setting
+        self.coding.check(spec)
+        self.coding.resident.check(spec)
         self.spec = spec
         self.backend = backend
         self.rate_control, self.ecsq_format = rate_control, ecsq_format
@@ -91,8 +98,8 @@ class CoefficientCoder:
 
     @property
     def mode(self) -> str:
-        """The mode it encodes in: "fixed" or "ecsq" (kernels/codec/modes.py)."""
-        return self._mode.name
+        """The name of the mode it encodes in (`coding`): "fixed" or "ecsq" (kernels/codec/modes.py)."""
+        return self.coding.name
 
     def _group(self, stream: str, gi: int, device: torch.device, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +107,7 @@ class CoefficientCoder:
         dt = self.basis_dtype or (dtype if device.type == "cuda" else torch.float32)
         key = (stream, str(device), gi, str(dt))
         if key not in self._on_device:
-            code = self._mode.codes(self.spec, stream)[gi]
+            code = self.coding.codes(self.spec, stream)[gi]
             comps = code.components[:, :code.kept].to(device=device, dtype=dt).contiguous()
             # the codec centres with the fixed-rate groups' mean in both modes
             self._on_device[key] = (self.spec.streams[stream][gi].mean.to(device), comps)
@@ -110,7 +117,7 @@ class CoefficientCoder:
         """The mode's kept decoding matrix (the decoder, or the components of an orthonormal basis) as `_group`
         holds the components; an orthonormal basis shares the components' tensor."""
         mean, comps = self._group(stream, gi, device, dtype)
-        code = self._mode.codes(self.spec, stream)[gi]
+        code = self.coding.codes(self.spec, stream)[gi]
         if code.decoder is None:
             return comps
         key = ("decoding", stream, str(device), gi, str(comps.dtype))
@@ -118,12 +125,6 @@ class CoefficientCoder:
             self._on_device[key] = (mean, code.decoder[:, : comps.shape[1]].to(device=device, dtype=comps.dtype)
                                     .contiguous())
         return self._on_device[key][1]
-
-    def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
-        key = ("offsets", stream, str(device), gi)
-        if key not in self._on_device:
-            self._on_device[key] = self.spec.ecsq[stream][gi].offsets.to(device)
-        return self._on_device[key]
 
     def _ops(self, device: torch.device) -> Ops:
         return resolve_ops(self.backend, device)
@@ -161,20 +162,20 @@ class CoefficientCoder:
         ops = self._ops(dev)
         blocks: dict[str, tuple] = {}
         for stream, x in zip(STREAMS, (keys, values)):
-            x = self._mode.admit(x, stream)  # saturated (fixed-rate) or refused beyond any step (ECSQ)
+            x = self.coding.admit(x, stream)  # saturated (fixed-rate) or refused beyond any step (ECSQ)
             cache = x.permute(0, 2, 1, 3, 4).reshape(L, H, B * n, x.shape[4])  # tokens in (batch, token) order
             groups = []
             for gi, g in enumerate(s.streams[stream]):
                 mean, comps = self._group(stream, gi, dev, x.dtype)
                 feat = self._features(stream, cache, g.group, mean, ops, start, n, B)
                 z = project(feat, comps).contiguous()
-                groups.append(self._mode.encode_resident(self, z, stream, gi, ops, B, n))
+                groups.append(self.coding.resident.encode(self, z, stream, gi, ops, B, n))
             blocks[stream] = tuple(groups)
-        return CodedTokens(start, n, B, blocks, self.mode, str(dev))
+        return CodedTokens(start, n, B, blocks, self.coding, str(dev))
 
     def coefficients(self, coded: CodedTokens, stream: str, gi: int) -> torch.Tensor:
         """Dequantized coefficients z (B * n, kept) float32 of one group."""
-        return mode_for(coded.mode).coefficients(self, coded, stream, gi)
+        return coded.coding.resident.coefficients(self, coded, stream, gi)
 
     def decode_layer(self, coded: CodedTokens, z: torch.Tensor, stream: str, layer: int, dtype: torch.dtype
                      ) -> torch.Tensor:

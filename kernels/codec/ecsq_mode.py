@@ -17,7 +17,7 @@ from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, BlobError, BlobHeader
 from kvtc.kernels.codec.entropy import PLAIN
 from kvtc.kernels.codec.extremes import refuse_beyond
 from kvtc.kernels.codec.fixed_mode import FixedMode
-from kvtc.kernels.codec.mode import BlobContext, Mode, ResidentCoder
+from kvtc.kernels.codec.mode import BlobCoding, BlobContext, Mode, ResidentCoder, ResidentForm, SizeBounds
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 

@@ -21,7 +21,7 @@ from kvtc.kernels.codec.bitpack import packed_nbytes
 from kvtc.kernels.codec.blob import TAG_CODES, TAG_PARAMS, BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.extremes import saturate
 from kvtc.kernels.codec.layout import codes_bytes, codes_from_bytes, params_bytes, params_from_bytes
-from kvtc.kernels.codec.mode import BlobContext, Mode, ResidentCoder
+from kvtc.kernels.codec.mode import BlobCoding, BlobContext, Mode, ResidentCoder, ResidentForm, SizeBounds
 from kvtc.kernels.codec.quantize import quantize_pack_blocks
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
@@ -61,39 +61,8 @@ def block_tensors(data: dict, si: int, gi: int, blocks: tuple, mid: int, dev: to
     return out
 
 
-class FixedMode(Mode):
-    name = "fixed"
-    label = "fixed-rate"
-    exact = True
-
-    def codes(self, spec: CodecSpec, stream: str) -> tuple:
-        return spec.streams[stream]
-
-    def check(self, spec: CodecSpec) -> None:
-        """Every spec has its fixed-rate groups."""
-
-    def check_resident(self, spec: CodecSpec) -> None:
-        for stream in STREAMS:
-            for g in spec.streams[stream]:
-                if any(b.qtype not in BLOCK_TYPES for b in g.blocks):
-                    raise ValueError(f"{stream} group {g.group.label}: block types {sorted({b.qtype for b in g.blocks})} "
-                                     f"are not all per-block min/max or fp8 types {BLOCK_TYPES}")
-
-    def admit(self, x: torch.Tensor, stream: str) -> torch.Tensor:
-        """`x` saturated: never a transform that overflows."""
-        return saturate(x)
-
-    def bound_bytes(self, spec: CodecSpec, tokens: int) -> int:
-        """The exact size: every block's params and packed codes."""
-        return sum(b.max_raw for b in self._bounds(spec, tokens))
-
-    def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
-        return sum(b.max_raw for b in self._bounds(spec, tokens) if b.key.stream == STREAMS.index(stream))
-
-    @property
-    def fallback(self) -> None:
-        """None: its blobs always fit, their size being exact."""
-        return None
+class FixedBlob(BlobCoding):
+    """Per (stream, group) its blocks' params then their packed codes (`group_bytes`)."""
 
     def header_fields(self) -> dict[str, Any]:
         return {"grouped": True}
@@ -147,7 +116,36 @@ class FixedMode(Mode):
     def check_capacity(self, spec: CodecSpec, mid: int, sections: list[Section], header: BlobHeader) -> None:
         """Exact sizes: nothing to check beyond read_blob's bound on their stored bytes."""
 
-    def encode_resident(self, coder: ResidentCoder, z: torch.Tensor, stream: str, gi: int, ops: Ops, batch: int,
+
+class FixedSizes(SizeBounds):
+    """Exact: a blob of a number of coded tokens always takes the same bytes (stored plain); no fallback."""
+
+    exact = True
+
+    def bound_bytes(self, spec: CodecSpec, tokens: int) -> int:
+        """The exact size: every block's params and packed codes."""
+        return sum(b.max_raw for b in FixedBlob._bounds(spec, tokens))
+
+    def stream_bound_bytes(self, spec: CodecSpec, tokens: int, stream: str) -> int:
+        return sum(b.max_raw for b in FixedBlob._bounds(spec, tokens) if b.key.stream == STREAMS.index(stream))
+
+    @property
+    def fallback(self) -> None:
+        """None: its blobs always fit, their size being exact."""
+        return None
+
+
+class FixedResident(ResidentForm):
+    """Packed codes and (N, 2) fp16 params as tensors, dequantized every step."""
+
+    def check(self, spec: CodecSpec) -> None:
+        for stream in STREAMS:
+            for g in spec.streams[stream]:
+                if any(b.qtype not in BLOCK_TYPES for b in g.blocks):
+                    raise ValueError(f"{stream} group {g.group.label}: block types {sorted({b.qtype for b in g.blocks})} "
+                                     f"are not all per-block min/max or fp8 types {BLOCK_TYPES}")
+
+    def encode(self, coder: ResidentCoder, z: torch.Tensor, stream: str, gi: int, ops: Ops, batch: int,
                         n: int) -> tuple:
         coded = quantize_pack_blocks(z, coder.spec.streams[stream][gi].blocks, reference=ops.name == "torch")
         return tuple(None if c is None else (c[0].contiguous(), c[1].contiguous()) for c in coded)
@@ -163,7 +161,7 @@ class FixedMode(Mode):
                 ops.unpack_dequantize(pair[0], pair[1], b.qtype, z, b.start, b.size)
         return z
 
-    def resident_nbytes(self, blocks: dict) -> int:
+    def nbytes(self, blocks: dict) -> int:
         return sum(t.numel() * t.element_size() for groups in blocks.values() for group in groups
                    for pair in group if pair is not None for t in pair)
 
@@ -173,3 +171,21 @@ class FixedMode(Mode):
 
         return {s: tuple(tuple(None if p is None else (pick(p[0]), pick(p[1])) for p in group) for group in groups)
                 for s, groups in blocks.items()}
+
+
+class FixedMode(Mode):
+    name = "fixed"
+    label = "fixed-rate"
+    blob = FixedBlob()
+    sizes = FixedSizes()
+    resident = FixedResident()
+
+    def codes(self, spec: CodecSpec, stream: str) -> tuple:
+        return spec.streams[stream]
+
+    def check(self, spec: CodecSpec) -> None:
+        """Every spec has its fixed-rate groups."""
+
+    def admit(self, x: torch.Tensor, stream: str) -> torch.Tensor:
+        """`x` saturated: never a transform that overflows."""
+        return saturate(x)

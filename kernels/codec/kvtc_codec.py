@@ -16,13 +16,10 @@ servers store): coded from their exact bfloat16 values, decoded back to float8_e
 """
 from __future__ import annotations
 
-import time
 from dataclasses import fields, replace
 import warnings
 import weakref
-from contextlib import contextmanager
-from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -33,13 +30,12 @@ from kvtc.kernels.codec import outliers
 from kvtc.kernels.codec.blob import (NO_CACHE, TAG_OUTLIERS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader,
                                      Section, SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.codec.codec_options import CodecOptions
-from kvtc.kernels.codec.entropy import PLAIN, decode_section, decode_sections, encode_section
-from kvtc.kernels.codec.layout import bytes_to_tensor, tensor_bytes
+from kvtc.kernels.codec.entropy import PLAIN, decode_section, decode_sections
 from kvtc.kernels.codec.backend import Ops, resolve_ops
 from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
-from kvtc.kernels.codec.mode import BlobContext, Mode
+from kvtc.kernels.codec.mode import BlobContext, HeldOffsets, Mode, SectionCoder, StageTimer
 from kvtc.kernels.codec.modes import mode_for, resolve_mode
-from kvtc.kernels.codec.sinks_int8 import int8_bytes, sinks_from_int8, sinks_to_int8
+from kvtc.kernels.codec.sink_formats import CACHE, sink_format_for
 from kvtc.kernels.codec.spec import STREAMS, CodecSpec
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -78,14 +74,16 @@ class KVTCCodec:
                 raise ValueError("KVTCCodec(artifact, ratio): ratio is required, e.g. 8, 16 or 32")
             self.spec = CodecSpec.from_artifact(artifact, ratio, rank=rank)
         options = replace(CodecOptions() if options is None else options, **kwargs)  # an unknown name: TypeError
-        self._mode: Mode = resolve_mode(self.spec, options.mode)
-        self.options = replace(options, mode=self._mode.name)
+        self.coding: Mode = resolve_mode(self.spec, options.mode)  # the mode object; `mode` its name
+        self.options = replace(options, mode=self.coding.name)
+        self._sinks = sink_format_for(self.options.sink_format)
         self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
         self.profile: dict[str, float] | None = None
         shared, self.rope = self.spec.shared_rope  # one RoPE for every coded layer: fused into the kernels
         self._per_layer_rope = not shared
         self._subs: dict[tuple[int, ...], KVTCCodec] = {}
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
+        self._offsets: dict = {}  # HeldOffsets.held: the ECSQ offsets on each device
 
     def __getattr__(self, name: str) -> Any:  # codec.level, codec.backend, ...: its options' fields
         if name in _OPTION_NAMES and "options" in self.__dict__:
@@ -101,7 +99,7 @@ class KVTCCodec:
     @property
     def mode(self) -> str:
         """The mode new blobs are written in: "ecsq" or "fixed" (kernels/codec/modes.py)."""
-        return self._mode.name
+        return self.coding.name
 
     @classmethod
     def from_registry(cls, ref: str, ratio: float, registry: Any = None, *, public_key: Any = None,
@@ -124,18 +122,9 @@ class KVTCCodec:
             warnings.warn(message, KernelBundleWarning, stacklevel=2)
         return cls(artifact, ratio, **kwargs)
 
-    @contextmanager
-    def _stage(self, name: str, device: torch.device) -> Iterator[None]:
-        if self.profile is None:
-            yield
-            return
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        yield
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.profile[name] = self.profile.get(name, 0.0) + time.perf_counter() - t0
+    def _timer(self, device: torch.device) -> StageTimer:
+        """`with self._timer(dev)("stage"):` times a stage into `profile` where it is set."""
+        return StageTimer(self.profile, device)
 
     def basis_dtype_on(self, device: torch.device, cache_dtype: torch.dtype) -> torch.dtype:
         """dtype of the components held on `device`: `basis_dtype`, or by default the cache's dtype on CUDA
@@ -145,7 +134,7 @@ class KVTCCodec:
             return self.basis_dtype
         return cache_dtype if device.type == "cuda" else self.spec.held_dtype
 
-    def _params(self, stream: str, device: torch.device, mode: str = "fixed", dtype: torch.dtype = torch.float32,
+    def _params(self, stream: str, device: torch.device, mode: Mode, dtype: torch.dtype = torch.float32,
                 decode: bool = False) -> tuple[torch.Tensor, list]:
         """(mean (p,) float32, per group (feature slice, components (p_g, kept) in `dtype`, group)) for one
         mode on one device: only the columns that mode's code uses, and only that mode's basis.
@@ -160,12 +149,12 @@ class KVTCCodec:
             mean = torch.empty(self.spec.stream_features(stream), dtype=torch.float32, device=device)
             for c, g in zip(cols, groups):
                 mean[c] = g.mean.to(device)
-            codes = mode_for(mode).codes(self.spec, stream)
+            codes = mode.codes(self.spec, stream)
             parts = [(c, _held(g.components[:, : g.kept], device, dtype, g, "components"), g) for c, g in zip(cols, codes)]
             self._on_device[key] = (mean, parts)
         return self._on_device[key]
 
-    def _decoding_params(self, stream: str, device: torch.device, mode: str, dtype: torch.dtype
+    def _decoding_params(self, stream: str, device: torch.device, mode: Mode, dtype: torch.dtype
                          ) -> tuple[torch.Tensor, list]:
         """_params with each group's decoding matrix (p_g, kept) in place of its components."""
         encoding = self._params(stream, device, mode, dtype)
@@ -209,15 +198,11 @@ class KVTCCodec:
         cos, sin = self.rope.cos_sin(positions)
         return cos.contiguous(), sin.contiguous(), self.rope.layout
 
-    def _section(self, key: SectionKey, raw: bytes, device: torch.device) -> Section:
-        with self._stage("entropy", device):
-            coding, stored = encode_section(raw, self.level, self.coder)
-        return Section(key, coding, len(raw), stored)
-
     def _context(self, dev: torch.device, ops: Ops, projections: dict | None = None) -> BlobContext:
         """What a mode's blob methods get of this codec on `dev` (kernels/codec/mode.py): never the codec itself."""
-        return BlobContext(self.spec, dev, ops, partial(self._stage, device=dev), partial(self._section, device=dev),
-                           partial(self._offsets, device=dev), self.on_device(dev, ops.name), self.ecsq_format,
+        timer = self._timer(dev)
+        return BlobContext(self.spec, dev, ops, timer, SectionCoder(self.level, self.coder, timer),
+                           HeldOffsets(self.spec, dev, self._offsets), self.on_device(dev, ops.name), self.ecsq_format,
                            self.rate_control, projections)
 
     def _check_cache(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
@@ -265,7 +250,7 @@ class KVTCCodec:
         L, H, n, D = out.shape
         positions = torch.arange(first, first + n, device=feat.device)
         cos, sin, layout = self._cos_sin(stream, positions)
-        with self._stage("rope_restore", feat.device):
+        with self._timer(feat.device)("rope_restore"):
             if stream == self.spec.rope_stream and self._per_layer_rope:
                 plain = torch.empty(L, H, n, D, dtype=torch.float32, device=feat.device)
                 ops.rope_restore(feat, None, None, mean, plain, layout)
@@ -313,37 +298,33 @@ class KVTCCodec:
         sections, ctx = [], replace(self._context(dev, ops, {} if self.uses_outliers else None), truncate=truncate,
                                     steps={} if self.uses_outliers else None)
         bd = self.basis_dtype_on(dev, keys.dtype)
-        sink_format = self.sink_format if head else "cache"
-        for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
-            if hi > lo:
-                for si, x in enumerate((keys, values)):
-                    raw = x[:, :, lo:hi]
-                    raw = sinks_to_int8(raw) if tag == TAG_RAW_HEAD and sink_format == "int8" else \
-                        tensor_bytes(raw.to(cache_dtype))
-                    sections.append(self._section(SectionKey(tag, si, 0, 0), raw, dev))
+        sinks = self._sinks if head else CACHE
+        for tag, fmt, lo, hi in ((TAG_RAW_HEAD, sinks, 0, head), (TAG_RAW_TAIL, CACHE, T - tail, T)):
+            for si, x in enumerate((keys, values)) if hi > lo else ():
+                sections.append(ctx.section(SectionKey(tag, si, 0, 0), fmt.encode(x[:, :, lo:hi], cache_dtype)))
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
                             s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format,
-                            sink_format=sink_format, **self._mode.header_fields())
+                            sink_format=sinks.name, **self.coding.blob.header_fields())
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
             found = []
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
                 cos, sin, layout = self._cos_sin(stream, positions)
-                mean, parts = self._params(stream, dev, self.mode, bd)
-                with self._stage("rope_center", dev):
-                    xm = self._mode.admit(x[:, :, head:head + mid], stream)
+                mean, parts = self._params(stream, dev, self.coding, bd)
+                with ctx.stage("rope_center"):
+                    xm = self.coding.admit(x[:, :, head:head + mid], stream)
                     if stream == self.spec.rope_stream and self._per_layer_rope:
                         xm = self._remove_rope(xm, positions)
                     feat = ops.rope_center(xm, cos, sin, mean, layout)
-                coded = self._mode.encode(ctx, feat, si, stream, parts, budget_scale)
+                coded = self.coding.blob.encode(ctx, feat, si, stream, parts, budget_scale)
                 if self.uses_outliers:
                     coded, kept = self._with_outliers(ctx, feat, coded, header, bd, si, x[:, :, head:head + mid],
                                                       budget_scale)
                     found.append(kept)
                 sections += coded
                 del feat
-            header = replace(header, **self._mode.blob_fields(sections))
+            header = replace(header, **self.coding.blob.blob_fields(sections))
             if any(found):
                 header = replace(header, outliers=True)
                 sections += [Section(SectionKey(TAG_OUTLIERS, si, 0, 0), PLAIN, len(b), b) for si, b in enumerate(found)]
@@ -353,7 +334,7 @@ class KVTCCodec:
     def uses_outliers(self) -> bool:
         """Whether new blobs may carry outlier vectors: an outlier factor set, and a mode whose budget can shrink
         by their bytes (ECSQ with rate control; fixed-rate sizes are exact)."""
-        return self.outlier_factor is not None and not self._mode.exact and self.rate_control
+        return self.outlier_factor is not None and not self.coding.sizes.exact and self.rate_control
 
     def _with_outliers(self, ctx: BlobContext, feat: torch.Tensor, coded: list[Section], header: BlobHeader,
                        bd: torch.dtype, si: int, middle: torch.Tensor, budget_scale: float) -> tuple[list[Section], bytes]:
@@ -362,20 +343,20 @@ class KVTCCodec:
         section's bytes, empty where none). feat (mid, p) its centred features, middle (L, H, mid, W) its tokens."""
         s, dev, mid, stream = self.spec, ctx.device, feat.shape[0], STREAMS[si]
         data = {c.key: decode_section(c.coding, c.stored, c.raw_len, str(tuple(c.key))) for c in coded}
-        mean, parts = self._params(stream, dev, self.mode, bd, decode=True)
-        rows = self._mode.decoder(ctx, data, si, stream, mid, header, parts)
+        mean, parts = self._params(stream, dev, self.coding, bd, decode=True)
+        rows = self.coding.blob.decoder(ctx, data, si, stream, mid, header, parts)
         errors = []
-        with self._stage("outliers", dev):
+        with ctx.stage("outliers"):
             for a, b in token_blocks(mid, decode_block_tokens(feat.shape[1], mid)):
                 feat_hat = torch.empty(b - a, feat.shape[1], dtype=torch.float32, device=dev)
                 rows(a, b, feat_hat)
                 errors.append(outliers.errors(feat[a:b], feat_hat, mean, len(s.coded_layers)))
-            bound = self._mode.stream_bound_bytes(s, mid, stream)
+            bound = self.coding.sizes.stream_bound_bytes(s, mid, stream)
             found = outliers.select(errors, self.outlier_factor, int(outliers.OUTLIER_SHARE * bound * budget_scale),
                                     outliers.vector_bytes(s.kv_heads, s.dim(stream)))
         packed = outliers.pack(found, middle) if len(found) else b""
         if packed and sum(len(c.stored) for c in coded) + len(packed) > budget_scale * bound:  # else they fit beside it
-            coded = self._mode.encode(ctx, feat, si, stream, self._params(stream, dev, self.mode, bd)[1],
+            coded = self.coding.blob.encode(ctx, feat, si, stream, self._params(stream, dev, self.coding, bd)[1],
                                       budget_scale - len(packed) / bound)  # the projections and steps kept
         ctx.projections.clear()
         ctx.steps.clear()
@@ -387,13 +368,6 @@ class KVTCCodec:
             return self.device_entropy and ops_name == "triton"
         return dev.type == "cuda" and ops_name == "triton"
 
-    def _offsets(self, stream: str, gi: int, device: torch.device) -> torch.Tensor:
-        """An ECSQ group's centroid offsets on `device`, held once."""
-        key = (f"offsets:{stream}:{gi}", str(device))
-        if key not in self._on_device:
-            self._on_device[key] = (self.spec.ecsq[stream][gi].offsets.to(device), [])
-        return self._on_device[key][0]
-
     def section_bounds(self, header: BlobHeader, sections: list[Section] | None = None) -> list[SectionBound]:
         """Every section a blob with this header must hold, in order, each with the most raw bytes it may
         inflate to (from the header: token count, kept components, symbol models). The raw sinks and window
@@ -403,11 +377,11 @@ class KVTCCodec:
         widths = (header.head_dim, self.spec.dim("values") if self.spec.value_dim is not None else header.head_dim)
         item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
         head, mid, tail = self.split(T, header.start)
-        out = [SectionBound(SectionKey(tag, si, 0, 0), int8_bytes(L, H, n, widths[si])
-                            if tag == TAG_RAW_HEAD and header.sink_format == "int8" else L * H * n * widths[si] * item)
-               for tag, n in ((TAG_RAW_HEAD, head), (TAG_RAW_TAIL, tail)) if n for si in range(2)]
+        out = [SectionBound(SectionKey(tag, si, 0, 0), fmt.nbytes((L, H, n, widths[si]), item))
+               for tag, fmt, n in ((TAG_RAW_HEAD, sink_format_for(header.sink_format), head), (TAG_RAW_TAIL, CACHE, tail))
+               if n for si in range(2)]
         if mid:
-            out += mode_for(header.mode).section_bounds(self.spec, mid, {s.key: s for s in sections or ()}, header)
+            out += mode_for(header.mode).blob.section_bounds(self.spec, mid, {s.key: s for s in sections or ()}, header)
         if mid and header.outliers:
             out += [SectionBound(SectionKey(TAG_OUTLIERS, si, 0, 0), L * mid * outliers.vector_bytes(H, widths[si]),
                                  exact=False, plain=True) for si in range(2)]
@@ -416,12 +390,6 @@ class KVTCCodec:
     def expected_sections(self, header: BlobHeader) -> list[tuple[SectionKey, int | None]]:
         """(key, raw length; None where only a bound is known) of every section, in order (see section_bounds)."""
         return [(b.key, b.max_raw if b.exact else None) for b in self.section_bounds(header)]
-
-    def _check_capacity(self, header: BlobHeader, sections: list[Section]) -> None:
-        """BlobError when the sections given cannot hold the tokens the header declares (Mode.check_capacity),
-        checked before any per-token array is built."""
-        _, mid, _ = self.split(header.tokens, header.start)
-        mode_for(header.mode).check_capacity(self.spec, mid, sections, header)
 
     def _check_header(self, h: BlobHeader) -> None:
         s = self.spec
@@ -464,21 +432,19 @@ class KVTCCodec:
             return decode_layered(self.spec, self._sub, header, sections, dev, max_tokens)
         self._check_header(header)
         bounds = self.section_bounds(header, sections)
-        self._check_capacity(header, sections)
-        with self._stage("entropy_decode", dev):
+        mode, head, mid, tail = mode_for(header.mode), *self.split(header.tokens, header.start)
+        mode.blob.check_capacity(self.spec, mid, sections, header)  # before any per-token array is built
+        with self._timer(dev)("entropy_decode"):
             data = decode_sections(sections, bounds)
         L, H, T = header.layers, header.kv_heads, header.tokens
         widths = [header.head_dim if st == "keys" else self.spec.dim(st) for st in STREAMS]
         stored = getattr(torch, header.dtype)
         dtype = torch.bfloat16 if stored in _FP8 else stored  # float8 caches are decoded through bfloat16
-        head, mid, tail = self.split(T, header.start)
         out = [torch.empty(L, H, T, D, dtype=dtype, device=dev) for D in widths]
-        for tag, lo, hi in ((TAG_RAW_HEAD, 0, head), (TAG_RAW_TAIL, T - tail, T)):
+        for tag, fmt, lo, hi in ((TAG_RAW_HEAD, sink_format_for(header.sink_format), 0, head),
+                                 (TAG_RAW_TAIL, CACHE, T - tail, T)):
             for si in range(2) if hi > lo else ():
-                shape = (L, H, hi - lo, widths[si])
-                raw = sinks_from_int8(data[SectionKey(tag, si, 0, 0)], shape, dtype) \
-                    if tag == TAG_RAW_HEAD and header.sink_format == "int8" else \
-                    bytes_to_tensor(data[SectionKey(tag, si, 0, 0)], stored, shape)
+                raw = fmt.decode(data[SectionKey(tag, si, 0, 0)], (L, H, hi - lo, widths[si]), dtype, stored)
                 where = _first_non_finite(raw)
                 if where is not None:
                     raise BlobError(f"raw {'sink' if tag == TAG_RAW_HEAD else 'window'} section of the {STREAMS[si]} "
@@ -489,12 +455,12 @@ class KVTCCodec:
         patches = [outliers.unpack(data[SectionKey(TAG_OUTLIERS, si, 0, 0)], L, H, mid, widths[si], dtype)
                    for si in range(2)] if mid and header.outliers else []
         if mid:
-            ops, mode = resolve_ops(self.backend, dev), mode_for(header.mode)
+            ops = resolve_ops(self.backend, dev)
             ctx = self._context(dev, ops)
             for si, stream in enumerate(STREAMS):
                 D = widths[si]
-                mean, parts = self._params(stream, dev, header.mode, self.basis_dtype_on(dev, dtype), decode=True)
-                rows = mode.decoder(ctx, data, si, stream, mid, header, parts)
+                mean, parts = self._params(stream, dev, mode, self.basis_dtype_on(dev, dtype), decode=True)
+                rows = mode.blob.decoder(ctx, data, si, stream, mid, header, parts)
                 # bounded blocks: the peak is the output, the stream's symbols and one block's features
                 for a, b in token_blocks(mid, decode_block_tokens(L * H * D, mid)):
                     feat = torch.empty(b - a, L * H * D, dtype=torch.float32, device=dev)

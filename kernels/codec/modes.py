@@ -1,6 +1,6 @@
-"""The codec's modes by name (kernels/codec/mode.py says what a mode owns): `mode_for` looks one up,
-`resolve_mode` picks a codec's. A new mode is one class and its entry here (and its blob flag,
-kernels/codec/blob.py's MODES)."""
+"""The codec's modes by name (kernels/codec/mode.py says what a mode owns): `mode_for` looks one up where a name
+comes in (options, settings, a blob's header), `resolve_mode` picks a codec's. A new mode is one class with its three
+jobs and its entry here (and its layouts in kernels/codec/blob.py's table)."""
 from __future__ import annotations
 
 from kvtc.kernels.codec.ecsq_mode import EcsqMode

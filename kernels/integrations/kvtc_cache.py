@@ -39,7 +39,6 @@ from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.coefficients import CodedTokens, CoefficientCoder
 from kvtc.kernels.codec.layered import restrict
 from kvtc.kernels.codec.model_config import check_config, spec_kinds
-from kvtc.kernels.codec.modes import mode_for
 
 DEFAULT_CHUNK = 64
 
@@ -51,13 +50,13 @@ class _CodedStore:
         self.coder = coder
         self.chunks: list[CodedTokens] = []
         self._z: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self._fixed: CoefficientCoder | None = coder if mode_for(coder.mode).fallback is None else None
+        self._fixed: CoefficientCoder | None = coder if coder.coding.sizes.fallback is None else None
 
     def fixed(self) -> CoefficientCoder:
         """The fixed-rate coder of the same spec (built on first use), for chunks the ECSQ mode cannot code."""
         if self._fixed is None:
             c = self.coder
-            self._fixed = CoefficientCoder(c.spec, c.backend, mode_for(c.mode).fallback.name, c.rate_control,
+            self._fixed = CoefficientCoder(c.spec, c.backend, c.coding.sizes.fallback, c.rate_control,
                                            c.ecsq_format, c.basis_dtype)
         return self._fixed
 
@@ -72,7 +71,7 @@ class _CodedStore:
             return self.fixed().encode(keys, values, start)
 
     def _coder(self, chunk: CodedTokens) -> CoefficientCoder:
-        return self.coder if chunk.mode == self.coder.mode else self.fixed()
+        return self.coder if chunk.coding == self.coder.coding else self.fixed()
 
     @property
     def tokens(self) -> int:
@@ -221,7 +220,7 @@ class KVTCCache(Cache):
         self.codec = codec
         full = [i for i, kind in enumerate(spec_kinds(spec)) if kind in ("full", "mla")]
         coded = spec if full == list(range(spec.num_layers)) else restrict(spec, full)
-        self.store = _CodedStore(CoefficientCoder(coded, backend or codec.backend, codec.mode, codec.rate_control,
+        self.store = _CodedStore(CoefficientCoder(coded, backend or codec.backend, codec.coding, codec.rate_control,
                                                     codec.ecsq_format, codec.basis_dtype))
         own = DynamicCache(config=config).layers if full != list(range(spec.num_layers)) else []
         local = {layer: j for j, layer in enumerate(full)}

@@ -16,8 +16,8 @@ from helpers.synthetic import synthetic_ecsq, synthetic_spec
 from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec.blob import read_blob
 from kvtc.kernels.codec.chunk_serde import ChunkTransform, unframe
-from kvtc.kernels.codec.ecsq_mode import EcsqMode
-from kvtc.kernels.codec.fixed_mode import FixedMode
+from kvtc.kernels.codec.ecsq_mode import EcsqBlob
+from kvtc.kernels.codec.fixed_mode import FixedBlob
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
@@ -31,9 +31,9 @@ def counted(monkeypatch):
     """Calls of KVTCCodec.encode (codings), the modes' encode (one per stream and coding, re-codings included) and
     decoder (a coded middle decoded to select outlier vectors) -> the running counts."""
     n = {"codings": 0, "mode encodes": 0, "middle decodes": 0}
-    for cls, name, what in ((KVTCCodec, "encode", "codings"), (EcsqMode, "encode", "mode encodes"),
-                            (FixedMode, "encode", "mode encodes"), (EcsqMode, "decoder", "middle decodes"),
-                            (FixedMode, "decoder", "middle decodes")):
+    for cls, name, what in ((KVTCCodec, "encode", "codings"), (EcsqBlob, "encode", "mode encodes"),
+                            (FixedBlob, "encode", "mode encodes"), (EcsqBlob, "decoder", "middle decodes"),
+                            (FixedBlob, "decoder", "middle decodes")):
         def wrapper(*a, _fn=getattr(cls, name), _what=what, **k):
             n[_what] += 1
             return _fn(*a, **k)

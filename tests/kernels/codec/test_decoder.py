@@ -345,8 +345,8 @@ def test_without_decoders_decode_uses_the_very_tensors_encode_does(pulled):
     for mode in ("fixed", "ecsq"):
         codec = KVTCCodec(plain, FULL, mode=mode)
         for stream in STREAMS:
-            assert codec._params(stream, torch.device("cpu"), mode, decode=True) is \
-                codec._params(stream, torch.device("cpu"), mode)
+            assert codec._params(stream, torch.device("cpu"), codec.coding, decode=True) is \
+                codec._params(stream, torch.device("cpu"), codec.coding)
         coder = CoefficientCoder(codec.spec, "torch", mode)
         assert coder._decoding("keys", 0, torch.device("cpu"), torch.float32) is \
             coder._group("keys", 0, torch.device("cpu"), torch.float32)[1]

@@ -15,7 +15,7 @@ from kvtc.kernels.codec.coefficients import CoefficientCoder
 from kvtc.kernels.codec.ecsq_mode import EcsqMode
 from kvtc.kernels.codec.extremes import EXTREME
 from kvtc.kernels.codec.fixed_mode import FixedMode
-from kvtc.kernels.codec.mode import BlobContext, Mode
+from kvtc.kernels.codec.mode import BlobCoding, BlobContext, HeldOffsets, Mode, ResidentForm, SectionCoder, SizeBounds, StageTimer
 from kvtc.kernels.codec.modes import NAMES, default_mode, mode_for, resolve_mode
 
 REPO = Path(__file__).resolve().parents[3]
@@ -46,13 +46,13 @@ def test_fixed_mode():
     fixed = FixedMode()
     assert fixed.codes(ECSQ, "keys") is ECSQ.streams["keys"]
     fixed.check(PLAIN)  # every spec has its fixed-rate groups
-    fixed.check_resident(PLAIN)
+    fixed.resident.check(PLAIN)
     codec = KVTCCodec(ECSQ, mode="fixed", backend="torch")
     header, sections = read_blob(codec.encode(*synthetic_cache(ECSQ, 9, torch.float32)))
-    bounds = fixed.section_bounds(codec.spec, 6, {}, header)
+    bounds = fixed.blob.section_bounds(codec.spec, 6, {}, header)
     assert {b.key.tag for b in bounds} == {blob.TAG_PARAMS, blob.TAG_CODES} and all(b.exact for b in bounds)
     assert [b.key for b in bounds] == [s.key for s in sections if s.key.tag in (blob.TAG_PARAMS, blob.TAG_CODES)]
-    fixed.check_capacity(codec.spec, 6, sections, header)  # exact sizes: nothing to check beyond read_blob's
+    fixed.blob.check_capacity(codec.spec, 6, sections, header)  # exact sizes: nothing to check beyond read_blob's
 
 
 def test_ecsq_mode():
@@ -64,32 +64,60 @@ def test_ecsq_mode():
     codec = KVTCCodec(ECSQ, mode="ecsq", backend="torch")
     header, sections = read_blob(codec.encode(*synthetic_cache(ECSQ, 9, torch.float32)))
     table = {s.key: s for s in sections}
-    bounds = ecsq.section_bounds(codec.spec, 6, table, header)
+    bounds = ecsq.blob.section_bounds(codec.spec, 6, table, header)
     assert [b.key.tag for b in bounds] == [blob.TAG_ECSQ, blob.TAG_ESCAPES] * 2
     assert bounds[0].plain and not bounds[0].exact
-    ecsq.check_capacity(codec.spec, 6, sections, header)
+    ecsq.blob.check_capacity(codec.spec, 6, sections, header)
     with pytest.raises(BlobError, match="written in the ECSQ mode"):
-        ecsq.section_bounds(PLAIN, 6, table, header)
+        ecsq.blob.section_bounds(PLAIN, 6, table, header)
 
 
-def test_a_mode_is_an_abstract_strategy_implemented_whole():
+def test_a_mode_is_its_codes_and_three_jobs_each_implemented_whole():
     with pytest.raises(TypeError, match="abstract"):
         Mode()
+    with pytest.raises(TypeError, match="must set blob to a BlobCoding"):
+        class Partial(Mode):  # noqa: F841 - a mode without its jobs is refused when defined
+            name, label = "half", "half"
 
-    class Half(Mode):
-        name, label, exact = "half", "half", True
+    class Half(SizeBounds):
+        exact = True
 
-        def codes(self, spec, stream):
-            return spec.streams[stream]
+        def bound_bytes(self, spec, tokens):
+            return 0
 
     with pytest.raises(TypeError, match="abstract"):
         Half()
-    assert not Mode.__abstractmethods__ - {"codes", "check", "check_resident", "admit", "bound_bytes", "stream_bound_bytes", "fallback",
-                                           "encode", "decoder", "section_bounds", "check_capacity", "encode_resident",
-                                           "coefficients", "resident_nbytes", "select"}
-    assert {"encode", "decoder", "section_bounds", "check_capacity", "check", "bound_bytes", "fallback"} \
-        <= Mode.__abstractmethods__
-    assert {f.name for f in dataclasses.fields(BlobContext)} >= {"spec", "device", "ops", "stage", "offsets"}
+    assert Mode.__abstractmethods__ == {"codes", "check", "admit"}
+    assert BlobCoding.__abstractmethods__ == {"encode", "decoder", "section_bounds", "check_capacity"}
+    assert SizeBounds.__abstractmethods__ == {"bound_bytes", "stream_bound_bytes", "fallback"}
+    assert ResidentForm.__abstractmethods__ == {"check", "encode", "coefficients", "nbytes", "select"}
+    for mode in (FixedMode(), EcsqMode()):
+        assert isinstance(mode.blob, BlobCoding) and isinstance(mode.sizes, SizeBounds)
+        assert isinstance(mode.resident, ResidentForm)
+    fields = {f.name: f.type for f in dataclasses.fields(BlobContext)}
+    assert {"spec", "device", "ops", "stage", "section", "offsets"} <= set(fields)
+    assert (fields["stage"], fields["section"], fields["offsets"]) == ("StageTimer", "SectionCoder", "HeldOffsets")
+
+
+def test_the_context_carries_public_objects_not_the_codecs_methods():
+    """A stage timer that adds seconds where a profile is set, a section coder with the codec's level and coder,
+    and the ECSQ offsets held once per device in the codec's table."""
+    profile: dict = {}
+    timer = StageTimer(profile, torch.device("cpu"))
+    with timer("project"):
+        pass
+    with StageTimer(None, torch.device("cpu"))("project"):
+        pass
+    assert set(profile) == {"project"}
+    section = SectionCoder(0, "zlib", timer)(blob.SectionKey(blob.TAG_ESCAPES, 0, 0, 0), b"abc")
+    assert (section.coding, section.raw_len, bytes(section.stored)) == (0, 3, b"abc") and "entropy" in profile
+    held: dict = {}
+    offsets = HeldOffsets(ECSQ, torch.device("cpu"), held)
+    assert offsets("keys", 0) is offsets("keys", 0) and len(held) == 1
+    torch.testing.assert_close(offsets("keys", 0), ECSQ.ecsq["keys"][0].offsets)
+    codec = KVTCCodec(ECSQ, mode="ecsq", backend="torch")
+    codec.decode(codec.encode(*synthetic_cache(ECSQ, 9, torch.float32)))
+    assert codec._offsets and all(isinstance(t, torch.Tensor) for t in codec._offsets.values())
 
 
 def test_no_mode_reaches_into_the_codec_and_nothing_outside_them_branches_on_a_mode_name():
@@ -107,19 +135,21 @@ def test_no_mode_reaches_into_the_codec_and_nothing_outside_them_branches_on_a_m
 
 def test_each_mode_owns_its_size_bound_and_fallback():
     fixed, ecsq = FixedMode(), EcsqMode()
-    assert (fixed.fallback, ecsq.fallback) == (None, FixedMode()) and (fixed.exact, ecsq.exact) == (True, False)
+    assert (fixed.sizes.fallback, ecsq.sizes.fallback) == (None, FixedMode())
+    assert (fixed.sizes.exact, ecsq.sizes.exact) == (True, False)
     assert (fixed.label, ecsq.label) == ("fixed-rate", "ECSQ")
     keys, values = synthetic_cache(ECSQ, 9, torch.float32)
     for mode, codec in ((fixed, KVTCCodec(ECSQ, mode="fixed", backend="torch", level=0)),
                         (ecsq, KVTCCodec(ECSQ, mode="ecsq", backend="torch", level=0))):
-        assert mode.bound_bytes(ECSQ, 0) == 0
+        assert mode.sizes.bound_bytes(ECSQ, 0) == 0
         header, sections = read_blob(codec.encode(keys, values, start=3))
         _, mid, _ = codec.split(9, 3)
         coded = sum(s.raw_len for s in sections if s.key.tag not in (blob.TAG_RAW_HEAD, blob.TAG_RAW_TAIL))
-        if mode.exact:  # fixed: the exact size of its sections, as section_bounds gives them
-            assert mode.bound_bytes(ECSQ, mid) == coded == sum(b.max_raw for b in mode.section_bounds(ECSQ, mid, {}, header))
+        if mode.sizes.exact:  # fixed: the exact size of its sections, as section_bounds gives them
+            assert mode.sizes.bound_bytes(ECSQ, mid) == coded == sum(b.max_raw for b in
+                                                                     mode.blob.section_bounds(ECSQ, mid, {}, header))
         else:  # ECSQ: the rate control's budget per (stream, group)
-            assert mode.bound_bytes(ECSQ, mid) == sum(g.budget_bytes(ECSQ.ratio, mid) for gs in ECSQ.ecsq.values()
+            assert mode.sizes.bound_bytes(ECSQ, mid) == sum(g.budget_bytes(ECSQ.ratio, mid) for gs in ECSQ.ecsq.values()
                                                       for g in gs)
     spike = torch.zeros(2, 3)
     spike[0, 1] = 3 * EXTREME
@@ -136,6 +166,7 @@ def test_the_codec_resolves_its_mode():
     for spec, mode, want in ((ECSQ, None, "ecsq"), (PLAIN, None, "fixed"), (ECSQ, "fixed", "fixed")):
         codec = KVTCCodec(spec, mode=mode)
         assert type(codec.mode) is str and codec.mode == want  # the public attribute stays a plain string
+        assert codec.coding == mode_for(want)  # the mode object travels: the chunk transform's is the codec's
         assert read_blob(codec.encode(*synthetic_cache(spec, 9, torch.float32)))[0].mode == want
 
 
@@ -145,7 +176,8 @@ def test_resident_form(name):
     assert coder.mode == name
     keys, values = synthetic_cache(ECSQ, 5, torch.float32)
     coded = coder.encode(torch.stack([keys, keys.flip(2)], 1), torch.stack([values, values.flip(2)], 1), 3)
-    assert coded.mode == name and coded.nbytes > 0
+    assert coded.mode == name and coded.coding is coder.coding and coded.nbytes > 0
+    assert CoefficientCoder(ECSQ, "torch", mode_for(name)).coding is coder.coding  # a mode object or its name
     swapped = coded.select_batch(torch.tensor([1, 0, 1]))
     assert (swapped.batch, swapped.mode, swapped.device) == (3, name, coded.device)
     z, w = coder.coefficients(coded, "keys", 0), coder.coefficients(swapped, "keys", 0)

@@ -675,7 +675,7 @@ def test_a_first_chunk_whose_mode_cannot_code_it_in_what_the_sinks_leave_keeps_i
     from helpers.ecsq_synthetic import synthetic_ecsq_spec
 
     from kvtc.kernels.codec import ecsq
-    from kvtc.kernels.codec.ecsq_mode import EcsqMode
+    from kvtc.kernels.codec.ecsq_mode import EcsqSizes
 
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
     g = spec.ecsq["values"][0]
@@ -683,7 +683,7 @@ def test_a_first_chunk_whose_mode_cannot_code_it_in_what_the_sinks_leave_keeps_i
     assert ecsq.zero_token_bits(g) * 500 / 8 <= len(words) + len(escapes) <= ecsq.zero_token_bits(g) * 500 / 8 * 1.05 + 64
     shared = ChunkTransform(KVTCCodec(spec), positions=True)
     assert shared._shares(256, torch.float32)
-    monkeypatch.setattr(EcsqMode, "floor_bytes", lambda self, s, tokens: EcsqMode.bound_bytes(self, s, tokens) * 95 // 100)
+    monkeypatch.setattr(EcsqSizes, "floor_bytes", lambda self, s, tokens: EcsqSizes.bound_bytes(self, s, tokens) * 95 // 100)
     t = ChunkTransform(KVTCCodec(spec), positions=True)
     with caplog.at_level("INFO", logger="kvtc.chunk_serde"):
         kv = _synthetic_chunk(spec, 256, 0)
