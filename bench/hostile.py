@@ -165,7 +165,6 @@ def blob_cases(n: int, mode: str = "fixed") -> collections.Counter:
     coded = [s for s in sections if s.key.tag in (TAG_ECSQ, TAG_ESCAPES) and s.stored] or \
         [s for s in sections if s.key.tag > 2]
     meta_len = struct.unpack_from("<I", blob, 8)[0]
-    flags = struct.unpack_from("<H", blob, 6)[0]
     rng = random.Random(0 if mode == "fixed" else 21)
     out = collections.Counter()
     kinds = 4 if mode == "fixed" else 7
@@ -182,7 +181,7 @@ def blob_cases(n: int, mode: str = "fixed") -> collections.Counter:
             m = bytearray(blob[16:16 + meta_len])
             for _ in range(rng.choice([1, 2, 4])):
                 m[rng.randrange(len(m))] = rng.randrange(256)
-            data = struct.pack("<4sHHII", b"KVTC", 1, flags, len(m), zlib.crc32(m)) + bytes(m) + blob[16 + meta_len:]
+            data = blob[:8] + struct.pack("<II", len(m), zlib.crc32(m)) + bytes(m) + blob[16 + meta_len:]
         elif kind == 3:  # valid CRCs, hostile fields
             field = rng.choice(["tokens", "start", "head_raw", "tail_raw", "layers", "sinks", "window", "head_dim"])
             h = dataclasses.replace(header, **{field: rng.choice([0, 1, 13, 200_000, 2**31, 2**63 - 1])})

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtc.kernels.codec.backend import BACKENDS
-from kvtc.kernels.codec.blob import MODES, SINK_FORMATS
+from kvtc.kernels.codec.blob import FORMAT_VERSION, MODES, SINK_FORMATS, VERSIONS
 from kvtc.kernels.codec.chunk_options import OUTLIER_FACTOR, check_outlier_factor
 from kvtc.kernels.codec.ecsq import ECSQ_FORMATS
 from kvtc.kernels.codec.entropy import CODERS
@@ -50,6 +50,10 @@ class CodecOptions:
     outlier_factor : float or None, default 2.5
         ECSQ with rate control: the coded middle's (layer, token) vectors whose relative error exceeds this many
         times their stream's are stored int8 inside the budget (kernels/codec/outliers.py); None: none.
+    blob_version : int, default 2
+        The blob format version new blobs are written in (kernels/codec/blob.py): 2, or 1 while readers older than
+        version 2 still read them (a rolling upgrade: upgrade every reader, then writers, then drop this). Only the
+        16-byte prefix differs, never a blob's size. Decode reads both.
     """
 
     backend: str = "auto"
@@ -62,13 +66,15 @@ class CodecOptions:
     basis_dtype: torch.dtype | None = None
     sink_format: str = "cache"
     outlier_factor: float | None = OUTLIER_FACTOR
+    blob_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         for name, value, choices in (("backend", self.backend, BACKENDS), ("coder", self.coder, CODERS),
                                      ("mode", self.mode, (None, *MODES)), ("ecsq_format", self.ecsq_format, ECSQ_FORMATS),
                                      ("basis_dtype", self.basis_dtype, (None, *BASIS_DTYPES)),
-                                     ("sink_format", self.sink_format, SINK_FORMATS)):
-            if value not in choices:
+                                     ("sink_format", self.sink_format, SINK_FORMATS),
+                                     ("blob_version", self.blob_version, VERSIONS)):
+            if value not in choices or (name == "blob_version" and isinstance(value, bool)):
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         for name, value, top in (("level", self.level, 9), ("max_tokens", self.max_tokens, None)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (top is not None and value > top):

@@ -21,7 +21,7 @@ the embedded model at CR 32, 93% for a basis capped by --basis-budget). Where th
 that, or the step had to be doubled, a caller may let the group code its first `coded` components
 alone (the rest 0, their mean): the exponent field then says so (stream format 2) and a u32 `coded`
 follows it; the (coded, step) pair with the least squared error that fits is kept. Such a section sets
-blob flag bit 6.
+the blob's truncated option (kernels/codec/blob.py).
 """
 from __future__ import annotations
 

@@ -122,7 +122,8 @@ class EcsqBlob(BlobCoding):
                 elif words is not None:
                     return
         if truncated != header.truncated:
-            raise BlobError("blob flag bit 6 (truncated ECSQ sections) disagrees with its sections: the blob is corrupt")
+            raise BlobError("the blob's truncated flag (some ECSQ sections truncated) disagrees with its sections: "
+                            "the blob is corrupt")
 
 
 class EcsqResident(ResidentForm):

@@ -1,6 +1,6 @@
 """The fixed-rate mode: each group's kept components quantized per DP block with per-token scales.
 
-In a blob (new blobs, flag bit 5 `grouped`), each (stream, group) with bits is two sections: every block's
+In a blob (new blobs, format fixed-grouped, `grouped`), each (stream, group) with bits is two sections: every block's
 per-token params, then every block's packed codes, each block's after the one before (DEFLATEd by the
 codec's coder; `group_bytes` and `block_tensors` are their byte layout). A min/max block's params are an
 fp16 shift and scale, an fp8 block's its fp16 scale alone, as the allocator charges them

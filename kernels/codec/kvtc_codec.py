@@ -29,6 +29,7 @@ from kvtc.artifacts.groups import group_columns
 from kvtc.kernels.codec import outliers
 from kvtc.kernels.codec.blob import (NO_CACHE, TAG_OUTLIERS, TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader,
                                      Section, SectionBound, SectionKey, read_blob, write_blob)
+from kvtc.kernels.codec.blob_plan import BlobPlan
 from kvtc.kernels.codec.codec_options import CodecOptions
 from kvtc.kernels.codec.entropy import PLAIN, decode_section, decode_sections
 from kvtc.kernels.codec.backend import Ops, resolve_ops
@@ -77,6 +78,7 @@ class KVTCCodec:
         self.coding: Mode = resolve_mode(self.spec, options.mode)  # the mode object; `mode` its name
         self.options = replace(options, mode=self.coding.name)
         self._sinks = sink_format_for(self.options.sink_format)
+        self._own_plan = self.plan()
         self.device_entropy: bool | None = None  # rANS on the device: None = where the tensors are on CUDA
         self.profile: dict[str, float] | None = None
         shared, self.rope = self.spec.shared_rope  # one RoPE for every coded layer: fused into the kernels
@@ -186,9 +188,10 @@ class KVTCCodec:
                     total += storage.nbytes()
         return total
 
-    def split(self, tokens: int, start: int) -> tuple[int, int, int]:
-        """(raw head, coded middle, raw tail) token counts for a cache of `tokens` starting at `start`."""
-        head = min(tokens, max(0, self.spec.sinks - start))
+    def split(self, tokens: int, start: int, sinks: int | None = None) -> tuple[int, int, int]:
+        """(raw head, coded middle, raw tail) token counts for a cache of `tokens` starting at `start`, keeping
+        `sinks` raw (None: the artifact's)."""
+        head = min(tokens, max(0, (self.spec.sinks if sinks is None else sinks) - start))
         tail = min(self.spec.window, tokens - head)
         return head, tokens - head - tail, tail
 
@@ -263,17 +266,15 @@ class KVTCCodec:
                 raise BlobError(f"the coded {stream} decode to NaN: the blob's parameters are corrupt or forged")
 
     def encode(self, keys: torch.Tensor | Sequence[torch.Tensor | None], values: torch.Tensor | Sequence[torch.Tensor | None],
-               start: int = 0, *, budget_scale: float = 1.0, truncate: bool = False) -> bytes:
+               start: int = 0, *, plan: BlobPlan | None = None) -> bytes:
         """keys, values (L, H, T, D) fp16/bf16/fp32 (L: the layers that keep a KV cache), token 0 at absolute
         position `start` -> blob bytes. Per-layer sequences (see the module doc) -> a per-layer blob.
         ValueError for a cache holding NaN or inf anywhere (raw sinks and window included), naming the first.
-        budget_scale (ECSQ, rate control): each (stream, group)'s budget times this share in (0, 1], for a
-        caller whose raw tokens come out of the ratio's budget (kernels/codec/chunk_serde.py's shared sinks).
-        truncate (ECSQ): a group whose budget no step meets codes its first components alone (kernels/codec/ecsq.py),
-        for a caller with no better way to meet it; else such a blob exceeds its budget."""
+        plan: what this blob chooses (kernels/codec/blob_plan.py: mode, raw sinks and their format, the budget's
+        share, truncation, outlier vectors); None: the codec's own (`self.plan()`). A per-layer cache takes the
+        codec's own."""
         start = _position(start)
-        if isinstance(budget_scale, bool) or not isinstance(budget_scale, (int, float)) or not 0 < budget_scale <= 1:
-            raise ValueError(f"budget_scale must be a share in (0, 1], got {budget_scale!r}")
+        plan = self._checked(plan)
         if isinstance(keys, (list, tuple)) or isinstance(values, (list, tuple)):
             counts = layer_counts(self.spec, keys, values)
             first = next(keys[i] for i, n in enumerate(counts) if n != NO_CACHE)
@@ -281,7 +282,8 @@ class KVTCCodec:
             if first.dtype not in _CACHE_DTYPES or not 0 <= start < _MAX_START or longest >= _MAX_TOKENS:
                 raise ValueError("per-layer cache: dtype must be float16, bfloat16, float32 or float8_e4m3fn, start >= 0, "
                                  "tokens < 2^31")
-            return encode_layered(self.spec, self._sub, keys, values, start, _CACHE_DTYPES[first.dtype], self.mode)
+            return encode_layered(self.spec, self._sub, keys, values, start, _CACHE_DTYPES[first.dtype], self.mode,
+                                  self.blob_version)
         self._check_cache(keys, values, start)
         cache_dtype = keys.dtype
         if cache_dtype in _FP8:  # every float8_e4m3fn value is exact in bfloat16
@@ -293,70 +295,89 @@ class KVTCCodec:
                                  f"{where[2]} is position {start + where[2]}); a cache must be finite everywhere, the "
                                  "raw sinks and window included: check the model's numerics")
         dev, (L, H, T, D) = keys.device, keys.shape
-        head, mid, tail = self.split(T, start)
-        ops = resolve_ops(self.backend, dev)
-        sections, ctx = [], replace(self._context(dev, ops, {} if self.uses_outliers else None), truncate=truncate,
-                                    steps={} if self.uses_outliers else None)
+        head, mid, tail = self.split(T, start, plan.sinks)
+        ops, mode = resolve_ops(self.backend, dev), plan.mode
+        sections, ctx = [], replace(self._context(dev, ops, {} if plan.outliers else None), truncate=plan.truncate,
+                                    steps={} if plan.outliers else None)
         bd = self.basis_dtype_on(dev, keys.dtype)
-        sinks = self._sinks if head else CACHE
+        sinks = plan.sink_format if head else CACHE
         for tag, fmt, lo, hi in ((TAG_RAW_HEAD, sinks, 0, head), (TAG_RAW_TAIL, CACHE, T - tail, T)):
             for si, x in enumerate((keys, values)) if hi > lo else ():
                 sections.append(ctx.section(SectionKey(tag, si, 0, 0), fmt.encode(x[:, :, lo:hi], cache_dtype)))
         s = self.spec
         header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _CACHE_DTYPES[cache_dtype], L, H, T, D, start,
-                            s.sinks, s.window, head, tail, mode=self.mode, ecsq_format=self.ecsq_format,
-                            sink_format=sinks.name, **self.coding.blob.header_fields())
+                            plan.sinks, s.window, head, tail, mode=mode.name, ecsq_format=self.ecsq_format,
+                            sink_format=sinks.name, **mode.blob.header_fields())
         if mid:
             positions = torch.arange(start + head, start + head + mid, device=dev)
             found = []
             for si, (stream, x) in enumerate(zip(STREAMS, (keys, values))):
                 cos, sin, layout = self._cos_sin(stream, positions)
-                mean, parts = self._params(stream, dev, self.coding, bd)
+                mean, parts = self._params(stream, dev, mode, bd)
                 with ctx.stage("rope_center"):
-                    xm = self.coding.admit(x[:, :, head:head + mid], stream)
+                    xm = mode.admit(x[:, :, head:head + mid], stream)
                     if stream == self.spec.rope_stream and self._per_layer_rope:
                         xm = self._remove_rope(xm, positions)
                     feat = ops.rope_center(xm, cos, sin, mean, layout)
-                coded = self.coding.blob.encode(ctx, feat, si, stream, parts, budget_scale)
-                if self.uses_outliers:
-                    coded, kept = self._with_outliers(ctx, feat, coded, header, bd, si, x[:, :, head:head + mid],
-                                                      budget_scale)
+                coded = mode.blob.encode(ctx, feat, si, stream, parts, plan.budget_scale)
+                if plan.outliers:
+                    coded, kept = self._with_outliers(ctx, mode, feat, coded, header, bd, si, x[:, :, head:head + mid],
+                                                      plan.budget_scale)
                     found.append(kept)
                 sections += coded
                 del feat
-            header = replace(header, **self.coding.blob.blob_fields(sections))
+            header = replace(header, **mode.blob.blob_fields(sections))
             if any(found):
                 header = replace(header, outliers=True)
                 sections += [Section(SectionKey(TAG_OUTLIERS, si, 0, 0), PLAIN, len(b), b) for si, b in enumerate(found)]
-        return write_blob(header, sections)
+        return write_blob(header, sections, self.blob_version)
+
+    def plan(self, mode: Mode | None = None, sinks: int | None = None, budget_scale: float = 1.0,
+             truncate: bool = False) -> BlobPlan:
+        """This codec's plan for a blob (kernels/codec/blob_plan.py) in `mode` (None: the codec's) keeping `sinks` raw
+        (None: the artifact's), in the codec's sink format; outlier vectors where the codec's options set a factor
+        and the mode's budget can shrink by their bytes (ECSQ with rate control; fixed-rate sizes are exact)."""
+        mode = self.coding if mode is None else mode
+        return BlobPlan(mode, self.spec.sinks if sinks is None else sinks, self._sinks, budget_scale, truncate,
+                        self.outlier_factor is not None and not mode.sizes.exact and self.rate_control)
+
+    def _checked(self, plan: BlobPlan | None) -> BlobPlan:
+        if plan is None:
+            return self._own_plan
+        if not isinstance(plan, BlobPlan):
+            raise ValueError(f"plan must be a BlobPlan (KVTCCodec.plan), got {type(plan).__name__}")
+        if plan.sinks > self.spec.sinks:
+            raise ValueError(f"a plan keeps at most the artifact's {self.spec.sinks} sinks raw, got {plan.sinks}")
+        if plan.mode is not self.coding:
+            plan.mode.check(self.spec)
+        return plan
 
     @property
     def uses_outliers(self) -> bool:
-        """Whether new blobs may carry outlier vectors: an outlier factor set, and a mode whose budget can shrink
-        by their bytes (ECSQ with rate control; fixed-rate sizes are exact)."""
-        return self.outlier_factor is not None and not self.coding.sizes.exact and self.rate_control
+        """Whether the codec's own blobs may carry outlier vectors (`plan`)."""
+        return self._own_plan.outliers
 
-    def _with_outliers(self, ctx: BlobContext, feat: torch.Tensor, coded: list[Section], header: BlobHeader,
+    def _with_outliers(self, ctx: BlobContext, mode: Mode, feat: torch.Tensor, coded: list[Section], header: BlobHeader,
                        bd: torch.dtype, si: int, middle: torch.Tensor, budget_scale: float) -> tuple[list[Section], bytes]:
         """One stream's coded middle decoded as a reader would, its outlier vectors found (kernels/codec/outliers.py)
         -> (its sections, re-coded at a budget smaller by their bytes where they do not fit beside them; its outlier
         section's bytes, empty where none). feat (mid, p) its centred features, middle (L, H, mid, W) its tokens."""
         s, dev, mid, stream = self.spec, ctx.device, feat.shape[0], STREAMS[si]
         data = {c.key: decode_section(c.coding, c.stored, c.raw_len, str(tuple(c.key))) for c in coded}
-        mean, parts = self._params(stream, dev, self.coding, bd, decode=True)
-        rows = self.coding.blob.decoder(ctx, data, si, stream, mid, header, parts)
+        mean, parts = self._params(stream, dev, mode, bd, decode=True)
+        rows = mode.blob.decoder(ctx, data, si, stream, mid, header, parts)
         errors = []
         with ctx.stage("outliers"):
             for a, b in token_blocks(mid, decode_block_tokens(feat.shape[1], mid)):
                 feat_hat = torch.empty(b - a, feat.shape[1], dtype=torch.float32, device=dev)
                 rows(a, b, feat_hat)
                 errors.append(outliers.errors(feat[a:b], feat_hat, mean, len(s.coded_layers)))
-            bound = self.coding.sizes.stream_bound_bytes(s, mid, stream)
+            bound = mode.sizes.stream_bound_bytes(s, mid, stream)
             found = outliers.select(errors, self.outlier_factor, int(outliers.OUTLIER_SHARE * bound * budget_scale),
                                     outliers.vector_bytes(s.kv_heads, s.dim(stream)))
         packed = outliers.pack(found, middle) if len(found) else b""
         if packed and sum(len(c.stored) for c in coded) + len(packed) > budget_scale * bound:  # else they fit beside it
-            coded = self.coding.blob.encode(ctx, feat, si, stream, self._params(stream, dev, self.coding, bd)[1],
+            coded = mode.blob.encode(ctx, feat, si, stream, self._params(stream, dev, mode, bd)[1],
                                       budget_scale - len(packed) / bound)  # the projections and steps kept
         ctx.projections.clear()
         ctx.steps.clear()
@@ -376,7 +397,7 @@ class KVTCCodec:
         L, H, T = header.layers, header.kv_heads, header.tokens
         widths = (header.head_dim, self.spec.dim("values") if self.spec.value_dim is not None else header.head_dim)
         item = torch.empty(0, dtype=getattr(torch, header.dtype)).element_size()
-        head, mid, tail = self.split(T, header.start)
+        head, mid, tail = self.split(T, header.start, header.sinks)
         out = [SectionBound(SectionKey(tag, si, 0, 0), fmt.nbytes((L, H, n, widths[si]), item))
                for tag, fmt, n in ((TAG_RAW_HEAD, sink_format_for(header.sink_format), head), (TAG_RAW_TAIL, CACHE, tail))
                if n for si in range(2)]
@@ -398,10 +419,10 @@ class KVTCCodec:
                             f"is {s.name}@{s.version} at ratio {s.ratio:g}: decode it with the matching codec")
         if h.model_id != s.model_id:
             raise BlobError(f"blob is for model {h.model_id}, this codec's artifact is for model {s.model_id}")
-        if (h.layers, h.kv_heads, h.head_dim, h.sinks, h.window) != \
-                (len(s.coded_layers), s.kv_heads, s.head_dim, s.sinks, s.window):
+        if (h.layers, h.kv_heads, h.head_dim, h.window) != (len(s.coded_layers), s.kv_heads, s.head_dim, s.window) \
+                or h.sinks > s.sinks:  # a plan keeps at most the artifact's sinks raw
             raise BlobError("blob shape or sink/window settings do not match the codec's artifact")
-        head, _mid, tail = self.split(h.tokens, h.start)
+        head, _mid, tail = self.split(h.tokens, h.start, h.sinks)
         if h.tokens >= _MAX_TOKENS or h.start >= _MAX_START or (h.head_raw, h.tail_raw) != (head, tail):
             raise BlobError(f"blob declares inconsistent token counts (tokens={h.tokens}, start={h.start})")
 
@@ -432,7 +453,7 @@ class KVTCCodec:
             return decode_layered(self.spec, self._sub, header, sections, dev, max_tokens)
         self._check_header(header)
         bounds = self.section_bounds(header, sections)
-        mode, head, mid, tail = mode_for(header.mode), *self.split(header.tokens, header.start)
+        mode, head, mid, tail = mode_for(header.mode), *self.split(header.tokens, header.start, header.sinks)
         mode.blob.check_capacity(self.spec, mid, sections, header)  # before any per-token array is built
         with self._timer(dev)("entropy_decode"):
             data = decode_sections(sections, bounds)

@@ -1,6 +1,6 @@
 """Caches whose layers hold different token counts: sliding-window and chunked layers keep only their
 recent positions, layers without a KV cache hold nothing. Encoded as a per-layer container blob
-(kernels/codec/blob.py, flag bit 1): the layers are cut into segments of equal token count, and each segment
+(kernels/codec/blob.py, the layered option): the layers are cut into segments of equal token count, and each segment
 is coded alone as an ordinary blob by the spec restricted to its layers (`restrict`). Groups must not
 straddle segments (`--groups auto` keeps full-attention and sliding layers apart).
 
@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 import torch
 
 from kvtc.artifacts.groups import FeatureGroup
-from kvtc.kernels.codec.blob import (NO_CACHE, TAG_LAYOUT, TAG_SEGMENT, BlobError, BlobHeader, Section, SectionBound,
-                                     SectionKey, read_blob, write_blob)
+from kvtc.kernels.codec.blob import (FORMAT_VERSION, NO_CACHE, TAG_LAYOUT, TAG_SEGMENT, BlobError, BlobHeader, Section,
+                                     SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.codec.entropy import PLAIN, check_sections, decode_sections
 from kvtc.kernels.codec.spec import CodecSpec
 
@@ -83,8 +83,9 @@ def segments(counts: Sequence[int]) -> list[tuple[int, ...]]:
 
 
 def encode_layered(spec: CodecSpec, sub: Callable[[tuple[int, ...]], "object"], keys: Sequence, values: Sequence,
-                   start: int, dtype_name: str, mode: str) -> bytes:
-    """Per-layer cache -> container blob; `sub(layers)` is the codec of the spec restricted to `layers`."""
+                   start: int, dtype_name: str, mode: str, version: int = FORMAT_VERSION) -> bytes:
+    """Per-layer cache -> container blob in format `version`; `sub(layers)` is the codec of the spec restricted to
+    `layers` (its segments are written in its options' version)."""
     counts = layer_counts(spec, keys, values)
     longest = max(n for n in counts if n != NO_CACHE)
     sections = [Section(SectionKey(TAG_LAYOUT, 0, 0, 0), PLAIN, 4 * len(counts), struct.pack(f"<{len(counts)}I", *counts))]
@@ -95,7 +96,7 @@ def encode_layered(spec: CodecSpec, sub: Callable[[tuple[int, ...]], "object"], 
         sections.append(Section(SectionKey(TAG_SEGMENT, 0, si, 0), PLAIN, len(inner), inner))
     header = BlobHeader(spec.name, spec.version, spec.model_id, spec.ratio, dtype_name, spec.num_layers, spec.kv_heads,
                         longest, spec.head_dim, start, spec.sinks, spec.window, 0, 0, mode=mode, layered=True)
-    return write_blob(header, sections)
+    return write_blob(header, sections, version)
 
 
 def decode_layered(spec: CodecSpec, sub: Callable[[tuple[int, ...]], "object"], header: BlobHeader,

@@ -279,7 +279,7 @@ def test_a_fixed_rate_blob_stores_the_code_bits_its_allocation_is_charged():
     """The allocator charges a block's codes as the fixed-rate mode stores them (artifacts/blocks.code_bits), each
     token's row padded to whole bytes: a 1-component int2 block stores 8 bits, not 2 (an allocation of many such
     blocks, as a capped basis at CR 8 chooses, came out over its budget). Side information too: two fp16 params per
-    token for a min/max block, the fp16 scale alone for an fp8 block (blob flag bit 5)."""
+    token for a min/max block, the fp16 scale alone for an fp8 block (blob format fixed-grouped)."""
     for seed in (4, 22):  # odd sizes of every type; seed 22 draws fp8 blocks in both streams
         spec = synthetic_spec(2, 2, 8, 8.0, kept=29, sinks=0, window=0, seed=seed)
         _check_stored_bits(spec, 11)

@@ -14,7 +14,8 @@ from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 
 # every field away from its default, so a clone that dropped one would show it
 ODD = CodecOptions(backend="torch", level=4, coder="plain", max_tokens=999, mode="ecsq", rate_control=False,
-                   ecsq_format="constriction", basis_dtype=torch.float32, sink_format="int8", outlier_factor=3.0)
+                   ecsq_format="constriction", basis_dtype=torch.float32, sink_format="int8", outlier_factor=3.0,
+                   blob_version=1)
 
 
 def _differing(a: CodecOptions, b: CodecOptions) -> set[str]:
@@ -29,7 +30,8 @@ def spec():
 @pytest.mark.parametrize("field,bad", [("backend", "cuda"), ("level", 10), ("level", 1.0), ("level", True),
                                        ("coder", "lz4"), ("max_tokens", -1), ("mode", "rans"), ("rate_control", 1),
                                        ("ecsq_format", "lz4"), ("basis_dtype", torch.int8), ("sink_format", "fp4"),
-                                       ("outlier_factor", 0), ("outlier_factor", float("nan"))])
+                                       ("outlier_factor", 0), ("outlier_factor", float("nan")), ("blob_version", 3),
+                                       ("blob_version", True)])
 def test_a_bad_value_names_its_field(field, bad, spec):
     with pytest.raises(ValueError, match=field):
         CodecOptions(**{field: bad})
@@ -72,7 +74,8 @@ def test_the_four_clone_sites_keep_every_option_but_the_ones_they_change(spec):
     codec = KVTCCodec(spec, options=ODD)
     t = ChunkTransform(codec, positions=True, sink_format="cache", level=2, coder="zlib")
     assert _differing(ODD, t.codec.options) == {"sink_format", "level", "coder"}
-    assert _differing(ODD, t.fixed.options) == {"sink_format", "level", "coder", "mode"}
-    assert t.one.options == t.fixed.options and t.whole.options == t.fixed.options  # the fallback's, one sink or none
+    # one codec: the fallback is a plan of it (fixed-rate; all raw sinks, the first alone, none), not a clone
+    assert [(p.mode.name, p.sinks, p.outliers) for p in t.fallbacks] == [("fixed", 2, False), ("fixed", 1, False),
+                                                                        ("fixed", 0, False)]
     ranked = RankedChunkTransforms(codec, positions=True, outlier_factor=None)
     assert _differing(ODD, ranked.default.codec.options) == {"outlier_factor", "level", "coder"}

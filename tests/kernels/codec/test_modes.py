@@ -25,8 +25,8 @@ ECSQ = synthetic_ecsq(PLAIN)
 
 
 def test_names_are_the_blob_modes():
-    assert NAMES == blob.MODES == ("fixed", "ecsq")  # in flag order: bit 0 set is ECSQ
-    assert blob.MODE_FLAGS == {"fixed": 0, "ecsq": blob.FLAG_ECSQ}
+    assert NAMES == blob.MODES == ("fixed", "ecsq")  # in the order of the blob's format codes
+    assert [f.modes[0] for f in blob.FORMATS] == ["fixed", "fixed", "ecsq", "ecsq"]
     assert mode_for("fixed") == FixedMode() and mode_for("ecsq") == EcsqMode()
     assert [str(mode_for(n)) for n in NAMES] == list(NAMES)
 

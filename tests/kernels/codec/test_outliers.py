@@ -1,12 +1,12 @@
 """Outlier vectors (kernels/codec/outliers.py): the coded middle's worst (layer, token) vectors stored int8 inside
-the budget, and their place in the blob (flag bit 4, one TAG_OUTLIERS section per stream)."""
+the budget, and their place in the blob (the outliers option, one TAG_OUTLIERS section per stream)."""
 import struct
 
 import pytest
 import torch
 
 from kvtc.kernels.codec import outliers
-from kvtc.kernels.codec.blob import FLAG_LAYERED, FLAG_OUTLIERS, TAG_OUTLIERS, BlobError, read_blob
+from kvtc.kernels.codec.blob import FLAG_LAYERED, FLAG_OUTLIERS, FLAGS_BY_NAME, TAG_OUTLIERS, BlobError, read_blob
 from kvtc.kernels.codec.chunk_options import OUTLIER_FACTOR
 from kvtc.kernels.codec.chunk_serde import ChunkTransform, unframe
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
@@ -85,9 +85,10 @@ def test_the_codec_stores_the_worst_vectors_int8_inside_the_budget_and_decode_wr
     plain, kept = KVTCCodec(spec, outlier_factor=None), KVTCCodec(spec)
     assert kept.outlier_factor == OUTLIER_FACTOR and kept.uses_outliers
     old, new = plain.encode(keys, values), kept.encode(keys, values)
-    assert not read_blob(old)[0].outliers and not old[6] & FLAG_OUTLIERS
+    outliers_bit = FLAGS_BY_NAME["outliers"].v2
+    assert not read_blob(old)[0].outliers and not old[7] & outliers_bit
     header, sections = read_blob(new)
-    assert header.outliers and new[6] & FLAG_OUTLIERS
+    assert header.outliers and new[7] & outliers_bit
     table = {s.key.tag: s for s in sections if s.key.tag == TAG_OUTLIERS and s.key.stream == 1}
     index, _ = outliers.unpack(bytes(table[TAG_OUTLIERS].stored), 2, 2, 40 - 2 - 3, 8, torch.float32)
     assert {(0 * 35 + 7), (1 * 35 + 12)} <= set(index.tolist())  # tokens 9 and 14 of the coded middle
@@ -110,15 +111,18 @@ def test_a_blob_whose_flag_and_sections_disagree_is_refused_and_bad_options_are_
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
     keys, values = _cache_with_sinks_mid_sequence(spec, 40)
     codec = KVTCCodec(spec)
-    for blob in (codec.encode(keys, values), KVTCCodec(spec, outlier_factor=None).encode(keys, values)):
-        forged = bytearray(blob)
-        forged[6] ^= FLAG_OUTLIERS
-        with pytest.raises(BlobError):
-            codec.decode(bytes(forged))
-        forged = bytearray(blob)
-        forged[6] |= FLAG_OUTLIERS | FLAG_LAYERED
-        with pytest.raises(BlobError, match="unknown flags"):
-            codec.decode(bytes(forged))
+    v2 = (7, FLAGS_BY_NAME["outliers"].v2, FLAGS_BY_NAME["layered"].v2)  # the flags' byte, the two bits
+    for version, (at, outliers_bit, layered_bit) in ((1, (6, FLAG_OUTLIERS, FLAG_LAYERED)), (2, v2)):
+        for factor in (OUTLIER_FACTOR, None):
+            blob = KVTCCodec(spec, outlier_factor=factor, blob_version=version).encode(keys, values)
+            forged = bytearray(blob)
+            forged[at] ^= outliers_bit
+            with pytest.raises(BlobError):
+                codec.decode(bytes(forged))
+            forged = bytearray(blob)
+            forged[at] |= outliers_bit | layered_bit
+            with pytest.raises(BlobError, match="unknown flags"):
+                codec.decode(bytes(forged))
     for bad in (0, -1.0, float("inf"), float("nan"), True, "2.5"):
         with pytest.raises(ValueError, match="outlier_factor"):
             KVTCCodec(spec, outlier_factor=bad)

@@ -153,9 +153,13 @@ def test_codec_refuses_an_unknown_format_and_a_rans_flag_without_ecsq(ecsq_codec
     with pytest.raises(ValueError, match="ecsq_format"):
         KVTCCodec(ecsq_codec_spec, mode="ecsq", ecsq_format="lz4")
     keys, values = synthetic_cache(ecsq_codec_spec, 9, torch.float32)
+    blob = bytearray(KVTCCodec(ecsq_codec_spec, mode="fixed", blob_version=1).encode(keys, values))
+    blob[6:8] = struct.pack("<H", 4)  # version 1: the rANS flag without the ECSQ flag
+    with pytest.raises(BlobError, match="unknown flags"):
+        read_blob(bytes(blob))
     blob = bytearray(KVTCCodec(ecsq_codec_spec, mode="fixed").encode(keys, values))
-    blob[6:8] = struct.pack("<H", 4)  # the rANS flag without the ECSQ flag
-    with pytest.raises(BlobError, match="flags"):
+    blob[6] = 4  # version 2: a format code past the table's
+    with pytest.raises(BlobError, match="unknown flags .format code 4"):
         read_blob(bytes(blob))
 
 

@@ -1,8 +1,8 @@
-"""Raw sinks as int8 (kernels/codec/sinks_int8.py) and their place in the blob (flag bit 3)."""
+"""Raw sinks as int8 (kernels/codec/sinks_int8.py) and their place in the blob (the int8-sinks option)."""
 import pytest
 import torch
 
-from kvtc.kernels.codec.blob import FLAG_SINKS_INT8, BlobError, read_blob
+from kvtc.kernels.codec.blob import FLAGS_BY_NAME, BlobError, read_blob
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.sinks_int8 import int8_bytes, sinks_from_int8, sinks_to_int8
 
@@ -47,7 +47,7 @@ def test_the_codec_writes_int8_sinks_only_where_it_keeps_sinks_and_decode_follow
     int8, cache = KVTCCodec(spec, sink_format="int8"), KVTCCodec(spec)
     blob = int8.encode(keys, values, start=0)
     header = read_blob(blob)[0]
-    assert header.sink_format == "int8" and blob[6] & FLAG_SINKS_INT8
+    assert header.sink_format == "int8" and blob[7] & FLAGS_BY_NAME["int8-sinks"].v2
     assert len(blob) < len(cache.encode(keys, values, start=0))
     for codec in (int8, cache):  # either codec decodes it: the format is the blob's
         k, v = codec.decode(blob)

@@ -104,9 +104,10 @@ def test_codes_in_the_artifacts_ecsq_mode_within_a_true_bound_and_stores_every_c
         out = torch.empty_like(x)
         transform.deserialize(memoryview(data), out)
         modes[name] = read_blob(transform.encode(x))[0].mode
-        fixed = transform.fixed
+        codec = transform.codec
         _, L, T, HD = x.shape
-        ref = fixed.decode(fixed.encode(*x.reshape(2, L, T, fixed.spec.kv_heads, -1).permute(0, 1, 3, 2, 4)))
+        ref = codec.decode(codec.encode(*x.reshape(2, L, T, codec.spec.kv_heads, -1).permute(0, 1, 3, 2, 4),
+                                        plan=transform.fallbacks[0]))
         ref = torch.stack([y.permute(0, 2, 1, 3).reshape(L, T, HD) for y in ref])
         assert _rel(out, x) <= max(0.2, 1.05 * _rel(ref, x)), name  # within the codec's error on that input
     assert modes["in-domain"] == "ecsq"
@@ -556,7 +557,9 @@ def test_shared_sinks_fit_a_later_chunks_bound_and_still_come_back_raw():
     keys, values = kv.reshape(2, 2, 256, 2, 8).permute(0, 1, 3, 2, 4)
     for bad in (0, 1.5, float("nan"), True):
         with pytest.raises(ValueError, match="budget_scale"):
-            shared.codec.encode(keys, values, start=0, budget_scale=bad)
+            shared.codec.encode(keys, values, start=0, plan=shared.codec.plan(budget_scale=bad))
+    with pytest.raises(ValueError, match="at most the artifact's"):
+        shared.codec.encode(keys, values, start=0, plan=dataclasses.replace(shared.codec.plan(), sinks=shared.sinks + 1))
 
 
 def test_int8_sinks_by_default_keep_more_of_a_first_chunks_budget_and_a_short_chunk_falls_back_once_in_the_log(caplog,
@@ -607,13 +610,16 @@ def test_a_first_chunk_ecsq_cannot_code_within_the_bound_is_coded_once_more_fixe
         t = ChunkTransform(KVTCCodec(spec), positions=True)
         limit = t.blob_bound(256, torch.float32)
         if room is not None:  # a bound with room for one raw sink beside the fixed-rate codes
-            limit = t._bound_at(t.one, 256, torch.float32, 0)
+            limit = t._bound_at(t.fallbacks[1], 256, torch.float32, 0)
             monkeypatch.setattr(t, "chunk_bound", lambda *args: limit)
         codings = []
-        t.codec.encode = lambda *args, **kwargs: codings.append("ecsq") or bytes(limit + 1)  # beyond the bound
-        for c in (t.fixed, t.one, t.whole):
-            monkeypatch.setattr(c, "encode", lambda *a, c=c, **k: codings.append(c.spec.sinks) or
-                                KVTCCodec.encode(c, *a, **k))
+        def encode(*a, plan=None, **k):  # ECSQ beyond the bound; each fallback as it is
+            if plan.mode.name == "ecsq":
+                codings.append("ecsq")
+                return bytes(limit + 1)
+            codings.append(plan.sinks)
+            return KVTCCodec.encode(t.codec, *a, plan=plan, **k)
+        t.codec.encode = encode
         header = read_blob(t.encode(kv, start=0))[0]
         assert codings == ["ecsq", room or 0] and (header.mode, header.sinks, header.head_raw) == ("fixed", room or 0,
                                                                                                   room or 0)
@@ -625,12 +631,12 @@ def test_a_first_chunk_ecsq_cannot_code_within_the_bound_is_coded_once_more_fixe
 
 def test_a_first_chunk_below_the_step_floor_codes_fewer_components_and_keeps_the_bound(caplog):
     """Every symbol 0 costs 82% of this spec's budget, and a 32-token first chunk's 4 sinks leave 65%: no step
-    reaches it. The first chunk codes its groups' first components alone (blob flag bit 6), keeps all 4 sinks
+    reaches it. The first chunk codes its groups' first components alone (the blob's truncated option), keeps all 4 sinks
     raw and is a later chunk's size, where it kept its sinks on top of the bound before."""
     from helpers.ecsq_synthetic import synthetic_ecsq_spec
 
     from kvtc.kernels.codec import ecsq
-    from kvtc.kernels.codec.blob import FLAG_TRUNCATED, TAG_ECSQ, write_blob
+    from kvtc.kernels.codec.blob import FLAGS_BY_NAME, TAG_ECSQ, write_blob
 
     spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=4, window=3)
     t = ChunkTransform(KVTCCodec(spec), positions=True)
@@ -644,18 +650,18 @@ def test_a_first_chunk_below_the_step_floor_codes_fewer_components_and_keeps_the
     assert len(data) == size == len(later)
     blob = unframe(data)[1]
     header, sections = read_blob(blob)
-    assert header.head_raw == 4 and header.truncated and blob[6] & FLAG_TRUNCATED
+    assert header.head_raw == 4 and header.truncated and blob[7] & FLAGS_BY_NAME["truncated"].v2
     assert any(ecsq.is_truncated(s.stored) for s in sections if s.key.tag == TAG_ECSQ)
     out = torch.empty_like(kv)
     t.deserialize(data, out, start=0)
     assert _rel(out[:, :, :4], kv[:, :, :4]) < 0.01 and _rel(out[:, :, 4:], kv[:, :, 4:]) < 0.9
     # the flag and the sections must agree, both ways
     codec = KVTCCodec(t.spec)
-    with pytest.raises(BlobError, match="flag bit 6"):
+    with pytest.raises(BlobError, match="truncated flag"):
         codec.decode(write_blob(dataclasses.replace(header, truncated=False), sections))
     plain = codec.encode(*synthetic_cache_pair(spec, 32, 32), start=32)
     h, secs = read_blob(plain)
-    with pytest.raises(BlobError, match="flag bit 6"):
+    with pytest.raises(BlobError, match="truncated flag"):
         codec.decode(write_blob(dataclasses.replace(h, truncated=True), secs))
 
 
