@@ -10,6 +10,7 @@ import torch
 
 from kvtc.kernels.codec.chunk_options import OUTLIER_FACTOR
 from kvtc.kernels.codec.chunk_serde import ChunkTransform, Placement, place, placement_spec
+from kvtc.kernels.codec.held_basis import return_freed_memory, served_codec
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.model_config import check_config
 from kvtc.kernels.integrations.lmcache_settings import ChunkSerdeSettings, parse_partition
@@ -46,8 +47,11 @@ class KVRank:
 
 def load_rank_codec(ref: str, ratio: float, rank: int | None, **kwargs: Any) -> KVTCCodec:
     """`KVTCCodec.from_registry(ref, ratio, rank=rank, ...)`: tensor-parallel rank `rank`'s codec (None:
-    every KV head); a single-rank artifact has one rank, 0."""
-    return KVTCCodec.from_registry(ref, ratio, rank=rank, **kwargs)
+    every KV head); a single-rank artifact has one rank, 0. Its basis is held as a server holds it: once per
+    (artifact, rank) in the process, in half precision (kernels/codec/held_basis.py), the float32 one let go."""
+    codec = served_codec(KVTCCodec.from_registry(ref, ratio, rank=rank, **kwargs))
+    return_freed_memory()
+    return codec
 
 
 class RankedChunkTransforms:

@@ -58,6 +58,7 @@ from kvtc.kernels.codec.blob import BlobError, read_blob
 from kvtc.artifacts.blocks import check_ratios
 from kvtc.kernels.codec.chunk_options import CHUNK_MODES
 from kvtc.kernels.codec.chunk_serde import UNBOUND, ChunkTransform, binding
+from kvtc.kernels.codec.held_basis import return_freed_memory, served_codec
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
 
@@ -621,11 +622,13 @@ if VLLM:
             return self._manager
 
         def load_codec(self) -> KVTCCodec:
-            """This worker's rank codec (its tensor-parallel rank's bases), pulled and verified."""
+            """This worker's rank codec (its tensor-parallel rank's bases), pulled and verified; its basis held as a
+            server holds it (kernels/codec/held_basis.py)."""
             s, par = self.settings, self.config.parallel
             tp_rank = par.rank % par.tp_size
-            codec = KVTCCodec.from_registry(s.artifact, s.ratio, registry=s.registry, backend=s.backend,
-                                            mode=s.mode, rank=tp_rank)
+            codec = served_codec(KVTCCodec.from_registry(s.artifact, s.ratio, registry=s.registry, backend=s.backend,
+                                                         mode=s.mode, rank=tp_rank))
+            return_freed_memory()
             if codec.spec.heads is None and par.tp_size > 1:
                 raise ValueError(f"artifact {s.artifact} has one basis over all KV heads (TP 1); this deployment runs "
                                  f"tensor-parallel size {par.tp_size}: calibrate with kvtc calibrate --tp "

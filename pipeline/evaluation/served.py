@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvtc.kernels.codec.chunk_serde import ChunkTransform
+from kvtc.kernels.codec.held_basis import served_codec
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.pipeline.evaluation.baselines import Reconstruction, features
 
@@ -20,12 +21,13 @@ CHUNK = 256  # LMCache's default chunk size
 
 
 def chunk_transform(codec: Any) -> Any:
-    """A KVTCCodec -> the ChunkTransform the servers run with it, or None where the artifact is not served by
-    chunks (a multi-head latent attention model, layers that keep no KV cache)."""
+    """A KVTCCodec -> the ChunkTransform the servers run with it (its basis held as they hold it, in half precision:
+    kernels/codec/held_basis.py, unless the codec pins basis_dtype=torch.float32), or None where the artifact is not
+    served by chunks (a multi-head latent attention model, layers that keep no KV cache)."""
     if len(codec.spec.coded_layers) != codec.spec.num_layers:
         return None  # layers without a KV cache: the chunk serde does not serve such models
     try:
-        return ChunkTransform(codec, positions=True)
+        return ChunkTransform(served_codec(codec), positions=True)
     except ValueError:
         return None
 

@@ -14,6 +14,7 @@ from kvtc.artifacts.groups import parse_groups
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from helpers.toy_artifacts import toy_content
 from kvtc.kernels.codec.blob import read_blob
+from kvtc.kernels.codec.held_basis import served_codec
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.integrations.vllm_offload import ChunkCodec, PageFormat, layer_index
 
@@ -144,7 +145,7 @@ def test_vllm_loads_the_spec_by_module_path_and_a_chunk_round_trips(tmp_path):
     worker.wait({2})
     assert [r.success for r in worker.get_finished()] == [True]
     manager.complete_load(keys[1:], ctx)
-    codec = KVTCCodec(art, 4, mode="fixed")
+    codec = served_codec(KVTCCodec(art, 4, mode="fixed"))  # the basis as the tier holds it
     chunk = ChunkCodec(codec, [0, 1])
     for c, blocks, start in ((1, src[2:4], 8), (2, src[4:6], 16)):
         k, v = _cache_of(tensors, blocks)
@@ -204,7 +205,7 @@ def test_each_tensor_parallel_rank_codes_its_own_heads(tmp_path):
         worker.submit_load(2, manager.prepare_load(keys, ctx), base.GPULoadStoreSpec([3], [1], [0]))
         worker.wait({2})
         k, v = _cache_of(tensors, [2])
-        want = KVTCCodec(art, 4, mode="fixed", rank=rank)
+        want = served_codec(KVTCCodec(art, 4, mode="fixed", rank=rank))
         wk, wv = ChunkCodec(want, [0, 1]).codec.decode(ChunkCodec(want, [0, 1]).encode(k, v, 0))
         gk, gv = _cache_of(tensors, [3])
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
@@ -348,7 +349,7 @@ def test_an_attention_artifact_through_the_tier_decodes_with_its_decoder_and_kee
     worker.wait({2})
     assert [r.success for r in worker.get_finished()] == [True, True]
     got = torch.stack([p[blocks:].reshape(tokens, heads, 2 * dim).permute(1, 0, 2) for p in pages])
-    codec = KVTCCodec.from_registry(found["attn"], 4, registry=found["registry"])
+    codec = served_codec(KVTCCodec.from_registry(found["attn"], 4, registry=found["registry"]))
     chunk = ChunkCodec(codec, list(range(layers)))
     n = block * per_chunk
     for start in range(0, tokens, n):
