@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from kvtc import artifacts
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.pipeline.evaluation.metrics import mean_interval
 from kvtc.pipeline.evaluation.model_quality import _forward, build_cache
@@ -45,10 +46,13 @@ def main() -> None:
     ap.add_argument("--needles", type=int, default=8)
     ap.add_argument("--ratios", default="16,32")
     ap.add_argument("--split", type=float, default=32.0, help="the ratio whose keys-only / values-only paths run")
+    ap.add_argument("--haystack", default=None, help="another artifact (same model) whose held-out text the windows "
+                    "are cut from, to compare two artifacts on the same needles (default: the artifact's own)")
     ap.add_argument("--json", default=None, help="write every needle's record here")
     args = ap.parse_args()
     art, lm = _artifact_model(args.artifact, args.registry, None, None)
-    held = heldout_tokens(art, lm.tokenizer, lm.max_positions, args.windows * args.length)
+    source = art if args.haystack is None else artifacts.pull(args.haystack, registry=args.registry)
+    held = heldout_tokens(source, lm.tokenizer, lm.max_positions, args.windows * args.length)
     ratios = [float(r) for r in args.ratios.split(",")]
     transforms = {r: chunk_transform(KVTCCodec(art, r)) for r in sorted(set(ratios) | {args.split})}
     records: list[dict] = []

@@ -74,6 +74,7 @@ import torch
 
 from kvtc.kernels.codec.chunk_options import CHUNK_KEY_BYTES, CHUNK_KEY_ENV, SINK_BUDGETS
 from kvtc.kernels.codec.blob import TAG_RAW_HEAD, TAG_RAW_TAIL, BlobError, BlobHeader, Section, read_blob, write_blob
+from kvtc.kernels.codec.blob_plan import BlobPlan
 from kvtc.kernels.codec.chunk_frame import FRAME_BYTES, UNBOUND, Frame, frame, keyed_binding, read_frame
 # the frame's names, imported from here by earlier callers and benches
 from kvtc.kernels.codec.chunk_frame import FRAME_MAGIC as FRAME_MAGIC, KEYED_MAGIC as KEYED_MAGIC, binding as binding
@@ -228,21 +229,19 @@ class ChunkTransform:
         self.label = label or f"artifact {spec.name}@{spec.version}"
         options = replace(codec.options, mode=codec.mode if mode is None else mode, sink_format=sink_format, level=level,
                           coder=coder)  # a mode or sink format of another name: CodecOptions' ValueError
-        self.codec = KVTCCodec(self.spec, options=options)
+        self.codec = KVTCCodec(self.spec, options=options)  # one codec: each blob's choices are its plan
         self.mode, self.coding = self.codec.mode, self.codec.coding  # its name, and the mode (kernels/codec/mode.py)
-        # the fixed-rate fallback where the mode has one (a chunk it cannot code within the bound), else the codec
-        fallback = self.coding.sizes.fallback
-        self.fixed = self.codec if fallback is None else KVTCCodec(self.spec, options=replace(options, mode=fallback.name))
+        self.own = self.codec.plan()  # kernels/codec/blob_plan.py
         self.pad = pad
         # shared: a first chunk's raw sinks come out of its own budget (ECSQ at a coarser step), or, where they
         # cannot, it is coded whole, sinks included (fixed-rate, a later chunk's size): the bound is a later chunk's
         self.shared = sink_budget == "shared" and self.sinks > 0
-        self.whole = KVTCCodec(replace(self.spec, sinks=0), options=self.fixed.options) if self.shared else None
-        # where ECSQ cannot code a first chunk within the bound (text far from the calibration's), its fixed-rate
-        # coding keeps the first token raw, the strongest sink, where all its sinks would not fit, before coding it
-        # whole; it decodes the ECSQ blobs with one raw sink written before (every blob's mode is in its header)
-        self.one = KVTCCodec(replace(self.spec, sinks=1), options=self.fixed.options) \
-            if self.shared and self.sinks > 1 else None
+        # the fixed-rate fallback where the mode has one (a chunk it cannot code within the bound), in order: all
+        # raw sinks; where they would not fit a first chunk sharing its budget (text far from the calibration's),
+        # the first token alone, the strongest sink; then none, the chunk coded whole
+        fixed = self.coding.sizes.fallback or self.coding
+        sinks = (self.sinks, *((1,) if self.shared and self.sinks > 1 else ()), *((0,) if self.shared else ()))
+        self.fallbacks = tuple(self.codec.plan(fixed, n) for n in sinks)
         self._size_cache: dict[tuple, tuple[int, int, int]] = {}
         self._floors: dict[int, float] = {}  # coded tokens -> the mode's floor over its budget
 
@@ -264,20 +263,20 @@ class ChunkTransform:
             raise ValueError(f"chunk dtype {dtype} is not supported; use float16, bfloat16 or float32")
         return int(shape[2])
 
-    def _sizes(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype, start: int) -> tuple[int, int, int]:
-        """(header and section table bytes, raw sinks' bytes, coded tokens) of a chunk in `codec`'s mode;
-        computed once per codec, shape and raw head (every store asks for its bound)."""
+    def _sizes(self, plan: BlobPlan, tokens: int, dtype: torch.dtype, start: int) -> tuple[int, int, int]:
+        """(header and section table bytes, raw sinks' bytes, coded tokens) of a chunk coded with `plan`;
+        computed once per plan, shape and raw head (every store asks for its bound)."""
         s = self.spec
-        head, mid, tail = codec.split(tokens, start)
-        key = (id(codec), tokens, dtype, head)
+        head, mid, tail = self.codec.split(tokens, start, plan.sinks)
+        key = (plan.mode.name, plan.sinks, plan.outliers, tokens, dtype, head)
         found = self._size_cache.get(key)
         if found is None:
             header = BlobHeader(s.name, s.version, s.model_id, s.ratio, _DTYPE_NAMES[dtype], s.num_layers, s.kv_heads,
-                                tokens, s.head_dim, start, s.sinks, 0, head, tail, mode=codec.mode,
-                                sink_format=codec.sink_format if head else "cache",
-                                outliers=codec.uses_outliers and mid > 0,  # fixed-width: the table holds its sections
-                                **codec.coding.blob.header_fields())
-            expected = codec.expected_sections(header)
+                                tokens, s.head_dim, start, plan.sinks, 0, head, tail, mode=plan.mode.name,
+                                sink_format=plan.sink_format.name if head else "cache",
+                                outliers=plan.outliers and mid > 0,  # fixed-width: the table holds its sections
+                                **plan.mode.blob.header_fields())
+            expected = self.codec.expected_sections(header)
             frame = len(write_blob(header, [Section(k, 0, 0, b"") for k, _ in expected]))
             raw = sum(n or 0 for k, n in expected if k.tag in (TAG_RAW_HEAD, TAG_RAW_TAIL))
             found = self._size_cache.setdefault(key, (frame, raw, mid))
@@ -300,7 +299,7 @@ class ChunkTransform:
         if not self.shared:
             return False
         scale = 0.0 if self.coding.sizes.exact else self._shared_scale(tokens, dtype, 0)
-        _, _, mid = self._sizes(self.codec, tokens, dtype, 0)
+        _, _, mid = self._sizes(self.own, tokens, dtype, 0)
         floor = self._floors.get(mid)
         if floor is None:
             budget = self.coding.sizes.bound_bytes(self.spec, mid)
@@ -328,27 +327,27 @@ class ChunkTransform:
 
     def _shared_scale(self, tokens: int, dtype: torch.dtype, start: int) -> float:
         """The share of its ECSQ budget a first chunk may spend so that it fits a later chunk's bound (0: none)."""
-        head, raw, mid = self._sizes(self.codec, tokens, dtype, start)
+        head, raw, mid = self._sizes(self.own, tokens, dtype, start)
         budget = self.coding.sizes.bound_bytes(self.spec, mid)
-        room = self._bound_at(self.codec, tokens, dtype, self.sinks) - head - raw
+        room = self._bound_at(self.own, tokens, dtype, self.sinks) - head - raw
         return min(1.0, room / budget) if budget and room > 0 else 0.0
 
     def fixed_size(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
         """Blob bytes of a chunk of `tokens` tokens at `start` coded fixed-rate (exact; the mode's fallback, or the
         mode itself where it has none), or the largest over starts."""
         starts = self._starts(tokens, dtype) if start is None else (start,)
-        return max(self._bound_at(self.fixed, tokens, dtype, a) for a in starts)
+        return max(self._bound_at(self.fallbacks[0], tokens, dtype, a) for a in starts)
 
     def mode_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
         """Largest blob of `tokens` tokens at `start` (None: any) the transform's mode writes within its bound
         (SizeBounds.bound_bytes): header, raw sinks, and for ECSQ each (stream, group)'s rate-control budget (its share
         of the ratio's bits per coded token, in bytes), for fixed-rate its exact sections."""
         starts = self._starts(tokens, dtype) if start is None else (start,)
-        return max(self._bound_at(self.codec, tokens, dtype, a) for a in starts)
+        return max(self._bound_at(self.own, tokens, dtype, a) for a in starts)
 
-    def _bound_at(self, codec: KVTCCodec, tokens: int, dtype: torch.dtype, start: int) -> int:
-        head, raw, mid = self._sizes(codec, tokens, dtype, start)
-        return head + raw + codec.coding.sizes.bound_bytes(codec.spec, mid)
+    def _bound_at(self, plan: BlobPlan, tokens: int, dtype: torch.dtype, start: int) -> int:
+        head, raw, mid = self._sizes(plan, tokens, dtype, start)
+        return head + raw + plan.mode.sizes.bound_bytes(self.spec, mid)
 
     def blob_bound(self, tokens: int, dtype: torch.dtype, start: int | None = None) -> int:
         """Largest blob of `tokens` tokens at `start` (None: any) this transform stores: the mode's bound, or the
@@ -394,16 +393,16 @@ class ChunkTransform:
         first = start < self.sinks and self._shares(tokens, kv.dtype)
         limit = self.chunk_bound(tokens, kv.dtype, start)  # what the store keeps for this chunk
         try:  # rate control holds each (stream, group) to its budget: a blob above the bound is one it cannot code
-            blob = self.codec.encode(x[0], x[1], start=start, truncate=first,
-                                     budget_scale=self._shared_scale(tokens, kv.dtype, start) if first else 1.0)
+            plan = replace(self.own, budget_scale=self._shared_scale(tokens, kv.dtype, start), truncate=True) \
+                if first else self.own
+            blob = self.codec.encode(x[0], x[1], start=start, plan=plan)
             if len(blob) <= limit:
                 return blob
         except (ValueError, OverflowError, RuntimeError):
             pass  # beyond any ECSQ step or symbol range
         # fixed-rate, whose sizes are exact: the most raw sinks within the bound (a first chunk sharing its budget)
-        fits = [c for c in (self.fixed, self.one, self.whole) if c is not None and self._bound_at(c, tokens, kv.dtype,
-                                                                                                start) <= limit]
-        return fits[0].encode(x[0], x[1], start=start)
+        fits = [p for p in self.fallbacks if self._bound_at(p, tokens, kv.dtype, start) <= limit]
+        return self.codec.encode(x[0], x[1], start=start, plan=fits[0])
 
     def identity_bytes(self, chunk: torch.Tensor, engine: Engine | None = None) -> bytes:
         """The frame's identity field for a chunk like `chunk` (its dtype and tokens) as the store describes it."""
@@ -472,9 +471,6 @@ class ChunkTransform:
         bound = self._verified(f, key, out, engine)
         blob = f.blob
         header, _ = read_blob(blob)
-        codec = self.codec
-        if self.shared and header.sinks != self.codec.spec.sinks:  # a first chunk with one raw sink, or coded whole
-            codec = {0: self.whole, 1: self.one}.get(header.sinks) or self.codec
         if self.positional:
             if start is None and self.needs_positions and not bound:
                 raise BlobError(f"the chunk's position is unknown, and {self.label} re-applies RoPE at it; "
@@ -484,7 +480,7 @@ class ChunkTransform:
             if header.start != start:
                 raise BlobError(f"the stored chunk was coded for position {header.start}, its key is at position "
                                 f"{start}; not loaded")
-        keys, values = codec.decode(blob, device=out.device, max_tokens=tokens)
+        keys, values = self.codec.decode(blob, device=out.device, max_tokens=tokens)
         if keys.shape[2] != tokens:
             raise BlobError(f"kvtc chunk holds {keys.shape[2]} tokens, the destination expects {tokens}")
         s = self.spec
