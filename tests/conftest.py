@@ -12,6 +12,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The test process's torch runs on one thread, as the job's Ray workers do (--threads-per-worker 1), and so do
+    its in-process reduces (they would take every core: `kvtc.pipeline.fit.pca.cores`). The suite's tensors are
+    small: on a 2-core machine shared with another job, two OpenMP threads made each small elementwise op cost
+    milliseconds (a barrier waiting for a descheduled thread) instead of tens of microseconds, and the in-process
+    calibrations' ECSQ fits several times slower. What the tests assert does not depend on the thread count."""
+    import torch
+
+    from kvtc.pipeline.fit import pca
+    from kvtc.pipeline.job import reduce
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pca, "cores", lambda: 1)
+        patch.setattr(reduce, "cores", lambda: 1)
+        yield
+    torch.set_num_threads(before)
+
+
 def _wait_listening(port: int, timeout: float = 30.0) -> None:
     """The moto server's thread binds after start() returns; a loaded machine takes a while."""
     from helpers.multinode import wait_listening
