@@ -140,7 +140,8 @@ def test_pipeline_stages_follow_sglangs_split_and_need_matching_groups(tmp_path)
 # --- per-rank artifacts of a tiny model: every worker exported, each loaded as SGLang loads it ---
 
 TINY = dict(model="tiny:llama@2x2x16x8", corpus="pydoc", eval_corpus=None, seq_len=64, window=8, tokens=768,
-            seqs_per_shard=4, heldout_rows=256, ratios=(8.0,), tokens_curve_points=0, groups="model")
+            seqs_per_shard=4, heldout_rows=256, ratios=(8.0,), tokens_curve_points=0, groups="model",
+            served_sequences=0)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 from kvtc import artifacts
@@ -21,12 +20,9 @@ TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=64, to
 @pytest.fixture(scope="module")
 def rope_kept(tmp_path_factory):
     root = tmp_path_factory.mktemp("consumer")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        summary = run(JobSettings.of(**TINY, workers=1, registry=str(root / "reg"), store=str(root / "store"),
-                                      name="tiny-kept"))
-    finally:
-        ray.shutdown()
+    # in-process (the options are the job's, not its Ray pool's: tests/pipeline/test_calibrate.py runs the pool)
+    summary = run(JobSettings.of(**TINY, served_sequences=0, registry=str(root / "reg"), store=str(root / "store"),
+                                 name="tiny-kept"), in_process=True)
     return artifacts.pull("tiny-kept", summary["version"], registry=summary["registry"]), summary
 
 
