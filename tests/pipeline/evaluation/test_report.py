@@ -18,7 +18,8 @@ from kvtc.pipeline.job.heldout_store import load_rows
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
             eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0), name="tiny",
-            objective="mse")  # the refold measures the cache's own error
+            objective="mse",  # the refold measures the cache's own error
+            served_sequences=0)  # the served check's report rows: test_evaluate.py
 
 
 @pytest.fixture(scope="module")
