@@ -246,7 +246,7 @@ def test_calibration_end_to_end_with_the_attention_objective(tmp_path):
     cfg = JobSettings.of(model="tiny:qwen3", corpus="pydoc", eval_corpus="stdlib", seq_len=96, window=16, tokens=2048,
                          eval_tokens=192, seqs_per_shard=2, heldout_rows=512, ratios=(4.0, 8.0),  # objective: auto
                          registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="att",
-                         tokens_curve_points=0)
+                         tokens_curve_points=0, served_sequences=0)
     run(cfg, in_process=True)
     art = artifacts.pull("att@latest", registry=str(tmp_path / "reg"))
     cal = art.manifest["calibration"]

@@ -40,7 +40,8 @@ def test_layer_groups_through_calibration_codec_and_charts(tmp_path):
 
     cfg = JobSettings.of(model="tiny:llama@4x2x32", corpus="pydoc", eval_corpus=None, seq_len=128, window=16,
                           tokens=2048, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0), groups="layers:2",
-                          accumulators=2, name="geo", registry=str(tmp_path / "reg"), store=str(tmp_path / "store"))
+                          accumulators=2, name="geo", registry=str(tmp_path / "reg"), store=str(tmp_path / "store"),
+                          served_sequences=0)
     summary, _ = calibrate_local(cfg)
     art = artifacts.pull("geo@latest", registry=summary["registry"])
     assert art.manifest["calibration"]["groups"] == [[0, 2], [2, 4]]
