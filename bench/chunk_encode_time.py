@@ -90,11 +90,12 @@ class Counts:
 
         self.on, self.n = False, {"codings": 0, "mode encodes": 0, "middle decodes": 0, "step attempts": 0}
         ecsq._attempt = self._counted(ecsq._attempt, "step attempts")  # read from the module by the step search
+        # a mode's blob coding is its own object since the split by job (EcsqBlob, FixedBlob); before it, the mode's
+        blob = [getattr(m, n, None) or getattr(m, o) for m, n, o in ((ecsq_mode, "EcsqBlob", "EcsqMode"),
+                                                                     (fixed_mode, "FixedBlob", "FixedMode"))]
         for cls, name, what in ((kvtc_codec.KVTCCodec, "encode", "codings"),
-                                (ecsq_mode.EcsqMode, "encode", "mode encodes"),
-                                (fixed_mode.FixedMode, "encode", "mode encodes"),
-                                (ecsq_mode.EcsqMode, "decoder", "middle decodes"),
-                                (fixed_mode.FixedMode, "decoder", "middle decodes")):
+                                *((c, "encode", "mode encodes") for c in blob),
+                                *((c, "decoder", "middle decodes") for c in blob)):
             setattr(cls, name, self._counted(getattr(cls, name), what))
 
     def _counted(self, fn, what):  # noqa: ANN001, ANN202
@@ -117,8 +118,8 @@ def measure(args: argparse.Namespace, kv) -> list[dict]:  # noqa: ANN001
     import torch
 
     from kvtc.artifacts import pull
-    from kvtc.kernels.codec.chunk_serde import ChunkTransform
     from kvtc.kernels.codec.kvtc_codec import KVTCCodec
+    from kvtc.pipeline.evaluation.served import chunk_transform
 
     torch.set_num_threads(args.threads)
     counts = Counts()
@@ -127,7 +128,7 @@ def measure(args: argparse.Namespace, kv) -> list[dict]:  # noqa: ANN001
         artifact = pull(args.artifact, registry=args.registry)
     n, rows = args.tokens, []
     for ratio in [float(r) for r in args.ratios.split(",")]:
-        t = ChunkTransform(KVTCCodec(artifact, ratio), positions=True)  # as the servers and the served check
+        t = chunk_transform(KVTCCodec(artifact, ratio))  # as the servers and the served check hold it
         bound = t.serialized_size((2, kv.shape[1], n, kv.shape[3]), kv.dtype)
         for (name, start), kind in ((c, k) for k in args.kinds.split(",") for c in (("first", 0), ("later", n))):
             chunk = kv[:, :, start:start + n].contiguous()

@@ -25,6 +25,7 @@ from kvtc.pipeline.evaluation.model_quality import _forward, build_cache
 from kvtc.pipeline.evaluation.needle_window import answers, plant
 from kvtc.pipeline.evaluation.served import chunk_transform, restore_through
 from kvtc.pipeline.job.heldout_text import heldout_tokens
+from kvtc.pipeline.operations.quality import haystack_texts
 from kvtc.pipeline.operations.quality import _artifact_model
 
 
@@ -45,19 +46,33 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=6)
     ap.add_argument("--needles", type=int, default=8)
     ap.add_argument("--ratios", default="16,32")
-    ap.add_argument("--split", type=float, default=32.0, help="the ratio whose keys-only / values-only paths run")
-    ap.add_argument("--haystack", default=None, help="another artifact (same model) whose held-out text the windows "
-                    "are cut from, to compare two artifacts on the same needles (default: the artifact's own)")
+    ap.add_argument("--split", type=float, default=32.0, help="the ratio whose keys-only / values-only paths run "
+                    "(0: none)")
+    ap.add_argument("--also", default=None, help="other artifacts of the same model (comma-separated refs) whose chunk "
+                    "paths at --ratios run on the same needles, to compare calibrations at equal stored bytes")
+    ap.add_argument("--haystack", default=None, help="where the windows are cut from: another artifact's held-out text "
+                    "(NAME@VERSION, the same model), or a corpus spec neither calibration saw (e.g. stdlib), to compare "
+                    "two artifacts on the same needles (default: the artifact's own held-out text)")
     ap.add_argument("--json", default=None, help="write every needle's record here")
     args = ap.parse_args()
     art, lm = _artifact_model(args.artifact, args.registry, None, None)
-    source = art if args.haystack is None else artifacts.pull(args.haystack, registry=args.registry)
-    held = heldout_tokens(source, lm.tokenizer, lm.max_positions, args.windows * args.length)
+    need = args.windows * args.length
+    if args.haystack is None or "@" in args.haystack:
+        source = art if args.haystack is None else artifacts.pull(args.haystack, registry=args.registry)
+        held = heldout_tokens(source, lm.tokenizer, lm.max_positions, need)
+    else:
+        held = []
+        for text in haystack_texts(args.haystack):
+            held += lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(held) >= need:
+                break
     ratios = [float(r) for r in args.ratios.split(",")]
-    transforms = {r: chunk_transform(KVTCCodec(art, r)) for r in sorted(set(ratios) | {args.split})}
+    transforms = {r: chunk_transform(KVTCCodec(art, r)) for r in sorted(set(ratios) | ({args.split} - {0.0}))}
+    others = {f"{ref} CR {r:g}": chunk_transform(KVTCCodec(artifacts.pull(ref, registry=args.registry), r))
+              for ref in (args.also.split(",") if args.also else ()) for r in ratios}
     records: list[dict] = []
     t0 = time.perf_counter()
-    for w in range(len(held) // args.length):
+    for w in range(min(args.windows, len(held) // args.length)):
         window = held[w * args.length:(w + 1) * args.length]
         planted = plant(lm.tokenizer, window, len(window), args.needles, seed=w)
         keys, values = prefill(lm, list(planted.ids))
@@ -69,6 +84,8 @@ def main() -> None:
             if r == args.split:
                 paths[f"CR {r:g} keys coded"] = (k, values)
                 paths[f"CR {r:g} values coded"] = (keys, v)
+        for name, transform in others.items():
+            paths[name] = restore_through(transform, keys, values)[:2]
         for name, (k, v) in paths.items():
             with torch.no_grad():
                 got = answers(lm, lambda k=k, v=v: build_cache(lm.model, k, v), planted)
@@ -89,6 +106,12 @@ def main() -> None:
             bands.append(f"{sum(g) / len(g):+.3f}" if g else "-")
         print(f"{name:22} {sum(r['found'] for r in rs):>3}/{len(rs):<3} {mean:>+16.3f} [{lo:+.3f}, {hi:+.3f}]   "
               f"{' / '.join(bands)}")
+    by = {(r["path"], r["window"], r["needle"]): r["nll"] for r in records}
+    for name in others:
+        base = f"CR {name.rsplit(' CR ', 1)[1]}"
+        diff = [by[(name, w, i)] - by[(base, w, i)] for (p, w, i) in by if p == name]
+        lo, hi = mean_interval(torch.tensor(diff), block=1)
+        print(f"{name} against {args.artifact} {base}, paired: {sum(diff) / len(diff):+.3f} nats [{lo:+.3f}, {hi:+.3f}]")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(records, fh)
