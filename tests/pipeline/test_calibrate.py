@@ -12,7 +12,8 @@ from kvtc.pipeline.job.calibrate import run
 from kvtc.pipeline.cli import main as cli_main
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=2048,
-            eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0))
+            eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0),
+            served_sequences=0)  # the job's served check: tests/pipeline/evaluation/test_evaluate.py
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -16,7 +16,8 @@ from kvtc.pipeline.job.calibrate import run
 from kvtc.pipeline.operations.schedule import Schedule, Scheduler, command_job, parse_command
 
 TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=128, window=16, tokens=2048,
-            seqs_per_shard=2, heldout_rows=512, ratios=(4.0, 8.0), objective="mse")  # drift in the cache's own error
+            seqs_per_shard=2, heldout_rows=512, ratios=(4.0, 8.0), objective="mse",  # drift in the cache's own error
+            served_sequences=0)
 OPS_MODULES = ("kvtc.pipeline.commands.drift", "kvtc.pipeline.commands.recalibrate", "kvtc.pipeline.commands.schedule")
 
 
