@@ -21,21 +21,13 @@ import torch
 from kvtc import artifacts
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.pipeline.evaluation.metrics import mean_interval
-from kvtc.pipeline.evaluation.model_quality import _forward, build_cache
+from kvtc.pipeline.evaluation.model_quality import build_cache
 from kvtc.pipeline.evaluation.needle_window import answers, plant
 from kvtc.pipeline.evaluation.served import chunk_transform, restore_through
 from kvtc.pipeline.job.heldout_text import heldout_tokens
 from kvtc.pipeline.operations.quality import haystack_texts
 from kvtc.pipeline.operations.quality import _artifact_model
-
-
-def prefill(lm, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids -> the raw cache's keys, values (L, H, T, D) float32."""
-    with torch.no_grad():
-        _, cache = _forward(lm.model, torch.tensor([ids], dtype=torch.long, device=lm.device), None)
-    keys = torch.stack([layer.keys[0] for layer in cache.layers]).float()
-    values = torch.stack([layer.values[0] for layer in cache.layers]).float()
-    return keys, values
+from kvtc.workers.capture import raw_cache
 
 
 def main() -> None:
@@ -75,7 +67,7 @@ def main() -> None:
     for w in range(min(args.windows, len(held) // args.length)):
         window = held[w * args.length:(w + 1) * args.length]
         planted = plant(lm.tokenizer, window, len(window), args.needles, seed=w)
-        keys, values = prefill(lm, list(planted.ids))
+        keys, values = (x.float() for x in raw_cache(lm, torch.tensor([planted.ids], device=lm.device)))
         paths = {"raw": (keys, values)}
         for r, transform in transforms.items():
             k, v, _ = restore_through(transform, keys, values)
