@@ -12,7 +12,7 @@ import torch
 
 from kvtc.kernels.codec import ecsq
 from kvtc.kernels.codec.backend import Ops, resolve_ops
-from kvtc.kernels.codec.basis_product import project, reconstruct
+from kvtc.kernels.codec.basis_product import project
 from kvtc.kernels.codec.blob import TAG_ECSQ, TAG_ESCAPES, BlobError, BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.entropy import PLAIN
 from kvtc.kernels.codec.extremes import refuse_beyond
@@ -74,8 +74,8 @@ class EcsqBlob(BlobCoding):
             out.append(ctx.section(SectionKey(TAG_ESCAPES, si, gi, 0), escapes))
         return out
 
-    def decoder(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
-                parts: list) -> Callable[[int, int, torch.Tensor], None]:
+    def coefficients(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
+                     parts: list) -> Callable[[int, int], list[torch.Tensor]]:
         dev, symbols = ctx.device, []
         for gi, (_, _, g) in enumerate(parts):
             with ctx.stage("entropy_decode"):
@@ -83,15 +83,11 @@ class EcsqBlob(BlobCoding):
                                                     data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, header.ecsq_format,
                                                     dev, ctx.entropy_on_device))
 
-        def rows(a: int, b: int, feat: torch.Tensor) -> None:
-            for gi, (cols, comps, _) in enumerate(parts):
-                q, step = symbols[gi]
-                with ctx.stage("dequantize"):
-                    zhat = ecsq.dequantize(q[a:b], step, ctx.offsets(stream, gi))
-                with ctx.stage("project"):
-                    feat[:, cols] = reconstruct(zhat, comps)
+        def coefficients(a: int, b: int) -> list[torch.Tensor]:
+            with ctx.stage("dequantize"):
+                return [ecsq.dequantize(q[a:b], step, ctx.offsets(stream, gi)) for gi, (q, step) in enumerate(symbols)]
 
-        return rows
+        return coefficients
 
     def section_bounds(self, spec: CodecSpec, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
         if spec.ecsq is None:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kvtc.kernels.codec.backend import Ops, resolve_ops
-from kvtc.kernels.codec.basis_product import project, reconstruct
+from kvtc.kernels.codec.basis_product import project
 from kvtc.kernels.codec.bitpack import packed_nbytes
 from kvtc.kernels.codec.blob import TAG_CODES, TAG_PARAMS, BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.extremes import saturate
@@ -80,22 +80,23 @@ class FixedBlob(BlobCoding):
                 out.append(ctx.section(SectionKey(TAG_CODES, si, gi, 0), coded[1]))
         return out
 
-    def decoder(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
-                parts: list) -> Callable[[int, int, torch.Tensor], None]:
+    def coefficients(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
+                     parts: list) -> Callable[[int, int], list[torch.Tensor]]:
         dev, ops = ctx.device, ctx.ops
         held = [block_tensors(data, si, gi, code.blocks, mid, dev, header.grouped) for gi, (_, _, code) in enumerate(parts)]
 
-        def rows(a: int, b: int, feat: torch.Tensor) -> None:
-            for gi, (cols, comps, code) in enumerate(parts):
+        def coefficients(a: int, b: int) -> list[torch.Tensor]:
+            out = []
+            for gi, (_, _, code) in enumerate(parts):
                 zhat = torch.zeros(b - a, code.kept, dtype=torch.float32, device=dev)
                 with ctx.stage("dequantize"):
                     for block, pair in zip(code.blocks, held[gi]):
                         if pair is not None:
                             ops.unpack_dequantize(pair[0][a:b], pair[1][a:b], block.qtype, zhat, block.start, block.size)
-                with ctx.stage("project"):
-                    feat[:, cols] = reconstruct(zhat, comps)  # comps: the group's decoding matrix
+                out.append(zhat)
+            return out
 
-        return rows
+        return coefficients
 
     def section_bounds(self, spec: CodecSpec, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:
         return list(self._bounds(spec, mid, header.grouped))

@@ -32,6 +32,7 @@ from kvtc.kernels.codec.blob import (NO_CACHE, TAG_OUTLIERS, TAG_RAW_HEAD, TAG_R
 from kvtc.kernels.codec.blob_plan import BlobPlan
 from kvtc.kernels.codec.codec_options import CodecOptions
 from kvtc.kernels.codec.entropy import PLAIN, decode_section, decode_sections
+from kvtc.kernels.codec.error_sketch import ErrorSketch, block_tokens, vector_errors
 from kvtc.kernels.codec.backend import Ops, resolve_ops
 from kvtc.kernels.codec.layered import decode_layered, encode_layered, layer_counts, restrict
 from kvtc.kernels.codec.mode import BlobContext, HeldOffsets, Mode, SectionCoder, StageTimer
@@ -85,6 +86,7 @@ class KVTCCodec:
         self._per_layer_rope = not shared
         self._subs: dict[tuple[int, ...], KVTCCodec] = {}
         self._on_device: dict[tuple[str, str], tuple[torch.Tensor, list]] = {}
+        self._sketches: dict[tuple, ErrorSketch] = {}  # the outlier stage's, per (stream, device, mode, dtype)
         self._offsets: dict = {}  # HeldOffsets.held: the ECSQ offsets on each device
 
     def __getattr__(self, name: str) -> Any:  # codec.level, codec.backend, ...: its options' fields
@@ -177,15 +179,15 @@ class KVTCCodec:
                 for c in group_columns([g.group for g in s.streams["keys"]], s.kv_heads, s.dim(stream))]
 
     def basis_bytes(self) -> int:
-        """Bytes of means and components this codec holds on its devices (the runtime's basis memory): each
-        storage once, whole (a view of a basis other codecs share counts that basis)."""
+        """Bytes of means, components and the outlier stage's decoder sketches this codec holds on its devices (the
+        runtime's basis memory): each storage once, whole (a view of a basis other codecs share counts that basis)."""
         seen, total = set(), 0
-        for mean, parts in self._on_device.values():
-            for t in [mean] + [c for _, c, _ in parts]:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
+        held = [t for mean, parts in self._on_device.values() for t in [mean] + [c for _, c, _ in parts]]
+        for t in held + [g for sk in self._sketches.values() for g in sk.sketched]:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
         return total
 
     def split(self, tokens: int, start: int, sinks: int | None = None) -> tuple[int, int, int]:
@@ -359,19 +361,22 @@ class KVTCCodec:
 
     def _with_outliers(self, ctx: BlobContext, mode: Mode, feat: torch.Tensor, coded: list[Section], header: BlobHeader,
                        bd: torch.dtype, si: int, middle: torch.Tensor, budget_scale: float) -> tuple[list[Section], bytes]:
-        """One stream's coded middle decoded as a reader would, its outlier vectors found (kernels/codec/outliers.py)
+        """One stream's coded middle read as a reader would, its outlier vectors found (kernels/codec/outliers.py,
+        each vector's error estimated through the decoder's sketch and measured where it may count: error_sketch.py)
         -> (its sections, re-coded at a budget smaller by their bytes where they do not fit beside them; its outlier
         section's bytes, empty where none). feat (mid, p) its centred features, middle (L, H, mid, W) its tokens."""
         s, dev, mid, stream = self.spec, ctx.device, feat.shape[0], STREAMS[si]
         data = {c.key: decode_section(c.coding, c.stored, c.raw_len, str(tuple(c.key))) for c in coded}
         mean, parts = self._params(stream, dev, mode, bd, decode=True)
-        rows = mode.blob.decoder(ctx, data, si, stream, mid, header, parts)
-        errors = []
+        coefficients = mode.blob.coefficients(ctx, data, si, stream, mid, header, parts)
         with ctx.stage("outliers"):
-            for a, b in token_blocks(mid, decode_block_tokens(feat.shape[1], mid)):
-                feat_hat = torch.empty(b - a, feat.shape[1], dtype=torch.float32, device=dev)
-                rows(a, b, feat_hat)
-                errors.append(outliers.errors(feat[a:b], feat_hat, mean, len(s.coded_layers)))
+            key = (stream, str(dev), mode, str(bd))
+            if key not in self._sketches:
+                self._sketches[key] = ErrorSketch(len(s.coded_layers), s.kv_heads * s.dim(stream),
+                                                  [c for c, _, _ in parts], [d for _, d, _ in parts], dev)
+            errors = vector_errors(self._sketches[key], feat, mean, coefficients,
+                                   token_blocks(mid, block_tokens(sum(d.shape[1] for _, d, _ in parts))),
+                                   self.outlier_factor)
             bound = mode.sizes.stream_bound_bytes(s, mid, stream)
             found = outliers.select(errors, self.outlier_factor, int(outliers.OUTLIER_SHARE * bound * budget_scale),
                                     outliers.vector_bytes(s.kv_heads, s.dim(stream)))

@@ -29,6 +29,8 @@ from typing import Any, Callable, ClassVar, Iterator, Protocol
 
 import torch
 
+from kvtc.kernels.codec.basis_product import reconstruct
+
 from kvtc.kernels.codec.backend import Ops
 from kvtc.kernels.codec.blob import BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.entropy import encode_section
@@ -136,11 +138,24 @@ class BlobCoding(abc.ABC):
         """One stream's coded-middle sections, in blob order."""
 
     @abc.abstractmethod
+    def coefficients(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
+                     parts: list) -> Callable[[int, int], list[torch.Tensor]]:
+        """One stream's coded middle read once (its symbols or packed codes, compact), as a function that gives
+        the dequantized coefficients z_hat (b - a, k_g) float32 of each group for coded tokens [a, b)."""
+
     def decoder(self, ctx: BlobContext, data: dict, si: int, stream: str, mid: int, header: BlobHeader,
                 parts: list) -> Callable[[int, int, torch.Tensor], None]:
-        """One stream's coded middle read once (its symbols or packed codes, compact), as a function that fills
-        feat (b - a, p) with the reconstructed centred features of coded tokens [a, b): decode works in
-        bounded blocks of tokens, each row reconstructed exactly as a whole-stream decode would."""
+        """`coefficients` as a function that fills feat (b - a, p) with the reconstructed centred features of coded
+        tokens [a, b): decode works in bounded blocks of tokens, each row reconstructed exactly as a whole-stream
+        decode would (parts: each group's decoding matrix)."""
+        coefficients = self.coefficients(ctx, data, si, stream, mid, header, parts)
+
+        def rows(a: int, b: int, feat: torch.Tensor) -> None:
+            for (cols, comps, _), zhat in zip(parts, coefficients(a, b)):
+                with ctx.stage("project"):
+                    feat[:, cols] = reconstruct(zhat, comps)
+
+        return rows
 
     @abc.abstractmethod
     def section_bounds(self, spec: CodecSpec, mid: int, table: dict, header: BlobHeader) -> list[SectionBound]:

@@ -88,7 +88,7 @@ def test_a_mode_is_its_codes_and_three_jobs_each_implemented_whole():
     with pytest.raises(TypeError, match="abstract"):
         Half()
     assert Mode.__abstractmethods__ == {"codes", "check", "admit"}
-    assert BlobCoding.__abstractmethods__ == {"encode", "decoder", "section_bounds", "check_capacity"}
+    assert BlobCoding.__abstractmethods__ == {"encode", "coefficients", "section_bounds", "check_capacity"}
     assert SizeBounds.__abstractmethods__ == {"bound_bytes", "stream_bound_bytes", "fallback"}
     assert ResidentForm.__abstractmethods__ == {"check", "encode", "coefficients", "nbytes", "select"}
     for mode in (FixedMode(), EcsqMode()):
