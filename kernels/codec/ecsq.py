@@ -174,10 +174,11 @@ def component_zero_bits(group: EcsqGroup) -> np.ndarray:
     return np.asarray(per_model, dtype=np.float64)[group.model] if group.kept else np.zeros(0)
 
 
-def quantize(z: torch.Tensor, step: float) -> torch.Tensor:
-    """z (N, kept) float -> symbols (N, kept) int32; ValueError for non-finite or absurdly large values."""
+def quantize(z: torch.Tensor, step: float, check: bool = True) -> torch.Tensor:
+    """z (N, kept) float -> symbols (N, kept) int32; ValueError for non-finite or absurdly large values (check:
+    False where the same z passed at a step no larger)."""
     q = torch.round(z.float() / step)
-    if not bool(torch.isfinite(q).all()) or (q.numel() and float(q.abs().max()) > MAX_SYMBOL):
+    if check and (not bool(torch.isfinite(q).all()) or (q.numel() and float(q.abs().max()) > MAX_SYMBOL)):
         raise ValueError("the cache holds non-finite values or values beyond 2^30 quantizer steps; "
                          "ECSQ cannot code them (check the model's numerics, or use mode='fixed')")
     return q.to(torch.int32)
@@ -341,9 +342,9 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
     return _fit_components(z, group, max_bytes, fmt, on_device, (best, size, j, q), min_words)
 
 
-def _attempt(z: torch.Tensor, group: EcsqGroup, j: int, fmt: str, on_device: bool, coded: int | None
-             ) -> tuple[tuple[bytes, bytes], int, torch.Tensor]:
-    q = quantize(z, group.step * 2.0 ** (j / STEP_GRID))
+def _attempt(z: torch.Tensor, group: EcsqGroup, j: int, fmt: str, on_device: bool, coded: int | None,
+             check: bool = True) -> tuple[tuple[bytes, bytes], int, torch.Tensor]:
+    q = quantize(z, group.step * 2.0 ** (j / STEP_GRID), check)
     if fmt == "constriction":
         words, escapes = encode_symbols(q.cpu().numpy(), group)
     elif on_device:
@@ -372,7 +373,7 @@ def _fit_step(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None, fmt: str
             j = min(MAX_STEP_EXPONENT, j + max(1, math.ceil((size - max_bytes) * 8 / q.shape[0] / live * STEP_GRID)))
         else:
             j = (lo + hi) // 2
-        out, size, q = _attempt(z, group, j, fmt, on_device, coded)
+        out, size, q = _attempt(z, group, j, fmt, on_device, coded, check=False)  # j > first: checked there
         if size <= max_bytes:
             hi, found = j, (out, size, j, q)
         else:
