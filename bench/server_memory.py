@@ -59,9 +59,12 @@ def main() -> None:
     held = held_bytes(*(t.codec.spec for t in kept))
     storages = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes() for t in kept for c in (t.codec,)
                 for _, parts in c._on_device.values() for _, m, _ in parts}
+    sketches = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for t in kept
+                for sk in t.codec._sketches.values() for g in sk.sketched}  # the outlier stage's (error_sketch.py)
     print(f"total: RSS +{rss() - start:.0f} MiB for {len(ratios)} ratios; basis held {held / 2**20:.0f} MiB "
           f"({kept[0].codec.spec.held_dtype}); the codecs' components, each storage once: "
-          f"{sum(storages.values()) / 2**20:.0f} MiB")
+          f"{sum(storages.values()) / 2**20:.0f} MiB; the outlier stage's decoder sketches, each once: "
+          f"{sum(sketches.values()) / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":
