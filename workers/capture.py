@@ -170,11 +170,12 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
 
 
 def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, n: int) -> dict[str, torch.Tensor]:
-    from kvtc.workers.sensitivity import kl_sensitivity  # noqa: PLC0415 - it imports transformers: only runs that measure KL
+    from kvtc.workers.sensitivity import SENSITIVITY_TOKENS, kl_sensitivity  # noqa: PLC0415 - it imports transformers
 
     out: dict[str, torch.Tensor] = {}
-    for row in input_ids[:n]:
-        for name, t in kl_sensitivity(lm, row[None], settings.sinks, settings.window, settings.seed).items():
+    for row in input_ids[:n]:  # each sequence's first SENSITIVITY_TOKENS tokens (sensitivity.py: why)
+        for name, t in kl_sensitivity(lm, row[None, :SENSITIVITY_TOKENS], settings.sinks, settings.window,
+                                      settings.seed).items():
             out[name] = out[name] + t if name in out else t
     return out
 

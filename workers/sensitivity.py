@@ -46,6 +46,11 @@ from kvtc.workers.attention_metric import decoder_layers, pair_mean
 from kvtc.workers.full_cache import cache_kwargs, full_cache
 
 
+# A shard's pass measures the first SENSITIVITY_TOKENS tokens of its sequence (workers/capture.py): its backward
+# reaches each entry through every later query, so it grows about as the square of the length (74 s for 4,096
+# tokens against 10 s for 1,024 on the 2-core CPU, half a 4,096-token shard's work), and a balance between layers
+# is what it feeds (kvtc.pipeline.fit.metric), not a figure that needs every position.
+SENSITIVITY_TOKENS = 1024
 LOGIT_BLOCK_BYTES = 64 << 20  # one float32 (positions x vocab) logits block; about six such live at once
 
 

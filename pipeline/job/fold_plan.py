@@ -48,6 +48,7 @@ from kvtc.workers.objective import ATTENTION, Objective
 WORKER_BASE = 720 << 20  # a Ray shard worker with torch and transformers imported, its model's weights excluded
 ALLOC_SLACK = 1.10  # measured peak over modelled working set: what the allocator holds beyond live tensors
 LOGIT_BLOCK_BYTES = 64 << 20  # kvtc.workers.sensitivity.LOGIT_BLOCK_BYTES (kept here: the plan imports no torch)
+SENSITIVITY_TOKENS = 1024  # kvtc.workers.sensitivity.SENSITIVITY_TOKENS: the tokens of a sequence the pass measures
 LOGIT_COPIES = 4  # logits, softmax, log-softmax kept for the backward, gradient
 METRIC_QUERY_ROWS = 256  # kvtc.workers.attention_metric.QUERY_ROWS
 HELDOUT_COPIES = 4  # rows, their concatenation, the serialized entry's two copies (ShardWorker._store_rows)
@@ -120,7 +121,7 @@ def sensitivity_bytes(s: FoldShape) -> int:
     of a logits block and one layer's backward."""
     if not s.attention or s.sensitivity < 1:
         return 0
-    t = s.seq_len
+    t = min(s.seq_len, SENSITIVITY_TOKENS)
     leaves = t * s.features * s.itemsize
     inputs = t * s.coded * s.hidden * s.itemsize
     layer = 5 * t * (s.hidden + s.intermediate) * s.itemsize

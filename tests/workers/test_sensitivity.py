@@ -101,6 +101,18 @@ def test_capture_adds_the_sensitivity_of_the_first_sequences_and_stats_store_it(
         CaptureSettings(sensitivity=-1)
 
 
+def test_capture_measures_the_first_sensitivity_tokens_of_a_longer_sequence(llama, monkeypatch):
+    from kvtc.workers import sensitivity
+
+    ids = torch.cat([_ids(40, 0), _ids(40, 1)])
+    monkeypatch.setattr(sensitivity, "SENSITIVITY_TOKENS", 24)
+    got = capture_kv(llama, ids, ATTN, sensitivity=1).metric
+    want = kl_sensitivity(llama, ids[:1, :24], 2, 4)
+    for name in ("sensitivity_keys", "sensitivity_values"):
+        torch.testing.assert_close(got[name], want[name])
+    assert not torch.equal(want["sensitivity_values"], kl_sensitivity(llama, ids[:1], 2, 4)["sensitivity_values"])
+
+
 def _sums(rng, layers=3, heads=2, d=4):
     keys = rng.uniform(0.5, 2.0, size=(layers, heads, d)) * 10
     values = rng.normal(size=(layers, heads, d, d))

@@ -20,11 +20,15 @@ def _sizer(shape: FoldShape = SMOL, **kw) -> FoldSizer:
     return FoldSizer(shape, (5760,), 4, **kw)
 
 
-def test_the_working_set_grows_linearly_with_the_sequence_never_as_t_squared_or_t_times_vocab():
+def test_the_working_set_grows_linearly_with_the_sequence_never_as_t_squared_or_t_times_vocab(monkeypatch):
     at = {t: capture_bytes(SMOL.at(t, t - 132)) for t in (2048, 4096, 8192, 16384)}
     assert at[16384] - at[8192] == pytest.approx(2 * (at[8192] - at[4096]), rel=0.25)
     assert at[8192] < 2 * GIB  # T x vocab float32 logits alone would be 1.5 GiB, one layer's T x T scores 2.3 GiB
-    # the calibration points (fold_plan docstring): 8192 positions, training capture 1.26 GiB measured, held-out 1.46
+    # the calibration points (fold_plan docstring): 8192 positions, training capture 1.26 GiB measured (the
+    # sensitivity pass over all of them, as it ran before it measured only its first SENSITIVITY_TOKENS), held-out 1.46
+    whole = replace(SMOL, seq_len=fold_plan.SENSITIVITY_TOKENS, captured=fold_plan.SENSITIVITY_TOKENS)
+    assert sensitivity_bytes(SMOL) == sensitivity_bytes(whole) < forward_bytes(SMOL)
+    monkeypatch.setattr(fold_plan, "SENSITIVITY_TOKENS", 1 << 20)
     assert max(forward_bytes(SMOL), sensitivity_bytes(SMOL)) == pytest.approx(1.26 * GIB, rel=0.1)
     assert heldout_bytes(SMOL) == pytest.approx(1.46 * GIB, rel=0.1)
 
@@ -37,7 +41,7 @@ def test_the_objective_dtype_and_batch_move_the_peak_as_they_should():
     assert sensitivity_bytes(bf16) < sensitivity_bytes(SMOL) and forward_bytes(bf16) < forward_bytes(SMOL)
     assert forward_bytes(replace(SMOL, batch=4)) > 3 * forward_bytes(SMOL)
     # layers without a KV cache are not checkpointed: each keeps its activations through the backward
-    assert sensitivity_bytes(replace(SMOL, layers=40)) > sensitivity_bytes(SMOL) + 9 * 5 * 8192 * 2112 * 4
+    assert sensitivity_bytes(replace(SMOL, layers=40)) > sensitivity_bytes(SMOL) + 9 * 5 * 1024 * 2112 * 4  # its tokens
     with pytest.raises(ValueError, match="fold shape"):
         replace(SMOL, coded=31)
     with pytest.raises(ValueError, match="fold shape"):
@@ -88,22 +92,23 @@ def test_calibrate_refuses_a_seq_len_whose_fold_cannot_fit_before_model_work(tmp
     sizers = []
     real = fold_plan.job_sizer
     monkeypatch.setattr(fold_plan, "job_sizer", lambda *a, **k: sizers.append(real(*a, **k)) or sizers[-1])
-    # a node where one worker fits at 1024 positions, not at 2048
-    monkeypatch.setattr(fold_plan, "node_now", lambda reserve=0: (sizers[-1].worker_bytes(1, 1024), 8 * GIB, 5 * GIB))
+    # a node where one worker fits just short of 2048 positions
+    monkeypatch.setattr(fold_plan, "node_now", lambda reserve=0: (sizers[-1].worker_bytes(1, 2048) - 1, 8 * GIB, 5 * GIB))
     cfg = JobSettings.of(model="tiny:llama@4x2x64x8", corpus="pydoc", seq_len=2048, tokens=32 * 2048,
                          registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="x")
     with pytest.raises(ValueError, match=r"--seq-len 2048: one shard worker needs about") as err:
         run(cfg, in_process=True)
     fits = int(re.search(r"the longest --seq-len that fits one worker here is (\d+)", str(err.value)).group(1))
-    assert 1024 <= fits < 2048
+    assert 512 <= fits < 2048 and sizers[-1].worker_bytes(1, fits) < sizers[-1].worker_bytes(1, 2048)
     assert sizers[-1].shape.seq_len == 2048 and not (tmp_path / "store").exists()
 
 
 def test_the_plans_constants_are_the_workers():
     from kvtc.workers.attention_metric import QUERY_ROWS
-    from kvtc.workers.sensitivity import LOGIT_BLOCK_BYTES
+    from kvtc.workers.sensitivity import LOGIT_BLOCK_BYTES, SENSITIVITY_TOKENS
 
     assert fold_plan.LOGIT_BLOCK_BYTES == LOGIT_BLOCK_BYTES and fold_plan.METRIC_QUERY_ROWS == QUERY_ROWS
+    assert fold_plan.SENSITIVITY_TOKENS == SENSITIVITY_TOKENS
 
 
 def test_a_cluster_admits_workers_per_node_by_its_ray_memory_and_refuses_what_no_node_holds():
