@@ -83,7 +83,8 @@ class PlanSettings:
                                      parse=_none_word, show=lambda v: v or "none")
     tokens: int | None = option(None, "tokens to run through the model (default: sized for ~10 min on a 2-core CPU)",
                                 kind=int)
-    eval_tokens: int | None = option(None, "tokens of --eval-corpus to run (default: 4 sequences)", kind=int)
+    eval_tokens: int | None = option(None, "tokens of --eval-corpus to run (default: 4 sequences, at most 4,096 "
+                                           "tokens where one sequence holds them)", kind=int)
     seq_len: int = option(1024, "sequence length", kind=int)
     seqs_per_shard: int = option(8, "sequences per shard", kind=int)
     holdout_fraction: float = option(0.2, "share of shards held out for measurement", kind=float)

@@ -37,6 +37,7 @@ from kvtc.workers import models
 # the check's cost is coding each prefix (2 paths x every ratio), its statistic the tokens scored after it: one
 # sequence scoring 128 tokens costs half of two scoring 64 each, for as many scored tokens
 SERVED_CONTINUATION = 128
+SERVED_TOKENS = 1024  # the scored sequences' tokens (prefix, continuation, one): a longer calibration's first ones
 NEEDLES = 8  # needles planted in the long window, each asked through the raw cache and the chunk path at every ratio
 MAX_DRIVER_PARAMETERS = 2_000_000_000  # the check loads the model in the driver only below this, or with a GPU
 
@@ -123,7 +124,8 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
             lm = loading.result()
             seconds["model"] = time.perf_counter() - t0 - seconds["stage"]
             t1 = time.perf_counter()
-            seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions)
+            seq_len = int(art.manifest.get("calibration", {}).get("seq_len") or SERVED_TOKENS)
+            seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions, min(seq_len, SERVED_TOKENS))
             settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count,
                                     baselines=(), attention_errors=False)  # the manifest keeps ppl, KL, CR
             rows = evaluate_sequences(lm, art, seqs, settings)

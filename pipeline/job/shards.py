@@ -236,13 +236,15 @@ def _counted(shard: Shard, counts: PackCounts) -> Shard:
     return shard
 
 
-DEFAULT_EVAL_SEQS = 4  # sequences of the second domain when no eval token count is given
+DEFAULT_EVAL_SEQS = 4  # sequences of the second domain when no eval token count is given,
+DEFAULT_EVAL_MOST = 4096  # and no more tokens than this unless one sequence is longer
 
 
 @dataclass(frozen=True)
 class ShardPlan:
     """What a calibration cuts into shards: `tokens` of `corpus` (train and held-out shards) and
-    `eval_tokens` (default DEFAULT_EVAL_SEQS sequences) of `eval_corpus` (eval shards)."""
+    `eval_tokens` (default DEFAULT_EVAL_SEQS sequences, DEFAULT_EVAL_MOST tokens at most unless one sequence is
+    longer) of `eval_corpus` (eval shards)."""
 
     corpus: str
     tokens: int
@@ -263,7 +265,7 @@ class ShardPlan:
 
     @property
     def eval_budget(self) -> int:
-        return self.eval_tokens or DEFAULT_EVAL_SEQS * self.seq_len
+        return self.eval_tokens or max(self.seq_len, min(DEFAULT_EVAL_SEQS * self.seq_len, DEFAULT_EVAL_MOST))
 
     @property
     def most_shards(self) -> int:
