@@ -11,7 +11,7 @@ import torch
 from kvtc.pipeline.fit import ecsq as ecsq_fit
 from kvtc.pipeline.fit.allocator import Allocation, AllocatorSettings, allocate
 from kvtc.pipeline.fit.heldout_rows import GroupRows
-from kvtc.pipeline.fit.pca import Basis
+from kvtc.pipeline.fit.pca import Basis, cpu_threads
 
 
 @dataclass
@@ -50,7 +50,8 @@ def fit_group(stream: str, group: int, basis: Basis, ratios, alloc: AllocatorSet
     # blobs store an fp8 block's side information in 32 bits where the DP counts 16, so a larger share in fp8
     # blocks would outgrow the ratio's bound
     allocs = allocate(ratios, basis, settings=alloc, projections=z_mid)
-    fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
-                               ecsq_fit.EcsqSettings(max_components=alloc.max_components), budgets)
+    with cpu_threads(1):  # the step search's many small tensor ops: a second thread only waits (the same tables)
+        fits = ecsq_fit.fit_ratios(ratios, z_mid, basis.dim,  # ECSQ mode, within the basis budget
+                                   ecsq_fit.EcsqSettings(max_components=alloc.max_components), budgets)
     return GroupFit(stream, group, basis, rows, x_mid, z_mid, allocs, fits, time.perf_counter() - t0,
                     alloc.max_components, z_all)
