@@ -24,19 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def full_decode(sketch, feat, mean, coefficients, blocks, factor):  # noqa: ANN001, ANN201 - vector_errors' signature
-    """Every (token, layer) vector's exact error from the whole reconstruction of each block (the stage before)."""
-    from kvtc.kernels.codec import outliers
-
-    out = []
-    for a, b in blocks:
-        rec = torch.zeros(b - a, feat.shape[1], dtype=torch.float32, device=feat.device)
-        for cols, d, z in zip(sketch.cols, sketch.decoders, coefficients(a, b)):
-            rec[:, cols] = z @ d[:, : z.shape[1]].float().T
-        out.append(outliers.errors(feat[a:b], rec, mean, sketch.layers))
-    return out
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--registry", default="registry")
@@ -53,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvtc.artifacts import pull
     from kvtc.kernels.codec import kvtc_codec, outliers
+    from kvtc.kernels.codec.error_sketch import reference_errors
     from kvtc.kernels.codec.kvtc_codec import KVTCCodec
     from kvtc.pipeline.evaluation.model_quality import continuation_logprobs
     from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
@@ -87,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             keys, values = raw_cache(lm, prefix)
             keys, values = keys.to(torch.bfloat16).float(), values.to(torch.bfloat16).float()
             ref = continuation_logprobs(lm.model, keys, values, feed)
-            for name, stage in (("full decode", full_decode), ("sketch", sketched)):
+            for name, stage in (("full decode", reference_errors), ("sketch", sketched)):
                 kvtc_codec.vector_errors, chosen[:] = stage, []
                 t0 = time.perf_counter()
                 rec = chunk_path(art, ratio, keys, values, transform=transform)

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from kvtc.kernels.codec import outliers
 from kvtc.kernels.codec.basis_product import project
 
 SKETCH_ROWS = 32  # r: the estimate's relative spread is sqrt(2 / r)
@@ -40,6 +41,8 @@ BLOCK_BYTES = 1 << 25  # the float32 coefficients of one block of tokens: the st
 def block_tokens(kept: int) -> int:
     """Tokens of one block whose coefficients (`kept` per token, every group) fit BLOCK_BYTES."""
     return max(1, BLOCK_BYTES // (4 * max(1, kept)))
+
+
 _SKETCHES: dict[tuple, torch.Tensor] = {}
 
 
@@ -65,8 +68,8 @@ class ErrorSketch:
         self.s = layer_sketch(layers, width, device, rows)
         self.cols = [_rows(c, device) for c in cols]
         self.decoders = list(decoders)
-        self.sketched = [_sketched(d, c, self.s) for d, c in zip(self.decoders, self.cols)]
         self.rows_of = [_layer_rows(c, width) for c in self.cols]  # per group {layer: (its rows, their places)}
+        self.sketched = [_sketched(d, c, rows_of, self.s) for d, c, rows_of in zip(self.decoders, self.cols, self.rows_of)]
 
     def estimate(self, feat: torch.Tensor, coefficients: Sequence[torch.Tensor]) -> torch.Tensor:
         """feat (n, L w), z_hat per group -> estimated squared error of each (token, layer) vector (n, L) float32."""
@@ -105,9 +108,10 @@ def _layer_rows(cols: torch.Tensor, width: int) -> dict[int, tuple[slice | torch
     return out
 
 
-def _sketched(decoder: torch.Tensor, cols: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """G (k_full, L r) = the sketch's rows for `cols` (p_g, L r, block-diagonal by layer) transposed times the
-    decoder, for every column of the matrix `decoder` leads (cached on that matrix, in its dtype)."""
+def _sketched(decoder: torch.Tensor, cols: torch.Tensor, rows_of: dict, s: torch.Tensor) -> torch.Tensor:
+    """G (k_full, L r) = the sketch's rows for `cols` (p_g, L r, block-diagonal by layer; `rows_of` their layers,
+    `_layer_rows`) transposed times the decoder, for every column of the matrix `decoder` leads (cached on that
+    matrix, in its dtype)."""
     root = decoder if decoder._base is None else decoder._base
     if not (root.dim() == 2 and root.shape[0] == decoder.shape[0] and root.stride() == decoder.stride()
             and root.storage_offset() == decoder.storage_offset()):
@@ -115,12 +119,10 @@ def _sketched(decoder: torch.Tensor, cols: torch.Tensor, s: torch.Tensor) -> tor
     cache = root.__dict__.setdefault("_kvtc_error_sketch", {})
     key = (tuple(s.shape), str(s.device), tuple(cols.tolist()))
     if key not in cache:
-        layers, width, r = s.shape
+        layers, _, r = s.shape
         g = torch.zeros(root.shape[1], layers * r, dtype=torch.float32, device=root.device)
-        owner = torch.div(cols, width, rounding_mode="floor")
-        for layer in torch.unique(owner).tolist():
-            inside = owner == layer
-            g[:, layer * r:(layer + 1) * r] = root[inside].float().T @ s[layer][cols[inside] - layer * width]
+        for layer, (rows, places) in rows_of.items():
+            g[:, layer * r:(layer + 1) * r] = root[rows].float().T @ s[layer][places]
         cache[key] = g.to(root.dtype)
     return cache[key]
 
@@ -135,7 +137,7 @@ def vector_errors(sketch: ErrorSketch, feat: torch.Tensor, mean: torch.Tensor, c
         z = coefficients(a, b)
         kept = z if len(blocks) == 1 else None  # one block: its coefficients read once
         est.append(sketch.estimate(feat[a:b], z))
-        norms.append((feat[a:b].float() + mean.float()).reshape(b - a, sketch.layers, -1).pow(2).sum(-1))
+        norms.append(outliers.norms(feat[a:b], mean, sketch.layers))
     tiny = torch.finfo(torch.float32).tiny
     typical = float(sum(e.sum() for e in est) / max(float(sum(n.sum() for n in norms)), tiny))
     bar = CANDIDATE_SHARE * factor * factor * typical
@@ -148,3 +150,16 @@ def vector_errors(sketch: ErrorSketch, feat: torch.Tensor, mean: torch.Tensor, c
             tokens = torch.nonzero(candidates[:, layer]).flatten()
             e[tokens, layer] = sketch.exact(feat[a:b], z, tokens, layer)
     return list(zip(est, norms))
+
+
+def reference_errors(sketch: ErrorSketch, feat: torch.Tensor, mean: torch.Tensor, coefficients, blocks, factor: float
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`vector_errors` in plain torch, every vector exact from each block's whole reconstruction (the stage before
+    the sketch): the reference the tests and bench/outlier_sketch.py compare against. `factor` is unused."""
+    out = []
+    for a, b in blocks:
+        rec = torch.zeros(b - a, feat.shape[1], dtype=torch.float32, device=feat.device)
+        for cols, d, z in zip(sketch.cols, sketch.decoders, coefficients(a, b)):
+            rec[:, cols] = z @ d[:, : z.shape[1]].float().T
+        out.append(outliers.errors(feat[a:b], rec, mean, sketch.layers))
+    return out

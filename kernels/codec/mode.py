@@ -29,9 +29,8 @@ from typing import Any, Callable, ClassVar, Iterator, Protocol
 
 import torch
 
-from kvtc.kernels.codec.basis_product import reconstruct
-
 from kvtc.kernels.codec.backend import Ops
+from kvtc.kernels.codec.basis_product import reconstruct
 from kvtc.kernels.codec.blob import BlobHeader, Section, SectionBound, SectionKey
 from kvtc.kernels.codec.entropy import encode_section
 from kvtc.kernels.codec.spec import CodecSpec

@@ -32,10 +32,14 @@ def errors(feat: torch.Tensor, feat_hat: torch.Tensor, mean: torch.Tensor, layer
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """feat, feat_hat (n, L * H * W) centred features of n tokens and their reconstruction, mean (L * H * W,) ->
     (squared error, squared norm) of each (token, layer) vector, both (n, L) float32."""
-    n = feat.shape[0]
-    err = (feat_hat.float() - feat.float()).reshape(n, layers, -1).pow(2).sum(-1)
-    norm = (feat.float() + mean.float()).reshape(n, layers, -1).pow(2).sum(-1)
-    return err, norm
+    err = (feat_hat.float() - feat.float()).reshape(feat.shape[0], layers, -1).pow(2).sum(-1)
+    return err, norms(feat, mean, layers)
+
+
+def norms(feat: torch.Tensor, mean: torch.Tensor, layers: int) -> torch.Tensor:
+    """feat (n, L * H * W) centred features, mean (L * H * W,) -> the squared norm of each (token, layer) vector
+    (n, L) float32."""
+    return (feat.float() + mean.float()).reshape(feat.shape[0], layers, -1).pow(2).sum(-1)
 
 
 def select(blocks: list[tuple[torch.Tensor, torch.Tensor]], factor: float, budget: int, per_vector: int
