@@ -44,6 +44,10 @@ DEFAULT_EVAL_CORPUS = "stdlib"
 # 347 s wall (2.3 min of model work at 338 tok/s, the rest start-up and reduce), so 80K take ~8 min.
 DEFAULT_CPU_TOKENS = 80 * 1024
 DEFAULT_GPU_TOKENS = 2_000_000
+# Calibrating at 4,096-token sequences keeps far-back needles at CR 32 that 1,024 loses (bench/README.md, long
+# context); a model whose limit is shorter calibrates at its limit. Shards hold SHARD_TOKENS either way.
+DEFAULT_SEQ_LEN = 4096
+SHARD_TOKENS = 8192
 
 
 def _none_word(word: Any) -> str | None:
@@ -85,8 +89,10 @@ class PlanSettings:
                                 kind=int)
     eval_tokens: int | None = option(None, "tokens of --eval-corpus to run (default: 4 sequences, at most 4,096 "
                                            "tokens where one sequence holds them)", kind=int)
-    seq_len: int = option(1024, "sequence length", kind=int)
-    seqs_per_shard: int = option(8, "sequences per shard", kind=int)
+    seq_len: int | None = option(None, f"sequence length (default: {DEFAULT_SEQ_LEN:,}, or the model's limit or a "
+                                       "quarter of --tokens where shorter)", kind=int)
+    seqs_per_shard: int | None = option(None, f"sequences per shard (default: {SHARD_TOKENS:,} tokens' worth, at most a "
+                                              "quarter of the sequences)", kind=int)
     holdout_fraction: float = option(0.2, "share of shards held out for measurement", kind=float)
     text_column: str | None = option(None, "text column of .jsonl/.parquet/hf corpora")
 
@@ -94,12 +100,22 @@ class PlanSettings:
         for flag, value in (("--tokens", self.tokens), ("--eval-tokens", self.eval_tokens), ("--seq-len", self.seq_len),
                             ("--seqs-per-shard", self.seqs_per_shard)):
             _count(value, flag)
-        if self.tokens is not None and self.tokens < self.seq_len:
+        if self.tokens is not None and self.seq_len is not None and self.tokens < self.seq_len:
             raise ValueError(f"--tokens {self.tokens} is below one sequence of --seq-len {self.seq_len}")
         if not 0 < self.holdout_fraction < 1:
             raise ValueError(f"--holdout-fraction must be in (0, 1), got {self.holdout_fraction}")
         if not str(self.corpus).strip():
             raise ValueError("--corpus is empty; pass a corpus spec, e.g. pydoc")
+
+    def resolved(self, context: int | None) -> PlanSettings:
+        """The plan with its sequence defaults taken for a model whose longest sequence is `context` (None: not
+        known yet); given values are kept. seq_len: DEFAULT_SEQ_LEN, or the model's limit, or a quarter of the
+        given --tokens, whichever is least; seqs_per_shard: SHARD_TOKENS of them, or a quarter of the sequences
+        where that is fewer (a run needs shards to train on and to hold out)."""
+        seq_len = self.seq_len or min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN, (self.tokens or math.inf) // 4)
+        sequences = (self.tokens or math.inf) // seq_len
+        per_shard = self.seqs_per_shard or int(max(1, min(SHARD_TOKENS // seq_len, sequences // 4)))
+        return replace(self, seq_len=int(seq_len), seqs_per_shard=per_shard)
 
 
 def _ratios(word: Any) -> tuple[float, ...]:

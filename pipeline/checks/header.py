@@ -22,6 +22,7 @@ from kvtc.artifacts.names import split_ref
 from kvtc.artifacts.tensor_parallel import TensorParallelLayout
 from kvtc.pipeline.fit.basis_budget import BasisBudget
 from kvtc.pipeline.settings import JobSettings, settings_from_manifest
+from kvtc.workers.capture_settings import CaptureSettings
 from kvtc.workers.model_limits import ModelFacts, model_facts
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")  # kvtc.pipeline.job.corpus.FILE_SUFFIXES
@@ -36,14 +37,13 @@ def check_calibration(cfg: JobSettings) -> ModelFacts:
     """ValueError (or FileNotFoundError) naming the first input the plan stage would refuse, where it can be told
     without loading anything (module docstring); -> what was told of the model."""
     capture, plan, alloc = cfg.capture, cfg.plan, cfg.allocator
-    if plan.seq_len <= capture.sinks + capture.window:
-        raise ValueError(f"seq_len {plan.seq_len} leaves no position after excluding sinks={capture.sinks} and "
-                         f"window={capture.window}; use seq_len > {capture.sinks + capture.window}")
+    _check_positions(plan.seq_len, capture)
     capture.objective.check_options(cfg.reduce.attention_balance, capture.sensitivity)  # before its resolution
     for spec in filter(None, (plan.corpus, plan.eval_corpus)):
         check_corpus_files(spec)
     facts = check_model_spec(cfg.model.model)
-    if facts.context is not None and plan.seq_len > facts.context:
+    _check_positions(plan.resolved(facts.context).seq_len, capture)  # the default, now the model's limit is told
+    if facts.context is not None and plan.seq_len is not None and plan.seq_len > facts.context:
         raise ValueError(f"seq_len {plan.seq_len} exceeds the model's limit of {facts.context} positions; use a "
                          "shorter seq_len")
     if facts.kv_heads:
@@ -123,3 +123,9 @@ def check_recalibration(target: str, given: dict) -> None:
     manifest = reg.read_manifest(name, *reg.resolve_pinned(name, version))
     cfg = settings_from_manifest(manifest)
     check_calibration(cfg.replace(**{k: v for k, v in given.items() if k != "name"}))
+
+
+def _check_positions(seq_len: int | None, capture: CaptureSettings) -> None:
+    if seq_len is not None and seq_len <= capture.sinks + capture.window:
+        raise ValueError(f"seq_len {seq_len} leaves no position after excluding sinks={capture.sinks} and "
+                         f"window={capture.window}; use seq_len > {capture.sinks + capture.window}")

@@ -3,7 +3,8 @@
 `check_job(settings, machine, context_limit)` runs in the command line before torch, Ray or a model is
 loaded (well under a second): worker actors and their threads against this machine's CPUs and GPUs (a
 local run) or against hard caps (a cluster, whose resources are only known once joined), accumulators
-against the shards the run plans, shards against the tokens, `--seq-len` against the model's context.
+against the shards the run plans, shards against the tokens, `--seq-len` against the model's context
+(those three once the sequence defaults are known: `PlanSettings.resolved`).
 `check_cluster(runtime, nodes)` runs once a job has joined a cluster and before any actor is created:
 the same arguments against the alive nodes Ray reports. An actor no node can place would otherwise wait
 forever, and a million of them exhaust the head node (the driver and Ray's GCS grew by gigabytes within a
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtc.pipeline.settings import DEFAULT_CPU_TOKENS, DEFAULT_GPU_TOKENS, JobSettings, ReduceSettings, RuntimeSettings
@@ -94,10 +95,13 @@ def check_job(settings: JobSettings, machine: Machine, context_limit: int | None
                                  f"{threads} thread(s){f' and {gpw or 1} GPU(s)' if machine.gpus else ''} each; the rest "
                                  f"could never start. Use --workers {most} or fewer (or omit it), or join a cluster "
                                  "(--address)")
+    if plan.seq_len is None and context_limit is None:
+        return  # the sequence defaults follow the model's limit: the plan stage checks the rest once it has read it
+    plan = plan.resolved(context_limit)
     if context_limit is not None and plan.seq_len > context_limit:
         raise ValueError(f"--seq-len {plan.seq_len} exceeds the model's limit of {context_limit} positions; use "
                          f"--seq-len {context_limit} or less")
-    tokens, sequences = planned_sequences(settings, machine.gpus)
+    tokens, sequences = planned_sequences(replace(settings, plan=plan), machine.gpus)
     if sequences <= plan.seqs_per_shard:
         raise ValueError(f"--seqs-per-shard {plan.seqs_per_shard}: {tokens} tokens make {sequences} sequence(s) of "
                          f"{plan.seq_len}, one shard at most, and a run needs a shard to train on and one to hold out; "

@@ -121,14 +121,18 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
     for spec in filter(None, (cfg.plan.corpus, cfg.plan.eval_corpus)):
         iter_documents(spec, cfg.plan.text_column)  # a bad spec fails here, before any model work
     info = load_spec(cfg.model.model, cache_dir=rt.cache_dir)  # config and tokenizer only: the driver never loads weights
+    given = cfg.plan
+    cfg = replace(cfg, plan=given.resolved(info.max_positions))  # recorded as run, so a recalibration repeats it
+    check_job(cfg, machine if not in_process else replace(machine, cluster=False), info.max_positions)
     cfg, objective_reason = resolve_settings(cfg, info)
     fold = check_settings(cfg, info, in_process)
     if cfg.plan.tokens is None:
         on_gpu = torch.cuda.is_available()
-        tokens = DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS
-        print(f"kvtc calibrate: --tokens not given; running {tokens} tokens ({'GPU' if on_gpu else 'CPU'} default)",
-              file=sys.stderr)
-        cfg = replace(cfg, plan=replace(cfg.plan, tokens=tokens))  # recorded as run, so a recalibration repeats it
+        cfg = replace(cfg, plan=replace(cfg.plan, tokens=DEFAULT_GPU_TOKENS if on_gpu else DEFAULT_CPU_TOKENS))
+    if None in (given.tokens, given.seq_len, given.seqs_per_shard):
+        plan = cfg.plan
+        print(f"kvtc calibrate: running {plan.tokens} tokens in sequences of {plan.seq_len}, {plan.seqs_per_shard} "
+              f"per shard ({'GPU' if torch.cuda.is_available() else 'CPU'} defaults where not given)", file=sys.stderr)
     return Planned(cfg, registry, rt.store or default_store_uri(), info.tokenizer, info.fingerprint,
                    time.perf_counter() - t0, info.config, objective_reason, fold)
 

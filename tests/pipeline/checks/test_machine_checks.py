@@ -52,10 +52,13 @@ def test_hostile_values_hit_hard_caps_even_on_a_cluster():
 
 
 def test_shards_accumulators_and_seq_len_against_the_plan_and_model():
-    text = _refused(TWO_CPUS, "--seqs-per-shard 100000000", seqs_per_shard=100_000_000)
+    text = _refused(TWO_CPUS, "--seqs-per-shard 100000000", seqs_per_shard=100_000_000, seq_len=1024)
     assert "use --seqs-per-shard 79 or less" in text  # 80 sequences of the default 81,920 tokens
-    text = _refused(TWO_CPUS, "--accumulators 50", accumulators=50)
-    assert "plans 10 shards" in text and "--accumulators 10 or less" in text
+    text = _refused(TWO_CPUS, "--accumulators 50", 8192, accumulators=50)
+    assert "plans 10 shards" in text and "--accumulators 10 or less" in text  # 20 default sequences of 4,096, 2 each
+    text = _refused(TWO_CPUS, "--seqs-per-shard 1000", 2048, seqs_per_shard=1000)
+    assert "40 sequence(s) of 2048" in text  # a shorter limit: the default sequence is the model's limit
+    check_job(JobSettings.of(seqs_per_shard=1000), TWO_CPUS)  # the limit not told yet: the plan stage checks it
     assert "--seq-len 8192 or less" in _refused(TWO_CPUS, "--seq-len 100000", 8192, seq_len=100_000)
 
 
