@@ -17,11 +17,13 @@ import json
 import time
 
 import torch
+from transformers import DynamicCache
 
 from kvtc import artifacts
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.pipeline.evaluation.metrics import mean_interval
-from kvtc.pipeline.evaluation.model_quality import build_cache
+from kvtc.kernels.codec.layers import cached_layers, is_uniform
+from kvtc.pipeline.evaluation.model_quality import _forward, build_cache
 from kvtc.pipeline.evaluation.needle_window import answers, plant
 from kvtc.pipeline.evaluation.served import chunk_transform, restore_through
 from kvtc.pipeline.job.heldout_text import heldout_tokens
@@ -67,7 +69,13 @@ def main() -> None:
     for w in range(min(args.windows, len(held) // args.length)):
         window = held[w * args.length:(w + 1) * args.length]
         planted = plant(lm.tokenizer, window, len(window), args.needles, seed=w)
-        keys, values = (x.float() for x in raw_cache(lm, torch.tensor([planted.ids], device=lm.device)))
+        ids = torch.tensor([planted.ids], device=lm.device)
+        keys, values = (x.float() for x in raw_cache(lm, ids))
+        state = {}  # models whose layers differ (Gemma 3's sliding ones) continue from the model's own cache
+        if lm.layers and not is_uniform(lm.layers):
+            with torch.no_grad():
+                state = {"prefix_cache": _forward(lm.model, ids, DynamicCache(config=lm.model.config))[1],
+                         "coded": cached_layers(lm.layers)}
         paths = {"raw": (keys, values)}
         for r, transform in transforms.items():
             k, v, _ = restore_through(transform, keys, values)
@@ -80,7 +88,7 @@ def main() -> None:
             paths[name] = restore_through(transform, keys, values)[:2]
         for name, (k, v) in paths.items():
             with torch.no_grad():
-                got = answers(lm, lambda k=k, v=v: build_cache(lm.model, k, v), planted)
+                got = answers(lm, lambda k=k, v=v: build_cache(lm.model, k, v, **state), planted, packed=not state)
             for i, (found, nll) in enumerate(got):
                 records.append({"window": w, "needle": i, "depth": planted.depths[i], "path": name,
                                 "found": found, "nll": nll})

@@ -9,7 +9,7 @@ A domain's corpus may be `repeat:CORPUS`: each sequence a passage of CORPUS foll
 tokens repeat what the prefix holds (a model copying from its context: duplicated documents, retrieved passages).
 
 For each domain (text the calibration did not see) and each of --prefixes, --sequences sequences of that many
-prefix tokens (256-token chunks) and --continuation scored tokens: the embedded model's bf16 prefix cache goes
+prefix tokens (256-token chunks) and --continuation scored tokens: the artifacts' model's bf16 prefix cache goes
 through each path, then the continuation is scored against the uncompressed cache (perplexity ratio, KL per
 token). Paths:
 
@@ -233,7 +233,8 @@ def main() -> None:
     counts = counts * len(prefixes) if len(counts) == 1 else counts
     if any(p % CHUNK for p in prefixes) or len(counts) != len(prefixes):
         raise SystemExit(f"--prefixes must be multiples of {CHUNK}, --sequences one count or one per prefix")
-    lm = load_model(device="cpu")
+    from kvtc.artifacts import pull
+    lm = load_model(pull(a.artifacts[0], registry=a.registry).manifest["model"]["spec"], device="cpu")  # the model
     n = a.continuation
     t0, rows = time.perf_counter(), []
     for P, count in zip(prefixes, counts):

@@ -1,0 +1,45 @@
+"""The sequence defaults follow the model: 4,096-token sequences (far-back needles survive CR 32 better than at
+1,024), the model's limit where that is shorter, a quarter of --tokens where fewer were asked; shards of 8,192
+tokens. The plan stage records what it resolved, so a recalibration repeats it; given values are kept or refused."""
+from __future__ import annotations
+
+import pytest
+
+from kvtc.pipeline.settings import DEFAULT_SEQ_LEN, SHARD_TOKENS, JobSettings, PlanSettings
+
+
+@pytest.mark.parametrize("tokens, limit, seq_len, per_shard", [
+    (None, 8192, 4096, 2),     # the embedded model: 20 sequences of the CPU default, 10 shards
+    (None, 32768, 4096, 2),    # Gemma 3 270M
+    (None, 2048, 2048, 4),     # the tiny test models stop at 2,048
+    (None, None, 4096, 2),     # the limit not told yet (the command line on a tiny model)
+    (20000, 8192, 4096, 1),    # 4 sequences: a shard each, so some train and some are held out
+    (2048, 2048, 512, 1),
+])
+def test_defaults_resolve_against_the_model_and_the_tokens(tokens, limit, seq_len, per_shard):
+    got = PlanSettings(tokens=tokens).resolved(limit)
+    assert (got.seq_len, got.seqs_per_shard) == (seq_len, per_shard)
+    assert DEFAULT_SEQ_LEN == 4096 and SHARD_TOKENS == 8192
+
+
+def test_given_values_are_kept():
+    got = PlanSettings(seq_len=1024, seqs_per_shard=3).resolved(2048)
+    assert (got.seq_len, got.seqs_per_shard) == (1024, 3)
+    assert PlanSettings(seq_len=1024).resolved(8192).seqs_per_shard == 8  # the shard's 8,192 tokens
+
+
+def test_the_plan_stage_records_what_it_resolved(tmp_path, capsys):
+    from kvtc.pipeline.job import calibrate
+
+    cfg = JobSettings.of(model="tiny:llama", corpus="pydoc", eval_corpus=None, ratios=(8.0,), served_sequences=0,
+                         registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="defaults")
+    planned = calibrate.plan_job(cfg, in_process=True)
+    plan = planned.settings.plan
+    assert (plan.tokens, plan.seq_len, plan.seqs_per_shard) == (80 * 1024, 2048, 4)  # the tiny model's limit
+    assert planned.settings.computational()["plan"]["seq_len"] == 2048  # recorded as run
+    assert "running 81920 tokens in sequences of 2048, 4 per shard" in capsys.readouterr().err
+
+    explicit = JobSettings.of(model="tiny:llama", corpus="pydoc", eval_corpus=None, seq_len=4096, ratios=(8.0,),
+                              registry=str(tmp_path / "reg"), name="defaults")
+    with pytest.raises(ValueError, match="--seq-len 4096 exceeds the model's limit of 2048"):
+        calibrate.plan_job(explicit, in_process=True)
