@@ -1,6 +1,7 @@
 """Which stream loses far-back needles: needles in held-out windows asked through the raw cache, the chunk path at
 each ratio, and the chunk path with only the keys or only the values coded, scored by exact match and by the
 answer's negative log-likelihood (nats, summed over its tokens), paired with the raw cache's on the same needle.
+`--layer-split R`: at ratio R, only one layer kind coded (full attention, sliding), the other raw.
 
     .venv/bin/python -P bench/needle_attribution.py --registry ./registry --artifact smollm2-135m@latest \
         --length 4096 --windows 6 --needles 8 --ratios 16,32 --split 32
@@ -42,6 +43,8 @@ def main() -> None:
     ap.add_argument("--ratios", default="16,32")
     ap.add_argument("--split", type=float, default=32.0, help="the ratio whose keys-only / values-only paths run "
                     "(0: none)")
+    ap.add_argument("--layer-split", type=float, default=0.0, help="the ratio whose full-attention-only and "
+                    "sliding-only paths run (models whose layers differ; 0: none): the other kind's layers stay raw")
     ap.add_argument("--also", default=None, help="other artifacts of the same model (comma-separated refs) whose chunk "
                     "paths at --ratios run on the same needles, to compare calibrations at equal stored bytes")
     ap.add_argument("--haystack", default=None, help="where the windows are cut from: another artifact's held-out text "
@@ -61,7 +64,9 @@ def main() -> None:
             if len(held) >= need:
                 break
     ratios = [float(r) for r in args.ratios.split(",")]
-    transforms = {r: chunk_transform(KVTCCodec(art, r)) for r in sorted(set(ratios) | ({args.split} - {0.0}))}
+    transforms = {r: chunk_transform(KVTCCodec(art, r))
+                  for r in sorted(set(ratios) | ({args.split, args.layer_split} - {0.0}))}
+    coded = [lm.layers[i].kind for i in cached_layers(lm.layers)] if lm.layers else []  # each coded row's kind
     others = {f"{ref} CR {r:g}": chunk_transform(KVTCCodec(artifacts.pull(ref, registry=args.registry), r))
               for ref in (args.also.split(",") if args.also else ()) for r in ratios}
     records: list[dict] = []
@@ -84,6 +89,9 @@ def main() -> None:
             if r == args.split:
                 paths[f"CR {r:g} keys coded"] = (k, values)
                 paths[f"CR {r:g} values coded"] = (keys, v)
+            for kind in sorted(set(coded)) if r == args.layer_split else ():
+                rows = torch.tensor([c == kind for c in coded])[:, None, None, None]
+                paths[f"CR {r:g} {kind} coded"] = (torch.where(rows, k, keys), torch.where(rows, v, values))
         for name, transform in others.items():
             paths[name] = restore_through(transform, keys, values)[:2]
         for name, (k, v) in paths.items():

@@ -43,16 +43,23 @@ class AttentionMetric:
     balance: Balance = Balance.SENSITIVITY
     floor: float = 0.05
     weighting: Weighting = Weighting.CONCENTRATION
+    reach: tuple[float, ...] | None = None  # per model layer, the sensitivity's factor (sensitivity_reach.py); None: 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weighting", Weighting.of(self.weighting, "attention metric weighting"))
         object.__setattr__(self, "balance", Balance.of(self.balance, "attention metric balance"))
         if not 0.0 < self.floor < 1e3:
             raise ValueError(f"attention metric floor must be in (0, 1000), got {self.floor}")
+        if self.reach is not None:
+            object.__setattr__(self, "reach", tuple(float(r) for r in self.reach))
+            if not all(0.0 < r < 1e6 for r in self.reach):
+                raise ValueError(f"attention metric reach factors must be in (0, 1e6), got {list(self.reach)}")
 
     def to_json(self) -> dict:
-        """{"balance": word, "floor": float, "weighting": word}: what tasks and manifests carry."""
-        return {"balance": self.balance.value, "floor": self.floor, "weighting": self.weighting.value}
+        """{"balance": word, "floor": float, "weighting": word[, "reach": [float per layer]]}: what tasks and
+        manifests carry."""
+        out = {"balance": self.balance.value, "floor": self.floor, "weighting": self.weighting.value}
+        return out if self.reach is None else {**out, "reach": list(self.reach)}
 
     def blocks(self, metric: dict[str, np.ndarray], tokens: int, stream: str, group: FeatureGroup,
                groups: list[FeatureGroup], kv_heads: int) -> np.ndarray:
@@ -69,8 +76,8 @@ class AttentionMetric:
     def sensitivity(self, metric: dict[str, np.ndarray], m: np.ndarray, stream: str, group: FeatureGroup,
                     groups: list[FeatureGroup]) -> np.ndarray:
         """(layers, heads, d, d) balanced, floored blocks -> (layers, heads): each block's scale in the model's KL,
-        tr(M^-1 F) / d over the model's mean value Fisher diagonal (one unit for every stream and group), at least
-        SENSITIVITY_FLOOR of the group's largest."""
+        tr(M^-1 F) / d over the model's mean value Fisher diagonal (one unit for every stream and group), times its
+        layer's `reach` factor where one is set, at least SENSITIVITY_FLOOR of the group's largest."""
         if "sensitivity_values" not in metric or "sensitivity_keys" not in metric:
             raise ValueError("the statistics hold no KL sensitivity (captured with --sensitivity 0 or by an earlier "
                              "release); recalibrate with a fresh --store and --sensitivity 1, or pass "
@@ -85,6 +92,8 @@ class AttentionMetric:
         h0, h1 = group.head_range(fisher.shape[1])
         f = np.stack([fisher[slots[layer], h0:h1] for layer in group.layers])  # (layers, heads, d, d)
         w = np.einsum("lhij,lhji->lh", np.linalg.inv(m), f) / d / max(ref, 1e-300)
+        if self.reach is not None:  # measured on a sequence's first tokens: what each layer's errors reach over all
+            w = w * np.array([self.reach[layer] for layer in group.layers])[:, None]
         top = float(w.max(initial=0.0))
         if not ref > 0 or not top > 0 or not np.isfinite(w).all():
             raise ValueError(f"the measured KL sensitivity of the {stream} of layers {list(group.layers)} is zero or "

@@ -37,8 +37,10 @@ from kvtc.pipeline.fit.allocator_settings import BitSplit
 from kvtc.pipeline.fit.heldout_rows import HeldOut
 from kvtc.pipeline.fit.metric import AttentionMetric, encode_root, metric_file
 from kvtc.pipeline.fit.pca import cores
+from kvtc.pipeline.fit.sensitivity_reach import reach_factors
 from kvtc.pipeline.job.basis_solver import max_components, metric_sums
 from kvtc.pipeline.job.corpus import describe
+from kvtc.pipeline.job.fold_plan import SENSITIVITY_TOKENS
 from kvtc.pipeline.job.group_task import GroupResult, GroupTask, TokensCurve
 from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, choose, node_budget, refuse_unless_fits, task_bytes
@@ -183,7 +185,7 @@ def plan_tasks(inp: ReduceInput, placement: Placement, groups: list[FeatureGroup
     if red.tokens_curve_points > 0:  # error against calibration tokens (chart 1): prefixes of the accumulators
         curve = TokensCurve(tuple(prefix_points(len(names), red.tokens_curve_points)), red.curve_ratio,
                             curve_components(p_total, red.curve_ratio))
-    metric = cap.objective.task_metric(red.attention_metric)  # JSON, as the manifest records it
+    metric = metric_json(cfg, inp.fingerprint)  # as the manifest records it
     task_metric = None if metric is None else AttentionMetric(**metric)
     threads = placement.threads if placement.workers else cores()
     tasks, peaks = [], []
@@ -323,7 +325,7 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
         {"ratio": cfg.reduce.curve_ratio, "components": curve_components(p_total, cfg.reduce.curve_ratio),
          "method": "top-k randomized PCA, analytic DP, in the objective's space",
          "prefixes": "whole accumulators, in order"},
-        kv_heads, inp.objective_reason, reduced.split).to_manifest()
+        kv_heads, inp.objective_reason, reduced.split, fingerprint).to_manifest()
     # the per-layer attention schema, on every artifact (the fingerprint carries it only for mixed models,
     # so uniform models keep their model ids): kind, window/chunk, RoPE or none, KV heads, head dim
     calibration["layers"] = layers_to_json(layers_of(fingerprint))
@@ -379,9 +381,21 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     return Published(summary, time.perf_counter() - t0)
 
 
+def metric_json(cfg: JobSettings, fingerprint: dict) -> dict | None:
+    """The objective's metric as tasks and the manifest carry it (None: the cache's own squared error), with each
+    layer's reach factor where the sensitivity balance measured fewer tokens than the sequences hold and the
+    model's layers differ in reach (kvtc.pipeline.fit.sensitivity_reach)."""
+    metric = cfg.capture.objective.task_metric(cfg.reduce.attention_metric)
+    if metric is None or not cfg.reduce.attention_metric.balance.scaled_by_sensitivity:
+        return metric
+    reach = reach_factors(layers_of(fingerprint), cfg.plan.seq_len, SENSITIVITY_TOKENS)
+    return metric if reach is None else {**metric, "reach": list(reach)}
+
+
 def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype: str, tokens: int,
                        train_rows: int, heldout_rows: int, eval_rows: int, notes: list[str], tokens_curve: dict,
-                       kv_heads: int = 0, objective_reason: str = "", split: dict | None = None):
+                       kv_heads: int = 0, objective_reason: str = "", split: dict | None = None,
+                       fingerprint: dict | None = None):
     """The manifest's CalibrationRecord: the settings verbatim, their flat fields for readers, the results
     (and with --tp, the layout of the model's `kv_heads` over the ranks), and why the objective ran."""
     cap, plan = cfg.capture, cfg.plan
@@ -393,7 +407,8 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
         dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
         heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
         settings=cfg.computational(), objective=cap.objective.name, objective_reason=objective_reason or None, bit_split=split,
-        attention_metric=cap.objective.task_metric(cfg.reduce.attention_metric),
+        attention_metric=metric_json(cfg, fingerprint) if fingerprint else cap.objective.task_metric(
+            cfg.reduce.attention_metric),
         tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
     )
 
