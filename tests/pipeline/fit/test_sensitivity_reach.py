@@ -55,3 +55,21 @@ def test_the_metric_scales_each_layers_sensitivity_and_round_trips_through_json(
     assert "reach" not in AttentionMetric().to_json()  # artifacts without factors record what they always did
     with pytest.raises(ValueError, match="reach factors"):
         AttentionMetric(reach=(1.0, 0.0))
+
+
+def test_the_reduce_records_factors_only_where_the_sensitivity_balance_measured_fewer_tokens():
+    """tiny:gemma3 (sliding windows of 12, a full layer): factors at 2,048-token sequences, none at 1,024, none under
+    another balance or objective, none for a model whose layers are alike."""
+    from kvtc.pipeline.job.reduce import metric_json
+    from kvtc.pipeline.settings import JobSettings
+    from kvtc.workers.models import load_spec
+
+    gemma = load_spec("tiny:gemma3").fingerprint
+    of = lambda **kw: metric_json(JobSettings.of(model="tiny:gemma3", objective="attention", **kw), gemma)  # noqa: E731
+    reach = of(seq_len=2048)["reach"]
+    assert reach[2] == pytest.approx(2049 / 1025) and reach[0] == pytest.approx(reach[1]) and reach[2] > 1.9 * reach[0]
+    assert AttentionMetric(**of(seq_len=2048)).reach == tuple(reach)
+    assert "reach" not in of(seq_len=1024)
+    assert "reach" not in of(seq_len=2048, attention_balance="layer")
+    llama = load_spec("tiny:llama").fingerprint
+    assert "reach" not in metric_json(JobSettings.of(model="tiny:llama", objective="attention", seq_len=2048), llama)
