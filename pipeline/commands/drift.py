@@ -8,7 +8,7 @@ import json
 import sys
 
 from kvtc.pipeline.commands import module_doc
-from kvtc.pipeline.operations.drift_settings import (DEFAULT_SEQUENCES, DEFAULT_THRESHOLD, EXIT_DRIFT, EXIT_MODEL, EXIT_OK,
+from kvtc.pipeline.operations.drift_settings import (DEFAULT_THRESHOLD, DEFAULT_TOKENS, MIN_SEQUENCES, EXIT_DRIFT, EXIT_MODEL, EXIT_OK,
                                                      ModelMismatchError)
 
 OPERATION = "kvtc.pipeline.operations.drift"
@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=module_doc(OPERATION), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="NAME[@REF]", help="artifact name, name@version or name@alias (default ref latest)")
     p.add_argument("--corpus", default=None, help="corpus spec to sample (default: the artifact's calibration corpus)")
-    p.add_argument("--tokens", type=int, default=None, help=f"tokens to sample (default {DEFAULT_SEQUENCES} sequences)")
+    p.add_argument("--tokens", type=int, default=None, help=f"tokens to sample (default {DEFAULT_TOKENS:,}, at least "
+                   f"{MIN_SEQUENCES} of the artifact's sequences)")
     p.add_argument("--model", default=None, help="model spec (default: the artifact's manifest model spec)")
     p.add_argument("--registry", default=None, help="registry root (default $KVTC_REGISTRY or ./registry)")
     p.add_argument("--text-column", default=None)

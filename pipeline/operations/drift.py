@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from kvtc import artifacts
 from kvtc.artifacts.fingerprint import model_id
 from kvtc.pipeline.operations.drift_meter import Meter, sample_rows, total_variances
-from kvtc.pipeline.operations.drift_settings import DEFAULT_SEQUENCES, DEFAULT_THRESHOLD, ModelMismatchError
+from kvtc.pipeline.operations.drift_settings import DEFAULT_THRESHOLD, ModelMismatchError, default_tokens
 from kvtc.workers import models
 
 IGNORED_FINGERPRINT_KEYS = ("spec", "source", "revision")  # how a model was named, not what it computes
@@ -134,7 +134,7 @@ def check_drift(target: str, corpus: str | None = None, registry: str | None = N
         lm = models.load_model(model or manifest["model"]["spec"], cache_dir=cache_dir)
     check_model(lm.fingerprint, manifest["model"], f"{art.name}@{art.version}")
     seq_len = int(manifest["calibration"]["seq_len"])
-    tokens = tokens or DEFAULT_SEQUENCES * seq_len
+    tokens = tokens or default_tokens(seq_len)
     meter = Meter(art)
     exclude = set(manifest["corpus"].get("train_shards", []))
     used = 0

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 EXIT_OK, EXIT_DRIFT, EXIT_MODEL = 0, 3, 4
 DEFAULT_THRESHOLD = 0.10
-DEFAULT_SEQUENCES = 16
+DEFAULT_TOKENS = 16 * 1024  # sampled by default: 16 sequences of 1,024, as many tokens of longer ones
+MIN_SEQUENCES = 4  # and at least this many of the artifact's sequences
+
+
+def default_tokens(seq_len: int) -> int:
+    """What `kvtc drift` samples without --tokens: DEFAULT_TOKENS, at least MIN_SEQUENCES sequences of `seq_len`."""
+    return max(DEFAULT_TOKENS, MIN_SEQUENCES * seq_len)
 
 
 class ModelMismatchError(ValueError):

@@ -159,3 +159,10 @@ def test_if_drift_skips_a_run_when_the_new_data_has_not_drifted(parent, reg, cap
     result = json.loads(capsys.readouterr().out)
     assert result["status"] == "no_drift" and result["drift"]["drifted"] is False and result["version"] is None
     assert state(reg) == before
+
+
+def test_drift_samples_as_many_tokens_whatever_the_calibrations_sequence_length():
+    from kvtc.pipeline.operations.drift_settings import default_tokens
+
+    assert default_tokens(1024) == default_tokens(4096) == 16384  # 16 sequences of 1,024, or 4 of 4,096
+    assert default_tokens(8192) == 4 * 8192  # at least 4 of the artifact's sequences
