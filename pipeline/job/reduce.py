@@ -381,12 +381,12 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     return Published(summary, time.perf_counter() - t0)
 
 
-def metric_json(cfg: JobSettings, fingerprint: dict) -> dict | None:
+def metric_json(cfg: JobSettings, fingerprint: dict | None) -> dict | None:
     """The objective's metric as tasks and the manifest carry it (None: the cache's own squared error), with each
     layer's reach factor where the sensitivity balance measured fewer tokens than the sequences hold and the
     model's layers differ in reach (kvtc.pipeline.fit.sensitivity_reach)."""
     metric = cfg.capture.objective.task_metric(cfg.reduce.attention_metric)
-    if metric is None or not cfg.reduce.attention_metric.balance.scaled_by_sensitivity:
+    if metric is None or not fingerprint or not cfg.reduce.attention_metric.balance.scaled_by_sensitivity:
         return metric
     reach = reach_factors(layers_of(fingerprint), cfg.plan.seq_len, SENSITIVITY_TOKENS)
     return metric if reach is None else {**metric, "reach": list(reach)}
@@ -407,8 +407,7 @@ def calibration_record(cfg: JobSettings, groups: list[FeatureGroup], model_dtype
         dtype=cfg.model.dtype, model_dtype=model_dtype, keys=cap.keys, tokens=tokens, train_rows=train_rows,
         heldout_rows=heldout_rows, eval_rows=eval_rows, notes=tuple(notes), tokens_curve=tokens_curve,
         settings=cfg.computational(), objective=cap.objective.name, objective_reason=objective_reason or None, bit_split=split,
-        attention_metric=metric_json(cfg, fingerprint) if fingerprint else cap.objective.task_metric(
-            cfg.reduce.attention_metric),
+        attention_metric=metric_json(cfg, fingerprint),
         tensor_parallel=None if cap.tp == 1 else TensorParallelLayout(cap.tp, kv_heads).to_dict(groups),
     )
 
