@@ -93,6 +93,9 @@ class AttentionMetric:
         f = np.stack([fisher[slots[layer], h0:h1] for layer in group.layers])  # (layers, heads, d, d)
         w = np.einsum("lhij,lhji->lh", np.linalg.inv(m), f) / d / max(ref, 1e-300)
         if self.reach is not None:  # measured on a sequence's first tokens: what each layer's errors reach over all
+            if max(group.layers) >= len(self.reach):
+                raise CorruptArtifactError(f"the attention metric's reach factors cover {len(self.reach)} layers, not "
+                                           f"layer {max(group.layers)} of this group; recalibrate with a fresh --store")
             w = w * np.array([self.reach[layer] for layer in group.layers])[:, None]
         top = float(w.max(initial=0.0))
         if not ref > 0 or not top > 0 or not np.isfinite(w).all():

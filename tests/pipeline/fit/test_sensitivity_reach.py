@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvtc.artifacts.errors import CorruptArtifactError
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.codec.layers import LayerSpec
 from kvtc.pipeline.fit.metric import AttentionMetric
@@ -55,6 +56,8 @@ def test_the_metric_scales_each_layers_sensitivity_and_round_trips_through_json(
     assert "reach" not in AttentionMetric().to_json()  # artifacts without factors record what they always did
     with pytest.raises(ValueError, match="reach factors"):
         AttentionMetric(reach=(1.0, 0.0))
+    with pytest.raises(CorruptArtifactError, match="cover 2 layers, not layer 2"):  # a forged task's short list
+        AttentionMetric(reach=(1.0, 2.0)).sensitivity(sums, m, "keys", groups[0], groups)
 
 
 def test_the_reduce_records_factors_only_where_the_sensitivity_balance_measured_fewer_tokens():
