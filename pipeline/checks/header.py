@@ -42,7 +42,13 @@ def check_calibration(cfg: JobSettings) -> ModelFacts:
     for spec in filter(None, (plan.corpus, plan.eval_corpus)):
         check_corpus_files(spec)
     facts = check_model_spec(cfg.model.model)
-    _check_positions(plan.resolved(facts.context).seq_len, capture)  # the default, now the model's limit is told
+    if plan.seq_len is None:  # the default, now the model's limit is told
+        seq_len = plan.resolved(facts.context).seq_len
+        if seq_len <= capture.sinks + capture.window:
+            least = 4 * (capture.sinks + capture.window + 1)
+            raise ValueError(f"--tokens {plan.tokens} is too few: the default sequence (a quarter of --tokens, {seq_len} "
+                             f"tokens) leaves no position after sinks={capture.sinks} and window={capture.window}; "
+                             f"pass --tokens {least} or more, or --seq-len")
     if facts.context is not None and plan.seq_len is not None and plan.seq_len > facts.context:
         raise ValueError(f"seq_len {plan.seq_len} exceeds the model's limit of {facts.context} positions; use a "
                          "shorter seq_len")

@@ -43,3 +43,10 @@ def test_the_plan_stage_records_what_it_resolved(tmp_path, capsys):
                               registry=str(tmp_path / "reg"), name="defaults")
     with pytest.raises(ValueError, match="--seq-len 4096 exceeds the model's limit of 2048"):
         calibrate.plan_job(explicit, in_process=True)
+
+
+def test_too_few_tokens_for_the_default_sequence_name_tokens():
+    from kvtc.pipeline.checks.header import check_calibration
+
+    with pytest.raises(ValueError, match=r"--tokens 100 is too few: .*25 tokens.*pass --tokens 532 or more"):
+        check_calibration(JobSettings.of(tokens=100))
