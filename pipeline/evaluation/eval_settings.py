@@ -20,7 +20,9 @@ class EvalSettings:
     kvtc.pipeline.evaluation.served), for artifacts the chunk path serves; attention_errors: also the errors
     in the attention objective's metric (each sequence's own queries captured; off, the rows carry none);
     prefix: the prefix tokens each sequence is scored after (None: the calibration's --seq-len less the
-    continuation and one token; longer prefixes read long windows of the scored text)."""
+    continuation and one token; longer prefixes read long windows of the scored text); offline_ratios: the ratios
+    the offline codec is scored at (None: every ratio; the served check's long window scores the chunk path at every
+    ratio and the offline codec at the middle one only, whose error by position it charts)."""
 
     ratios: tuple[float, ...] = (8.0, 16.0, 32.0)
     continuation: int = 64
@@ -31,6 +33,7 @@ class EvalSettings:
     served: bool = True
     attention_errors: bool = True
     prefix: int | None = None
+    offline_ratios: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in (None, "ecsq", "fixed"):
@@ -41,6 +44,8 @@ class EvalSettings:
         if self.prefix is not None and (isinstance(self.prefix, bool) or not isinstance(self.prefix, int)
                                         or self.prefix < 1):
             raise ValueError(f"prefix must be a token count >= 1, got {self.prefix!r}")
+        if self.offline_ratios is not None and not set(self.offline_ratios) <= set(self.ratios):
+            raise ValueError(f"offline_ratios {list(self.offline_ratios)} must be among the ratios {list(self.ratios)}")
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
             raise ValueError(f"unknown baselines {bad}; choose from {', '.join(BASELINES)} (or 'none')")

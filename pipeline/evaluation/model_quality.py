@@ -85,7 +85,7 @@ def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=Non
     return torch.log_softmax(logits[0].double(), dim=-1)
 
 
-class _Codecs:
+class Codecs:
     """Each ratio's codec, chunk transform and uniform-PCA codec, built once for every sequence of a run (a codec
     reads and checks its bases when built, seconds at the embedded model's size)."""
 
@@ -107,13 +107,13 @@ class _Codecs:
         return self._get("pca_uniform", ratio, lambda: bl.pca_uniform_codec(self.artifact, ratio))
 
 
-def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int, codecs: _Codecs):
+def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window: int, codecs: Codecs):
     """Yield (method, target ratio or None, Reconstruction) for the codec and every baseline."""
     p = bl.features(keys, values)
     yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
                                                   4 * p * bl.split(keys.shape[2], sinks, window)[1],
                                                   bl.split(keys.shape[2], sinks, window)[1], p)
-    for r in settings.ratios:
+    for r in settings.ratios if settings.offline_ratios is None else settings.offline_ratios:
         yield f"kvtc-{r:g}x", r, bl.run_codec(codecs.codec(r), keys, values)
     if settings.served:
         for r in settings.ratios:
@@ -138,7 +138,8 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
         yield "deflate-fp16", None, bl.deflate(keys, values, sinks, window)
 
 
-def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None, observe=None) -> list[dict]:
+def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None, observe=None,
+                       codecs: Codecs | None = None) -> list[dict]:
     """sequences: iterable of (T,) token arrays. Returns one row per method: method, ratio (target,
     or None for fixed-rate methods), bytes_per_token, cr, key_rel_error, value_rel_error,
     ppl_ratio, kl, tokens, sequences; key_attn_error, value_attn_error: the same errors in the attention
@@ -148,13 +149,14 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     observe(method, keys, values, reconstruction, state), where given, sees each method's reconstruction of each
     prefix cache ("uncompressed": the raw one) and the `build_cache` arguments that continue from it, {} for a
     model whose layers are alike (the served check reads its position errors from the offline codec's and asks its
-    needles through the raw cache and the chunk path)."""
+    needles through the raw cache and the chunk path). codecs: the ratios' codecs (`Codecs`) where an earlier call
+    on the same artifact built them (the served check scores its short sequences and its long window with the same)."""
     record = CalibrationRecord.from_manifest(artifact.manifest)
     projections = mla.up_projections(lm.model, lm.layers) if is_mla(lm.layers) else None
     metric = _metric_capture(lm) if settings.attention_errors else None
     sinks, window = record.sinks, record.window
     tallies: dict[str, _Tally] = {}
-    codecs = _Codecs(artifact, settings.mode)
+    codecs = Codecs(artifact, settings.mode) if codecs is None else codecs
     count = 0
     for seq in sequences:
         ids = torch.as_tensor(seq, dtype=torch.long).reshape(1, -1).to(lm.device)

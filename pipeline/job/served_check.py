@@ -2,8 +2,9 @@
 scored through the offline codec and through the chunk path the servers use (kvtc.pipeline.evaluation.served),
 so the report and the manifest's metrics say what serving will cost (splits "served-offline", "served-chunk":
 perplexity ratio, KL, stored ratio per CR) and the --json summary carries them (`ratios[].served`). One more
-sequence is scored at the longest context the model, the held-out text and the driver's memory allow (splits
-"served-offline-long", "served-chunk-long", with its "prefix" tokens; kvtc.pipeline.evaluation.long_context), and
+sequence is scored at the longest context the model, the held-out text and the driver's memory allow (split
+"served-chunk-long" at every ratio, "served-offline-long" at the middle one, with its "prefix" tokens;
+kvtc.pipeline.evaluation.long_context), and
 its error by position through the codec extends charts/error_by_position.png across that context. That window also
 carries the job's slice of the retrieval suite: NEEDLES 7-digit needles planted at evenly spread depths of its
 prefix (kvtc.pipeline.evaluation.needle_window), each asked after the prefix through the raw cache and the chunk
@@ -25,7 +26,7 @@ import torch
 from kvtc import artifacts
 from kvtc.pipeline.evaluation.long_context import longest_window, position_errors
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
-from kvtc.pipeline.evaluation.model_quality import build_cache, evaluate_sequences
+from kvtc.pipeline.evaluation.model_quality import Codecs, build_cache, evaluate_sequences
 from kvtc.pipeline.evaluation.metrics import mean_interval
 from kvtc.pipeline.evaluation.needle_window import answers, plant
 from kvtc.pipeline.evaluation.task_suite import wilson
@@ -128,13 +129,14 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
             seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions, min(seq_len, SERVED_TOKENS))
             settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count,
                                     baselines=(), attention_errors=False)  # the manifest keeps ppl, KL, CR
-            rows = evaluate_sequences(lm, art, seqs, settings)
+            codecs = Codecs(art, settings.mode)  # built once, for the long window too
+            rows = evaluate_sequences(lm, art, seqs, settings, codecs=codecs)
             seconds["score"] = time.perf_counter() - t1
             t2 = time.perf_counter()
-            long = _long_sequence(lm, art, settings, len(seqs[0]))
+            long = _long_sequence(lm, art, settings, len(seqs[0]), codecs)
             if long is not None:
                 seconds["long"] = time.perf_counter() - t2
-            del lm, art  # the staged bases, the codec and the model go before the real publish builds its files
+            del lm, art, codecs  # the staged bases, the codec and the model go before the real publish builds its files
     except (ValueError, RuntimeError, OSError) as exc:  # the artifact itself is sound: publish it without the figure
         return None, f"served quality not measured in the job ({type(exc).__name__}: {exc}); run `kvtc eval NAME`"
     finally:
@@ -147,11 +149,13 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
             "rows": rows, "long": long, "seconds": {k: round(v, 2) for k, v in seconds.items()}}, None
 
 
-def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> dict | None:
+def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int, codecs: Codecs | None = None
+                   ) -> dict | None:
     """One held-out window at the longest context that fits (long_context.longest_window), with NEEDLES needles
-    planted in its prefix (needle_window), scored through both paths, with the codec's error by position over it at
-    the middle ratio, and each needle asked through the raw cache and the chunk path at every ratio -> {"prefix",
-    "rows", "positions", "needles"}, or None where no window is longer than the calibration's sequences."""
+    planted in its prefix (needle_window), scored through the chunk path at every ratio and through the offline codec
+    at the middle one (coding 8K tokens costs about 25 s per ratio and path on this CPU), with the codec's error by
+    position over it at that ratio, and each needle asked through the raw cache and the chunk path at every ratio ->
+    {"prefix", "rows", "positions", "needles"}, or None where no window is longer than the calibration's sequences."""
     held = heldout_tokens(art, lm.tokenizer, lm.max_positions, lm.max_positions)  # built once, cut below
     length = longest_window(lm, len(held), _free_bytes(), shortest)
     if length is None:
@@ -178,8 +182,9 @@ def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int) -> 
             got[method] = ratio, answers(lm, lambda: build_cache(lm.model, rec.keys, rec.values, **state), planted,
                                          packed=not state)
 
-    rows = evaluate_sequences(lm, art, [window], dataclasses.replace(settings, sequences=1, prefix=prefix),
-                              observe=observe)
+    rows = evaluate_sequences(lm, art, [window], dataclasses.replace(settings, sequences=1, prefix=prefix,
+                                                                      offline_ratios=(middle,)), observe=observe,
+                              codecs=codecs)
     needles = needle_rows(got, planted.depths if planted else ())
     return {"prefix": prefix, "rows": rows, "positions": positions, "needles": needles}
 
