@@ -72,7 +72,9 @@ def measure_group(fit: GroupFit, sinks: int, window: int, basis_size_curve: bool
     fixed_points = [(m["value"], next(r["value"] for r in out.metrics if r["metric"] == "rel_error" and r["split"] == "heldout"
                                       and r["ratio"] == m["ratio"]))
                     for m in out.metrics if m["metric"] == "bits_per_token" and m["split"] == "heldout"]
-    curves["rate_distortion"] = rate_distortion.curve_rows(basis, x_mid, z_mid, stream, group, fits, fixed_points)
+    measured = {f.ratio: out.ecsq_partials[(f.ratio, stream, "heldout")][0] for f in fits}  # split_metrics' own
+    curves["rate_distortion"] = rate_distortion.curve_rows(basis, x_mid, z_mid, stream, group, fits, fixed_points,
+                                                           measured=measured)
     if basis_size_curve:
         curves["basis_size"] = basis_size.curve_rows(basis, x_mid, z_mid, stream, group, [a.ratio for a in allocs],
                                                      fits=None if fit.max_components else fits)

@@ -85,11 +85,12 @@ def sample_rows(x: np.ndarray, z: torch.Tensor, rows: int = CURVE_ROWS) -> tuple
 
 def curve_rows(basis: Basis, x: np.ndarray, z: torch.Tensor, stream: str, group: int, fits: list[EcsqFit],
                fixed: list[tuple[float, float]], extra_ratios=(4, 12, 24, 64),
-               settings: EcsqSettings = EcsqSettings(iterations=16)) -> list[dict]:
+               settings: EcsqSettings = EcsqSettings(iterations=16), measured: dict | None = None) -> list[dict]:
     """Rate-distortion curve rows on held-out rows x (N, p) with projections z (N, k): the fitted
     ratios (measured on every row) plus `extra_ratios` for ECSQ (refitted and measured on a sample of
     CURVE_ROWS rows: a chart, not the stored fits) and both bounds; fixed: (bits per token, rel error)
-    points of the fixed-rate allocations."""
+    points of the fixed-rate allocations. measured: {ratio: summed squared error} of the fitted ratios on these
+    same rows where `split_metrics` measured them already (each costs a reconstruction of every row)."""
     norm = float(torch.as_tensor(x, dtype=torch.float32).double().square().sum())
     n = x.shape[0]
     tail = max(basis.total_variance - float(basis.eigenvalues.sum()), 0.0)
@@ -101,10 +102,13 @@ def curve_rows(basis: Basis, x: np.ndarray, z: torch.Tensor, stream: str, group:
     extra = [fit_ecsq(r, zs, basis.dim, settings, sigma) for r in extra_ratios
              if r not in done and 16 * basis.dim / r >= 1 and zs.shape[0] >= 16]
     rows = []
-    full, sample = split_base(basis, x, z), split_base(basis, xs, zs)
+    measured = measured or {}
+    sample = split_base(basis, xs, zs)
+    full = split_base(basis, x, z) if any(f.ratio not in measured for f in fits) else None
     for f in list(fits) + extra:
         sampled = f in extra
-        err, _ = split_error(f, basis, xs, zs, sample) if sampled else split_error(f, basis, x, z, full)
+        err = split_error(f, basis, xs, zs, sample)[0] if sampled else measured[f.ratio] if f.ratio in measured \
+            else split_error(f, basis, x, z, full)[0]
         bits = float(f.budget_bits)
         for mode, value in (("ecsq", err / (norm_s if sampled else norm)),
                             ("bound_calibration", waterfilling_distortion(basis.eigenvalues, bits, tail) * n / norm),
