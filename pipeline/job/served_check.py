@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,11 @@ def served_bytes(content: Any) -> int:
     return SERVED_COPIES * sum(4 * int(b[2].shape[0]) * int(b[2].shape[1]) for b in content.bases.values())
 
 
+def _say(text: str) -> None:
+    """One progress line on the console: the check runs for minutes on a CPU after the reduce's last line."""
+    print(f"served check: {text}", file=sys.stderr, flush=True)
+
+
 def _free_bytes() -> int:
     return max(0, fold_plan.node_now()[0])
 
@@ -130,6 +136,9 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
             settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count,
                                     baselines=(), attention_errors=False)  # the manifest keeps ppl, KL, CR
             codecs = Codecs(art, settings.mode)  # built once, for the long window too
+            ratios = "/".join(f"{r:g}" for r in settings.ratios)
+            _say(f"{len(seqs)} held-out sequence(s) of {len(seqs[0])} tokens through the offline codec and the "
+                 f"chunk path at CR {ratios}")
             rows = evaluate_sequences(lm, art, seqs, settings, codecs=codecs)
             seconds["score"] = time.perf_counter() - t1
             t2 = time.perf_counter()
@@ -171,6 +180,8 @@ def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int, cod
     sinks = int(art.manifest.get("calibration", {}).get("sinks") or 0)
     ratios = sorted(settings.ratios)
     middle = ratios[len(ratios) // 2]  # the chart's bold one
+    _say(f"one held-out window of {length} tokens with {count if planted else 0} needles, through the chunk path at "
+         f"every ratio and the offline codec at CR {middle:g} (minutes on a CPU)")
     positions: list[dict] = []
     got: dict[str, tuple[float | None, list[tuple[bool, float]]]] = {}
 

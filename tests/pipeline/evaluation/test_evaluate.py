@@ -19,11 +19,18 @@ TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=12
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
+def calibrated_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     cfg = JobSettings.of(**TINY, registry=str(root / "reg"), store=str(root / "store"))
-    summary, _ = calibrate_local(cfg)
-    return summary
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        summary, _ = calibrate_local(cfg)
+    return summary, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def calibrated(calibrated_run):
+    return calibrated_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +103,12 @@ def test_cli_prints_json_and_rejects_bad_input(calibrated):
         quality.EvalSettings(ratios=(4.0, 8.0), offline_ratios=(16.0,))
 
 
-def test_the_chunk_path_is_scored_beside_the_codec_and_the_job_publishes_what_serving_costs(result, calibrated):
+def test_the_chunk_path_is_scored_beside_the_codec_and_the_job_publishes_what_serving_costs(result, calibrated,
+                                                                                             calibrated_run):
+    # the check runs for minutes on a CPU after the reduce's last line: it says what it scores as it starts
+    lines = [line for line in calibrated_run[1].splitlines() if line.startswith("served check: ")]
+    assert len(lines) == 2 and "through the offline codec and the chunk path at CR 4/8" in lines[0]
+    assert "held-out window of" in lines[1] and "offline codec at CR 8" in lines[1]
     rows = {r["method"]: r for r in result["rows"]}
     for ratio in (4.0, 8.0):
         served = rows[f"kvtc-chunk-{ratio:g}x"]
