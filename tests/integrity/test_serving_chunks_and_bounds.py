@@ -295,7 +295,9 @@ def test_the_vllm_tier_holds_at_most_its_budget_with_many_short_distinct_prompts
     t = bench._tests()
     with tempfile.TemporaryDirectory() as tmp:
         _, registry = t._artifact(pathlib.Path(tmp))
-        row = bench.measure(t, registry, 4, 1 << 20)  # 16-token chunks, each a first chunk: x1.53 before
+        # 16-token chunks, each a first chunk: x1.53 before. A 256 KiB budget (the bench's default is 4 MiB) is
+        # about 215 slots, so some 650 distinct prompts run through it and about 175 stay stored
+        row = bench.measure(t, registry, 4, 1 << 18)
     assert row["stored"] > 100 and row["worker_bytes"] <= row["budget"], row
     assert row["worker_bytes"] > 0.6 * row["budget"], row  # and the budget is used, not wasted on rounding
 

@@ -179,7 +179,7 @@ def test_corrupt_statistics_object_is_named_and_recomputed(baseline, tmp_path):
 
 def test_corpus_running_out_warns_and_records(tmp_path):
     corpus = tmp_path / "small.txt"
-    corpus.write_text("A short document about key value caches. " * 400)
+    corpus.write_text("A short document about key value caches. " * 120)  # ~1,080 tokens: 4 shards, then it runs out
     with pytest.warns(UserWarning, match="ran out"):
         summary = run(JobSettings.of(**{**TINY, "corpus": str(corpus), "eval_corpus": None, "tokens": 100_000},
                                       workers=1, registry=str(tmp_path / "reg"), store=str(tmp_path / "store"), name="small"))
