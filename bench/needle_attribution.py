@@ -18,13 +18,12 @@ import json
 import time
 
 import torch
-from transformers import DynamicCache
 
 from kvtc import artifacts
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.pipeline.evaluation.metrics import mean_interval
 from kvtc.kernels.codec.layers import cached_layers, is_uniform
-from kvtc.pipeline.evaluation.model_quality import _forward, build_cache
+from kvtc.pipeline.evaluation.model_quality import build_cache, own_cache
 from kvtc.pipeline.evaluation.needle_window import answers, plant
 from kvtc.pipeline.evaluation.served import chunk_transform, restore_through
 from kvtc.pipeline.job.heldout_text import heldout_tokens
@@ -75,12 +74,11 @@ def main() -> None:
         window = held[w * args.length:(w + 1) * args.length]
         planted = plant(lm.tokenizer, window, len(window), args.needles, seed=w)
         ids = torch.tensor([planted.ids], device=lm.device)
-        keys, values = (x.float() for x in raw_cache(lm, ids))
+        keys, values = raw_cache(lm, ids)
         state = {}  # models whose layers differ (Gemma 3's sliding ones) continue from the model's own cache
         if lm.layers and not is_uniform(lm.layers):
-            with torch.no_grad():
-                state = {"prefix_cache": _forward(lm.model, ids, DynamicCache(config=lm.model.config))[1],
-                         "coded": cached_layers(lm.layers)}
+            state = {"prefix_cache": own_cache(lm, ids, keys, values), "coded": cached_layers(lm.layers)}
+        keys, values = keys.float(), values.float()
         paths = {"raw": (keys, values)}
         for r, transform in transforms.items():
             k, v, _ = restore_through(transform, keys, values)

@@ -73,6 +73,20 @@ def build_cache(model, keys, values, prefix_cache=None, coded=None):
     return cache
 
 
+def own_cache(lm, ids, keys, values):
+    """The model's own cache after the prefix ids (1, P), given every coded layer's keys and values (L, H, P, D) in
+    the model's dtype as `raw_cache` returns them: where every layer keeps a KV cache, each layer's update is given
+    its whole prefix, as the prefill's forward gives it (a sliding layer keeps its window, a chunked one its chunk),
+    so the model does not run the prefix a second time; layers without a KV cache hold states only a forward makes."""
+    cache = DynamicCache(config=lm.model.config)
+    coded = cached_layers(lm.layers)
+    if len(coded) != len(lm.layers) or len(cache.layers) != len(lm.layers):
+        return _forward(lm.model, ids, cache)[1]
+    for j, layer in enumerate(coded):
+        cache.update(keys[j][None].clone(), values[j][None].clone(), layer)  # not aliasing the caller's
+    return cache
+
+
 def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=None, coded=None):
     """keys, values (L, H, P, D) prefix cache; feed (1, n) tokens at positions P.. -> (n, V) float64
     log-probabilities. keep (P,) bool masks evicted prefix positions out of attention. prefix_cache, coded: as
@@ -165,15 +179,13 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             raise ValueError(f"a sequence of {ids.shape[1]} tokens is too short for --continuation {n}")
         prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
         keys, values = raw_cache(lm, prefix, metric)
+        state = {}
+        if lm.layers and not is_uniform(lm.layers):  # sliding / no-KV layers: continue from the model's own cache
+            state = {"prefix_cache": own_cache(lm, prefix, keys, values), "coded": cached_layers(lm.layers)}
         keys, values = keys.float(), values.float()
         if metric is not None:
             metric.attend([k[None] for k in keys], sinks)
         blocks = None if metric is None else _metric_blocks(metric, keys.shape[0], keys.shape[1])
-        state = {}
-        if lm.layers and not is_uniform(lm.layers):  # sliding / no-KV layers: continue from the model's own cache
-
-            _, own = _forward(lm.model, prefix, DynamicCache(config=lm.model.config))
-            state = {"prefix_cache": own, "coded": cached_layers(lm.layers)}
         ref = continuation_logprobs(lm.model, keys, values, feed, **state)
         ref_tok = ref.gather(1, target[:, None])[:, 0]
         head, mid, _ = bl.split(keys.shape[2], sinks, window)

@@ -28,12 +28,11 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layers import cached_layers, is_uniform
 from kvtc.pipeline.evaluation import charts
-from kvtc.pipeline.evaluation.model_quality import _forward, build_cache
+from kvtc.pipeline.evaluation.model_quality import _forward, build_cache, own_cache
 from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
 from kvtc.pipeline.evaluation.tasks import TaskSample
 from kvtc.workers.capture import raw_cache
@@ -171,8 +170,7 @@ def score_tasks(lm: Any, samples: Sequence[TaskSample], paths: Sequence[CachePat
             keys, values = raw_cache(lm, ids)
             state = {}
             if not uniform:  # sliding / no-KV layers: continue from the model's own cache
-                _, own = _forward(lm.model, ids, DynamicCache(config=lm.model.config))
-                state = {"prefix_cache": own, "coded": cached_layers(lm.layers)}
+                state = {"prefix_cache": own_cache(lm, ids, keys, values), "coded": cached_layers(lm.layers)}
             base = dict(task=s.task, length=s.length, index=s.index, depth=s.depth, placed=s.placed)
             tokens, text = greedy(lm, _cache(lm.model, keys, values, state), s.prompt[-1], s, eos)
             records.append({**base, "path": RAW, "ratio": None, "tokens": tokens, "text": text,
