@@ -22,8 +22,8 @@ import torch
 from kvtc import artifacts
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.pipeline.evaluation.metrics import mean_interval
-from kvtc.kernels.codec.layers import cached_layers, is_uniform
-from kvtc.pipeline.evaluation.model_quality import build_cache, own_cache
+from kvtc.kernels.codec.layers import cached_layers
+from kvtc.pipeline.evaluation.model_quality import build_cache, prefix_state
 from kvtc.pipeline.evaluation.needle_window import answers, plant
 from kvtc.pipeline.evaluation.served import chunk_transform, restore_through
 from kvtc.pipeline.job.heldout_text import heldout_tokens
@@ -75,9 +75,7 @@ def main() -> None:
         planted = plant(lm.tokenizer, window, len(window), args.needles, seed=w)
         ids = torch.tensor([planted.ids], device=lm.device)
         keys, values = raw_cache(lm, ids)
-        state = {}  # models whose layers differ (Gemma 3's sliding ones) continue from the model's own cache
-        if lm.layers and not is_uniform(lm.layers):
-            state = {"prefix_cache": own_cache(lm, ids, keys, values), "coded": cached_layers(lm.layers)}
+        state = prefix_state(lm, ids, keys, values)  # Gemma 3's sliding layers: from the model's own cache
         keys, values = keys.float(), values.float()
         paths = {"raw": (keys, values)}
         for r, transform in transforms.items():

@@ -87,6 +87,14 @@ def own_cache(lm, ids, keys, values):
     return cache
 
 
+def prefix_state(lm, ids, keys, values) -> dict:
+    """`build_cache`'s keywords that continue `lm` after the prefix ids (1, P) whose cache `raw_cache` gave: {} for a
+    model whose layers are alike, else its own cache (`own_cache`) and the model layer of each coded row."""
+    if not lm.layers or is_uniform(lm.layers):
+        return {}
+    return {"prefix_cache": own_cache(lm, ids, keys, values), "coded": cached_layers(lm.layers)}
+
+
 def continuation_logprobs(model, keys, values, feed, keep=None, prefix_cache=None, coded=None):
     """keys, values (L, H, P, D) prefix cache; feed (1, n) tokens at positions P.. -> (n, V) float64
     log-probabilities. keep (P,) bool masks evicted prefix positions out of attention. prefix_cache, coded: as
@@ -179,9 +187,7 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             raise ValueError(f"a sequence of {ids.shape[1]} tokens is too short for --continuation {n}")
         prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
         keys, values = raw_cache(lm, prefix, metric)
-        state = {}
-        if lm.layers and not is_uniform(lm.layers):  # sliding / no-KV layers: continue from the model's own cache
-            state = {"prefix_cache": own_cache(lm, prefix, keys, values), "coded": cached_layers(lm.layers)}
+        state = prefix_state(lm, prefix, keys, values)  # sliding / no-KV layers: from the model's own cache
         keys, values = keys.float(), values.float()
         if metric is not None:
             metric.attend([k[None] for k in keys], sinks)

@@ -30,9 +30,8 @@ import torch
 from tqdm import tqdm
 
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
-from kvtc.kernels.codec.layers import cached_layers, is_uniform
 from kvtc.pipeline.evaluation import charts
-from kvtc.pipeline.evaluation.model_quality import _forward, build_cache, own_cache
+from kvtc.pipeline.evaluation.model_quality import _forward, build_cache, prefix_state
 from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
 from kvtc.pipeline.evaluation.tasks import TaskSample
 from kvtc.workers.capture import raw_cache
@@ -155,7 +154,6 @@ def score_tasks(lm: Any, samples: Sequence[TaskSample], paths: Sequence[CachePat
     """Each sample decoded from the raw cache and through each path -> one record per (sample, path): task, length,
     index, depth, placed, path ("raw" for the raw cache), ratio, tokens (generated ids), text, correct, seconds (the
     path's restore and decoding; raw: the prefill and decoding). progress: a tqdm bar (None: on a terminal)."""
-    uniform = not lm.layers or is_uniform(lm.layers)
     eos = _eos(lm)
     records = []
     bar = tqdm(total=len(samples) * (1 + len(paths)), desc="kvtc eval: tasks", unit="decode",
@@ -168,9 +166,7 @@ def score_tasks(lm: Any, samples: Sequence[TaskSample], paths: Sequence[CachePat
             t0 = time.perf_counter()
             ids = torch.tensor([s.prompt[:-1]], dtype=torch.long, device=lm.device)
             keys, values = raw_cache(lm, ids)
-            state = {}
-            if not uniform:  # sliding / no-KV layers: continue from the model's own cache
-                state = {"prefix_cache": own_cache(lm, ids, keys, values), "coded": cached_layers(lm.layers)}
+            state = prefix_state(lm, ids, keys, values)  # sliding / no-KV layers: from the model's own cache
             base = dict(task=s.task, length=s.length, index=s.index, depth=s.depth, placed=s.placed)
             tokens, text = greedy(lm, _cache(lm.model, keys, values, state), s.prompt[-1], s, eos)
             records.append({**base, "path": RAW, "ratio": None, "tokens": tokens, "text": text,
