@@ -44,8 +44,12 @@ class EvalSettings:
         if self.prefix is not None and (isinstance(self.prefix, bool) or not isinstance(self.prefix, int)
                                         or self.prefix < 1):
             raise ValueError(f"prefix must be a token count >= 1, got {self.prefix!r}")
-        if self.offline_ratios is not None and not set(self.offline_ratios) <= set(self.ratios):
-            raise ValueError(f"offline_ratios {list(self.offline_ratios)} must be among the ratios {list(self.ratios)}")
+        if self.offline_ratios is not None:
+            if not isinstance(self.offline_ratios, (tuple, list)):
+                raise ValueError(f"offline_ratios must be a tuple of ratios, got {self.offline_ratios!r}")
+            if not set(self.offline_ratios) <= set(self.ratios):
+                raise ValueError(f"offline_ratios {list(self.offline_ratios)} must be among the ratios {list(self.ratios)}")
+            object.__setattr__(self, "offline_ratios", tuple(dict.fromkeys(self.offline_ratios)))  # each scored once
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
             raise ValueError(f"unknown baselines {bad}; choose from {', '.join(BASELINES)} (or 'none')")

@@ -101,6 +101,9 @@ def test_cli_prints_json_and_rejects_bad_input(calibrated):
         quality.EvalSettings(ratios=(1.0,))
     with pytest.raises(ValueError, match=r"offline_ratios \[16.0\] must be among the ratios \[4.0, 8.0\]"):
         quality.EvalSettings(ratios=(4.0, 8.0), offline_ratios=(16.0,))
+    with pytest.raises(ValueError, match="offline_ratios must be a tuple of ratios, got 8.0"):
+        quality.EvalSettings(ratios=(4.0, 8.0), offline_ratios=8.0)
+    assert quality.EvalSettings(ratios=(4.0, 8.0), offline_ratios=(8.0, 8.0)).offline_ratios == (8.0,)
 
 
 def test_the_chunk_path_is_scored_beside_the_codec_and_the_job_publishes_what_serving_costs(result, calibrated,
