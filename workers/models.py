@@ -31,6 +31,7 @@ from kvtc.kernels.codec.layers import LayerSpec, cached_layers, is_uniform, laye
 from kvtc.kernels.codec.rope import RopeSpec
 from kvtc.workers.layers import KnownLayout, layer_schema, layer_types, with_known_layout
 from kvtc.workers import placement
+from kvtc.workers.gguf_reads import gguf_read_once
 from kvtc.workers.model_limits import GEMMA3_SHA256, GEMMA3_SPEC, NAMED_GGUFS, gguf_of_spec, named_gguf, read_gguf_header
 from kvtc.workers.tiny import TINY_ARCHS, build_tiny, parse_tiny, tiny_config
 from kvtc.artifacts.local_files import cache_root
@@ -149,10 +150,12 @@ def _convert(path: Path, folder: Path, digest: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     try:
-        config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
-        config = with_known_layout(config, KNOWN_LAYOUTS.get(digest))
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                     dtype=torch.float32)
+        with gguf_read_once():  # the config's read and the weights' read parse the file once
+            config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
+                                            gguf_fields(path))
+            config = with_known_layout(config, KNOWN_LAYOUTS.get(digest))
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                         dtype=torch.float32)
     except (struct.error, EOFError, IndexError, OverflowError) as exc:
         raise ValueError(f"model file {path} cannot be read as GGUF ({type(exc).__name__}: {exc}); pass a complete "
                          ".gguf file") from None
@@ -328,17 +331,9 @@ def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
 
 
 def gguf_fields(path: Path) -> dict[str, Any]:
-    """The GGUF file's scalar metadata, {key: value} (strings decoded), read without its tensors."""
-    from gguf import GGUFReader  # noqa: PLC0415 - gguf loads only to read a GGUF file
-
-    out: dict[str, Any] = {}
-    for key, field in GGUFReader(str(path), "r").fields.items():
-        if len(field.data) != 1:
-            continue
-        value = field.parts[field.data[0]]
-        out[key] = bytes(value).decode("utf-8", "replace") if value.dtype.kind == "u" and value.dtype.itemsize == 1 \
-            and len(value) != 1 else value.tolist()[0] if hasattr(value, "tolist") and len(value) == 1 else value
-    return out
+    """The GGUF file's scalar and string metadata, {key: value}, from its checked header (`read_gguf_header`: arrays
+    such as the tokenizer's vocabulary are skipped, not parsed; gguf's reader takes seconds over them)."""
+    return dict(read_gguf_header(path).fields)
 
 
 def with_gguf_rope_scaling(config: Any, fields: dict[str, Any]) -> Any:
@@ -379,7 +374,8 @@ def load_spec(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = No
         if pinned and digest != pinned:  # an assembled copy changed since: assembled again (refused if still wrong)
             path = named_gguf(spec, cache_dir, reassemble=True)
             digest = sha256_file(path)
-        config, tok = _gguf_config(path, digest, root), gguf_tokenizer(path, root)
+        with gguf_read_once():  # the config and the tokenizer, where not yet converted, read the file once
+            config, tok = _gguf_config(path, digest, root), gguf_tokenizer(path, root)
         source, how = f"gguf:{path.name}", ("gguf", str(path))
     elif spec.startswith("tiny:"):
         try:
