@@ -1,6 +1,5 @@
 """Test-wide environment. TRITON_INTERPRET must be set before any kernel module is imported."""
 import os
-import socket
 import uuid
 
 import pytest
@@ -49,11 +48,10 @@ def s3_endpoint():
         for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                            ("AWS_DEFAULT_REGION", "us-east-1")):
             env.setenv(key, value)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        # port 0: the server binds a free port itself (a port picked here and bound later can be taken between)
+        server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
+        port = server.get_host_and_port()[1]
         _wait_listening(port)
         yield f"http://127.0.0.1:{port}"
         server.stop()

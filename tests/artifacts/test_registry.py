@@ -21,17 +21,7 @@ from helpers.toy_artifacts import toy_content
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=["local", "s3"])
-def registry(request, tmp_path, monkeypatch) -> Registry:
-    monkeypatch.setenv("KVTC_CACHE", str(tmp_path / "cache"))
-    if request.param == "local":
-        return Registry(str(tmp_path / "registry"))
-    endpoint = request.getfixturevalue("s3_endpoint")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    bucket = f"kvtc-{uuid.uuid4().hex[:12]}"
-    reg = Registry(f"s3://{bucket}/reg")
-    reg.fs.mkdir(bucket)
-    return reg
+# `registry`: tests/conftest.py's (a local registry, then a fresh bucket on this module's moto server)
 
 
 def _registry_file(reg: Registry, name: str, version: str, rel: str) -> str:

@@ -75,6 +75,9 @@ def ray_head(tmp_path):
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={ray_temp}", "--node-ip-address=127.0.0.1",
          f"--port={_free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
+         # ports Ray would otherwise take at fixed defaults, which another Ray on the host may hold (its job agent
+         # then never registers: "No available agent to submit job")
+         f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
          "--include-dashboard=true", "--disable-usage-stats"],
         env=env, cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
     )
