@@ -189,8 +189,25 @@ def convert_gguf(path: Path, cache_dir: Path, digest: str | None = None) -> Path
         os.replace(cached, aside)
         shutil.rmtree(aside, ignore_errors=True)  # derived from the GGUF: nothing is lost
     read_gguf_header(path)  # a malformed file: a clean refusal naming it, before transformers reads it
-    _atomic_save(cached, lambda folder: _convert(path, folder, digest))
+    print(f"kvtc: converting {path.name} once into {cached} (later runs reuse it)", file=sys.stderr, flush=True)
+    with _conversion_bars_off():
+        _atomic_save(cached, lambda folder: _convert(path, folder, digest))
     return cached
+
+
+@contextlib.contextmanager
+def _conversion_bars_off():
+    """transformers' bars while a GGUF converts (de-quantizing, a plain tqdm outside its progress-bar setting, then
+    loading and writing) off, restored after: `convert_gguf` says in one line what runs."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils  # noqa: PLC0415 - transformers loads only with a model
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        with _no_weight_bars():
+            yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def prepare_weights(spec: str = DEFAULT_SPEC, cache_dir: str | os.PathLike | None = None) -> None:

@@ -4,9 +4,17 @@ from kvtc.pipeline.job.calibrate import _after_first
 from kvtc.workers.models import convert_gguf, embedded_gguf_path, load_model, prepare_weights
 
 
-def test_prepare_weights_converts_once_and_workers_reuse_it(tmp_path):
+def test_prepare_weights_converts_once_and_workers_reuse_it(tmp_path, capfd):
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
     prepare_weights("smollm2-135m", tmp_path)
     (folder,) = tmp_path.glob("gguf-*")
+    # a first run says in one line what converts; transformers' three bars stay off, and its bar is put back
+    err = capfd.readouterr().err
+    assert err.count("kvtc: converting SmolLM2-135M-Instruct.Q4_1.gguf once into") == 1, err
+    assert not any(b in err for b in ("de-quantizing", "Loading weights", "Writing model shards")), err
+    assert gguf_utils.tqdm is bar
     stamp = (folder / "config.json").stat().st_mtime_ns
     assert convert_gguf(embedded_gguf_path(), tmp_path) == folder
     lm = load_model("smollm2-135m", cache_dir=tmp_path)
