@@ -183,13 +183,15 @@ def convert_gguf(path: Path, cache_dir: Path, digest: str | None = None) -> Path
     problem = conversion_problem(cached, digest)
     if problem is None:
         return cached
-    if os.path.lexists(cached):
+    rebuilt = os.path.lexists(cached)
+    if rebuilt:
         print(f"kvtc: the converted model {cached} {problem}; converting {path.name} again", file=sys.stderr)
         aside = cached.with_name(f"{cached.name}.corrupt-{uuid.uuid4().hex[:8]}")
         os.replace(cached, aside)
         shutil.rmtree(aside, ignore_errors=True)  # derived from the GGUF: nothing is lost
     read_gguf_header(path)  # a malformed file: a clean refusal naming it, before transformers reads it
-    print(f"kvtc: converting {path.name} once into {cached} (later runs reuse it)", file=sys.stderr, flush=True)
+    if not rebuilt:  # a rebuild was named in its own line above
+        print(f"kvtc: converting {path.name} once into {cached} (later runs reuse it)", file=sys.stderr, flush=True)
     with _conversion_bars_off():
         _atomic_save(cached, lambda folder: _convert(path, folder, digest))
     return cached
