@@ -145,20 +145,32 @@ def conversion_problem(folder: Path, digest: str, only: tuple[str, ...] | None =
     return None
 
 
+GGUF_READ_ERRORS = (struct.error, EOFError, IndexError, OverflowError)  # transformers' reader on a cut or odd file
+
+
+def _not_gguf(path: Path, exc: Exception) -> ValueError:
+    return ValueError(f"model file {path} cannot be read as GGUF ({type(exc).__name__}: {exc}); pass a complete "
+                      ".gguf file")
+
+
+def _config_from_gguf(path: Path, digest: str) -> Any:
+    """transformers' config of the GGUF, with the rope scaling its reader leaves out and the model's known layout."""
+    from transformers import AutoConfig  # noqa: PLC0415 - transformers loads only with a model
+
+    config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
+    return with_known_layout(config, KNOWN_LAYOUTS.get(digest))
+
+
 def _convert(path: Path, folder: Path, digest: str) -> None:
     """Dequantize the GGUF into `folder` (safetensors and config), then record what was written beside it."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads only with a model
 
     try:
         with gguf_read_once():  # the config's read and the weights' read parse the file once
-            config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
-                                            gguf_fields(path))
-            config = with_known_layout(config, KNOWN_LAYOUTS.get(digest))
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                         dtype=torch.float32)
-    except (struct.error, EOFError, IndexError, OverflowError) as exc:
-        raise ValueError(f"model file {path} cannot be read as GGUF ({type(exc).__name__}: {exc}); pass a complete "
-                         ".gguf file") from None
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                         config=_config_from_gguf(path, digest), dtype=torch.float32)
+    except GGUF_READ_ERRORS as exc:
+        raise _not_gguf(path, exc) from None
     # The weights are already dequantized; drop the GGUF quantizer so save_pretrained accepts them.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -342,11 +354,9 @@ def _gguf_config(path: Path, digest: str, cache_dir: Path) -> Any:
     if conversion_problem(cached, digest, only=("config.json",)) is None:
         return with_known_layout(AutoConfig.from_pretrained(cached), KNOWN_LAYOUTS.get(digest))
     try:
-        config = with_gguf_rope_scaling(AutoConfig.from_pretrained(path.parent, gguf_file=path.name), gguf_fields(path))
-        return with_known_layout(config, KNOWN_LAYOUTS.get(digest))
-    except (struct.error, EOFError, IndexError, OverflowError) as exc:
-        raise ValueError(f"model file {path} cannot be read as GGUF ({type(exc).__name__}: {exc}); pass a complete "
-                         ".gguf file") from None
+        return _config_from_gguf(path, digest)
+    except GGUF_READ_ERRORS as exc:
+        raise _not_gguf(path, exc) from None
 
 
 def gguf_fields(path: Path) -> dict[str, Any]:
