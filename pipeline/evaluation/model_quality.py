@@ -162,7 +162,7 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
 
 def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress=None, observe=None,
                        codecs: Codecs | None = None) -> list[dict]:
-    """sequences: iterable of (T,) token arrays. Returns one row per method: method, ratio (target,
+    """sequences: iterable of (T,) token arrays, or of their `RawPrefix` computed earlier. Returns one row per method: method, ratio (target,
     or None for fixed-rate methods), bytes_per_token, cr, key_rel_error, value_rel_error,
     ppl_ratio, kl, tokens, sequences; key_attn_error, value_attn_error: the same errors in the attention
     objective's metric (kvtc.pipeline.fit.metric, measured on each sequence's own queries), where the model's
@@ -181,18 +181,19 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
     codecs = Codecs(artifact, settings.mode) if codecs is None else codecs
     count = 0
     for seq in sequences:
-        ids = torch.as_tensor(seq, dtype=torch.long).reshape(1, -1).to(lm.device)
         n = settings.continuation
-        if ids.shape[1] < n + 2:
-            raise ValueError(f"a sequence of {ids.shape[1]} tokens is too short for --continuation {n}")
-        prefix, feed, target = ids[:, :-n - 1], ids[:, -n - 1:-1], ids[0, -n:]
-        keys, values = raw_cache(lm, prefix, metric)
-        state = prefix_state(lm, prefix, keys, values)  # sliding / no-KV layers: from the model's own cache
-        keys, values = keys.float(), values.float()
+        if isinstance(seq, RawPrefix):
+            if metric is not None or seq.ids.shape[1] - seq.prefix - 1 != n:
+                raise ValueError("a sequence's raw half was computed without the attention metric's capture, or for "
+                                 f"another continuation than {n}: score it from its tokens")
+            raw = seq
+        else:
+            raw = raw_prefix(lm, seq, n, metric)
+        ids, keys, values, state, ref = raw.ids, raw.keys, raw.values, raw.state, raw.ref
+        feed, target = ids[:, -n - 1:-1], ids[0, -n:]
         if metric is not None:
             metric.attend([k[None] for k in keys], sinks)
         blocks = None if metric is None else _metric_blocks(metric, keys.shape[0], keys.shape[1])
-        ref = continuation_logprobs(lm.model, keys, values, feed, **state)
         ref_tok = ref.gather(1, target[:, None])[:, 0]
         head, mid, _ = bl.split(keys.shape[2], sinks, window)
         for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window, codecs):
@@ -248,6 +249,37 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             up = mla.relative(t.extra)
             rows[-1].update(key_up_error=up["keys"], value_up_error=up["values"])
     return rows
+
+
+@dataclass
+class RawPrefix:
+    """One sequence's raw half of the scoring, which needs the model and not the artifact: its prefix cache as
+    `raw_cache` gives it (float32), the `build_cache` state that continues it, and the raw cache's log-probabilities
+    of the continuation. The main job computes it while its fold still runs (kvtc.pipeline.job.served_prep)."""
+
+    ids: torch.Tensor  # (1, T) the whole sequence
+    keys: torch.Tensor  # (L, H, P, D) float32
+    values: torch.Tensor
+    state: dict
+    ref: torch.Tensor  # (n, V) float64
+
+    @property
+    def prefix(self) -> int:
+        return int(self.keys.shape[2])
+
+
+def raw_prefix(lm, seq, continuation: int, metric=None) -> RawPrefix:
+    """A (T,) token sequence -> its RawPrefix: the prefix (all but the last `continuation` + 1 tokens) run through
+    the model once (`metric`: a MetricCapture collecting that forward's sums)."""
+    ids = torch.as_tensor(seq, dtype=torch.long).reshape(1, -1).to(lm.device)
+    n = continuation
+    if ids.shape[1] < n + 2:
+        raise ValueError(f"a sequence of {ids.shape[1]} tokens is too short for --continuation {n}")
+    prefix, feed = ids[:, :-n - 1], ids[:, -n - 1:-1]
+    keys, values = raw_cache(lm, prefix, metric)
+    state = prefix_state(lm, prefix, keys, values)  # sliding / no-KV layers: from the model's own cache
+    keys, values = keys.float(), values.float()
+    return RawPrefix(ids, keys, values, state, continuation_logprobs(lm.model, keys, values, feed, **state))
 
 
 def _metric_capture(lm):

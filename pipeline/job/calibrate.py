@@ -35,6 +35,8 @@ from kvtc.pipeline.job.pool_run import PoolRun
 from kvtc.pipeline.job.reduce import Published, ReduceInput, Reduced, publish, reduce
 from kvtc.pipeline.job.reduce_plan import node_budget
 from kvtc.pipeline.job.reduce_tasks import Placement, clear
+from kvtc.pipeline.job.served_check import job_prep
+from kvtc.pipeline.job.served_prep import ServedPrep
 from kvtc.pipeline.job.shard_worker import ShardWorker
 from kvtc.pipeline.job.shard_records import ShardEntry, ShardResult
 from kvtc.pipeline.job.shards import plan_shards, shard_plan
@@ -187,10 +189,11 @@ def check_settings(cfg: JobSettings, info: ModelSpec, in_process: bool) -> fold_
 
 
 def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bool = False, gpu_plan=None,
-                worker_cuda: bool | None = None) -> Folded:
+                worker_cuda: bool | None = None, served: ServedPrep | None = None) -> Folded:
     """Fold: run the planned shards through the model (a Ray actor pool, Ray already started, by this
     job when `ray_started`; or this process) into the stored accumulators and held-out rows; cached
-    shards are not run again."""
+    shards are not run again. `served`: the served check's raw half, handed the held-out shards as they are planned
+    and started in this process once a worker on this node is left idle by the fold's last shards."""
     cfg, fingerprint = planned.settings, planned.fingerprint
     capture, rt = cfg.capture, cfg.runtime
     shards_seen: list[ShardEntry] = []
@@ -212,6 +215,8 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
                 finished = planner.finish()  # the training stream has ended
                 expected[0] += len(finished)
                 yield from finished
+            if served is not None and role == "heldout":
+                served.add_heldout(shard.id, shard.input_ids)
             entry.cached = store.has(shard.id, "rows")
             if not entry.cached:
                 yield {"shard": shard.to_payload(), "role": role}
@@ -238,8 +243,12 @@ def fold_shards(planned: Planned, in_process: bool, gpus: float, ray_started: bo
         workers, pool = 1, _run_in_process(ShardWorker, actor_kwargs, payloads(store, planner), total)
     else:
         ready = lambda: prepare_weights(cfg.model.model, rt.cache_dir)  # noqa: E731
+        # the raw half beside the fold's last shards: a CPU pool on this node only (its idle cores are the driver's)
+        early = None if served is None or gpu_plan is not None or rt.cluster_address else \
+            (lambda idle: served.start(idle * rt.threads_per_worker, early=True))
         workers, pool, fold_plan = _run_on_ray(cfg, gpu_plan, ray_started, ShardWorker, actor_kwargs,
-                                               _after_first(payloads(store, planner), ready), total, planned.fold)
+                                               _after_first(payloads(store, planner), ready), total, planned.fold,
+                                               early)
     results = [ShardResult.from_dict(r) for r in pool.results]
     return Folded(store, shards_seen, planner.accumulators(), results, workers, model_dtype, gpus >= 1, duplicates,
                   pool.startup_s, pool.run_s, pool.workers_lost, pool.rerun,
@@ -275,9 +284,10 @@ def _execute(cfg: JobSettings, alias_latest: bool, in_process: bool) -> tuple[di
                 inventory = ray_pool.gpu_inventory()
                 gpu_plan = _gpu_plan(planned, gpus, inventory.gpu_bytes, inventory.gpus_per_node, inventory.cuda)
                 worker_cuda = inventory.cuda
-        folded = fold_shards(planned, in_process, gpus, started, gpu_plan, worker_cuda)
+        served = job_prep(cfg, planned.model_config)
+        folded = fold_shards(planned, in_process, gpus, started, gpu_plan, worker_cuda, served)
         inp = ReduceInput(cfg, planned.fingerprint, folded.store, folded.shards, folded.accumulators, folded.model_dtype,
-                          planned.model_config, planned.objective_reason)
+                          planned.model_config, planned.objective_reason, served)
         # the reduce runs on the fold's workers (their actors are gone: the model's memory is free), one group per worker
         placement = Placement(0 if in_process else folded.workers, rt.threads_per_worker, folded.on_cluster_gpu,
                               gpu_plan.gpu_bytes if gpu_plan is not None else 0,
@@ -396,7 +406,7 @@ def _after_first(payloads: Iterator[dict], before: Callable[[], None]) -> Iterat
 
 
 def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, worker_kwargs: dict,
-                payloads, total=None, fold=None) -> tuple[int, PoolRun, Any]:
+                payloads, total=None, fold=None, on_idle=None) -> tuple[int, PoolRun, Any]:
     """(workers, results, fold plan) of the shards on a Ray actor pool (Ray already started, by this job when
     `started`); fold tasks are pinned to the actor that owns their accumulator. With GPUs, each worker
     takes `gpu_plan.gpus` of them and spreads the model over them when more than one. `fold` (a
@@ -423,7 +433,8 @@ def _run_on_ray(cfg: JobSettings, gpu_plan, started: bool, worker_cls: type, wor
                                  gpus_per_worker=float(gpu_plan.gpus) if gpu_plan else 0.0, env_inherited=started,
                                  memory=memory)
     return workers, ray_pool.run_pool(worker_cls, worker_kwargs, payloads, pool,
-                                      route=lambda payload: payload.get("acc_index"), total=total), fold_plan
+                                      route=lambda payload: payload.get("acc_index"), total=total,
+                                      on_idle=on_idle), fold_plan
 
 
 if __name__ == "__main__":  # the former `ray job submit` entry: say where the command went instead of doing nothing

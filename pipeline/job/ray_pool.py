@@ -214,11 +214,14 @@ def run_pool(
     settings: PoolSettings,
     route: Callable[[dict], int | None] | None = None,
     total: Callable[[], int] | None = None,
+    on_idle: Callable[[int], None] | None = None,
 ) -> PoolRun:
     """Run `actor.process(payload)` for every payload.
     `route(payload)` pins a payload to actor `route(payload) % workers` (None: the least loaded);
     payloads pinned to one actor run there in the order given (Ray runs one caller's actor tasks
-    in submission order, retries included); `total()`: the payloads expected, for the progress bar.
+    in submission order, retries included); `total()`: the payloads expected, for the progress bar;
+    `on_idle(n)`: called once, when every payload is handed out and n live workers have none left (their CPUs
+    idle until the last ones finish).
     A worker whose node is lost (Ray reports the node dead, or the actor dead) is killed and its
     unfinished payloads run again, in their order, on the workers left (see `_Workers`)."""
     it: Iterator[dict] = iter(payloads)
@@ -277,6 +280,11 @@ def run_pool(
                 held = None
             if not pending:
                 break
+            if on_idle is not None and exhausted and held is None and not again:
+                idle = sum(1 for i in workers.alive if workers.load[i] == 0)
+                if idle:
+                    on_idle(idle)
+                    on_idle = None
             done, _ = ray.wait(list(pending), num_returns=1, timeout=NODE_CHECK_S)
             lost: set[int] = set()
             if done:

@@ -46,7 +46,7 @@ from kvtc.pipeline.job.heldout_store import load_rows
 from kvtc.pipeline.job.reduce_plan import GpuSolve, Planned, choose, node_budget, refuse_unless_fits, task_bytes
 from kvtc.pipeline.job.progress import ReduceProgress
 from kvtc.pipeline.job.reduce_tasks import Placement, rows_name, run_groups
-from kvtc.pipeline.job.served_check import SERVED_CONTINUATION, metric_rows, needle_metrics, served_quality
+from kvtc.pipeline.job.served_check import metric_rows, needle_metrics, served_continuation, served_quality
 from kvtc.pipeline.job.shard_records import ShardEntry
 from kvtc.pipeline.job.store import ShardStore
 from kvtc.pipeline.settings import JobSettings
@@ -69,6 +69,7 @@ class ReduceInput:
     model_dtype: str = "float32"
     model_config: Any = None
     objective_reason: str = ""
+    served: Any = None  # the served check's raw half (served_prep.ServedPrep), maybe started beside the fold
 
 
 @dataclass
@@ -357,9 +358,9 @@ def publish(inp: ReduceInput, reduced: Reduced, registry: str, alias_latest: boo
     quality, notes, served_s = None, list(reduced.notes), 0.0
     if cfg.reduce.served_sequences:  # what serving will cost: held-out text through the chunk path, before publishing
         t_served = time.perf_counter()
-        continuation = max(1, min(SERVED_CONTINUATION, cfg.plan.seq_len // 4))
         quality, skipped = served_quality(content, cfg.model.model, cfg.model.dtype, cfg.reduce.served_sequences,
-                                          continuation, inp.model_config, cfg.runtime.cache_dir)
+                                          served_continuation(cfg.plan.seq_len), inp.model_config,
+                                          cfg.runtime.cache_dir, inp.served)
         served_s = time.perf_counter() - t_served
         if skipped:
             notes.append(skipped)

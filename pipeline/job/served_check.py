@@ -6,7 +6,7 @@ sequence is scored at the longest context the model, the held-out text and the d
 "served-chunk-long" at every ratio, "served-offline-long" at the middle one, with its "prefix" tokens;
 kvtc.pipeline.evaluation.long_context), and
 its error by position through the codec extends charts/error_by_position.png across that context. That window also
-carries the job's slice of the retrieval suite: NEEDLES 7-digit needles planted at evenly spread depths of its
+carries the job's slice of the retrieval suite: served_prep.NEEDLES 7-digit needles planted at evenly spread depths of its
 prefix (kvtc.pipeline.evaluation.needle_window), each asked after the prefix through the raw cache and the chunk
 path at every ratio (metrics "needles", "needles_raw" and their Wilson interval in split "served-chunk-long"), for
 a forward per question on caches the scoring restored anyway. Perplexity ratio and KL carry a 95% interval
@@ -19,29 +19,39 @@ import math
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from kvtc import artifacts
-from kvtc.pipeline.evaluation.long_context import longest_window, position_errors
+from kvtc.pipeline.evaluation.long_context import position_errors
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
 from kvtc.pipeline.evaluation.model_quality import Codecs, build_cache, evaluate_sequences
 from kvtc.pipeline.evaluation.metrics import mean_interval
-from kvtc.pipeline.evaluation.needle_window import answers, plant
+from kvtc.pipeline.evaluation.needle_window import answers
 from kvtc.pipeline.evaluation.task_suite import wilson
 from kvtc.pipeline.fit.basis_budget import model_parameters
-from kvtc.pipeline.job.heldout_text import heldout_sequences, heldout_tokens
-from kvtc.pipeline.job import fold_plan
-from kvtc.workers import models
+from kvtc.pipeline.job.heldout_text import heldout_sequences
+from kvtc.pipeline.job.served_prep import SERVED_TOKENS, LongRaw, ServedPrep, free_bytes
 
 # the check's cost is coding each prefix (2 paths x every ratio), its statistic the tokens scored after it: one
 # sequence scoring 128 tokens costs half of two scoring 64 each, for as many scored tokens
 SERVED_CONTINUATION = 128
-SERVED_TOKENS = 1024  # the scored sequences' tokens (prefix, continuation, one): a longer calibration's first ones
-NEEDLES = 8  # needles planted in the long window, each asked through the raw cache and the chunk path at every ratio
 MAX_DRIVER_PARAMETERS = 2_000_000_000  # the check loads the model in the driver only below this, or with a GPU
+
+
+def served_continuation(seq_len: int) -> int:
+    """Tokens scored after each prefix: SERVED_CONTINUATION, a quarter of a short calibration's sequences."""
+    return max(1, min(SERVED_CONTINUATION, seq_len // 4))
+
+
+def job_prep(cfg: Any, model_config: Any) -> ServedPrep | None:
+    """The job's served check's raw half (kvtc.pipeline.job.served_prep), to be handed the fold's held-out text, or
+    None where the job runs no served check or the driver does not score its model."""
+    if not cfg.reduce.served_sequences or driver_refusal(model_config):
+        return None
+    return ServedPrep(cfg.model.model, cfg.model.dtype, cfg.runtime.cache_dir, cfg.reduce.served_sequences,
+                      served_continuation(cfg.plan.seq_len), cfg.plan.seq_len)
 
 
 def metric_rows(rows: list[dict], suffix: str = "", prefix: int | None = None) -> list[dict]:
@@ -100,18 +110,29 @@ def _say(text: str) -> None:
 
 
 def _free_bytes() -> int:
-    return max(0, fold_plan.node_now()[0])
+    return free_bytes()
 
 
-def served_quality(content: Any, model_spec: str, dtype: str | None, count: int, continuation: int,
-                   model_config: Any = None, cache_dir: str | None = None) -> tuple[dict | None, str | None]:
-    """Stage `content` in a temporary registry, load its model, score `count` of its held-out sequences through
-    the offline codec and the chunk path -> (a `kvtc eval` result, None) or (None, why it was skipped)."""
+def driver_refusal(model_config: Any) -> str | None:
+    """Why the driver does not score the model itself (too large and no GPU), or None."""
     if model_config is not None and not torch.cuda.is_available():
         params = model_parameters(model_config)
         if params > MAX_DRIVER_PARAMETERS:
-            return None, (f"served quality not measured in the job: the model has {params / 1e9:.1f}B parameters and "
-                          "the driver has no GPU; run `kvtc eval NAME` on a GPU node (its kvtc-chunk rows)")
+            return (f"served quality not measured in the job: the model has {params / 1e9:.1f}B parameters and "
+                    "the driver has no GPU; run `kvtc eval NAME` on a GPU node (its kvtc-chunk rows)")
+    return None
+
+
+def served_quality(content: Any, model_spec: str, dtype: str | None, count: int, continuation: int,
+                   model_config: Any = None, cache_dir: str | None = None, prep: ServedPrep | None = None
+                   ) -> tuple[dict | None, str | None]:
+    """Stage `content` in a temporary registry, load its model, score `count` of its held-out sequences through
+    the offline codec and the chunk path -> (a `kvtc eval` result, None) or (None, why it was skipped). prep: the
+    check's raw half (kvtc.pipeline.job.served_prep), started by the job while its fold ran, or holding the fold's
+    held-out text; without one (or one of other held-out shards) the artifact's held-out text is rebuilt."""
+    refused = driver_refusal(model_config)
+    if refused:
+        return None, refused
     need = served_bytes(content)
     free = _free_bytes()
     if need > free:
@@ -119,85 +140,84 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
                       f"artifact the driver holds, and {free / 2**30:.1f} GiB are free below the node's kill line; run "
                       "`kvtc eval NAME` (its kvtc-chunk rows) on a node with more memory")
     seconds: dict[str, float] = {}
+    held = list((content.corpus or {}).get("heldout_shards") or [])
+    own = prep is not None and bool(prep.heldout) and prep.shards == held
     try:
-        with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp, ThreadPoolExecutor(1) as pool:
+        with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp:
             t0 = time.perf_counter()
-            # the model loads while the content is staged (files written, then read back and verified)
-            loading = pool.submit(models.load_model, model_spec, dtype=dtype, cache_dir=cache_dir)
+            if own:  # the model loads and the raw half runs while the content is staged, unless already done
+                prep.start(torch.get_num_threads())
             # staged without its parent (it lives in the job's registry), read in place (no pull cache)
             ref = artifacts.publish(dataclasses.replace(content, parent=None), registry=tmp, alias_latest=False)
             art = artifacts.Artifact(ref.path)
             seconds["stage"] = time.perf_counter() - t0
-            lm = loading.result()
-            seconds["model"] = time.perf_counter() - t0 - seconds["stage"]
+            if not own:
+                seq_len = int(art.manifest.get("calibration", {}).get("seq_len") or SERVED_TOKENS)
+                prep = ServedPrep(model_spec, dtype, cache_dir, count, continuation, seq_len,
+                                  source=lambda tok, positions, staged=art: heldout_sequences(
+                                      staged, tok, None, max(count, -(-int(positions or seq_len) // seq_len)), positions))
+            ready = prep.result(torch.get_num_threads())
+            lm = ready.lm
+            seconds.update(ready.seconds)
+            seconds["raw_beside_fold"] = float(ready.early)
+            seconds["wait"] = time.perf_counter() - t0 - seconds["stage"]
             t1 = time.perf_counter()
-            seq_len = int(art.manifest.get("calibration", {}).get("seq_len") or SERVED_TOKENS)
-            seqs = heldout_sequences(art, lm.tokenizer, None, count, lm.max_positions, min(seq_len, SERVED_TOKENS))
             settings = EvalSettings(ratios=tuple(art.ratios()), continuation=continuation, sequences=count,
                                     baselines=(), attention_errors=False)  # the manifest keeps ppl, KL, CR
             codecs = Codecs(art, settings.mode)  # built once, for the long window too
+            seqs = ready.sequences
             ratios = "/".join(f"{r:g}" for r in settings.ratios)
-            _say(f"{len(seqs)} held-out sequence(s) of {len(seqs[0])} tokens through the offline codec and the "
-                 f"chunk path at CR {ratios}")
+            _say(f"{len(seqs)} held-out sequence(s) of {seqs[0].ids.shape[1]} tokens through the offline codec and "
+                 f"the chunk path at CR {ratios}" + (" (their raw prefill ran beside the fold)" if ready.early else ""))
             rows = evaluate_sequences(lm, art, seqs, settings, codecs=codecs)
             seconds["score"] = time.perf_counter() - t1
             t2 = time.perf_counter()
-            long = _long_sequence(lm, art, settings, len(seqs[0]), codecs)
+            long = None if ready.long is None else _long_sequence(lm, art, settings, ready.long, codecs)
             if long is not None:
                 seconds["long"] = time.perf_counter() - t2
-            del lm, art, codecs  # the staged bases, the codec and the model go before the real publish builds its files
+            del lm, art, codecs, ready  # the staged bases, the codec and the model go before the real publish
     except (ValueError, RuntimeError, OSError) as exc:  # the artifact itself is sound: publish it without the figure
         return None, f"served quality not measured in the job ({type(exc).__name__}: {exc}); run `kvtc eval NAME`"
     finally:
         gc.collect()
     return {"artifact": f"{content.name} (held-out sequences of its own corpus)", "corpus": content.corpus.get("spec"),
             "settings": {"ratios": list(settings.ratios), "continuation": continuation, "sequences": len(seqs),
-                         "prefix": len(seqs[0]) - continuation - 1,
+                         "prefix": seqs[0].prefix,
                          "paths": "kvtc-Nx: offline codec (sinks and window raw); kvtc-chunk-Nx: 256-token chunks, "
                                   "sinks raw, no window, as served"},
             "rows": rows, "long": long, "seconds": {k: round(v, 2) for k, v in seconds.items()}}, None
 
 
-def _long_sequence(lm: Any, art: Any, settings: EvalSettings, shortest: int, codecs: Codecs | None = None
-                   ) -> dict | None:
-    """One held-out window at the longest context that fits (long_context.longest_window), with NEEDLES needles
+def _long_sequence(lm: Any, art: Any, settings: EvalSettings, prepared: LongRaw, codecs: Codecs | None = None
+                   ) -> dict:
+    """The held-out window at the longest context that fits (its raw half: served_prep.prepare), with its needles
     planted in its prefix (needle_window), scored through the chunk path at every ratio and through the offline codec
     at the middle one (coding 8K tokens costs about 25 s per ratio and path on this CPU), with the codec's error by
-    position over it at that ratio, and each needle asked through the raw cache and the chunk path at every ratio ->
-    {"prefix", "rows", "positions", "needles"}, or None where no window is longer than the calibration's sequences."""
-    held = heldout_tokens(art, lm.tokenizer, lm.max_positions, lm.max_positions)  # built once, cut below
-    length = longest_window(lm, len(held), _free_bytes(), shortest)
-    if length is None:
-        return None
-    prefix = length - settings.continuation - 1
-    planted, count = None, NEEDLES
-    while planted is None and count:  # a short window (a tiny model's) holds fewer
-        try:
-            planted = plant(lm.tokenizer, held[:length], prefix, count)
-        except ValueError:
-            count //= 2
-    window = list(planted.ids) if planted else held[:length]
+    position over it at that ratio, and each needle asked through the chunk path at every ratio (the raw cache's
+    answers came with the raw half) -> {"prefix", "rows", "positions", "needles"}."""
+    planted, raw = prepared.planted, prepared.raw
     sinks = int(art.manifest.get("calibration", {}).get("sinks") or 0)
     ratios = sorted(settings.ratios)
     middle = ratios[len(ratios) // 2]  # the chart's bold one
-    _say(f"one held-out window of {length} tokens with {count if planted else 0} needles, through the chunk path at "
-         f"every ratio and the offline codec at CR {middle:g} (minutes on a CPU)")
+    _say(f"one held-out window of {prepared.length} tokens with {len(planted.depths) if planted else 0} needles, "
+         f"through the chunk path at every ratio and the offline codec at CR {middle:g} (minutes on a CPU)")
     positions: list[dict] = []
     got: dict[str, tuple[float | None, list[tuple[bool, float]]]] = {}
+    if planted is not None and prepared.answers is not None:
+        got["uncompressed"] = None, prepared.answers
 
     def observe(method: str, keys: Any, values: Any, rec: Any, state: dict) -> None:
         if method == f"kvtc-{middle:g}x":  # the offline codec's reconstruction the scoring just made
             positions.extend(position_errors(keys, values, rec.keys, rec.values, middle, sinks))
-        if planted and (method == "uncompressed" or method.startswith("kvtc-chunk-")):  # raw, and what servers restore
-            ratio = None if method == "uncompressed" else float(method[len("kvtc-chunk-"):-1])
-            got[method] = ratio, answers(lm, lambda: build_cache(lm.model, rec.keys, rec.values, **state), planted,
-                                         packed=not state)
+        if planted and method.startswith("kvtc-chunk-"):  # what servers restore
+            got[method] = float(method[len("kvtc-chunk-"):-1]), answers(
+                lm, lambda: build_cache(lm.model, rec.keys, rec.values, **state), planted, packed=not state)
 
-    rows = evaluate_sequences(lm, art, [window], dataclasses.replace(settings, sequences=1, prefix=prefix,
-                                                                      offline_ratios=(middle,)), observe=observe,
+    rows = evaluate_sequences(lm, art, [raw], dataclasses.replace(settings, sequences=1, prefix=raw.prefix,
+                                                                   offline_ratios=(middle,)), observe=observe,
                               codecs=codecs)
     needles = needle_rows(got, planted.depths if planted else ())
-    return {"prefix": prefix, "rows": rows, "positions": positions, "needles": needles}
+    return {"prefix": raw.prefix, "rows": rows, "positions": positions, "needles": needles}
 
 
 def needle_rows(answers: dict[str, tuple[float | None, list[tuple[bool, float]]]], depths: tuple[float, ...]

@@ -1,0 +1,95 @@
+"""The served check's raw half: run beside the fold's last shards (a Ray pool with an idle worker), it gives the check
+exactly the figures it gives when run after the reduce; the pool says when a worker is left idle."""
+import contextlib
+import io
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from kvtc.pipeline.job import ray_pool
+from kvtc.pipeline.job.calibrate import calibrate_local, run
+from kvtc.pipeline.job.served_prep import ServedPrep, prepare
+from kvtc.pipeline.settings import JobSettings
+from kvtc.workers import models
+
+TINY = dict(model="tiny:llama", corpus="pydoc", eval_corpus="stdlib", seq_len=128, window=16, tokens=1536,
+            eval_tokens=256, seqs_per_shard=2, heldout_rows=1024, ratios=(4.0, 8.0), served_sequences=1)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def served(summary: dict) -> dict:
+    return {r["ratio"]: r["served"] for r in summary["ratios"]}
+
+
+def test_the_raw_half_beside_the_fold_gives_the_figures_of_the_check_after_the_reduce(ray_local, tmp_path):
+    with contextlib.redirect_stderr(io.StringIO()):
+        local, _ = calibrate_local(JobSettings.of(**TINY, registry=str(tmp_path / "a"), store=str(tmp_path / "sa"),
+                                                  name="tiny"))
+    assert local["served_stages"]["raw_beside_fold"] == 0  # one process: no worker is left idle
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        pooled = run(JobSettings.of(**TINY, workers=2, registry=str(tmp_path / "b"), store=str(tmp_path / "sb"),
+                                    name="tiny"))
+    stages = pooled["served_stages"]
+    assert stages["raw_beside_fold"] == 1 and stages["raw_long"] > 0 and stages["raw_score"] > 0
+    assert "their raw prefill ran beside the fold" in err.getvalue()
+    # the same bytes scored: every figure, its intervals and the needles
+    assert served(pooled) == served(local) and served(local)[8.0]["chunk-long"]["needles_samples"] >= 2
+
+
+def test_the_raw_half_in_a_thread_equals_it_run_in_place():
+    lm = models.load_model("tiny:llama")
+    gen = torch.Generator().manual_seed(3)
+    heldout = [torch.randint(5, 500, (128,), generator=gen).numpy() for _ in range(3)]
+    want, want_long = prepare(lm, heldout, 2, 12, 128, free=1 << 40)
+    prep = ServedPrep("tiny:llama", None, None, 2, 12, 128)
+    for i, seq in enumerate(heldout):
+        prep.add_heldout(f"h{i}", seq[None])
+    prep.start(1, early=True)
+    got = prep.result(2)
+    assert got.shards == ["h0", "h1", "h2"] and got.early and len(got.sequences) == 2
+    for a, b in zip(got.sequences, want):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.keys, b.keys) and torch.equal(a.ref, b.ref)
+    assert got.long.length == want_long.length > 128 and got.long.answers == want_long.answers
+    assert torch.equal(got.long.raw.keys, want_long.raw.keys) and torch.equal(got.long.raw.ref, want_long.raw.ref)
+
+
+def test_the_raw_half_takes_up_the_threads_the_check_asks_for_at_its_next_layer():
+    prep = ServedPrep("tiny:llama", None, None, 1, 12, 128)
+    seen = []
+
+    def body():
+        torch.set_num_threads(1)
+        prep._threads = 2  # what `result` asks for when the check waits
+        prep._follow_threads()
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == [2]
+
+
+def test_the_pool_says_once_when_a_worker_is_left_idle(ray_local):
+    class Sleeper:  # defined here: Ray ships it by value (the workers cannot import a test module)
+        def ready(self) -> str:
+            return ""
+
+        def process(self, payload: dict) -> dict:
+            time.sleep(payload["s"])
+            return {"i": payload["i"]}
+
+    calls = []
+    settings = ray_pool.PoolSettings(workers=2, env_inherited=True)
+    payloads = [{"i": i, "s": 0.1 if i < 2 else 2.0} for i in range(3)]
+    out = ray_pool.run_pool(Sleeper, {}, payloads, settings, on_idle=calls.append)
+    assert sorted(r["i"] for r in out.results) == [0, 1, 2] and calls == [1]
