@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvtc.kernels.codec.basis_product import converted_blocks
 from kvtc.kernels.codec.chunk_serde import ChunkTransform
 from kvtc.kernels.codec.held_basis import served_codec
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
@@ -49,6 +50,12 @@ def restore_through(transform: Any, keys: torch.Tensor, values: torch.Tensor, ch
                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """keys, values (L, H, T, D) -> bf16 chunks of `chunk` tokens at their positions through a ChunkTransform's
     serialize and deserialize -> (keys, values) float32 as restored, and the bytes stored (frames, padding)."""
+    with converted_blocks():  # the transform's half bases converted once for every chunk, not once per chunk
+        return _restore_through(transform, keys, values, chunk)
+
+
+def _restore_through(transform: Any, keys: torch.Tensor, values: torch.Tensor, chunk: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
     L, H, T, D = keys.shape
     kv = torch.stack([x.to(torch.bfloat16).permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)])
     out, stored = torch.empty_like(kv), 0

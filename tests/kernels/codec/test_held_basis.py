@@ -111,3 +111,25 @@ def test_the_blockwise_product_is_the_float32_product_of_the_half_matrix(monkeyp
     torch.testing.assert_close(got_z, want_z, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_x, want_x, rtol=1e-6, atol=1e-6)
     assert torch.equal(basis_product.project(x, basis.float()), x @ basis.float())  # float32: the plain product
+
+
+def test_blocks_converted_once_give_the_same_products_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(basis_product, "BLOCK_BYTES", 4 * 37 * 5)  # ragged last blocks
+    g = torch.Generator().manual_seed(1)
+    basis, other = torch.randn(37, 23, generator=g).half(), torch.randn(37, 23, generator=g).half()
+    x, z = torch.randn(11, 37, generator=g), torch.randn(11, 23, generator=g)
+    want = [basis_product.project(x, b) for b in (basis, other)] + [basis_product.reconstruct(z, b) for b in (basis, other)]
+    calls = []
+    convert = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: (t.dtype == torch.float16 and calls.append(t.shape)) or convert(t))
+    with basis_product.converted_blocks():
+        for _ in range(3):  # each block converted once in the scope, for each basis and each side
+            got = [basis_product.project(x, b) for b in (basis, other)] + \
+                [basis_product.reconstruct(z, b) for b in (basis, other)]
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # column blocks (project) and row blocks (reconstruct) of two bases
+    blocks = 2 * (-(-23 // basis_product._step(37)) + -(-37 // basis_product._step(23)))
+    assert len(calls) == blocks
+    calls.clear()
+    basis_product.project(x, basis)  # outside the scope: converted again
+    assert len(calls) == -(-23 // 5)
