@@ -133,10 +133,12 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
     check's raw half (kvtc.pipeline.job.served_prep), started by the job while its fold ran, or holding the fold's
     held-out text; without one (or one of other held-out shards) the artifact's held-out text is rebuilt."""
     refused = driver_refusal(model_config)
-    if refused:
-        return None, refused
     need = served_bytes(content)
     free = _free_bytes()
+    if (refused or need > free) and prep is not None:
+        prep.cancel()  # started beside the fold: its memory and cores go back
+    if refused:
+        return None, refused
     if need > free:
         return None, (f"served quality not measured in the job: scoring needs about {need / 2**30:.1f} GiB beside the "
                       f"artifact the driver holds, and {free / 2**30:.1f} GiB are free below the node's kill line; run "

@@ -25,6 +25,10 @@ NEEDLES = 8  # needles planted in the long window, each asked through the raw ca
 SERVED_TOKENS = 1024  # the scored sequences' tokens (prefix, continuation, one): a longer calibration's first ones
 
 
+class Cancelled(Exception):
+    """The raw half stopped by `ServedPrep.cancel`."""
+
+
 @dataclass
 class LongRaw:
     """The long window's raw half: its tokens, the needles planted in its prefix (None: none fit), its RawPrefix and
@@ -112,6 +116,7 @@ class ServedPrep:
         self._thread: threading.Thread | None = None
         self._done: Prepared | BaseException | None = None
         self._threads = 1  # the torch threads the raw half should run on now (`result` raises it when it waits)
+        self._cancelled = False
 
     def add_heldout(self, shard_id: str, input_ids: np.ndarray) -> None:
         """A held-out shard's sequences (S, T), in plan order."""
@@ -131,9 +136,18 @@ class ServedPrep:
         self._thread = threading.Thread(target=self._run, args=(threads, early), name="kvtc-served-prep", daemon=True)
         self._thread.start()
 
+    def cancel(self) -> None:
+        """Stop the raw half at its next layer (a check that will not run: its memory and cores go back now)."""
+        self._cancelled = True
+        if self._thread is not None:
+            self._thread.join()
+
     def _follow_threads(self, *_: Any) -> None:
         """A decoder layer's pre-hook in the raw half's thread: torch's thread count is per thread, so the thread
-        itself takes up the count `result` asks for (all the driver's cores once the check waits for it)."""
+        itself takes up the count `result` asks for (all the driver's cores once the check waits for it); a
+        cancelled raw half stops here."""
+        if self._cancelled:
+            raise Cancelled("the served check does not run")
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
 

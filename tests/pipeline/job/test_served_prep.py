@@ -93,3 +93,23 @@ def test_the_pool_says_once_when_a_worker_is_left_idle(ray_local):
     payloads = [{"i": i, "s": 0.1 if i < 2 else 2.0} for i in range(3)]
     out = ray_pool.run_pool(Sleeper, {}, payloads, settings, on_idle=calls.append)
     assert sorted(r["i"] for r in out.results) == [0, 1, 2] and calls == [1]
+
+
+def test_a_check_that_will_not_run_stops_its_raw_half(monkeypatch):
+    from helpers.toy_artifacts import toy_content
+    from kvtc.pipeline.job import served_check
+    from kvtc.pipeline.job.served_prep import Cancelled
+
+    prep = ServedPrep("tiny:llama", None, None, 1, 12, 128)
+    prep.add_heldout("h0", torch.randint(5, 500, (1, 256)).numpy())
+    prep.cancel()  # before its first layer: it stops there
+    prep.start(1, early=True)
+    with pytest.raises(Cancelled):
+        prep.result(1)
+    content = toy_content()
+    monkeypatch.setattr(served_check, "_free_bytes", lambda: served_check.served_bytes(content) - 1)
+    stopped = []
+    prep = ServedPrep("tiny:llama", None, None, 1, 12, 128)
+    monkeypatch.setattr(prep, "cancel", lambda: stopped.append(True))
+    result, note = served_check.served_quality(content, "tiny:llama", None, 1, 12, prep=prep)
+    assert result is None and "GiB" in note and stopped == [True]
