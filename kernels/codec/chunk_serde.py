@@ -80,6 +80,7 @@ from kvtc.kernels.codec.chunk_frame import FRAME_BYTES, UNBOUND, Frame, frame, k
 from kvtc.kernels.codec.chunk_frame import FRAME_MAGIC as FRAME_MAGIC, KEYED_MAGIC as KEYED_MAGIC, binding as binding
 from kvtc.kernels.codec.chunk_frame import unframe as unframe, unframe_keyed as unframe_keyed
 from kvtc.kernels.codec.chunk_identity import ChunkIdentity, Engine, old_frame
+from kvtc.kernels.codec.extremes import all_finite
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.kernels.codec.layered import restrict
 from kvtc.kernels.codec.model_config import check_config
@@ -94,6 +95,8 @@ FLOOR_SHARE = 0.9  # and where the mode's floor (every symbol 0) is at most this
 
 def nonfinite_where(kv: torch.Tensor) -> str | None:
     """None if every value of the chunk (2, L, T, F) is finite, else where the first non-finite one is."""
+    if all_finite(kv):
+        return None
     bad = ~torch.isfinite(kv)
     if not bool(bad.any()):
         return None

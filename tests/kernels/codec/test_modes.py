@@ -186,3 +186,19 @@ def test_resident_form(name):
         assert coded.nbytes == sum(len(a) + len(b) for gs in coded.blocks.values() for seqs in gs for a, b in seqs)
     with pytest.raises(ValueError, match="no ECSQ tables"):
         CoefficientCoder(dataclasses.replace(ECSQ, ecsq=None), "torch", "ecsq")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_the_one_pass_finite_check_finds_every_nan_and_infinity(dtype):
+    from kvtc.kernels.codec.extremes import all_finite
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 37, 19, generator=g).to(dtype)
+    assert all_finite(x) and all_finite(x[:, :, :0])
+    bad = [float("nan"), float("inf"), -float("inf")] if dtype != torch.float8_e4m3fn else [float("nan")]
+    for value in bad:
+        for where in [(0, 0, 0, 0), (1, 2, 36, 18), (1, 1, 17, 3)]:
+            y = x.clone()
+            y[where] = value
+            assert not all_finite(y), (value, where)
+            assert bool(torch.isfinite(y.to(torch.float32)).all()) is False
