@@ -146,6 +146,8 @@ def served_quality(content: Any, model_spec: str, dtype: str | None, count: int,
     seconds: dict[str, float] = {}
     held = list((content.corpus or {}).get("heldout_shards") or [])
     own = prep is not None and bool(prep.heldout) and prep.shards == held
+    if prep is not None and not own:
+        prep.cancel()  # another job's held-out shards (or none): the artifact's are read below
     try:
         with tempfile.TemporaryDirectory(prefix="kvtc-served-") as tmp:
             t0 = time.perf_counter()

@@ -113,3 +113,11 @@ def test_a_check_that_will_not_run_stops_its_raw_half(monkeypatch):
     monkeypatch.setattr(prep, "cancel", lambda: stopped.append(True))
     result, note = served_check.served_quality(content, "tiny:llama", None, 1, 12, prep=prep)
     assert result is None and "GiB" in note and stopped == [True]
+    # a raw half of other held-out shards than the artifact's is stopped, and the artifact's own text read instead
+    monkeypatch.undo()
+    stopped.clear()
+    prep = ServedPrep("tiny:llama", None, None, 1, 12, 128)
+    prep.add_heldout("another-jobs-shard", torch.randint(5, 500, (1, 256)).numpy())
+    monkeypatch.setattr(prep, "cancel", lambda: stopped.append(True))
+    served_check.served_quality(content, "tiny:llama", None, 1, 12, prep=prep)
+    assert stopped == [True]
