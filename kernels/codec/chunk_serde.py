@@ -98,8 +98,6 @@ def nonfinite_where(kv: torch.Tensor) -> str | None:
     if all_finite(kv):
         return None
     bad = ~torch.isfinite(kv)
-    if not bool(bad.any()):
-        return None
     flat = int(bad.reshape(-1).to(torch.uint8).argmax())
     i = [int(n) for n in torch.unravel_index(torch.tensor(flat), tuple(kv.shape))]
     return (f"{int(bad.sum())} NaN or infinite value(s), the first in the {('keys', 'values')[i[0]]} of layer {i[1]}, "

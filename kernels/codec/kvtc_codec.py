@@ -535,8 +535,6 @@ def _first_non_finite(x: torch.Tensor) -> tuple[int, ...] | None:
     if all_finite(x):
         return None
     bad = ~torch.isfinite(x.to(torch.bfloat16) if x.dtype in _FP8 else x)
-    if not bool(bad.any()):
-        return None
     return tuple(int(i) for i in torch.nonzero(bad)[0])
 
 

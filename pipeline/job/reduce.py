@@ -129,6 +129,11 @@ def reduce(inp: ReduceInput, placement: Placement) -> Reduced:
     groups = cap.group_layers(layers_of(inp.fingerprint), int(inp.fingerprint["num_kv_heads"]))
     budget = reduce_budget(placement)
     tasks, peaks = plan_tasks(inp, placement, groups, names, budget, len(held.positions) + eval_rows)
+    reserved = inp.served.reserved_bytes() if inp.served is not None else 0
+    if reserved and max(peaks, default=0) > budget - reserved:
+        inp.served.defer()  # the served check's raw half gives its memory back to the reduce, and runs after it
+    else:
+        budget -= reserved  # it is still running beside the reduce: its tasks admitted beside what it may take
     put_task_rows(inp, tasks, groups, held, evals)
     del held, evals  # the driver keeps no rows: each task reads its own from the store
     tasks, split = joint_split_pass(inp, tasks, groups, names, placement, peaks, budget, notes)

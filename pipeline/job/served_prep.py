@@ -63,16 +63,16 @@ def scored_tokens(seq_len: int) -> int:
     return min(int(seq_len or SERVED_TOKENS), SERVED_TOKENS)
 
 
-def plant_needles(tokenizer: Any, held: list[int], length: int, prefix: int) -> tuple[PlantedWindow | None, int]:
+def plant_needles(tokenizer: Any, held: list[int], length: int, prefix: int) -> PlantedWindow | None:
     """NEEDLES needles planted in the first `prefix` tokens of held[:length], halving where a short window (a tiny
-    model's) holds fewer -> (the planted window or None, how many)."""
+    model's) holds fewer -> the planted window, or None where none fits."""
     count = NEEDLES
     while count:
         try:
-            return plant(tokenizer, held[:length], prefix, count), count
+            return plant(tokenizer, held[:length], prefix, count)
         except ValueError:
             count //= 2
-    return None, 0
+    return None
 
 
 def prepare(lm: Any, heldout: list[np.ndarray], count: int, continuation: int, seq_len: int,
@@ -93,7 +93,7 @@ def prepare(lm: Any, heldout: list[np.ndarray], count: int, continuation: int, s
     window = longest_window(lm, len(held), free_bytes() if free is None else free, length)
     if window is None:
         return seqs, None
-    planted, _ = plant_needles(lm.tokenizer, held, window, window - continuation - 1)
+    planted = plant_needles(lm.tokenizer, held, window, window - continuation - 1)
     raw = raw_prefix(lm, list(planted.ids) if planted else held[:window], continuation)
     got = None if planted is None else answers(lm, lambda: build_cache(lm.model, raw.keys, raw.values, **raw.state),
                                                  planted, packed=not raw.state)
@@ -117,7 +117,8 @@ class ServedPrep:
         self._thread: threading.Thread | None = None
         self._done: Prepared | BaseException | None = None
         self._threads = 1  # the torch threads the raw half should run on now (`result` raises it when it waits)
-        self._cancelled = False
+        self._stop: str | None = None  # "cancel": the check will not run; "defer": the check runs it later
+        self._reserved = 0  # bytes an early raw half may still take (long_context.long_bytes of its window)
 
     def add_heldout(self, shard_id: str, input_ids: np.ndarray) -> None:
         """A held-out shard's sequences (S, T), in plan order."""
@@ -139,16 +140,27 @@ class ServedPrep:
 
     def cancel(self) -> None:
         """Stop the raw half at its next layer (a check that will not run: its memory and cores go back now)."""
-        self._cancelled = True
+        self._halt("cancel")
+
+    def defer(self) -> None:
+        """Stop an early raw half at its next layer, its memory given back; the check runs it when it asks (`result`)."""
+        self._halt("defer")
+
+    def _halt(self, how: str) -> None:
+        self._stop = how
         if self._thread is not None:
             self._thread.join()
+
+    def reserved_bytes(self) -> int:
+        """Bytes a running early raw half may still take beside what the node already counts as used (0 once done)."""
+        return self._reserved if self._thread is not None and self._thread.is_alive() else 0
 
     def _follow_threads(self, *_: Any) -> None:
         """A decoder layer's pre-hook in the raw half's thread: torch's thread count is per thread, so the thread
         itself takes up the count `result` asks for (all the driver's cores once the check waits for it); a
-        cancelled raw half stops here."""
-        if self._cancelled:
-            raise Cancelled("the served check does not run")
+        cancelled or deferred raw half stops here."""
+        if self._stop is not None:
+            raise Cancelled("the served check does not run" if self._stop == "cancel" else "deferred")
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
 
@@ -169,21 +181,31 @@ class ServedPrep:
             if self.source is not None:
                 self.heldout = [np.asarray(s) for s in self.source(lm.tokenizer, lm.max_positions)]
             whole = min(int(lm.max_positions or 0), sum(len(s) for s in self.heldout))
-            if early and whole and long_bytes(lm, whole) > free_bytes():
-                self._done = done  # the raw half waits for the memory the fold holds now
-                return
-            done.sequences, done.long = prepare(lm, self.heldout, self.count, self.continuation, self.seq_len,
-                                                seconds=done.seconds)
+            if early and whole:
+                self._reserved = long_bytes(lm, whole)
+                if self._reserved > free_bytes():
+                    self._done = done  # the raw half waits for the memory the fold holds now
+                    return
+            try:
+                done.sequences, done.long = prepare(lm, self.heldout, self.count, self.continuation, self.seq_len,
+                                                    seconds=done.seconds)
+            except Cancelled:
+                if self._stop != "defer":
+                    raise
+                done.sequences, done.long = [], None  # the check runs it after the reduce
             self._done = done
         except BaseException as exc:  # noqa: BLE001 - handed to the check, which reports it (or raises it) in the driver
             self._done = exc
         finally:
+            self._reserved = 0
             for h in hooks:
                 h.remove()
             torch.set_num_threads(before)
 
     def result(self, threads: int | None = None) -> Prepared:
         """The raw half: waited for where it was started, else run now (on `threads`, default torch's)."""
+        if self._stop == "defer":
+            self._stop = None
         if self._thread is None:
             self.start(threads or torch.get_num_threads())
         self._threads = max(self._threads, threads or torch.get_num_threads())

@@ -121,3 +121,20 @@ def test_a_check_that_will_not_run_stops_its_raw_half(monkeypatch):
     monkeypatch.setattr(prep, "cancel", lambda: stopped.append(True))
     served_check.served_quality(content, "tiny:llama", None, 1, 12, prep=prep)
     assert stopped == [True]
+
+
+def test_a_deferred_raw_half_gives_its_memory_back_and_runs_when_the_check_asks():
+    lm = models.load_model("tiny:llama")
+    gen = torch.Generator().manual_seed(4)
+    heldout = [torch.randint(5, 500, (128,), generator=gen).numpy() for _ in range(3)]
+    want, want_long = prepare(lm, heldout, 1, 12, 128, free=1 << 40)
+    prep = ServedPrep("tiny:llama", None, None, 1, 12, 128)
+    for i, seq in enumerate(heldout):
+        prep.add_heldout(f"h{i}", seq[None])
+    prep.defer()  # before its first layer, as the reduce does when its tasks need the memory
+    prep.start(1, early=True)
+    prep._thread.join()
+    assert prep.reserved_bytes() == 0
+    got = prep.result(2)
+    assert not got.early and torch.equal(got.sequences[0].ref, want[0].ref)
+    assert torch.equal(got.long.raw.keys, want_long.raw.keys) and got.long.answers == want_long.answers
