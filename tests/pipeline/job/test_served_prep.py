@@ -46,14 +46,21 @@ def test_the_raw_half_beside_the_fold_gives_the_figures_of_the_check_after_the_r
     assert served(pooled) == served(local) and served(local)[8.0]["chunk-long"]["needles_samples"] >= 2
 
 
-def test_the_raw_half_in_a_thread_equals_it_run_in_place():
+def held_prep(seed: int, count: int):
+    """Three random 128-token held-out sequences -> (the raw half run in place, its long window's, a ServedPrep of
+    them for `count` scored sequences)."""
     lm = models.load_model("tiny:llama")
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     heldout = [torch.randint(5, 500, (128,), generator=gen).numpy() for _ in range(3)]
-    want, want_long = prepare(lm, heldout, 2, 12, 128, free=1 << 40)
-    prep = ServedPrep("tiny:llama", None, None, 2, 12, 128)
+    want, want_long = prepare(lm, heldout, count, 12, 128, free=1 << 40)
+    prep = ServedPrep("tiny:llama", None, None, count, 12, 128)
     for i, seq in enumerate(heldout):
         prep.add_heldout(f"h{i}", seq[None])
+    return want, want_long, prep
+
+
+def test_the_raw_half_in_a_thread_equals_it_run_in_place():
+    want, want_long, prep = held_prep(3, 2)
     prep.start(1, early=True)
     got = prep.result(2)
     assert got.shards == ["h0", "h1", "h2"] and got.early and len(got.sequences) == 2
@@ -124,13 +131,7 @@ def test_a_check_that_will_not_run_stops_its_raw_half(monkeypatch):
 
 
 def test_a_deferred_raw_half_gives_its_memory_back_and_runs_when_the_check_asks():
-    lm = models.load_model("tiny:llama")
-    gen = torch.Generator().manual_seed(4)
-    heldout = [torch.randint(5, 500, (128,), generator=gen).numpy() for _ in range(3)]
-    want, want_long = prepare(lm, heldout, 1, 12, 128, free=1 << 40)
-    prep = ServedPrep("tiny:llama", None, None, 1, 12, 128)
-    for i, seq in enumerate(heldout):
-        prep.add_heldout(f"h{i}", seq[None])
+    want, want_long, prep = held_prep(4, 1)
     prep.defer()  # before its first layer, as the reduce does when its tasks need the memory
     prep.start(1, early=True)
     prep._thread.join()
