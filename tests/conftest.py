@@ -12,6 +12,24 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)
+def run_cache(tmp_path_factory):
+    """The run's own $KVTC_CACHE, unless the caller set one: registry pulls are cached per registry location, and
+    the tests' registries live in fresh temp folders, so in the user's ~/.cache/kvtc every run left hundreds of pulled
+    copies (13 GB in two days) and a later install or run found the disk full. Under pytest-xdist the workers share
+    one folder (their base temps' parent), so the embedded model is converted once per run; pytest keeps the last
+    three runs' base temps and removes older ones, this folder with them."""
+    if os.environ.get("KVTC_CACHE"):
+        yield
+        return
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kvtc-cache"
+    folder.mkdir(exist_ok=True)
+    os.environ["KVTC_CACHE"] = str(folder)
+    yield
+    os.environ.pop("KVTC_CACHE", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """The test process's torch runs on one thread, as the job's Ray workers do (--threads-per-worker 1), and so do
     its in-process reduces (they would take every core: `kvtc.pipeline.fit.pca.cores`). The suite's tensors are
