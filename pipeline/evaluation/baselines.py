@@ -68,8 +68,14 @@ def split(tokens: int, sinks: int, window: int) -> tuple[int, int, int]:
 
 def rel_error(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float]:
     """(squared error, squared norm) of x_hat against x, any shapes alike, summed in float64."""
-    err = torch.linalg.vector_norm(x.float() - x_hat.float(), dtype=torch.float64)
-    return float(err) ** 2, float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    return squared_norm(x, x_hat), squared_norm(x)
+
+
+def squared_norm(x: torch.Tensor, x_hat: torch.Tensor | None = None) -> float:
+    """The squared norm of x, or of x - x_hat where given (shapes alike), summed in float64."""
+    if x_hat is None:
+        return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    return float(torch.linalg.vector_norm(x.float() - x_hat.float(), dtype=torch.float64)) ** 2
 
 
 def _check(keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -196,11 +196,14 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
         blocks = None if metric is None else _metric_blocks(metric, keys.shape[0], keys.shape[1])
         ref_tok = ref.gather(1, target[:, None])[:, 0]
         head, mid, _ = bl.split(keys.shape[2], sinks, window)
+        norms: dict[str, float] = {}  # the raw cache's squared norm over the coded middle, the same for every method
         for name, ratio, rec in _methods(artifact, settings, keys, values, sinks, window, codecs):
             if observe is not None:
                 observe(name, keys, values, rec, state)
             keep = None if rec.keep is None else rec.keep.to(lm.device)
-            lp = continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep, **state)
+            # the raw cache's own continuation is the reference itself (the same forward on the same cache)
+            lp = ref if name == "uncompressed" else continuation_logprobs(lm.model, rec.keys, rec.values, feed, keep,
+                                                                          **state)
             t = tallies.setdefault(name, _Tally(ratio=ratio))
             dnll = ref_tok - lp.gather(1, target[:, None])[:, 0]
             kl = (ref.exp() * (ref - lp)).sum(-1)
@@ -208,7 +211,10 @@ def evaluate_sequences(lm, artifact, sequences, settings: EvalSettings, progress
             t.kls.append(kl)
             t.tokens += n
             for stream, x, xh in (("k", keys, rec.keys), ("v", values, rec.values)):
-                err, norm = bl.rel_error(x[:, :, head:head + mid], xh[:, :, head:head + mid])
+                if stream not in norms:
+                    norms[stream] = bl.squared_norm(x[:, :, head:head + mid])
+                err = 0.0 if xh is x else bl.squared_norm(x[:, :, head:head + mid], xh[:, :, head:head + mid])
+                norm = norms[stream]
                 setattr(t, f"{stream}_err", getattr(t, f"{stream}_err") + err)
                 setattr(t, f"{stream}_norm", getattr(t, f"{stream}_norm") + norm)
                 if blocks is not None:
