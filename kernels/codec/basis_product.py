@@ -16,6 +16,7 @@ import torch
 BLOCK_BYTES = 16 << 20  # float32 bytes of one converted block of a half basis on the host
 
 _CONVERTED: ContextVar[dict | None] = ContextVar("kvtc_converted_blocks", default=None)
+_SHARED: ContextVar[dict | None] = ContextVar("kvtc_shared_projections", default=None)
 
 
 @contextmanager
@@ -29,6 +30,55 @@ def converted_blocks() -> Iterator[None]:
         yield
     finally:
         _CONVERTED.reset(token)
+
+
+@contextmanager
+def shared_projections() -> Iterator[None]:
+    """Within it, a projection onto leading columns of a basis is read from the last, wider projection of the same
+    rows onto the same matrix where there is one: a caller coding each chunk at several ratios of one artifact,
+    widest first (every ratio's components are leading columns of one held matrix, kernels/codec/held_basis.py),
+    projects each chunk once. Each pairing of a width with a row count is first computed both ways and read from
+    the wider product only where the two agree bit for bit (a BLAS may sum a narrower product another way: a
+    one-column block is a matrix-vector product), so the codings are the ones made without it."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _root(basis: torch.Tensor) -> torch.Tensor | None:
+    """The matrix `basis` is leading columns of (itself where it is whole), or None for another kind of view."""
+    root = basis if basis._base is None else basis._base
+    if root.dim() == basis.dim() == 2 and root.shape[0] == basis.shape[0] and root.stride() == basis.stride() \
+            and root.storage_offset() == basis.storage_offset():
+        return root
+    return None
+
+
+def _shared(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """project(x, basis) within `shared_projections`, from a wider projection of x where it agrees."""
+    shared, root = _SHARED.get(), _root(basis)
+    if shared is None or root is None:
+        return _project(x, basis)
+    key = (root.untyped_storage().data_ptr(), root.storage_offset(), tuple(root.shape), root.dtype, str(root.device))
+    k, held = basis.shape[1], shared.get(key)
+    same = held is not None and held[0] is root and held[1].shape == x.shape and held[1].dtype == x.dtype \
+        and held[1].device == x.device and torch.equal(held[1], x)
+    if same and held[2].shape[1] >= k:
+        wide = held[2][:, :k]
+        if held[2].shape[1] == k:  # the same product
+            return wide.clone()
+        pairing = ("agrees", key, k, tuple(x.shape), torch.get_num_threads())
+        agrees = shared.get(pairing)
+        if agrees:
+            return wide.contiguous()
+        out = _project(x, basis)
+        shared[pairing] = torch.equal(out, wide)
+        return out
+    out = _project(x, basis)
+    shared[key] = (root, x.clone(), out)  # the root is kept: its memory is not another matrix's meanwhile
+    return out
 
 
 def _block(basis: torch.Tensor, a: int, step: int, rows: bool) -> torch.Tensor:
@@ -54,6 +104,10 @@ def _step(other: int) -> int:
 
 def project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """x (n, p) @ basis (p, k) -> coefficients (n, k) float32."""
+    return _shared(x, basis)
+
+
+def _project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     if not _blocked(basis):
         return (x.to(basis.dtype) @ basis).float()
     x = x.float()

@@ -18,7 +18,7 @@ from kvtc.kernels.codec.layers import cached_layers, is_mla, is_uniform
 from kvtc.pipeline.evaluation import baselines as bl
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
 from kvtc.pipeline.evaluation.metrics import mean_interval
-from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
+from kvtc.pipeline.evaluation.served import chunk_paths, chunk_transform
 from kvtc.pipeline.fit.metric import AttentionMetric
 from kvtc.workers import mla
 from kvtc.workers.capture import metric_capture, raw_cache
@@ -137,12 +137,9 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
                                                   bl.split(keys.shape[2], sinks, window)[1], p)
     for r in settings.ratios if settings.offline_ratios is None else settings.offline_ratios:
         yield f"kvtc-{r:g}x", r, bl.run_codec(codecs.codec(r), keys, values)
-    if settings.served:
-        for r in settings.ratios:
-            transform = codecs.chunk(r)
-            rec = None if transform is None else chunk_path(artifact, r, keys, values, transform=transform)
-            if rec is not None:
-                yield rec.method, r, rec
+    if settings.served:  # every ratio's chunks coded side by side, each chunk projected once (served.restore_each)
+        for r, rec in chunk_paths({r: codecs.chunk(r) for r in settings.ratios}, keys, values):
+            yield rec.method, r, rec
     if "pca_uniform" in settings.baselines:
         for r in settings.ratios:
             yield f"pca-uniform-{r:g}x", r, bl.run_codec(codecs.pca_uniform(r), keys, values,

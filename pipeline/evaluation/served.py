@@ -8,11 +8,11 @@ scores a few of its own held-out sequences through it before publishing (kvtc.pi
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
-from kvtc.kernels.codec.basis_product import converted_blocks
+from kvtc.kernels.codec.basis_product import converted_blocks, shared_projections
 from kvtc.kernels.codec.chunk_serde import ChunkTransform
 from kvtc.kernels.codec.held_basis import served_codec
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
@@ -39,30 +39,57 @@ def chunk_path(artifact: Any, ratio: float, keys: torch.Tensor, values: torch.Te
     served by chunks. `transform`: the ratio's `chunk_transform`, built once for many caches (else built here)."""
     if transform is None:
         transform = chunk_transform(KVTCCodec(artifact, ratio, mode=mode))
-    if transform is None or keys.shape[0] != transform.codec.spec.num_layers:
-        return None
-    k, v, stored = restore_through(transform, keys, values, chunk)
-    # bytes against every token: each is stored (the raw sinks in the first chunk's blob)
-    return Reconstruction(f"kvtc-chunk-{ratio:g}x", k, v, stored, keys.shape[2], features(keys, values))
+    return next((rec for _, rec in chunk_paths({ratio: transform}, keys, values, chunk)), None)
+
+
+def chunk_paths(transforms: dict[float, Any], keys: torch.Tensor, values: torch.Tensor, chunk: int = CHUNK
+                ) -> Iterator[tuple[float, Reconstruction]]:
+    """`chunk_path` at several ratios of one artifact ({ratio: its `chunk_transform` or None}), each chunk coded at
+    every ratio in turn (`restore_each`) -> (ratio, the cache as the chunk path restores it) in the given order, the
+    ratios not served by chunks left out; each float32 cache is made as it is yielded, so one is held at a time."""
+    served = [(r, t) for r, t in transforms.items() if t is not None and keys.shape[0] == t.codec.spec.num_layers]
+    if not served:
+        return
+    restored = restore_each([t for _, t in served], keys, values, chunk)
+    for i, (ratio, _) in enumerate(served):
+        k, v, stored = restored(i)
+        # bytes against every token: each is stored (the raw sinks in the first chunk's blob)
+        yield ratio, Reconstruction(f"kvtc-chunk-{ratio:g}x", k, v, stored, keys.shape[2], features(keys, values))
 
 
 def restore_through(transform: Any, keys: torch.Tensor, values: torch.Tensor, chunk: int = CHUNK
                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """keys, values (L, H, T, D) -> bf16 chunks of `chunk` tokens at their positions through a ChunkTransform's
     serialize and deserialize -> (keys, values) float32 as restored, and the bytes stored (frames, padding)."""
-    with converted_blocks():  # the transform's half bases converted once for every chunk, not once per chunk
-        return _restore_through(transform, keys, values, chunk)
+    return restore_each([transform], keys, values, chunk)(0)
 
 
-def _restore_through(transform: Any, keys: torch.Tensor, values: torch.Tensor, chunk: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def restore_each(transforms: list[Any], keys: torch.Tensor, values: torch.Tensor, chunk: int = CHUNK
+                 ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, int]]:
+    """`restore_through` through several transforms of one artifact, each chunk through all of them in turn, the
+    widest first, so each chunk is projected once (`basis_product.shared_projections`: the same codings) ->
+    i -> transforms[i]'s (keys, values) float32 and bytes stored, made when asked and only once (the bf16 caches
+    restored are held until then)."""
     L, H, T, D = keys.shape
     kv = torch.stack([x.to(torch.bfloat16).permute(0, 2, 1, 3).reshape(L, T, H * D) for x in (keys, values)])
-    out, stored = torch.empty_like(kv), 0
-    for start in range(0, T, chunk):
-        piece = kv[:, :, start:start + chunk].contiguous()
-        data = transform.serialize(piece, start=start)
-        transform.deserialize(data, out[:, :, start:start + chunk], start=start)
-        stored += len(data)
-    x = out.float().reshape(2, L, T, H, D).permute(0, 1, 3, 2, 4)
-    return x[0].contiguous(), x[1].contiguous(), stored
+    outs: list[torch.Tensor | None] = [torch.empty_like(kv) for _ in transforms]
+    stored = [0] * len(transforms)
+    order = sorted(range(len(transforms)), key=lambda i: transforms[i].codec.spec.ratio)  # the most components first
+    # the transforms' half bases converted once for every chunk, not once per chunk
+    with converted_blocks(), shared_projections():
+        for start in range(0, T, chunk):
+            piece = kv[:, :, start:start + chunk].contiguous()
+            for i in order:
+                data = transforms[i].serialize(piece, start=start)
+                transforms[i].deserialize(data, outs[i][:, :, start:start + chunk], start=start)
+                stored[i] += len(data)
+    del kv
+
+    def restored(i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        out, outs[i] = outs[i], None
+        if out is None:
+            raise ValueError(f"transform {i}'s restored cache was read already")
+        x = out.float().reshape(2, L, T, H, D).permute(0, 1, 3, 2, 4)
+        return x[0].contiguous(), x[1].contiguous(), stored[i]
+
+    return restored

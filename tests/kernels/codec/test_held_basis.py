@@ -133,3 +133,30 @@ def test_blocks_converted_once_give_the_same_products_bit_for_bit(monkeypatch):
     calls.clear()
     basis_product.project(x, basis)  # outside the scope: converted again
     assert len(calls) == -(-23 // 5)
+
+
+def test_a_narrower_projection_is_read_from_the_wider_one_only_where_they_agree(monkeypatch):
+    monkeypatch.setattr(basis_product, "BLOCK_BYTES", 4 * 37 * 5)  # ragged last blocks
+    g = torch.Generator().manual_seed(2)
+    whole = torch.randn(37, 23, generator=g).half()
+    x, other = torch.randn(11, 37, generator=g), torch.randn(11, 37, generator=g)
+    want = {k: basis_product.project(x, whole[:, :k]) for k in (23, 20, 10)}  # whole blocks of 5
+    calls = []
+    project = basis_product._project
+    monkeypatch.setattr(basis_product, "_project", lambda a, b: calls.append(b.shape[1]) or project(a, b))
+    with basis_product.shared_projections():
+        for _ in range(3):
+            got = {k: basis_product.project(x, whole[:, :k]) for k in (23, 20, 10)}
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        assert calls == [23, 20, 10]  # each narrower width checked once against its own product, then read
+        basis_product.project(other, whole[:, :10])  # other rows: projected, not read from x's
+        assert calls[-1] == 10 and len(calls) == 4
+        # a pairing whose products differ (a BLAS summing the narrow one otherwise) is always computed
+        monkeypatch.setattr(basis_product, "_project", lambda a, b: calls.append(b.shape[1]) or project(a, b) + (
+            1e-3 if b.shape[1] == 5 else 0.0))
+        basis_product.project(x, whole)
+        first, again = basis_product.project(x, whole[:, :5]), basis_product.project(x, whole[:, :5])
+        assert torch.equal(first, again) and not torch.equal(first, want[23][:, :5]) and calls[-2:] == [5, 5]
+    calls.clear()
+    basis_product.project(x, whole[:, :17])  # outside the scope: computed
+    assert calls == [17]

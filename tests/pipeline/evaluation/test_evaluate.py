@@ -210,3 +210,30 @@ def test_a_prefix_whose_scoring_would_not_fit_the_nodes_memory_is_refused_before
     monkeypatch.setattr(fold_plan, "node_now", lambda reserve=0: (0, 1 << 34, 1 << 34))
     with pytest.raises(ValueError, match="no --prefix fits here"):
         quality.run("tiny", calibrated["registry"], settings)
+
+
+def test_ratios_coded_side_by_side_restore_what_each_restores_alone(calibrated, monkeypatch):
+    import torch
+
+    from kvtc.kernels.codec import basis_product
+    from kvtc.pipeline.evaluation.model_quality import Codecs
+    from kvtc.pipeline.evaluation.served import chunk_paths, restore_through
+
+    codecs = Codecs(artifacts.pull("tiny@latest", registry=calibrated["registry"]), None)
+    transforms = {r: codecs.chunk(r) for r in (8.0, 4.0)}  # the wider one second: coded first all the same
+    spec = transforms[4.0].codec.spec
+    g = torch.Generator().manual_seed(3)
+    shape = (spec.num_layers, spec.kv_heads, 600, spec.head_dim)  # 256 + 256 + 88 tokens: a ragged last chunk
+    keys, values = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    widths = []
+    project = basis_product._project
+    monkeypatch.setattr(basis_product, "_project", lambda x, b: widths.append(b.shape[1]) or project(x, b))
+    alone = {r: restore_through(t, keys, values) for r, t in transforms.items()}
+    products_alone, widths[:] = len(widths), []
+    together = dict(chunk_paths(transforms, keys, values))
+    assert list(together) == [8.0, 4.0]
+    for r, (k, v, stored) in alone.items():
+        rec = together[r]
+        assert torch.equal(rec.keys, k) and torch.equal(rec.values, v) and rec.stored_bytes == stored
+    # the narrower ratio's projections read from the wider's, each pairing of width and row count checked once
+    assert len(widths) < products_alone
