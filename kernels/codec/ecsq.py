@@ -178,10 +178,17 @@ def quantize(z: torch.Tensor, step: float, check: bool = True) -> torch.Tensor:
     """z (N, kept) float -> symbols (N, kept) int32; ValueError for non-finite or absurdly large values (check:
     False where the same z passed at a step no larger)."""
     q = torch.round(z.float() / step)
-    if check and (not bool(torch.isfinite(q).all()) or (q.numel() and float(q.abs().max()) > MAX_SYMBOL)):
+    if check and q.numel() and not _within(q, MAX_SYMBOL):
         raise ValueError("the cache holds non-finite values or values beyond 2^30 quantizer steps; "
                          "ECSQ cannot code them (check the model's numerics, or use mode='fixed')")
     return q.to(torch.int32)
+
+
+def _within(q: torch.Tensor, bound: float) -> bool:
+    """Whether every value of q is finite and at most `bound` in magnitude, in one min/max pass (NaN propagates)."""
+    lo, hi = torch.aminmax(q)
+    lo, hi = float(lo), float(hi)
+    return math.isfinite(lo) and math.isfinite(hi) and -bound <= lo and hi <= bound
 
 
 def dequantize(q: torch.Tensor, step: float, offsets: torch.Tensor) -> torch.Tensor:

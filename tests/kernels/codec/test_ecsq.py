@@ -254,3 +254,20 @@ def test_a_truncated_words_header_is_checked():
         decode_group(words[:_EXPONENT.size] + _CODED.pack(fit.kept) + words[head:], esc, n, group, "rans")
     with pytest.raises(BlobError, match="shorter than its coded-components count"):
         decode_group(_EXPONENT.pack(TRUNCATED_FORMAT << 16) + b"\0", b"", n, group, "rans")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 2.0 ** 31, -(2.0 ** 31)])
+def test_quantize_refuses_a_symbol_no_coder_can_hold_wherever_it_lies(bad):
+    from kvtc.kernels.codec.ecsq import MAX_SYMBOL
+
+    z = torch.randn(37, 29, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(quantize(z, 0.25), torch.round(z / 0.25).to(torch.int32))
+    edge = z.clone()
+    edge[0, 0], edge[-1, -1] = -MAX_SYMBOL * 0.25, MAX_SYMBOL * 0.25  # the largest symbols still coded
+    assert int(quantize(edge, 0.25).abs().max()) == MAX_SYMBOL
+    for where in [(0, 0), (18, 13), (-1, -1)]:
+        broken = z.clone()
+        broken[where] = bad * 0.25
+        with pytest.raises(ValueError, match="non-finite values or values beyond"):
+            quantize(broken, 0.25)
+        assert quantize(broken, 0.25, check=False).shape == z.shape  # unchecked: a step no finer passed it
