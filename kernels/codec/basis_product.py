@@ -16,7 +16,7 @@ import torch
 BLOCK_BYTES = 16 << 20  # float32 bytes of one converted block of a half basis on the host
 
 _CONVERTED: ContextVar[dict | None] = ContextVar("kvtc_converted_blocks", default=None)
-_SHARED: ContextVar[dict | None] = ContextVar("kvtc_shared_projections", default=None)
+_SHARED: ContextVar[tuple[dict, int | None] | None] = ContextVar("kvtc_shared_projections", default=None)
 
 
 @contextmanager
@@ -33,16 +33,18 @@ def converted_blocks() -> Iterator[None]:
 
 
 @contextmanager
-def shared_projections() -> Iterator[None]:
+def shared_projections(held: dict | None = None, max_bytes: int | None = None) -> Iterator[dict]:
     """Within it, a projection onto leading columns of a basis is read from the last, wider projection of the same
     rows onto the same matrix where there is one: a caller coding each chunk at several ratios of one artifact,
     widest first (every ratio's components are leading columns of one held matrix, kernels/codec/held_basis.py),
     projects each chunk once. Each pairing of a width with a row count is first computed both ways and read from
     the wider product only where the two agree bit for bit (a BLAS may sum a narrower product another way: a
-    one-column block is a matrix-vector product), so the codings are the ones made without it."""
-    token = _SHARED.set({})
+    one-column block is a matrix-vector product), so the codings are the ones made without it. held: what an
+    earlier scope kept (the dict it yielded), to go on from it; max_bytes: rows larger than this are not kept."""
+    held = {} if held is None else held
+    token = _SHARED.set((held, max_bytes))
     try:
-        yield
+        yield held
     finally:
         _SHARED.reset(token)
 
@@ -58,12 +60,15 @@ def _root(basis: torch.Tensor) -> torch.Tensor | None:
 
 def _shared(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """project(x, basis) within `shared_projections`, from a wider projection of x where it agrees."""
-    shared, root = _SHARED.get(), _root(basis)
-    if shared is None or root is None:
+    scope, root = _SHARED.get(), _root(basis)
+    if scope is None or root is None:
         return _project(x, basis)
-    key = (root.untyped_storage().data_ptr(), root.storage_offset(), tuple(root.shape), root.dtype, str(root.device))
+    shared, max_bytes = scope
+    key = (root.untyped_storage().data_ptr(), root.storage_offset(), tuple(root.shape), root.stride(), root.dtype,
+           str(root.device))
     k, held = basis.shape[1], shared.get(key)
-    same = held is not None and held[0] is root and held[1].shape == x.shape and held[1].dtype == x.dtype \
+    # the held root keeps its storage alive: a key naming that storage names these values, whatever tensor holds it
+    same = held is not None and held[1].shape == x.shape and held[1].dtype == x.dtype \
         and held[1].device == x.device and torch.equal(held[1], x)
     if same and held[2].shape[1] >= k:
         wide = held[2][:, :k]
@@ -77,7 +82,8 @@ def _shared(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         shared[pairing] = torch.equal(out, wide)
         return out
     out = _project(x, basis)
-    shared[key] = (root, x.clone(), out)  # the root is kept: its memory is not another matrix's meanwhile
+    if max_bytes is None or x.numel() * x.element_size() <= max_bytes:
+        shared[key] = (root, x.clone(), out)
     return out
 
 

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels import KVTCCodec
+from kvtc.kernels.codec.basis_product import shared_projections
 from kvtc.kernels.codec.layers import cached_layers, is_mla, is_uniform
 from kvtc.pipeline.evaluation import baselines as bl
 from kvtc.pipeline.evaluation.eval_settings import EvalSettings
@@ -23,6 +24,9 @@ from kvtc.pipeline.fit.metric import AttentionMetric
 from kvtc.workers import mla
 from kvtc.workers.capture import metric_capture, raw_cache
 from kvtc.workers.full_cache import cache_kwargs
+
+SHARED_ROWS_BYTES = 64 << 20  # a prefix's features up to this size are kept for the next ratio's offline coding
+
 
 @dataclass
 class _Tally:
@@ -135,8 +139,13 @@ def _methods(artifact, settings: EvalSettings, keys, values, sinks: int, window:
     yield "uncompressed", None, bl.Reconstruction("uncompressed", keys.float(), values.float(),
                                                   4 * p * bl.split(keys.shape[2], sinks, window)[1],
                                                   bl.split(keys.shape[2], sinks, window)[1], p)
-    for r in settings.ratios if settings.offline_ratios is None else settings.offline_ratios:
-        yield f"kvtc-{r:g}x", r, bl.run_codec(codecs.codec(r), keys, values)
+    offline = settings.ratios if settings.offline_ratios is None else settings.offline_ratios
+    held: dict = {}  # a ratio's projection of a short prefix, read by the later, narrower ones (its columns)
+    for r in offline:
+        with shared_projections(held, SHARED_ROWS_BYTES if len(offline) > 1 else 0):
+            rec = bl.run_codec(codecs.codec(r), keys, values)
+        yield f"kvtc-{r:g}x", r, rec
+    held.clear()
     if settings.served:  # every ratio's chunks coded side by side, each chunk projected once (served.restore_each)
         for r, rec in chunk_paths({r: codecs.chunk(r) for r in settings.ratios}, keys, values):
             yield rec.method, r, rec

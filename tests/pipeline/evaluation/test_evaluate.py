@@ -237,3 +237,20 @@ def test_ratios_coded_side_by_side_restore_what_each_restores_alone(calibrated, 
         assert torch.equal(rec.keys, k) and torch.equal(rec.values, v) and rec.stored_bytes == stored
     # the narrower ratio's projections read from the wider's, each pairing of width and row count checked once
     assert len(widths) < products_alone
+
+
+def test_the_offline_codec_at_several_ratios_scores_what_each_scores_alone(calibrated, monkeypatch):
+    from kvtc.kernels.codec import basis_product
+    from kvtc.pipeline.evaluation import model_quality
+
+    calls = []
+    project = basis_product._project
+    monkeypatch.setattr(basis_product, "_project", lambda x, b: calls.append(b.shape[1]) or project(x, b))
+    settings = quality.EvalSettings(ratios=(4.0, 8.0), continuation=12, sequences=2, baselines=(), served=False)
+    shared = {r["method"]: r for r in quality.run("tiny", calibrated["registry"], settings)["rows"]}
+    shared_calls, calls[:] = len(calls), []
+    monkeypatch.setattr(model_quality, "SHARED_ROWS_BYTES", 0)  # nothing kept: each ratio projects its own
+    alone = {r["method"]: r for r in quality.run("tiny", calibrated["registry"], settings)["rows"]}
+    assert shared_calls < len(calls)
+    for method in ("kvtc-4x", "kvtc-8x"):
+        assert shared[method] == alone[method]
