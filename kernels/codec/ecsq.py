@@ -329,8 +329,8 @@ def check_capacity(group: EcsqGroup, tokens: int, words: bytes | memoryview, fmt
 
 
 def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None, fmt: str = "constriction",
-                 on_device: bool = False, truncate: bool = False, min_words: int = 0, first: int = 0
-                 ) -> tuple[bytes, bytes]:
+                 on_device: bool = False, truncate: bool = False, min_words: int = 0, first: int = 0,
+                 symbols: list | None = None) -> tuple[bytes, bytes]:
     """z (N, kept) projections -> (words section: step exponent j [and the coded components] then the coded
     symbols, escapes section). max_bytes: the two sections' budget; j is the smallest exponent (step
     2^(j / STEP_GRID)) that fits; never within it, the coarsest tried, for the caller to weigh (a chunk store
@@ -341,10 +341,14 @@ def encode_group(z: torch.Tensor, group: EcsqGroup, max_bytes: int | None = None
     fmt: "rans" or "constriction"; on_device (rans): code with the Triton kernel where z lies, so only the coded
     bytes reach the host. first: the exponent the search starts from, one whose predecessor is known to exceed
     max_bytes (`step_exponent` of the same z fitted within a larger budget: the codec's re-coding after outlier
-    vectors), so the search skips the exponents below it; 0 searches them all."""
+    vectors), so the search skips the exponents below it; 0 searches them all. symbols: where given, a list the
+    coded symbols (N, kept) int32 are appended to, as `decode_group` reads them back (left empty for a truncated
+    coding: read it back)."""
     _check_format(fmt)
     best, size, j, q = _fit_step(z, group, max_bytes, fmt, on_device, None, first)
     if max_bytes is None or not truncate or not q.numel() or (size <= max_bytes and j < TRUNCATE_FROM):
+        if symbols is not None:
+            symbols.append(q)
         return best
     return _fit_components(z, group, max_bytes, fmt, on_device, (best, size, j, q), min_words)
 

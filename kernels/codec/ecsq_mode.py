@@ -63,10 +63,16 @@ class EcsqBlob(BlobCoding):
             full = g.budget_bytes(ctx.spec.ratio, z.shape[0])
             budget = int(full * budget_scale) if ctx.rate_control else None
             first = 0 if ctx.steps is None else ctx.steps.get((si, gi), 0)
+            coded: list | None = None if ctx.symbols is None else []
             with ctx.stage("entropy"):
                 words, escapes = ecsq.encode_group(z, g, budget, ctx.ecsq_format, ctx.entropy_on_device,
                                                    truncate=ctx.truncate, min_words=full // ecsq.TRUNCATED_MIN_SHARE,
-                                                   first=first)
+                                                   first=first, symbols=coded)
+            if ctx.symbols is not None:
+                ctx.symbols.pop((si, gi), None)
+                if coded:  # the step exactly as decode_group derives it from the section
+                    step = g.step * 2.0 ** (ecsq.step_exponent(words) / ecsq.STEP_GRID)
+                    ctx.symbols[(si, gi)] = coded[0], step
             if ctx.steps is not None and budget is not None and len(words) + len(escapes) <= budget \
                     and not ecsq.is_truncated(words):  # fitted: a coding at a smaller budget starts from its step
                 ctx.steps[(si, gi)] = ecsq.step_exponent(words)
@@ -78,6 +84,10 @@ class EcsqBlob(BlobCoding):
                      parts: list) -> Callable[[int, int], list[torch.Tensor]]:
         dev, symbols = ctx.device, []
         for gi, (_, _, g) in enumerate(parts):
+            own = None if ctx.symbols is None else ctx.symbols.get((si, gi))
+            if own is not None:  # this codec's own coding, read back: the symbols it just wrote
+                symbols.append((own[0].to(dev), own[1]))
+                continue
             with ctx.stage("entropy_decode"):
                 symbols.append(ecsq.decode_group_to(data[SectionKey(TAG_ECSQ, si, gi, 0)],
                                                     data[SectionKey(TAG_ESCAPES, si, gi, 0)], mid, g, header.ecsq_format,

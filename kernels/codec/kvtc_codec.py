@@ -301,7 +301,7 @@ class KVTCCodec:
         head, mid, tail = self.split(T, start, plan.sinks)
         ops, mode = resolve_ops(self.backend, dev), plan.mode
         sections, ctx = [], replace(self._context(dev, ops, {} if plan.outliers else None), truncate=plan.truncate,
-                                    steps={} if plan.outliers else None)
+                                    steps={} if plan.outliers else None, symbols={} if plan.outliers else None)
         bd = self.basis_dtype_on(dev, keys.dtype)
         sinks = plan.sink_format if head else CACHE
         for tag, fmt, lo, hi in ((TAG_RAW_HEAD, sinks, 0, head), (TAG_RAW_TAIL, CACHE, T - tail, T)):
@@ -387,6 +387,7 @@ class KVTCCodec:
                                       budget_scale - len(packed) / bound)  # the projections and steps kept
         ctx.projections.clear()
         ctx.steps.clear()
+        ctx.symbols.clear()
         return coded, packed
 
     def on_device(self, dev: torch.device, ops_name: str) -> bool:

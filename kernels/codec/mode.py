@@ -109,6 +109,9 @@ class BlobContext:
     # ECSQ, beside `projections`: (stream index, group) -> the step exponent its last coding fitted, where the codec
     # codes a stream again at a smaller budget (the search starts there: ecsq.encode_group's `first`)
     steps: dict | None = None
+    # ECSQ, where the codec reads its own coding back (the outlier stage): (stream index, group) -> (the symbols
+    # (tokens, kept) int32 its last coding wrote, their step), the values a reader decodes from its sections
+    symbols: dict | None = None
 
 
 class ResidentCoder(Protocol):

@@ -143,3 +143,22 @@ def test_the_serving_integrations_take_the_outlier_factor_and_null_turns_it_off(
     kv = torch.stack([x.permute(0, 2, 1, 3).reshape(2, 40, 16) for x in (keys, values)])
     assert read_blob(on.default.encode(kv, start=16))[0].outliers
     assert not read_blob(off.default.encode(kv, start=16))[0].outliers
+
+
+@pytest.mark.parametrize("fmt", ["rans", "constriction"])
+def test_the_outlier_stage_reads_the_symbols_it_wrote_as_a_reader_decodes_them(monkeypatch, fmt):
+    from helpers.ecsq_synthetic import synthetic_ecsq_spec
+
+    from kvtc.kernels.codec import ecsq
+
+    spec = synthetic_ecsq_spec(2, 2, 8, 4.0, sinks=2, window=3)
+    keys, values = _cache_with_sinks_mid_sequence(spec, 40)
+    codec = KVTCCodec(spec, ecsq_format=fmt)
+    decoded = []
+    decode = ecsq.decode_group_to
+    monkeypatch.setattr(ecsq, "decode_group_to", lambda *a, **k: decoded.append(1) or decode(*a, **k))
+    held = codec.encode(keys, values)
+    assert read_blob(held)[0].outliers and not decoded  # the coded middle not decoded again to find them
+    encode = ecsq.encode_group
+    monkeypatch.setattr(ecsq, "encode_group", lambda *a, symbols=None, **k: encode(*a, **k))  # nothing handed back
+    assert codec.encode(keys, values) == held and decoded  # read back from the sections: the same blob
