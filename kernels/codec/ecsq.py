@@ -39,6 +39,7 @@ from kvtc.artifacts.blocks import ecsq_budget_bytes
 from kvtc.artifacts.groups import FeatureGroup
 from kvtc.kernels.codec import rans
 from kvtc.kernels.codec.blob import BlobError
+from kvtc.kernels.codec.extremes import within
 
 MAX_SYMBOL = 1 << 30
 PROBABILITY_TOTAL = 1 << 20
@@ -178,17 +179,10 @@ def quantize(z: torch.Tensor, step: float, check: bool = True) -> torch.Tensor:
     """z (N, kept) float -> symbols (N, kept) int32; ValueError for non-finite or absurdly large values (check:
     False where the same z passed at a step no larger)."""
     q = torch.round(z.float() / step)
-    if check and q.numel() and not _within(q, MAX_SYMBOL):
+    if check and not within(q, MAX_SYMBOL):
         raise ValueError("the cache holds non-finite values or values beyond 2^30 quantizer steps; "
                          "ECSQ cannot code them (check the model's numerics, or use mode='fixed')")
     return q.to(torch.int32)
-
-
-def _within(q: torch.Tensor, bound: float) -> bool:
-    """Whether every value of q is finite and at most `bound` in magnitude, in one min/max pass (NaN propagates)."""
-    lo, hi = torch.aminmax(q)
-    lo, hi = float(lo), float(hi)
-    return math.isfinite(lo) and math.isfinite(hi) and -bound <= lo and hi <= bound
 
 
 def dequantize(q: torch.Tensor, step: float, offsets: torch.Tensor) -> torch.Tensor:

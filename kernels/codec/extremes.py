@@ -9,6 +9,8 @@ reach EXTREME and are not scanned.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 EXTREME = 1e30  # x RoPE (1.42) x any projection of up to 1e8 features stays below float32's 3.4e38
@@ -17,12 +19,17 @@ EXTREME = 1e30  # x RoPE (1.42) x any projection of up to 1e8 features stays bel
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every value of `x` is finite, in one min/max pass (NaN propagates through both, an infinity is one of
     them): 30x faster than an elementwise isfinite on a bf16 chunk on the host; float8 is read as bfloat16."""
+    return within(x, math.inf)
+
+
+def within(x: torch.Tensor, bound: float) -> bool:
+    """Whether every value of `x` is finite and at most `bound` in magnitude, in the same one min/max pass."""
     if not x.numel() or not x.is_floating_point():
         return True
     if x.element_size() == 1:
         x = x.to(torch.bfloat16)
-    lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    return math.isfinite(lo) and math.isfinite(hi) and -bound <= lo and hi <= bound
 
 
 def beyond(x: torch.Tensor) -> bool:
