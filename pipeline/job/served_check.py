@@ -2,10 +2,10 @@
 scored through the offline codec and through the chunk path the servers use (kvtc.pipeline.evaluation.served),
 so the report and the manifest's metrics say what serving will cost (splits "served-offline", "served-chunk":
 perplexity ratio, KL, stored ratio per CR) and the --json summary carries them (`ratios[].served`). One more
-sequence is scored at the longest context the model, the held-out text and the driver's memory allow (split
-"served-chunk-long" at every ratio, "served-offline-long" at the middle one, with its "prefix" tokens;
-kvtc.pipeline.evaluation.long_context), and
-its error by position through the codec extends charts/error_by_position.png across that context. That window also
+sequence, the long window, is scored at the longest context the model, the held-out text and the driver's memory
+allow, up to served_prep.LONG_TOKENS (the default calibration's 4,096: a bounded cost) (split "served-chunk-long" at
+every ratio, "served-offline-long" at the middle one, with its "prefix" tokens; kvtc.pipeline.evaluation.long_context),
+and its error by position through the codec extends charts/error_by_position.png across that context. That window also
 carries the job's slice of the retrieval suite: served_prep.NEEDLES 7-digit needles planted at evenly spread depths of its
 prefix (kvtc.pipeline.evaluation.needle_window), each asked after the prefix through the raw cache and the chunk
 path at every ratio (metrics "needles", "needles_raw" and their Wilson interval in split "served-chunk-long"), for
@@ -198,7 +198,7 @@ def _long_sequence(lm: Any, art: Any, settings: EvalSettings, prepared: LongRaw,
                    ) -> dict:
     """The held-out window at the longest context that fits (its raw half: served_prep.prepare), with its needles
     planted in its prefix (needle_window), scored through the chunk path at every ratio and through the offline codec
-    at the middle one (coding 8K tokens costs about 25 s per ratio and path on this CPU), with the codec's error by
+    at the middle one (coding 4K tokens costs about 10 s per ratio and path on a 2-core CPU), with the codec's error by
     position over it at that ratio, and each needle asked through the chunk path at every ratio (the raw cache's
     answers came with the raw half) -> {"prefix", "rows", "positions", "needles"}."""
     planted, raw = prepared.planted, prepared.raw

@@ -24,6 +24,10 @@ from kvtc.workers import models
 
 NEEDLES = 8  # needles planted in the long window, each asked through the raw cache and the chunk path at every ratio
 SERVED_TOKENS = 1024  # the scored sequences' tokens (prefix, continuation, one): a longer calibration's first ones
+# the long window's most tokens: the default calibration's sequence length. The window is coded through every path at
+# every ratio, a cost linear in its tokens (the embedded model's whole 8K context: 81 s of a 2-core CPU, 4K: 42 s);
+# `kvtc eval --prefix` and `--tasks --lengths` measure any longer context
+LONG_TOKENS = 4096
 
 
 class Cancelled(Exception):
@@ -63,6 +67,11 @@ def scored_tokens(seq_len: int) -> int:
     return min(int(seq_len or SERVED_TOKENS), SERVED_TOKENS)
 
 
+def long_limit(lm: Any, heldout: list[np.ndarray]) -> int:
+    """The long window's most tokens: the model's context, the held-out text and LONG_TOKENS, whichever is least."""
+    return min(int(lm.max_positions or LONG_TOKENS), sum(len(s) for s in heldout), LONG_TOKENS)
+
+
 def plant_needles(tokenizer: Any, held: list[int], length: int, prefix: int) -> PlantedWindow | None:
     """NEEDLES needles planted in the first `prefix` tokens of held[:length], halving where a short window (a tiny
     model's) holds fewer -> the planted window, or None where none fits."""
@@ -78,8 +87,8 @@ def plant_needles(tokenizer: Any, held: list[int], length: int, prefix: int) -> 
 def prepare(lm: Any, heldout: list[np.ndarray], count: int, continuation: int, seq_len: int,
             free: int | None = None, seconds: dict | None = None) -> tuple[list[RawPrefix], LongRaw | None]:
     """The raw half for the held-out sequences `heldout` (in plan order): the first `count`, each cut to
-    `scored_tokens(seq_len)`, and the long window (long_context.longest_window within `free` bytes, default the
-    node's now) -> (their RawPrefix, the long window's LongRaw or None)."""
+    `scored_tokens(seq_len)`, and the long window (long_context.longest_window of at most LONG_TOKENS, within `free`
+    bytes, default the node's now) -> (their RawPrefix, the long window's LongRaw or None)."""
     seconds = {} if seconds is None else seconds
     t0 = time.perf_counter()
     length = scored_tokens(seq_len)
@@ -88,8 +97,7 @@ def prepare(lm: Any, heldout: list[np.ndarray], count: int, continuation: int, s
         raise ValueError(f"the held-out text holds no sequence of {length} tokens to score")
     seconds["raw_score"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    limit = int(lm.max_positions or sum(len(s) for s in heldout))
-    held = [int(t) for s in heldout for t in s][:limit]
+    held = [int(t) for s in heldout for t in s][:long_limit(lm, heldout)]
     window = longest_window(lm, len(held), free_bytes() if free is None else free, length)
     if window is None:
         return seqs, None
@@ -180,7 +188,7 @@ class ServedPrep:
             done.seconds["compile"] = time.perf_counter() - t1
             if self.source is not None:
                 self.heldout = [np.asarray(s) for s in self.source(lm.tokenizer, lm.max_positions)]
-            whole = min(int(lm.max_positions or 0), sum(len(s) for s in self.heldout))
+            whole = long_limit(lm, self.heldout)
             if early and whole:
                 self._reserved = long_bytes(lm, whole)
                 if self._reserved > free_bytes():

@@ -139,3 +139,21 @@ def test_a_deferred_raw_half_gives_its_memory_back_and_runs_when_the_check_asks(
     got = prep.result(2)
     assert not got.early and torch.equal(got.sequences[0].ref, want[0].ref)
     assert torch.equal(got.long.raw.keys, want_long.raw.keys) and got.long.answers == want_long.answers
+
+
+def test_the_long_window_stops_at_long_tokens(monkeypatch):
+    """The long window is the longest the model, the held-out text and memory allow, up to LONG_TOKENS: the check's
+    cost is bounded whatever the model's context (the embedded model's 8K would double it)."""
+    from kvtc.pipeline.job import served_prep
+
+    lm = models.load_model("tiny:llama")
+    gen = torch.Generator().manual_seed(5)
+    heldout = [torch.randint(5, 500, (128,), generator=gen).numpy() for _ in range(3)]
+    _, whole = prepare(lm, heldout, 1, 12, 128, free=1 << 40)
+    assert whole.length == served_prep.long_limit(lm, heldout) == min(lm.max_positions, 384)
+    monkeypatch.setattr(served_prep, "LONG_TOKENS", 256)
+    _, capped = prepare(lm, heldout, 1, 12, 128, free=1 << 40)
+    assert capped.length == 256 and capped.raw.prefix == 256 - 12 - 1
+    assert capped.raw.keys.shape[2] == capped.raw.prefix < whole.raw.prefix
+    monkeypatch.setattr(served_prep, "LONG_TOKENS", 128)  # not longer than the scored sequences: no long window
+    assert prepare(lm, heldout, 1, 12, 128, free=1 << 40)[1] is None
