@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--haystack", default=None, help="heldout (the artifact's held-out text) or a corpus spec (default: pydoc)")
     ap.add_argument("--mode", choices=("ecsq", "fixed"), default=None)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--all-cells", action="store_true", help="code cells the raw model cannot do too")
     ap.add_argument("--out", default=None, help="write long_context_tasks.json and .png here")
     a = ap.parse_args()
 
@@ -74,7 +75,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     result = run_tasks(a.artifact, a.registry, settings, [float(r) for r in a.ratios.split(",")],
-                       tuple(a.paths.split(",")), a.haystack, mode=a.mode, progress=True)
+                       tuple(a.paths.split(",")), a.haystack, mode=a.mode, progress=True, all_cells=a.all_cells)
     wall = time.perf_counter() - t0
     print(f"\n{result['artifact']} ({result['model']}) on {result['haystack']}, paths "
           f"{','.join(result['settings']['paths'])}, mode {result['settings']['mode']}: {wall:.0f} s in all "

@@ -110,7 +110,7 @@ def _tasks_handler(args: argparse.Namespace) -> int:
     from kvtc.pipeline.operations.quality import run_tasks
 
     result = run_tasks(args.artifact, args.registry, settings, ratios, paths, args.haystack, args.model, args.dtype,
-                       args.mode, progress=True if args.progress else None)
+                       args.mode, progress=True if args.progress else None, all_cells=args.all_cells)
     if args.chart:
         os.makedirs(os.path.dirname(os.path.abspath(args.chart)), exist_ok=True)
         with open(args.chart, "wb") as f:
@@ -119,7 +119,9 @@ def _tasks_handler(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, sort_keys=True))
         return 0
     print(f"{result['artifact']} ({result['model']}) on {result['haystack']}: {settings.samples} samples per task "
-          f"and length, greedy answers from the raw cache and through {', '.join(result['settings']['paths'])}\n")
+          f"and length, greedy answers from the raw cache and through {', '.join(result['settings']['paths'])}"
+          + ("" if args.all_cells else " where the raw model can do the cell (raw >= 50%; --all-cells: every cell)")
+          + "\n")
     print(task_table(result["rows"]))
     if args.chart:
         print(f"\nchart: {args.chart}")
@@ -157,6 +159,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "prose)")
     t.add_argument("--paths", default=",".join(TASK_PATHS), help="served paths: offline (KVTCCodec), chunk (as "
                    "kvtc lmcache-server stores it), cache (the live KVTCCache); default all")
+    t.add_argument("--all-cells", action="store_true", help="code every cell through the paths, also where the raw "
+                   "model is below 50%% (default: such cells show the raw cache only)")
     t.add_argument("--chart", default=None, help="write accuracy against context length here (PNG)")
     t.add_argument("--progress", action="store_true", help="a progress bar even when stderr is not a terminal")
     p.set_defaults(func=_handler)

@@ -15,7 +15,8 @@ Decoding feeds the prompt's last token on the restored cache, then each argmax, 
 tokens; it stops early at an end-of-sequence token or once the answer is settled (`TaskSample.settled`): correct,
 or (copy) wrong beyond repair. `task_rows` reports per task x length x path x ratio the correct count, the accuracy,
 its 95% Wilson interval and the raw cache's accuracy beside it; a cell whose raw accuracy is below 50% carries the
-note "raw model cannot do this" (its served figure says nothing of the codec). `task_chart` draws accuracy against
+note "raw model cannot do this" (its served figure says nothing of the codec, so by default no path codes such a
+cell: `score_tasks` answers each cell from the raw cache first, coding is most of the suite's cost). `task_chart` draws accuracy against
 context length, one panel per task, one line per path and ratio and the raw cache (RULER's figure).
 """
 from __future__ import annotations
@@ -40,6 +41,8 @@ PATHS = ("offline", "chunk", "cache")
 RAW = "raw"
 CANNOT = "raw model cannot do this"
 Z95 = 1.959963984540054
+NOT_SCORED = "served paths not scored"
+KEEP_BYTES = 1 << 31  # prefilled caches a cell keeps for its paths
 
 
 @dataclass(frozen=True)
@@ -149,44 +152,77 @@ def greedy(lm: Any, cache: Any, last: int, sample: TaskSample, eos: set[int]) ->
     return out, text
 
 
-def score_tasks(lm: Any, samples: Sequence[TaskSample], paths: Sequence[CachePath], progress: bool | None = None
-                ) -> list[dict]:
+def score_tasks(lm: Any, samples: Sequence[TaskSample], paths: Sequence[CachePath], progress: bool | None = None,
+                all_cells: bool = False, keep_bytes: int = KEEP_BYTES) -> list[dict]:
     """Each sample decoded from the raw cache and through each path -> one record per (sample, path): task, length,
     index, depth, placed, path ("raw" for the raw cache), ratio, tokens (generated ids), text, correct, seconds (the
-    path's restore and decoding; raw: the prefill and decoding). progress: a tqdm bar (None: on a terminal)."""
+    path's restore and decoding; raw: the prefill and decoding). progress: a tqdm bar (None: on a terminal).
+
+    Cell by cell (task x length, in the samples' order): the raw cache answers every sample first; the paths then
+    answer the cell's samples only where the raw model can do it (raw accuracy >= 50%) unless `all_cells`: elsewhere
+    a served answer says nothing about the codec, and coding is most of the suite's cost. Prefilled caches of a cell
+    are kept for its paths up to `keep_bytes` in all; a sample past it is prefilled again."""
     eos = _eos(lm)
-    records = []
+    records: list[dict] = []
+    cells: dict[tuple[str, int], list[TaskSample]] = {}
+    for s in samples:
+        if len(s.prompt) + s.max_new > lm.max_positions:
+            raise ValueError(f"length {s.length}: a {s.task} prompt of {len(s.prompt)} tokens and its {s.max_new} "
+                             f"answer tokens exceed the model's context of {lm.max_positions} positions")
+        cells.setdefault((s.task, s.length), []).append(s)
     bar = tqdm(total=len(samples) * (1 + len(paths)), desc="kvtc eval: tasks", unit="decode",
                disable=None if progress is None else not progress)
+
+    def prefill(s: TaskSample) -> tuple:
+        ids = torch.tensor([s.prompt[:-1]], dtype=torch.long, device=lm.device)
+        keys, values = raw_cache(lm, ids)
+        return keys, values, prefix_state(lm, ids, keys, values)  # sliding / no-KV layers: from the model's own cache
+
     try:
-        for s in samples:
-            if len(s.prompt) + s.max_new > lm.max_positions:
-                raise ValueError(f"length {s.length}: a {s.task} prompt of {len(s.prompt)} tokens and its {s.max_new} "
-                                 f"answer tokens exceed the model's context of {lm.max_positions} positions")
-            t0 = time.perf_counter()
-            ids = torch.tensor([s.prompt[:-1]], dtype=torch.long, device=lm.device)
-            keys, values = raw_cache(lm, ids)
-            state = prefix_state(lm, ids, keys, values)  # sliding / no-KV layers: from the model's own cache
-            base = dict(task=s.task, length=s.length, index=s.index, depth=s.depth, placed=s.placed)
-            tokens, text = greedy(lm, _cache(lm.model, keys, values, state), s.prompt[-1], s, eos)
-            records.append({**base, "path": RAW, "ratio": None, "tokens": tokens, "text": text,
-                            "correct": s.correct(text), "seconds": time.perf_counter() - t0})
-            bar.update()
-            for p in paths:
+        for (task, length), group in cells.items():
+            kept: dict[int, tuple] = {}
+            held = 0
+            raw_correct = 0
+            for s in group:
                 t0 = time.perf_counter()
-                if p.restore is not None:
-                    k, v = p.restore(keys, values)
-                    cache = _cache(lm.model, k, v, state)
-                else:
-                    cache = p.live(lm.model.config, keys, values)
-                tokens, text = greedy(lm, cache, s.prompt[-1], s, eos)
-                records.append({**base, "path": p.name, "ratio": p.ratio, "tokens": tokens, "text": text,
-                                "correct": s.correct(text), "seconds": time.perf_counter() - t0})
+                keys, values, state = prefill(s)
+                tokens, text = greedy(lm, _cache(lm.model, keys, values, state), s.prompt[-1], s, eos)
+                ok = s.correct(text)
+                raw_correct += ok
+                records.append({**_base(s), "path": RAW, "ratio": None, "tokens": tokens, "text": text,
+                                "correct": ok, "seconds": time.perf_counter() - t0})
+                size = 2 * (keys.nbytes + values.nbytes)  # the state of models whose layers differ: as much again
+                if paths and held + size <= keep_bytes:
+                    kept[id(s)], held = (keys, values, state), held + size
                 bar.update()
-            bar.set_postfix_str(f"{s.task} {s.length}")
+                bar.set_postfix_str(f"{task} {length} raw")
+            if not paths:
+                continue
+            if not (all_cells or raw_correct >= 0.5 * len(group)):
+                bar.total -= len(group) * len(paths)
+                bar.refresh()
+                continue
+            for s in group:
+                keys, values, state = kept.pop(id(s), None) or prefill(s)
+                for p in paths:
+                    t0 = time.perf_counter()
+                    if p.restore is not None:
+                        k, v = p.restore(keys, values)
+                        cache = _cache(lm.model, k, v, state)
+                    else:
+                        cache = p.live(lm.model.config, keys, values)
+                    tokens, text = greedy(lm, cache, s.prompt[-1], s, eos)
+                    records.append({**_base(s), "path": p.name, "ratio": p.ratio, "tokens": tokens, "text": text,
+                                    "correct": s.correct(text), "seconds": time.perf_counter() - t0})
+                    bar.update()
+                bar.set_postfix_str(f"{task} {length} served")
     finally:
         bar.close()
     return records
+
+
+def _base(s: TaskSample) -> dict:
+    return dict(task=s.task, length=s.length, index=s.index, depth=s.depth, placed=s.placed)
 
 
 def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -202,10 +238,12 @@ def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
 def task_rows(records: Sequence[dict]) -> list[dict]:
     """Records -> one row per task x length x path x ratio (the raw cache first in each task x length): task,
     length, path, ratio, correct, samples, accuracy, ci_low, ci_high (95% Wilson), raw_accuracy, raw_can (the raw
-    model's accuracy >= 50%), note ("raw model cannot do this" where it is not), seconds (per sample)."""
+    model's accuracy >= 50%), note ("raw model cannot do this" where it is not; on the raw row, "served paths not
+    scored" where no path answered the cell: `score_tasks` without all_cells), seconds (per sample)."""
     cells: dict[tuple, list[dict]] = {}
     for r in records:
         cells.setdefault((r["task"], r["length"], r["path"], r["ratio"]), []).append(r)
+    served = {(t, n) for (t, n, p, _) in cells if p != RAW}
     raw = {(t, n): sum(r["correct"] for r in rs) / len(rs) for (t, n, p, _), rs in cells.items() if p == RAW}
     order = {t: i for i, t in enumerate(dict.fromkeys(r["task"] for r in records))}
     paths = {p: i for i, p in enumerate(dict.fromkeys(r["path"] for r in records))}
@@ -218,7 +256,8 @@ def task_rows(records: Sequence[dict]) -> list[dict]:
         can = base is not None and base >= 0.5
         rows.append({"task": task, "length": length, "path": path, "ratio": ratio, "correct": k, "samples": n,
                      "accuracy": k / n, "ci_low": lo, "ci_high": hi, "raw_accuracy": base, "raw_can": can,
-                     "note": "" if can else CANNOT, "seconds": sum(r["seconds"] for r in rs) / n})
+                     "note": "" if can else CANNOT if path != RAW or (task, length) in served else
+                     f"{CANNOT}: {NOT_SCORED}", "seconds": sum(r["seconds"] for r in rs) / n})
     return rows
 
 

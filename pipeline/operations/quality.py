@@ -99,10 +99,11 @@ def haystack_texts(haystack: str | None, art: Any = None, lm: Any = None):
 
 def run_tasks(name: str, registry: str | None, settings: TaskSettings, ratios: Sequence[float] = (8.0, 16.0, 32.0),
               paths: Sequence[str] = PATHS, haystack: str | None = None, model: str | None = None,
-              dtype: str | None = None, mode: str | None = None, progress: bool | None = None) -> dict:
+              dtype: str | None = None, mode: str | None = None, progress: bool | None = None,
+              all_cells: bool = False) -> dict:
     """The retrieval task suite on an artifact (module docstring): pull it, load its model, generate the samples
     on `haystack` (a corpus spec, "heldout": the artifact's held-out text; None: Python's documentation prose), decode each through the raw cache and each
-    of `paths` at each ratio -> {"artifact", "model", "haystack", "settings", "rows" (task_suite.task_rows),
+    of `paths` at each ratio (only in the cells the raw model can do unless `all_cells`: task_suite.score_tasks) -> {"artifact", "model", "haystack", "settings", "rows" (task_suite.task_rows),
     "records" (one per sample and path: its generation and whether it is correct)}."""
     check_ratios(tuple(ratios), "kvtc eval: ")
     art, lm = _artifact_model(name, registry, model, dtype)
@@ -111,11 +112,11 @@ def run_tasks(name: str, registry: str | None, settings: TaskSettings, ratios: S
     samples = generate(lm.tokenizer, settings, haystack_texts(haystack, art, lm), haystack or DEFAULT_HAYSTACK)
     uniform = not lm.layers or is_uniform(lm.layers)
     cache_paths = served_paths(art, [float(r) for r in ratios], paths, mode, uniform)
-    records = score_tasks(lm, samples, cache_paths, progress)
+    records = score_tasks(lm, samples, cache_paths, progress, all_cells=all_cells)
     return {"artifact": f"{art.name}@{art.version}", "model": spec, "haystack": haystack or DEFAULT_HAYSTACK,
             "settings": {"tasks": list(settings.tasks), "lengths": list(settings.lengths),
                          "samples": settings.samples, "depths": None if settings.depths is None else
                          list(settings.depths), "seed": settings.seed, "ratios": [float(r) for r in ratios],
                          "paths": sorted({p.name for p in cache_paths}, key=list(PATHS).index),
-                         "mode": mode or ("ecsq" if art.ecsq_ratios() else "fixed")},
+                         "mode": mode or ("ecsq" if art.ecsq_ratios() else "fixed"), "all_cells": all_cells},
             "rows": task_rows(records), "records": records}

@@ -148,8 +148,12 @@ def test_a_tiny_model_runs_every_served_path_and_the_command_prints_the_table_an
     from kvtc.pipeline import cli
 
     chart = tmp_path / "out" / "tasks.png"
-    rc = cli.main(["eval", "tiny-tasks", "--registry", calibrated, "--tasks", "niah,kv", "--lengths", "256",
-                   "--samples", "1", "--ratios", "4", "--chart", str(chart)])
+    argv = ["eval", "tiny-tasks", "--registry", calibrated, "--tasks", "niah,kv", "--lengths", "256", "--samples", "1",
+            "--ratios", "4"]
+    assert cli.main(argv) == 0  # by default a cell the raw model cannot do is answered from the raw cache only
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("niah ", "kv "))]
+    assert [w[2] for w in lines] == ["raw", "raw"] and all("served paths not scored" in " ".join(w) for w in lines)
+    rc = cli.main([*argv, "--all-cells", "--chart", str(chart)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -181,10 +185,15 @@ def test_an_identity_path_scores_exactly_the_raw_cache_on_a_tiny_model():
 
     lm = load_model("tiny:llama", device="cpu")
     samples = generate(lm.tokenizer, TaskSettings(tasks=("vt", "copy"), lengths=(256,), samples=2))
-    records = score_tasks(lm, samples, [IDENTITY], progress=False)
+    records = score_tasks(lm, samples, [IDENTITY], progress=False, all_cells=True)
     raw = [r for r in records if r["path"] == "raw"]
     same = [r for r in records if r["path"] == "identity"]
     assert [r["tokens"] for r in same] == [r["tokens"] for r in raw] and all(r["tokens"] for r in raw)
+    again = score_tasks(lm, samples, [IDENTITY], progress=False, all_cells=True, keep_bytes=0)  # prefilled again
+    assert [(r["path"], r["index"], r["tokens"]) for r in again] == [(r["path"], r["index"], r["tokens"]) for r in records]
+    alone = score_tasks(lm, samples, [IDENTITY], progress=False)  # a random model can do no cell: raw answers only
+    assert [(r["path"], r["tokens"]) for r in alone] == [("raw", r["tokens"]) for r in raw]
+    assert all("served paths not scored" in r["note"] for r in task_rows(alone))
     rows = task_rows(records)
     assert {(r["task"], r["path"]) for r in rows} == {(t, p) for t in ("vt", "copy") for p in ("raw", "identity")}
     assert "raw model cannot do this" in task_table(rows)
