@@ -46,10 +46,12 @@ DEFAULT_CHUNK = 64
 class _CodedStore:
     """The coded chunks of a cache, shared by its layers, and the per-forward decode of each group."""
 
-    def __init__(self, coder: CoefficientCoder) -> None:
+    def __init__(self, coder: CoefficientCoder, hold_decoded: bool = False) -> None:
         self.coder = coder
         self.chunks: list[CodedTokens] = []
         self._z: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.hold_decoded = hold_decoded
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> its decoded coded tokens
         self._fixed: CoefficientCoder | None = coder if coder.coding.sizes.fallback is None else None
 
     def fixed(self) -> CoefficientCoder:
@@ -80,17 +82,24 @@ class _CodedStore:
     def add(self, chunk: CodedTokens) -> None:
         self.chunks.append(chunk)
         self._z.clear()
+        self._held.clear()
 
     def select_batch(self, index: torch.Tensor) -> None:
         self.chunks = [c.select_batch(index) for c in self.chunks]
         self._z.clear()
+        self._held.clear()
 
     def clear(self) -> None:
         self.chunks.clear()
         self._z.clear()
+        self._held.clear()
 
     def layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Coded tokens of `layer` -> keys, values (B, H, coded tokens, D) in `dtype`."""
+        """Coded tokens of `layer` -> keys, values (B, H, coded tokens, D) in `dtype` (held until more tokens are
+        coded where `hold_decoded`)."""
+        held = self._held.get(layer)
+        if held is not None and held[0].dtype == dtype:
+            return held
         groups = [gi for gi, _, _ in self.coder.layer_parts[layer]]
         out = []
         for stream in ("keys", "values"):
@@ -104,6 +113,8 @@ class _CodedStore:
             for gi in groups:
                 if layer == max(self.coder.spec.streams["keys"][gi].group.layers):
                     del self._z[(stream, gi)]
+        if self.hold_decoded:
+            self._held[layer] = out[0], out[1]
         return out[0], out[1]
 
 
@@ -198,6 +209,8 @@ class KVTCCache(Cache):
     codec: a KVTCCodec (its artifact and ratio set the basis, the allocation, sinks and window).
     config: the model's config (shapes are checked against the artifact here, not at first use).
     window / sinks: override the artifact's; chunk: tokens coded together (>= 1).
+    hold_decoded: keep each layer's decoded coded tokens from one forward to the next until more tokens are coded
+    (the same outputs, decoded once instead of at every step, at a raw cache's memory: for scoring, not serving).
     The coded chunks follow the codec's mode (`codec.mode`, and `codec.rate_control` for ECSQ).
     Batches code every row with positions = cache index. With a RoPE-removed artifact, a forward whose
     position_ids differ from the cache index (a left-padded batch: per-row positions) is refused with
@@ -206,7 +219,7 @@ class KVTCCache(Cache):
     """
 
     def __init__(self, codec: KVTCCodec, config: Any, *, window: int | None = None, sinks: int | None = None,
-                 chunk: int = DEFAULT_CHUNK, backend: str | None = None) -> None:
+                 chunk: int = DEFAULT_CHUNK, backend: str | None = None, hold_decoded: bool = False) -> None:
         if not isinstance(codec, KVTCCodec):
             raise TypeError(f"KVTCCache(codec, config=...): codec must be a KVTCCodec, got {type(codec).__name__}")
         spec = codec.spec
@@ -221,7 +234,7 @@ class KVTCCache(Cache):
         full = [i for i, kind in enumerate(spec_kinds(spec)) if kind in ("full", "mla")]
         coded = spec if full == list(range(spec.num_layers)) else restrict(spec, full)
         self.store = _CodedStore(CoefficientCoder(coded, backend or codec.backend, codec.coding, codec.rate_control,
-                                                    codec.ecsq_format, codec.basis_dtype))
+                                                    codec.ecsq_format, codec.basis_dtype), hold_decoded)
         own = DynamicCache(config=config).layers if full != list(range(spec.num_layers)) else []
         local = {layer: j for j, layer in enumerate(full)}
         layers = [KVTCCacheLayer(local[i], self.sinks, self.store) if i in local else own[i]

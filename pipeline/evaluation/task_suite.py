@@ -9,7 +9,8 @@ Paths (`served_paths`), each at every ratio of an artifact:
 - chunk    256-token chunks as `kvtc lmcache-server` and the vLLM tier store them (`ChunkTransform`,
            kvtc.pipeline.evaluation.served.chunk_path: bf16, the first chunk's sinks raw, no recent window);
 - cache    the live `KVTCCache` (kvtc.kernels.integrations.kvtc_cache) given the prompt's cache as one prefill: it
-           codes all but its recent window and keeps coding while the answer is generated.
+           codes all but its recent window and keeps coding while the answer is generated (`hold_decoded`: its
+           coded tokens decoded once per coding instead of at every step, the same answers).
 
 Decoding feeds the prompt's last token on the restored cache, then each argmax, up to the sample's `max_new`
 tokens; it stops early at an end-of-sequence token or once the answer is settled (`TaskSample.settled`): correct,
@@ -112,7 +113,7 @@ def _live(codec: Any) -> Callable:
     def build(config: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
         from kvtc.kernels.integrations.kvtc_cache import KVTCCache  # noqa: PLC0415 - the integration on first use
 
-        cache = KVTCCache(codec, config=config)
+        cache = KVTCCache(codec, config=config, hold_decoded=True)  # decoded once per coding, not per step
         for layer in range(keys.shape[0]):  # one prefill: every layer's update, the last one codes
             cache.update(keys[layer][None].contiguous(), values[layer][None].contiguous(), layer)
         return cache

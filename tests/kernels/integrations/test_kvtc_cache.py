@@ -63,6 +63,28 @@ def test_forward_loop_matches_dynamic_cache(arch):
     assert cache.resident_bytes() < 0.6 * dynamic
 
 
+def test_held_decodes_give_the_same_logits_and_decode_once_per_coding(monkeypatch):
+    """hold_decoded keeps each layer's decoded coded tokens between forwards: bit-equal logits through steps that
+    code new chunks (chunk=4, window 5) and steps that do not, one decode per layer per coding."""
+    model = build_tiny("llama")
+    ids = torch.randint(3, 2000, (1, 23), generator=torch.Generator().manual_seed(4))
+    codec = KVTCCodec(near_lossless_spec(model))
+    decodes = []
+    real = CoefficientCoder.decode_layer
+    monkeypatch.setattr(CoefficientCoder, "decode_layer", lambda self, *a, **k: decodes.append(a[3]) or real(self, *a, **k))
+    with torch.no_grad():
+        want_tokens, want = greedy_loop(model, KVTCCache(codec, config=model.config, chunk=4), ids, 9)
+        every = len(decodes)
+        decodes.clear()
+        held = KVTCCache(codec, config=model.config, chunk=4, hold_decoded=True)
+        got_tokens, got = greedy_loop(model, held, ids, 9)
+    assert got_tokens == want_tokens and torch.equal(got, want)
+    codings = len(held.store.chunks)
+    assert codings >= 3 and held.coded_tokens > 0
+    layers, chunks = model.config.num_hidden_layers, sum(range(1, codings + 1))
+    assert len(decodes) < every and len(decodes) <= 2 * layers * (chunks + codings)
+
+
 def test_generate_with_kvtc_cache_batch_and_per_layer_groups():
     model = build_tiny("llama")
     ids = torch.randint(3, 2000, (2, 17), generator=torch.Generator().manual_seed(2))
