@@ -23,15 +23,21 @@ def caption(text: str | None) -> Iterator[None]:
         _CAPTION.reset(token)
 
 
-def figure(ncols: int):
-    """(pyplot, figure, axes row) of `ncols` side-by-side charts on the Agg backend."""
+def figure(ncols: int, per_row: int | None = None):
+    """(pyplot, figure, axes) of `ncols` charts on the Agg backend, side by side, or in rows of `per_row` (the
+    axes in reading order; the last row's unused cells hidden)."""
     import matplotlib  # noqa: PLC0415 - loaded on the first chart: commands that draw nothing never load it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415 - after matplotlib.use("Agg")
 
-    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 3.8), squeeze=False)
-    return plt, fig, axes[0]
+    cols = min(ncols, per_row or ncols)
+    rows = -(-ncols // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[ncols:]:
+        ax.set_visible(False)
+    return plt, fig, flat[:ncols]
 
 
 def png(plt, fig) -> bytes:

@@ -280,7 +280,7 @@ def task_chart(rows: Sequence[dict], title: str = "") -> bytes:
     """PNG: accuracy against context length, one panel per task; one line per path and ratio (colour by ratio,
     style by path) and the raw cache (black); cells where the raw model cannot do the task (raw < 50%) shaded."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    plt, fig, axes = charts.figure(len(tasks))
+    plt, fig, axes = charts.figure(len(tasks), per_row=3)
     ratios = sorted({r["ratio"] for r in rows if r["ratio"] is not None})
     colours = plt.get_cmap("viridis")
     styles = {"offline": "-", "chunk": "--", "cache": ":"}
