@@ -335,7 +335,8 @@ def _leaks(secret: Sequence[str], texts: Iterable[str]) -> bool:
 
 def _passage(rng: random.Random, hay: Haystack, tokenizer: Any, avoid: tuple[int, int]) -> str | None:
     """A passage of COPY_TOKENS haystack tokens outside the window `avoid`, cut to whole words; None where the pool
-    holds no room outside the window."""
+    holds no room outside the window, "" where the drawn span holds fewer than 5 whole words (code, tables: draw
+    again)."""
     n = len(hay.ids)
     free = [(0, avoid[0]), (avoid[1], n)]
     free = [(a, b) for a, b in free if b - a >= COPY_TOKENS + 2]
@@ -345,7 +346,7 @@ def _passage(rng: random.Random, hay: Haystack, tokenizer: Any, avoid: tuple[int
     start = rng.randrange(a, b - COPY_TOKENS - 1)
     words = tokenizer.decode(list(hay.ids[start:start + COPY_TOKENS + 2])).replace('"', "'").split()
     words = words[1:-1]  # the first and last words may be cut
-    return " ".join(words) if len(words) >= 5 else None
+    return " ".join(words) if len(words) >= 5 else ""
 
 
 def make_sample(task: str, tokenizer: Any, hay: Haystack | None, length: int, depth: float, index: int,
@@ -363,8 +364,10 @@ def make_sample(task: str, tokenizer: Any, hay: Haystack | None, length: int, de
         if task == "copy":
             size_guess = length  # the window is at most the prompt; the passage comes from outside it
             offset_guess = rng.randrange(0, max(1, len(hay.ids) - size_guess + 1))
-            passage = _passage(rng, hay, tokenizer, (offset_guess, offset_guess + size_guess)) or ""
-            if not passage:
+            passage = _passage(rng, hay, tokenizer, (offset_guess, offset_guess + size_guess))
+            if passage == "":
+                continue  # too few words in the drawn span: draw again
+            if passage is None:
                 raise ValueError(f"length {length}: the haystack {hay.source!r} ({len(hay.ids)} tokens) leaves no "
                                  "passage to copy outside the prompt's window; use a shorter length or a larger "
                                  "haystack")
@@ -406,7 +409,8 @@ def make_sample(task: str, tokenizer: Any, hay: Haystack | None, length: int, de
         return TaskSample(task, length, float(depth), index, tuple(prompt), d.answer, d.parts, d.exact, needle,
                           context, spots[d.target] / size, _max_new(tokenizer, d.answer, d.exact))
     raise ValueError(f"task {task}, length {length}: every one of {DRAWS} draws leaked its answer into the haystack "
-                     f"{hay.source!r}; use another haystack")
+                     f"{hay.source!r}" + (" or drew a passage of fewer than 5 whole words" if task == "copy" else "")
+                     + "; use another haystack")
 
 
 def _max_new(tokenizer: Any, answer: str, exact: bool) -> int:

@@ -42,6 +42,16 @@ def test_the_generator_is_deterministic_for_a_seed(tokenizer, samples):
     assert len({s.answer for s in samples}) == len(samples)  # every sample draws its own answer
 
 
+def test_copy_draws_again_where_a_span_holds_too_few_words(tokenizer):
+    """Code-like haystacks (few whitespace-separated words per 32 tokens) used to end generation at the first such
+    span; a passage of prose is drawn instead."""
+    code = "\n".join(f"x{i}=(({i},{i + 1}),[{i}]);" for i in range(1000))  # about 1 word per 12 tokens
+    prose = " ".join(f"plain words number {i} follow one another here" for i in range(2000))
+    samples = generate(tokenizer, TaskSettings(tasks=("copy",), lengths=(LENGTH,), samples=3), [code, prose, code],
+                       "code")
+    assert len(samples) == 3 and all(len(s.answer.split()) >= 5 for s in samples)
+
+
 def test_needles_sit_at_the_depths_the_samples_say(tokenizer, samples):
     assert len(samples) == len(TASKS) * 5
     for s in samples:
