@@ -15,7 +15,9 @@ Paths (`served_paths`), each at every ratio of an artifact:
 Decoding feeds the prompt's last token on the restored cache, then each argmax, up to the sample's `max_new`
 tokens; it stops early at an end-of-sequence token or once the answer is settled (`TaskSample.settled`): correct,
 or (copy) wrong beyond repair. `task_rows` reports per task x length x path x ratio the correct count, the accuracy,
-its 95% Wilson interval and the raw cache's accuracy beside it; a cell whose raw accuracy is below 50% carries the
+its 95% Wilson interval and the raw cache's accuracy beside it, and the graded form of the same retrieval: the
+answer's NLL teacher-forced through each path over the raw cache's on the same samples (`answer_nll`, a paired
+interval that separates paths on far fewer samples than exact match); a cell whose raw accuracy is below 50% carries the
 note "raw model cannot do this" (its served figure says nothing of the codec, so by default no path codes such a
 cell: `score_tasks` answers each cell from the raw cache first, coding is most of the suite's cost). `task_chart` draws accuracy against
 context length, one panel per task, one line per path and ratio and the raw cache (RULER's figure).
@@ -33,6 +35,7 @@ from tqdm import tqdm
 
 from kvtc.kernels.codec.kvtc_codec import KVTCCodec
 from kvtc.pipeline.evaluation import charts
+from kvtc.pipeline.evaluation.metrics import mean_interval
 from kvtc.pipeline.evaluation.model_quality import _forward, build_cache, prefix_state
 from kvtc.pipeline.evaluation.served import chunk_path, chunk_transform
 from kvtc.pipeline.evaluation.tasks import TaskSample
@@ -153,11 +156,25 @@ def greedy(lm: Any, cache: Any, last: int, sample: TaskSample, eos: set[int]) ->
     return out, text
 
 
+def answer_nll(lm: Any, cache: Any, sample: TaskSample) -> float:
+    """The sample's answer teacher-forced after a cache of the prompt less its last token -> its negative
+    log-likelihood in nats, summed over its tokens (the answer as the prompt's answer prefix continues it: copy's
+    passage right after its opening quote, others after a space). A graded form of the same retrieval: paired with
+    the raw cache's, it tells a codec from the raw cache on far fewer samples than exact match."""
+    target = list(lm.tokenizer(sample.answer if sample.exact else " " + sample.answer,
+                               add_special_tokens=False)["input_ids"])
+    feed = torch.tensor([[sample.prompt[-1], *target[:-1]]], dtype=torch.long, device=lm.device)
+    logits, _ = _forward(lm.model, feed, cache)
+    logp = torch.log_softmax(logits[0].double(), dim=-1)
+    return float(-logp.gather(-1, torch.tensor(target, device=logp.device)[:, None]).sum())
+
+
 def score_tasks(lm: Any, samples: Sequence[TaskSample], paths: Sequence[CachePath], progress: bool | None = None,
                 all_cells: bool = False, keep_bytes: int = KEEP_BYTES) -> list[dict]:
     """Each sample decoded from the raw cache and through each path -> one record per (sample, path): task, length,
-    index, depth, placed, path ("raw" for the raw cache), ratio, tokens (generated ids), text, correct, seconds (the
-    path's restore and decoding; raw: the prefill and decoding). progress: a tqdm bar (None: on a terminal).
+    index, depth, placed, path ("raw" for the raw cache), ratio, tokens (generated ids), text, correct, answer_nll
+    (`answer_nll`; None for a live path, whose cache the decoding extends), seconds (the path's restore, answer NLL
+    and decoding; raw: the prefill too). progress: a tqdm bar (None: on a terminal).
 
     Cell by cell (task x length, in the samples' order): the raw cache answers every sample first; the paths then
     answer the cell's samples only where the raw model can do it (raw accuracy >= 50%) unless `all_cells`: elsewhere
@@ -191,7 +208,8 @@ def score_tasks(lm: Any, samples: Sequence[TaskSample], paths: Sequence[CachePat
                 ok = s.correct(text)
                 raw_correct += ok
                 records.append({**_base(s), "path": RAW, "ratio": None, "tokens": tokens, "text": text,
-                                "correct": ok, "seconds": time.perf_counter() - t0})
+                                "correct": ok, "answer_nll": answer_nll(lm, _cache(lm.model, keys, values, state), s),
+                                "seconds": time.perf_counter() - t0})
                 size = 2 * (keys.nbytes + values.nbytes)  # the state of models whose layers differ: as much again
                 if paths and held + size <= keep_bytes:
                     kept[id(s)], held = (keys, values, state), held + size
@@ -207,14 +225,17 @@ def score_tasks(lm: Any, samples: Sequence[TaskSample], paths: Sequence[CachePat
                 keys, values, state = kept.pop(id(s), None) or prefill(s)
                 for p in paths:
                     t0 = time.perf_counter()
+                    nll = None
                     if p.restore is not None:
                         k, v = p.restore(keys, values)
                         cache = _cache(lm.model, k, v, state)
+                        nll = answer_nll(lm, _cache(lm.model, k, v, state), s)
                     else:
                         cache = p.live(lm.model.config, keys, values)
                     tokens, text = greedy(lm, cache, s.prompt[-1], s, eos)
                     records.append({**_base(s), "path": p.name, "ratio": p.ratio, "tokens": tokens, "text": text,
-                                    "correct": s.correct(text), "seconds": time.perf_counter() - t0})
+                                    "correct": s.correct(text), "answer_nll": nll,
+                                    "seconds": time.perf_counter() - t0})
                     bar.update()
                 bar.set_postfix_str(f"{task} {length} served")
     finally:
@@ -239,12 +260,15 @@ def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
 def task_rows(records: Sequence[dict]) -> list[dict]:
     """Records -> one row per task x length x path x ratio (the raw cache first in each task x length): task,
     length, path, ratio, correct, samples, accuracy, ci_low, ci_high (95% Wilson), raw_accuracy, raw_can (the raw
-    model's accuracy >= 50%), note ("raw model cannot do this" where it is not; on the raw row, "served paths not
+    model's accuracy >= 50%), nll_gap, nll_gap_ci_low, nll_gap_ci_high (the answers' mean NLL in nats over the raw
+    cache's on the same samples, a paired 95% Student t interval; None for the raw cache and live paths), note
+    ("raw model cannot do this" where it is not; on the raw row, "served paths not
     scored" where no path answered the cell: `score_tasks` without all_cells), seconds (per sample)."""
     cells: dict[tuple, list[dict]] = {}
     for r in records:
         cells.setdefault((r["task"], r["length"], r["path"], r["ratio"]), []).append(r)
     served = {(t, n) for (t, n, p, _) in cells if p != RAW}
+    raw_nll = {(r["task"], r["length"], r["index"]): r.get("answer_nll") for r in records if r["path"] == RAW}
     raw = {(t, n): sum(r["correct"] for r in rs) / len(rs) for (t, n, p, _), rs in cells.items() if p == RAW}
     order = {t: i for i, t in enumerate(dict.fromkeys(r["task"] for r in records))}
     paths = {p: i for i, p in enumerate(dict.fromkeys(r["path"] for r in records))}
@@ -253,10 +277,15 @@ def task_rows(records: Sequence[dict]) -> list[dict]:
             order[kv[0][0]], kv[0][1], kv[0][3] is not None, kv[0][3] or 0.0, paths[kv[0][2]])):
         k, n = sum(bool(r["correct"]) for r in rs), len(rs)
         lo, hi = wilson(k, n)
+        gaps = [r["answer_nll"] - raw_nll[(task, length, r["index"])] for r in rs if path != RAW and
+                r.get("answer_nll") is not None and raw_nll.get((task, length, r["index"])) is not None]
+        gap, (gap_lo, gap_hi) = ((sum(gaps) / len(gaps), mean_interval(torch.tensor(gaps), block=1)) if gaps
+                                 else (None, (None, None)))
         base = raw.get((task, length))
         can = base is not None and base >= 0.5
         rows.append({"task": task, "length": length, "path": path, "ratio": ratio, "correct": k, "samples": n,
                      "accuracy": k / n, "ci_low": lo, "ci_high": hi, "raw_accuracy": base, "raw_can": can,
+                     "nll_gap": gap, "nll_gap_ci_low": gap_lo, "nll_gap_ci_high": gap_hi,
                      "note": "" if can else CANNOT if path != RAW or (task, length) in served else
                      f"{CANNOT}: {NOT_SCORED}", "seconds": sum(r["seconds"] for r in rs) / n})
     return rows
@@ -265,14 +294,16 @@ def task_rows(records: Sequence[dict]) -> list[dict]:
 def task_table(rows: Sequence[dict]) -> str:
     """The rows as a fixed-width table: one line per cell, the raw cache's accuracy beside each."""
     head = (f"{'task':10} {'length':>6} {'path':8} {'ratio':>5} {'correct':>8} {'acc':>5} {'95% CI':>13} "
-            f"{'raw acc':>7} {'s/sample':>8}  note")
+            f"{'raw acc':>7} {'NLL gap, nats [95% CI]':>24} {'s/sample':>8}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:g}"
         raw = "-" if r["raw_accuracy"] is None else f"{r['raw_accuracy']:.2f}"
+        gap = "-" if r.get("nll_gap") is None else \
+            f"{r['nll_gap']:+.3f} [{r['nll_gap_ci_low']:+.2f}, {r['nll_gap_ci_high']:+.2f}]"
         lines.append(f"{r['task']:10} {r['length']:6d} {r['path']:8} {ratio:>5} {r['correct']:>4d}/{r['samples']:<3d} "
-                     f"{r['accuracy']:5.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] {raw:>7} {r['seconds']:8.2f}  "
-                     f"{r['note']}")
+                     f"{r['accuracy']:5.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] {raw:>7} {gap:>24} "
+                     f"{r['seconds']:8.2f}  {r['note']}")
     return "\n".join(lines)
 
 

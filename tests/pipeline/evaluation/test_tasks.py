@@ -138,6 +138,8 @@ def test_the_embedded_model_finds_the_needle_raw_and_through_raw_bytes_and_loses
     rows = {r["path"]: r for r in task_rows(records)}
     assert rows["no-keys"]["accuracy"] == 0.0 and rows["no-keys"]["raw_accuracy"] == 1.0 and rows["no-keys"]["raw_can"]
     assert rows["identity"]["accuracy"] == 1.0 and not rows["identity"]["note"]
+    assert rows["identity"]["nll_gap"] == 0.0 and rows["no-keys"]["nll_gap"] > 1.0  # the graded form: nats lost
+    assert by["raw"]["answer_nll"] < 2.0, by["raw"]["answer_nll"]  # the raw cache is sure of its needle
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +201,9 @@ def test_an_identity_path_scores_exactly_the_raw_cache_on_a_tiny_model():
     raw = [r for r in records if r["path"] == "raw"]
     same = [r for r in records if r["path"] == "identity"]
     assert [r["tokens"] for r in same] == [r["tokens"] for r in raw] and all(r["tokens"] for r in raw)
+    assert all(r["answer_nll"] > 0 for r in records)
+    assert all(r["nll_gap"] == 0.0 and r["nll_gap_ci_low"] == r["nll_gap_ci_high"] == 0.0
+               for r in task_rows(records) if r["path"] == "identity")  # the same cache: the same answer NLL
     again = score_tasks(lm, samples, [IDENTITY], progress=False, all_cells=True, keep_bytes=0)  # prefilled again
     assert [(r["path"], r["index"], r["tokens"]) for r in again] == [(r["path"], r["index"], r["tokens"]) for r in records]
     alone = score_tasks(lm, samples, [IDENTITY], progress=False)  # a random model can do no cell: raw answers only
