@@ -8,8 +8,9 @@ Needs a calibrated artifact, e.g.
 Runs `kvtc eval --tasks` (kvtc.pipeline.operations.quality.run_tasks): each generated prompt prefilled once by the
 raw model, its answer greedy-decoded from the raw cache and through the offline codec, the chunk path as
 `kvtc lmcache-server` stores it and the live KVTCCache at each ratio, scored by exact match. Prints the accuracy
-table (95% Wilson intervals, the raw cache's accuracy beside each cell, "raw model cannot do this" where it is
-below 50%) and what each cell cost: seconds in all, per sample and per generated token (restore and decoding; raw:
+table (95% Wilson intervals, the raw cache's accuracy beside each cell, the answers' NLL gap over the raw cache with
+a paired interval, "raw model cannot do this" where it is below 50%: such cells are not coded unless --all-cells)
+and what each cell cost: seconds in all, per sample and per generated token (restore and decoding; raw:
 the prefill and decoding). --out writes long_context_tasks.json and long_context_tasks.png.
 
 A smoke run on a tiny calibrated model takes a minute:

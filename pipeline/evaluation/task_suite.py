@@ -318,8 +318,10 @@ def task_chart(rows: Sequence[dict], title: str = "") -> bytes:
     lengths = sorted({r["length"] for r in rows})
     for ax, task in zip(axes, tasks):
         mine = [r for r in rows if r["task"] == task]
+        at = sorted({r["length"] for r in mine})
         for line in dict.fromkeys((r["path"], r["ratio"]) for r in mine):
-            pts = sorted((r["length"], r["accuracy"]) for r in mine if (r["path"], r["ratio"]) == line)
+            got = {r["length"]: r["accuracy"] for r in mine if (r["path"], r["ratio"]) == line}
+            pts = [(n, got.get(n, math.nan)) for n in at]  # a length the path did not score breaks its line
             if line[0] == RAW:
                 ax.plot(*zip(*pts), "k-o", lw=2, ms=5, label="raw cache", zorder=5)
                 continue
