@@ -27,7 +27,7 @@ def curve_components(p_total: int, ratio: float) -> int:
 
 def top_basis(n: int, sum_, gram, k: int, iters: int = 2, seed: int = 0):
     """Leading k principal components of merged moments (gram: (p, p), or its packed upper triangle) by
-    randomized subspace iteration (float32 GEMMs and Rayleigh-Ritz): far cheaper than a full eigh
+    randomized subspace iteration (float32 GEMMs, float64 Rayleigh-Ritz): far cheaper than a full eigh
     at p in the thousands."""
     return PrefixSolver(k, iters, seed)(n, sum_, gram)
 
@@ -56,13 +56,11 @@ class PrefixSolver:
             q, steps = self.q, 1
         for _ in range(steps):
             q, _ = torch.linalg.qr(cov @ q)
-        # the Ritz matrix is formed in float32: an eigensolve in float64 would keep digits its entries do not hold
-        # (and take twice as long at k in the thousands)
-        evals, vecs = torch.linalg.eigh(q.T @ cov @ q)
+        evals, vecs = torch.linalg.eigh((q.T @ cov @ q).double())
         self.q = q
         order = torch.argsort(evals, descending=True)[: min(self.k, p)]
-        comps = (q @ vecs[:, order]).double().numpy()
-        return Basis(mu, np.clip(evals[order].double().numpy(), 0.0, None), np.ascontiguousarray(fix_signs(comps)),
+        comps = (q.double() @ vecs[:, order]).numpy()
+        return Basis(mu, np.clip(evals[order].numpy(), 0.0, None), np.ascontiguousarray(fix_signs(comps)),
                      float(max(torch.diagonal(cov).double().sum().item(), 0.0)), int(n))
 
 

@@ -130,26 +130,3 @@ def test_exact_eigh_drivers_agree():
         vals, vecs = exact_eigh(cov.copy(), k)
         assert np.allclose(vals, want_vals[::-1][:k]) and np.allclose(fix_signs(vecs), fix_signs(want_vecs[:, ::-1][:, :k]))
 
-
-
-def test_the_prefix_solver_finds_the_leading_subspace_in_float32():
-    """The error-by-tokens chart's prefix bases (float32 subspace iteration and Rayleigh-Ritz): the leading
-    eigenvalues within 0.1% of float64's exact ones, the k-dimensional subspace capturing the exact top-k variance,
-    and a later prefix stepping from the earlier one's subspace."""
-    from kvtc.pipeline.evaluation.diagnostics import PrefixSolver
-
-    rng = np.random.default_rng(3)
-    p, k, n = 300, 100, 1200
-    spectrum = np.arange(1, p + 1) ** -1.5 * 1e3
-    rot, _ = np.linalg.qr(rng.standard_normal((p, p)))
-    x = (rng.standard_normal((n, p)) * np.sqrt(spectrum)) @ rot.T + 0.3
-    solver = PrefixSolver(k)
-    for rows in (x[: n // 2], x):
-        basis = solver(len(rows), rows.sum(0), rows.T @ rows)
-        cov = np.cov(rows.T, bias=True)
-        exact = np.linalg.eigvalsh(cov)[::-1]
-        assert basis.components.dtype == np.float64 and basis.components.shape == (p, k)
-        np.testing.assert_allclose(basis.eigenvalues[:10], exact[:10], rtol=1e-3)
-        captured = np.trace(basis.components.T @ cov @ basis.components)
-        assert captured >= (1 - 1e-3) * exact[:k].sum()
-        np.testing.assert_allclose(basis.components.T @ basis.components, np.eye(k), atol=1e-4)
