@@ -40,13 +40,19 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_CORPUS = "pydoc+pkgdocs"  # prose mixture; stdlib code stays the evaluation domain
 DEFAULT_EVAL_CORPUS = "stdlib"
-# Sized for about 10 minutes end to end on a 2-core CPU with the embedded model: 40K tokens took
-# 347 s wall (2.3 min of model work at 338 tok/s, the rest start-up and reduce), so 80K take ~8 min.
+# Sized for about 10 minutes end to end on a 2-core CPU with the embedded model at 1,024-token sequences; at the
+# 8,192-token default the fold runs about 145 tok/s (attention and the attention metric grow with the length):
+# about 14 minutes with the reduce and the served check (bench/README.md).
 DEFAULT_CPU_TOKENS = 80 * 1024
 DEFAULT_GPU_TOKENS = 2_000_000
-# Calibrating at 4,096-token sequences keeps far-back needles at CR 32 that 1,024 loses (bench/README.md, long
-# context); a model whose limit is shorter calibrates at its limit. Shards hold SHARD_TOKENS either way.
-DEFAULT_SEQ_LEN = 4096
+# Calibrate at the context the model serves: 8,192-token sequences against 4,096 cut the chunk path's KL at 8K
+# prefixes by 45% (CR 16) and copying's by 41%, and 4,096 kept far-back needles at CR 32 that 1,024 lost
+# (bench/README.md, long context); a model whose limit is shorter calibrates at its limit. Shards hold SHARD_TOKENS.
+DEFAULT_SEQ_LEN = 8192
+# A model with sliding-window (or chunked) layers beside full ones stays at 4,096: its KL sensitivity scales each full
+# layer by its reach over the sequence (pipeline/fit/sensitivity_reach.py), x8 at 8,192 against x4, and on Gemma 3
+# 270M the bits that moved to its global layers cost 1,024-token prefixes 7% / 9% / 22% KL at CR 8 / 16 / 32.
+WINDOWED_SEQ_LEN = 4096
 SHARD_TOKENS = 8192
 
 
@@ -107,12 +113,14 @@ class PlanSettings:
         if not str(self.corpus).strip():
             raise ValueError("--corpus is empty; pass a corpus spec, e.g. pydoc")
 
-    def resolved(self, context: int | None) -> PlanSettings:
+    def resolved(self, context: int | None, windowed: bool = False) -> PlanSettings:
         """The plan with its sequence defaults taken for a model whose longest sequence is `context` (None: not
-        known yet); given values are kept. seq_len: DEFAULT_SEQ_LEN, or the model's limit, or a quarter of the
-        given --tokens, whichever is least; seqs_per_shard: SHARD_TOKENS of them, or a quarter of the sequences
-        where that is fewer (a run needs shards to train on and to hold out)."""
-        seq_len = self.seq_len or min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN, (self.tokens or math.inf) // 4)
+        known yet) and which has sliding-window or chunked layers (`windowed`); given values are kept. seq_len:
+        DEFAULT_SEQ_LEN (WINDOWED_SEQ_LEN for a windowed model), or the model's limit, or a quarter of the given
+        --tokens, whichever is least; seqs_per_shard: SHARD_TOKENS of them, or a quarter of the sequences where that
+        is fewer (a run needs shards to train on and to hold out)."""
+        default = WINDOWED_SEQ_LEN if windowed else DEFAULT_SEQ_LEN
+        seq_len = self.seq_len or min(default, context or default, (self.tokens or math.inf) // 4)
         sequences = (self.tokens or math.inf) // seq_len
         per_shard = self.seqs_per_shard or int(max(1, min(SHARD_TOKENS // seq_len, sequences // 4)))
         return replace(self, seq_len=int(seq_len), seqs_per_shard=per_shard)

@@ -124,7 +124,8 @@ def plan_job(cfg: JobSettings, in_process: bool) -> Planned:
         iter_documents(spec, cfg.plan.text_column)  # a bad spec fails here, before any model work
     info = load_spec(cfg.model.model, cache_dir=rt.cache_dir)  # config and tokenizer only: the driver never loads weights
     given = cfg.plan
-    cfg = replace(cfg, plan=given.resolved(info.max_positions))  # recorded as run, so a recalibration repeats it
+    windowed = any(layer.kind in ("sliding", "chunked") for layer in info.layers)
+    cfg = replace(cfg, plan=given.resolved(info.max_positions, windowed))  # recorded as run: a recalibration repeats it
     check_job(cfg, machine if not in_process else replace(machine, cluster=False), info.max_positions)
     cfg, objective_reason = resolve_settings(cfg, info)
     fold = check_settings(cfg, info, in_process)

@@ -3,7 +3,7 @@ scored through the offline codec and through the chunk path the servers use (kvt
 so the report and the manifest's metrics say what serving will cost (splits "served-offline", "served-chunk":
 perplexity ratio, KL, stored ratio per CR) and the --json summary carries them (`ratios[].served`). One more
 sequence, the long window, is scored at the longest context the model, the held-out text and the driver's memory
-allow, up to served_prep.LONG_TOKENS (the default calibration's 4,096: a bounded cost) (split "served-chunk-long" at
+allow, up to served_prep.LONG_TOKENS (4,096, half the default calibration's length: a bounded cost) (split "served-chunk-long" at
 every ratio, "served-offline-long" at the middle one, with its "prefix" tokens; kvtc.pipeline.evaluation.long_context),
 and its error by position through the codec extends charts/error_by_position.png across that context. That window also
 carries the job's slice of the retrieval suite: served_prep.NEEDLES 7-digit needles planted at evenly spread depths of its

@@ -24,7 +24,7 @@ from kvtc.workers import models
 
 NEEDLES = 8  # needles planted in the long window, each asked through the raw cache and the chunk path at every ratio
 SERVED_TOKENS = 1024  # the scored sequences' tokens (prefix, continuation, one): a longer calibration's first ones
-# the long window's most tokens: the default calibration's sequence length. The window is coded through every path at
+# the long window's most tokens: half the default calibration's sequence length. The window is coded through every path at
 # every ratio, a cost linear in its tokens (the embedded model's whole 8K context: 81 s of a 2-core CPU, 4K: 42 s);
 # `kvtc eval --prefix` and `--tasks --lengths` measure any longer context
 LONG_TOKENS = 4096

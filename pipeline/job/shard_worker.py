@@ -147,17 +147,21 @@ class ShardWorker:
                               "checkpoint_s": load_s + time.perf_counter() - t3}
 
     def _store_rows(self, shard: Shard) -> tuple[int, int]:
-        """Whole sequences, every position, until the row cap: keys, values, positions."""
+        """Whole sequences until the row cap: keys, values, positions of every position, or of every `held_stride`-th
+        from 0 where one sequence is longer than the cap (an 8,192-token sequence, every other position: the
+        whole context measured, and the reduce's fits and measurement on as many rows as a 4,096-token one)."""
         keys, values, positions = [], [], []
         n = 0
+        stride = held_stride(int(shard.input_ids.shape[1]), self.rows_per_heldout_shard)
         for batch in self._batches(shard):
             if n >= self.rows_per_heldout_shard:
                 break
             cap = capture_kv(self.lm, batch, self.all_positions)
-            keys.append(cap.keys.float().cpu().numpy())
-            values.append(cap.values.float().cpu().numpy())
-            positions.append(cap.positions.cpu().numpy())
-            n += cap.keys.shape[0]
+            keep = (cap.positions % stride == 0).cpu()
+            keys.append(cap.keys.float().cpu()[keep].numpy())
+            values.append(cap.values.float().cpu()[keep].numpy())
+            positions.append(cap.positions.cpu()[keep].numpy())
+            n += int(keep.sum())
         tensors = {
             "keys": np.concatenate(keys),
             "values": np.concatenate(values),
@@ -165,6 +169,12 @@ class ShardWorker:
         }
         meta = {"shard_id": shard.id, "seq_len": int(shard.input_ids.shape[1])}
         return self.store.put(shard.id, "rows", tensors, meta), int(tensors["keys"].shape[0])
+
+
+def held_stride(seq_len: int, cap: int) -> int:
+    """Every how many positions a held-out or second-domain sequence of `seq_len` tokens is kept under a row cap of
+    `cap`: 1 where one sequence fits, else the least stride that brings it within the cap."""
+    return max(1, -(-int(seq_len) // max(1, int(cap))))
 
 
 def _ray_gpu_ids() -> list:

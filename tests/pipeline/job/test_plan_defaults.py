@@ -1,25 +1,28 @@
-"""The sequence defaults follow the model: 4,096-token sequences (far-back needles survive CR 32 better than at
-1,024), the model's limit where that is shorter, a quarter of --tokens where fewer were asked; shards of 8,192
-tokens. The plan stage records what it resolved, so a recalibration repeats it; given values are kept or refused."""
+"""The sequence defaults follow the model: 8,192-token sequences (the chunk path's KL at 8K prefixes 45% below a
+4,096-token calibration's at CR 16), 4,096 for a model with sliding-window layers (its global layers' reach would
+take bits from short prefixes), the model's limit where that is shorter, a quarter of --tokens where fewer were
+asked; shards of 8,192 tokens. The plan stage records what it resolved, so a recalibration repeats it; given values are kept or refused."""
 from __future__ import annotations
 
 import pytest
 
-from kvtc.pipeline.settings import DEFAULT_SEQ_LEN, SHARD_TOKENS, JobSettings, PlanSettings
+from kvtc.pipeline.settings import DEFAULT_SEQ_LEN, SHARD_TOKENS, WINDOWED_SEQ_LEN, JobSettings, PlanSettings
 
 
-@pytest.mark.parametrize("tokens, limit, seq_len, per_shard", [
-    (None, 8192, 4096, 2),     # the embedded model: 20 sequences of the CPU default, 10 shards
-    (None, 32768, 4096, 2),    # Gemma 3 270M
-    (None, 2048, 2048, 4),     # the tiny test models stop at 2,048
-    (None, None, 4096, 2),     # the limit not told yet (the command line on a tiny model)
-    (20000, 8192, 4096, 1),    # 4 sequences: a shard each, so some train and some are held out
-    (2048, 2048, 512, 1),
+@pytest.mark.parametrize("tokens, limit, windowed, seq_len, per_shard", [
+    (None, 8192, False, 8192, 1),     # the embedded model: 10 sequences of the CPU default, a shard each
+    (None, 32768, True, 4096, 2),     # Gemma 3 270M: sliding-window layers beside global ones
+    (None, 32768, False, 8192, 1),    # a long-context model whose layers are alike
+    (None, 4096, False, 4096, 2),     # a model whose limit is shorter calibrates at its limit
+    (None, 2048, True, 2048, 4),      # the tiny test models stop at 2,048
+    (None, None, False, 8192, 1),     # the limit not told yet (the command line on a tiny model)
+    (20000, 8192, False, 5000, 1),    # 4 sequences: a shard each, so some train and some are held out
+    (2048, 2048, False, 512, 1),
 ])
-def test_defaults_resolve_against_the_model_and_the_tokens(tokens, limit, seq_len, per_shard):
-    got = PlanSettings(tokens=tokens).resolved(limit)
+def test_defaults_resolve_against_the_model_and_the_tokens(tokens, limit, windowed, seq_len, per_shard):
+    got = PlanSettings(tokens=tokens).resolved(limit, windowed)
     assert (got.seq_len, got.seqs_per_shard) == (seq_len, per_shard)
-    assert DEFAULT_SEQ_LEN == 4096 and SHARD_TOKENS == 8192
+    assert DEFAULT_SEQ_LEN == 8192 and WINDOWED_SEQ_LEN == 4096 and SHARD_TOKENS == 8192
 
 
 def test_given_values_are_kept():
