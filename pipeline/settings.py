@@ -139,7 +139,7 @@ class ReduceSettings:
 
     ratios: tuple[float, ...] = option((8.0, 16.0, 32.0), "compression ratios, comma separated", parse=_ratios,
                                        show=joined)
-    heldout_rows: int = option(8192, "cap on held-out rows per stream", kind=int)
+    heldout_rows: int = option(4096, "cap on held-out rows per stream", kind=int)
     tokens_curve_points: int = option(3, "prefixes of the shard stream measured for the error-vs-calibration-tokens "
                                          "chart (0: off)", kind=int)
     accumulators: int = option(4, "running statistics totals kept in the store: the store holds this many Grams per "
