@@ -30,8 +30,8 @@ from kvtc.artifacts.names import check_name
 from kvtc.pipeline.checks.words import parse_ratios
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings, BitSplit
 from kvtc.workers.capture_settings import CaptureSettings
-from kvtc.workers.objective import (Balance, ObjectiveChoice, Weighting, balance_option, floor_option,
-                                    weighting_option)
+from kvtc.workers.objective import (Balance, ObjectiveChoice, Weighting, balance_option, copy_weight_option,
+                                    floor_option, weighting_option)
 from kvtc.workers.options import Option, joined, option
 
 if TYPE_CHECKING:
@@ -151,11 +151,10 @@ class ReduceSettings:
     attention_balance: Balance = balance_option()  # the objective's options (kvtc.workers.objective)
     attention_floor: float = floor_option()
     attention_weighting: Weighting = weighting_option()
+    attention_copy_weight: float = copy_weight_option()
 
     def __post_init__(self) -> None:
-        from kvtc.pipeline.fit.metric import AttentionMetric  # noqa: PLC0415 - pyarrow: not for the command line's parse
-
-        metric = AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)  # validated there
+        metric = self.attention_metric  # validated there
         object.__setattr__(self, "attention_balance", metric.balance)  # the words read: Balance, Weighting
         object.__setattr__(self, "attention_weighting", metric.weighting)
         object.__setattr__(self, "ratios", check_ratios(self.ratios))
@@ -168,7 +167,8 @@ class ReduceSettings:
     def attention_metric(self) -> "AttentionMetric":
         from kvtc.pipeline.fit.metric import AttentionMetric  # noqa: PLC0415 - pyarrow: not for the command line's parse
 
-        return AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting)
+        return AttentionMetric(self.attention_balance, self.attention_floor, self.attention_weighting,
+                               copy_weight=self.attention_copy_weight)
 
     @property
     def curve_ratio(self) -> float:

@@ -120,17 +120,20 @@ def _forward_cache(lm: LoadedModel, input_ids: torch.Tensor, metric: Any = None
     return keys, values
 
 
-def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, sensitivity: int = 0) -> CapturedKV:
+def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, sensitivity: int = 0,
+               probe: bool = False) -> CapturedKV:
     """input_ids (B, T) -> CapturedKV with N = B * rows-per-sequence rows, on the model's device; with the
     attention metric, the KL sensitivity of the batch's first `sensitivity` sequences joins its sums
-    (kvtc.workers.sensitivity: one backward pass each)."""
+    (kvtc.workers.sensitivity: one backward pass each), and with `probe` (and settings.copy_probe) that of the
+    long-range copy probe made from the first sequence (kvtc.workers.sensitivity.copy_probe)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
     b, t = input_ids.shape
     check_seq_len(lm, t, settings)
     metric = metric_capture(lm) if settings.objective.resolved().captures_metric else None  # auto: refused
     # first, while nothing else is held: its backward is the capture's largest working set
-    extra = _sensitivity(lm, input_ids, settings, sensitivity) if metric is not None and sensitivity > 0 else {}
+    extra = _sensitivity(lm, input_ids, settings, sensitivity, probe) if metric is not None and sensitivity > 0 \
+        else {}
     keys, values = _forward_cache(lm, input_ids, metric)
     if metric is not None:
         metric.attend(keys, settings.sinks, values)
@@ -169,14 +172,26 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
     )
 
 
-def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, n: int) -> dict[str, torch.Tensor]:
-    from kvtc.workers.sensitivity import SENSITIVITY_TOKENS, kl_sensitivity  # noqa: PLC0415 - it imports transformers
+def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, n: int,
+                 probe: bool = False) -> dict[str, torch.Tensor]:
+    """The Fisher sums of the first `n` sequences' first SENSITIVITY_TOKENS tokens, and the positions they
+    sum over (`fisher_positions`); with `probe`, the copy probe's sums and positions (`probe_*`)."""
+    from kvtc.workers.sensitivity import SENSITIVITY_TOKENS, copy_probe, kl_sensitivity  # noqa: PLC0415 - transformers
 
     out: dict[str, torch.Tensor] = {}
+    positions = 0
     for row in input_ids[:n]:  # each sequence's first SENSITIVITY_TOKENS tokens (sensitivity.py: why)
-        for name, t in kl_sensitivity(lm, row[None, :SENSITIVITY_TOKENS], settings.sinks, settings.window,
-                                      settings.seed).items():
+        ids = row[None, :SENSITIVITY_TOKENS]
+        positions += max(0, int(ids.shape[1]) - settings.sinks - settings.window)
+        for name, t in kl_sensitivity(lm, ids, settings.sinks, settings.window, settings.seed).items():
             out[name] = out[name] + t if name in out else t
+    out["fisher_positions"] = torch.tensor([float(positions)], dtype=torch.float64)
+    if probe and settings.copy_probe:
+        ids = copy_probe(input_ids[0], settings.copy_probe)[None]
+        got = kl_sensitivity(lm, ids, settings.sinks, settings.window, settings.seed)
+        out["probe_keys"], out["probe_values"] = got["sensitivity_keys"], got["sensitivity_values"]
+        out["probe_positions"] = torch.tensor([float(max(0, int(ids.shape[1]) - settings.sinks - settings.window))],
+                                              dtype=torch.float64)
     return out
 
 

@@ -35,12 +35,19 @@ class CaptureSettings:
                                        "positions)", choices=KEY_FORMS)
     objective: ObjectiveChoice = objective_option()  # an objective, or auto until the plan resolves it
     sensitivity: int = sensitivity_option()
+    copy_probe: int = option(8192, "--objective attention with --sensitivity: tokens of the long-range copy probe whose "
+                                   "KL sensitivity the first shard also measures (its first sequence's first half "
+                                   "followed by itself, at most the sequence's length; 0: off)", kind=int)
     tp: int = option(1, "tensor-parallel ranks the model is served at: one basis per rank's KV heads (and per layer "
                         "group), as vLLM and SGLang shard them; ranks holding the same heads share one", kind=int)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
+        if not isinstance(self.copy_probe, int) or isinstance(self.copy_probe, bool) or not (
+                self.copy_probe == 0 or 2 + 2 * (self.sinks + self.window) <= self.copy_probe <= 1 << 20):
+            raise ValueError(f"--copy-probe must be 0 (off) or tokens in [{2 + 2 * (self.sinks + self.window)}, "
+                             f"{1 << 20}] (more than twice the sinks and window), got {self.copy_probe!r}")
         if not isinstance(self.sensitivity, int) or self.sensitivity < 0:
             raise ValueError(f"--sensitivity must be an integer >= 0 (sequences per shard), got {self.sensitivity!r}")
         object.__setattr__(self, "objective", objective_choice(self.objective))  # its word read: the option's refusal
@@ -96,9 +103,11 @@ class CaptureSettings:
             del d["objective"]  # likewise: the objective before the option
         if self.sensitivity == 0 or self.objective.implicit:
             del d["sensitivity"]  # likewise: what ran before the KL sensitivity was (mse never captures it)
+        if self.copy_probe == 0 or "sensitivity" not in d:
+            del d["copy_probe"]  # likewise: what ran before the copy probe was
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
-        """The inverse of `to_dict` (whose missing objective is "mse", missing sensitivity 0)."""
-        return cls(**{"objective": MSE, "sensitivity": 0, **d})
+        """The inverse of `to_dict` (whose missing objective is "mse", missing sensitivity and copy probe 0)."""
+        return cls(**{"objective": MSE, "sensitivity": 0, "copy_probe": 0, **d})

@@ -253,6 +253,11 @@ def floor_option() -> Any:
                         "direction is free)", kind=float)
 
 
+def copy_weight_option() -> Any:
+    return option(3.0, "--objective attention with the sensitivity balance: weight of the copy probe's KL sensitivity "
+                       "per position against fresh text's (--copy-probe; 0: fresh text only)", kind=float)
+
+
 def weighting_option() -> Any:
     return option(Weighting.CONCENTRATION, "--objective attention: concentration weighs each KV head by how much of "
                                            "one position's error reaches a query (its mean sum of squared attention "

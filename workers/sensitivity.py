@@ -54,6 +54,25 @@ SENSITIVITY_TOKENS = 1024
 LOGIT_BLOCK_BYTES = 64 << 20  # one float32 (positions x vocab) logits block; about six such live at once
 
 
+# A copy probe: the model copying from far back, which a sequence's first tokens of prose never ask of it. At an
+# 8,192-token prefix of text repeating itself from 4K tokens back, the chunk path's KL was 2.3x fresh text's at CR 16,
+# most of it from a few heads (layer 7's and layer 18's third KV head on SmolLM2) that fresh text barely uses and a
+# copy from 512 tokens back does not yet need (bench/copy_attribution.py). One probe of the calibration's length per
+# job (its first shard), its Fisher information per position weighted beside fresh text's
+# (kvtc.pipeline.fit.metric.AttentionMetric.copy_weight), puts them in the metric.
+
+
+def copy_probe(ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """ids (T,) -> (2h,): its first h = min(T, tokens) // 2 tokens followed by themselves, so every position of the
+    second half repeats the one h back (an induction the model must find across the whole probe)."""
+    if ids.dim() != 1:
+        raise ValueError(f"copy_probe takes one sequence of token ids (T,), got shape {tuple(ids.shape)}")
+    h = min(int(ids.shape[0]), int(tokens)) // 2
+    if h < 1:
+        raise ValueError(f"a copy probe of {tokens} tokens from a {ids.shape[0]}-token sequence is empty")
+    return torch.cat([ids[:h], ids[:h]])
+
+
 def logit_block(vocab: int) -> int:
     """Positions per logits block: LOGIT_BLOCK_BYTES of float32 logits, at least 16."""
     return max(16, LOGIT_BLOCK_BYTES // (4 * max(1, vocab)))

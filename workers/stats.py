@@ -87,6 +87,10 @@ def _fisher_out_of_range(t: np.ndarray, diagonal: np.ndarray, tokens: int) -> st
     return None
 
 
+FISHER_SUMS = ("sensitivity_keys", "sensitivity_values", "probe_keys", "probe_values")
+POSITION_COUNTS = ("fisher_positions", "probe_positions")  # (1,) each: the positions the fresh and probe sums hold
+
+
 def _degenerate_metric(key: str, t: np.ndarray, tokens: int = 1) -> str | None:
     """What makes an attention-metric sum unusable, or None: every (layer, KV head) block needs a positive
     weight (keys: query second moments, values: the output projection's Gram, concentration) and no negative
@@ -94,8 +98,10 @@ def _degenerate_metric(key: str, t: np.ndarray, tokens: int = 1) -> str | None:
     every value within what `tokens` tokens of float32 gradients can sum (`_fisher_out_of_range`)."""
     if key == "reach":  # zero where a head attends to its sinks only: a weight, never a divisor
         return "holds a negative energy" if t.size and float(t.min()) < 0 else None
-    if key.startswith("sensitivity_"):  # a Fisher information: a weight (kvtc.pipeline.fit.metric clamps it)
-        diagonal = t if key == "sensitivity_keys" else np.diagonal(t, axis1=-2, axis2=-1)
+    if key in POSITION_COUNTS:  # how many positions a Fisher sum holds: a count
+        return None if t.size and float(t.min()) >= 0 else "holds a negative count of positions"
+    if key in FISHER_SUMS:  # a Fisher information: a weight (kvtc.pipeline.fit.metric clamps it)
+        diagonal = t if key in ("sensitivity_keys", "probe_keys") else np.diagonal(t, axis1=-2, axis2=-1)
         if diagonal.size and float(diagonal.min()) < 0:
             return "holds a negative Fisher information"
         return _fisher_out_of_range(t, diagonal, tokens)
@@ -321,14 +327,20 @@ class CalibrationStats:
         shape = (len(cached_layers(layers_of(self.fingerprint))), int(self.fingerprint["num_kv_heads"]),
                  int(self.fingerprint["head_dim"]))
         want = {"keys": shape, "values": shape + shape[-1:], "concentration": shape[:2], "reach": shape[:2],
-                "sensitivity_keys": shape, "sensitivity_values": shape + shape[-1:]}
-        for later in ("concentration", "reach", "sensitivity_keys", "sensitivity_values"):
+                "sensitivity_keys": shape, "sensitivity_values": shape + shape[-1:], "fisher_positions": (1,),
+                "probe_keys": shape, "probe_values": shape + shape[-1:], "probe_positions": (1,)}
+        for later in ("concentration", "reach", "sensitivity_keys", "sensitivity_values", "fisher_positions",
+                      "probe_keys", "probe_values", "probe_positions"):
             if later not in meta["metric"]:
-                del want[later]  # captured before the attention concentration (or the keys' reach) was, or with
-                # --sensitivity 0
-        if ("sensitivity_keys" in want) != ("sensitivity_values" in want):
-            raise CorruptStats(name, f"attention-metric entries {meta['metric']} hold one of the KL sensitivity's two "
-                               "sums without the other")
+                del want[later]  # captured before the attention concentration (or the keys' reach, the positions'
+                # counts, the copy probe) was, or with --sensitivity 0, or in totals without the job's probe shard
+        for together in (("sensitivity_keys", "sensitivity_values"), ("probe_keys", "probe_values", "probe_positions")):
+            if len({k in want for k in together}) > 1:
+                raise CorruptStats(name, f"attention-metric entries {meta['metric']} hold some of {list(together)} "
+                                   "without the others")
+        if "probe_keys" in want and "fisher_positions" not in want:
+            raise CorruptStats(name, f"attention-metric entries {meta['metric']} hold a copy probe without the count of "
+                               "fresh positions it is weighed against")
         if sorted(meta["metric"]) != sorted(want) or not isinstance(meta.get("metric_tokens"), int) \
                 or meta["metric_tokens"] < 1:
             raise CorruptStats(name, f"attention-metric entries {meta['metric']} / tokens {meta.get('metric_tokens')!r} "

@@ -44,21 +44,26 @@ class AttentionMetric:
     floor: float = 0.05
     weighting: Weighting = Weighting.CONCENTRATION
     reach: tuple[float, ...] | None = None  # per model layer, the sensitivity's factor (sensitivity_reach.py); None: 1
+    copy_weight: float = 3.0  # a copy probe's Fisher information per position against fresh text's (module docstring)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weighting", Weighting.of(self.weighting, "attention metric weighting"))
         object.__setattr__(self, "balance", Balance.of(self.balance, "attention metric balance"))
         if not 0.0 < self.floor < 1e3:
             raise ValueError(f"attention metric floor must be in (0, 1000), got {self.floor}")
+        if not (isinstance(self.copy_weight, (int, float)) and 0.0 <= self.copy_weight <= 1e3):
+            raise ValueError(f"attention metric copy weight must be in [0, 1000], got {self.copy_weight!r}")
+        object.__setattr__(self, "copy_weight", float(self.copy_weight))
         if self.reach is not None:
             object.__setattr__(self, "reach", tuple(float(r) for r in self.reach))
             if not all(0.0 < r < 1e6 for r in self.reach):
                 raise ValueError(f"attention metric reach factors must be in (0, 1e6), got {list(self.reach)}")
 
     def to_json(self) -> dict:
-        """{"balance": word, "floor": float, "weighting": word[, "reach": [float per layer]]}: what tasks and
-        manifests carry."""
-        out = {"balance": self.balance.value, "floor": self.floor, "weighting": self.weighting.value}
+        """{"balance": word, "floor": float, "weighting": word, "copy_weight": float[, "reach": [float per layer]]}:
+        what tasks and manifests carry."""
+        out = {"balance": self.balance.value, "floor": self.floor, "weighting": self.weighting.value,
+               "copy_weight": self.copy_weight}
         return out if self.reach is None else {**out, "reach": list(self.reach)}
 
     def blocks(self, metric: dict[str, np.ndarray], tokens: int, stream: str, group: FeatureGroup,
@@ -76,27 +81,37 @@ class AttentionMetric:
     def sensitivity(self, metric: dict[str, np.ndarray], m: np.ndarray, stream: str, group: FeatureGroup,
                     groups: list[FeatureGroup]) -> np.ndarray:
         """(layers, heads, d, d) balanced, floored blocks -> (layers, heads): each block's scale in the model's KL,
-        tr(M^-1 F) / d over the model's mean value Fisher diagonal (one unit for every stream and group), times its
-        layer's `reach` factor where one is set, at least SENSITIVITY_FLOOR of the group's largest."""
+        tr(M^-1 F) / d over the model's mean value Fisher diagonal (one unit for every stream and group), F fresh
+        text's Fisher information times its layer's `reach` factor where one is set, plus the copy probe's times
+        `copy_weight` (both per position, `fisher`), at least SENSITIVITY_FLOOR of the group's largest."""
         if "sensitivity_values" not in metric or "sensitivity_keys" not in metric:
             raise ValueError("the statistics hold no KL sensitivity (captured with --sensitivity 0 or by an earlier "
                              "release); recalibrate with a fresh --store and --sensitivity 1, or pass "
                              "--attention-balance layer")
-        fisher = np.asarray(metric[f"sensitivity_{stream}"], dtype=np.float64)
         d = m.shape[-1]
-        if stream == "keys":  # a diagonal per block
-            fisher = fisher[..., :, None] * np.eye(d)
-        ref = float(np.einsum("lhii->", np.asarray(metric["sensitivity_values"], dtype=np.float64)))
-        ref /= max(int(np.prod(metric["sensitivity_values"].shape[:-1])), 1)
         slots = layer_slots(groups)
-        h0, h1 = group.head_range(fisher.shape[1])
-        f = np.stack([fisher[slots[layer], h0:h1] for layer in group.layers])  # (layers, heads, d, d)
-        w = np.einsum("lhij,lhji->lh", np.linalg.inv(m), f) / d / max(ref, 1e-300)
+        h0, h1 = group.head_range(np.asarray(metric["sensitivity_keys"]).shape[1])
+        inverse = np.linalg.inv(m)
+
+        def scale(parts: dict[str, np.ndarray]) -> np.ndarray:
+            fisher = parts[stream]
+            if stream == "keys":  # a diagonal per block
+                fisher = fisher[..., :, None] * np.eye(d)
+            f = np.stack([fisher[slots[layer], h0:h1] for layer in group.layers])  # (layers, heads, d, d)
+            return np.einsum("lhij,lhji->lh", inverse, f) / d
+
+        fresh, probe = fisher(metric)
+        ref = float(np.einsum("lhii->", fresh["values"] + self.copy_weight * probe["values"] if probe else
+                              fresh["values"])) / max(int(np.prod(fresh["values"].shape[:-1])), 1)
+        w = scale(fresh)
         if self.reach is not None:  # measured on a sequence's first tokens: what each layer's errors reach over all
             if max(group.layers) >= len(self.reach):
                 raise CorruptArtifactError(f"the attention metric's reach factors cover {len(self.reach)} layers, not "
                                            f"layer {max(group.layers)} of this group; recalibrate with a fresh --store")
             w = w * np.array([self.reach[layer] for layer in group.layers])[:, None]
+        if probe and self.copy_weight > 0:  # measured over the probe's whole length: no reach to add
+            w = w + self.copy_weight * scale(probe)
+        w = w / max(ref, 1e-300)
         top = float(w.max(initial=0.0))
         if not ref > 0 or not top > 0 or not np.isfinite(w).all():
             raise ValueError(f"the measured KL sensitivity of the {stream} of layers {list(group.layers)} is zero or "
@@ -131,6 +146,20 @@ class AttentionMetric:
             c = np.asarray(metric["concentration"], dtype=np.float64) / tokens
             m = m * np.stack([c[slots[layer], h0:h1] for layer in group.layers])[..., None, None]
         return (m + np.swapaxes(m, -1, -2)) / 2
+
+
+def fisher(metric: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """The statistics' Fisher information: ({"keys", "values"} of fresh text, those of the copy probe or None),
+    each per position where the statistics count them (a store captured before the counts holds no probe: its
+    fresh sums as they are, whose scale the balance divides away)."""
+    fresh = {s: np.asarray(metric[f"sensitivity_{s}"], dtype=np.float64) for s in ("keys", "values")}
+    if "fisher_positions" not in metric or "probe_keys" not in metric:
+        return fresh, None
+    n, n_probe = float(np.sum(metric["fisher_positions"])), float(np.sum(metric["probe_positions"]))
+    if not (n > 0 and n_probe > 0):
+        return fresh, None
+    return ({s: f / n for s, f in fresh.items()},
+            {s: np.asarray(metric[f"probe_{s}"], dtype=np.float64) / n_probe for s in ("keys", "values")})
 
 
 def metric_file(stream: str, group: int) -> str:

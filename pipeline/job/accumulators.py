@@ -49,7 +49,8 @@ class _Accumulator:
 
 class FoldPlanner:
     """Turns training shards, in stream order, into fold tasks: {"shard", "role": "train",
-    "acc", "acc_index", "after" (the shard folded just before in that accumulator, or None)}.
+    "acc", "acc_index", "after" (the shard folded just before in that accumulator, or None), "probe" (the first
+    training shard: it also measures the copy probe, kvtc.workers.capture_settings.CaptureSettings.copy_probe)}.
     Shards already in a stored total yield no task."""
 
     def __init__(self, plan: AccumulatorPlan, store: ShardStore) -> None:
@@ -58,7 +59,8 @@ class FoldPlanner:
 
     def _task(self, acc: _Accumulator, payload: dict, position: int) -> dict:
         after = acc.planned[position - 1] if position else None
-        return {**payload, "role": "train", "acc": acc.name, "acc_index": acc.index, "after": after}
+        return {**payload, "role": "train", "acc": acc.name, "acc_index": acc.index, "after": after,
+                "probe": acc.index == 0 and position == 0}  # the first training shard: the job's copy probe
 
     def _rerun(self, acc: _Accumulator) -> list[dict]:
         acc.diverged = True

@@ -63,6 +63,7 @@ class FoldShape:
     the values slot's width, head_dim but for MLA); hidden, intermediate, vocab, heads: the text model's sizes;
     seq_len, batch: one batch's shape; captured: positions captured per sequence (past sinks and window, sampled);
     attention: the objective captures the attention metric; sensitivity: sequences per shard with the KL pass;
+    probe: tokens of the copy probe's KL pass (the first shard's; 0: none);
     heldout_rows: the row cap of one held-out shard (ShardWorker rows_per_heldout_shard)."""
 
     weights: int
@@ -82,12 +83,13 @@ class FoldShape:
     attention: bool = True
     sensitivity: int = 1
     heldout_rows: int = 4096
+    probe: int = 0
 
     def __post_init__(self) -> None:
         sizes = (self.itemsize, self.layers, self.coded, self.kv_heads, self.head_dim, self.value_dim, self.hidden,
                  self.vocab, self.heads, self.seq_len, self.batch)
         if min(sizes) < 1 or min(self.weights, self.intermediate, self.captured, self.sensitivity,
-                                 self.heldout_rows) < 0:
+                                 self.heldout_rows, self.probe) < 0:
             raise ValueError(f"fold shape: sizes must be >= 1 and byte counts >= 0, got {self}")
         if self.coded > self.layers or self.captured > self.seq_len:
             raise ValueError(f"fold shape: {self.coded} coded of {self.layers} layers, {self.captured} captured of "
@@ -121,7 +123,7 @@ def sensitivity_bytes(s: FoldShape) -> int:
     of a logits block and one layer's backward."""
     if not s.attention or s.sensitivity < 1:
         return 0
-    t = min(s.seq_len, SENSITIVITY_TOKENS)
+    t = max(min(s.seq_len, SENSITIVITY_TOKENS), min(s.seq_len, s.probe))  # the copy probe's pass where it is longer
     leaves = t * s.features * s.itemsize
     inputs = t * s.coded * s.hidden * s.itemsize
     layer = 5 * t * (s.hidden + s.intermediate) * s.itemsize
@@ -243,7 +245,7 @@ class FoldSizer:
 
 def fold_sizer(config: Any, layers: Sequence[Any], dtype: Any, seq_len: int, group_dims: Sequence[int], *,
                accumulators: int, objective: Objective, sensitivity: int, sinks: int, window: int, sample: float,
-               heldout_rows: int, batch: int = 1) -> FoldSizer:
+               heldout_rows: int, batch: int = 1, probe: int = 0) -> FoldSizer:
     """The sizer of a model (its transformers `config` and layer schema, `dtype` a torch dtype), no weights loaded."""
     text = getattr(config, "text_config", None) or config
     size = model_size(config, dtype, seq_len)
@@ -256,7 +258,7 @@ def fold_sizer(config: Any, layers: Sequence[Any], dtype: Any, seq_len: int, gro
         intermediate=int(getattr(text, "intermediate_size", 0) or 4 * hidden),
         vocab=int(getattr(text, "vocab_size", 0) or 1), heads=int(getattr(text, "num_attention_heads", 0) or 1),
         seq_len=seq_len, batch=batch, captured=0, attention=objective.captures_metric, sensitivity=sensitivity,
-        heldout_rows=heldout_rows)
+        heldout_rows=heldout_rows, probe=probe if sensitivity > 0 else 0)
     off = "" if not shape.attention or sensitivity < 1 else \
         "; --sensitivity 0 (with --attention-balance layer) drops the KL-sensitivity pass"
     return FoldSizer(shape, tuple(group_dims), accumulators, sinks, window, sample, objective, off)
@@ -269,7 +271,8 @@ def smollm2_worker_bytes(seq_len: int, accumulators: int = 4, workers: int = 2) 
     dims = [g.dim(info.num_kv_heads, info.head_dim) for g in capture.group_layers(info.layers, info.num_kv_heads)]
     sizer = fold_sizer(info.config, info.layers, torch.float32, seq_len, dims, accumulators=accumulators,
                        objective=ATTENTION, sensitivity=capture.sensitivity, sinks=capture.sinks,
-                       window=capture.window, sample=capture.sample, heldout_rows=ReduceSettings().heldout_rows // 2)
+                       window=capture.window, sample=capture.sample, heldout_rows=ReduceSettings().heldout_rows // 2,
+                       probe=capture.copy_probe)
     return sizer.worker_bytes(workers)
 
 
@@ -311,4 +314,5 @@ def job_sizer(cfg: Any, info: Any, device: str = "cpu") -> FoldSizer:
     return fold_sizer(info.config, info.layers, resolve_dtype(cfg.model.dtype, torch.device(device)), cfg.plan.seq_len,
                       dims, accumulators=cfg.reduce.accumulators, objective=capture.objective.resolved(),
                       sensitivity=capture.sensitivity, sinks=capture.sinks, window=capture.window,
-                      sample=capture.sample, heldout_rows=max(1, cfg.reduce.heldout_rows // 2))
+                      sample=capture.sample, heldout_rows=max(1, cfg.reduce.heldout_rows // 2),
+                      probe=capture.copy_probe)

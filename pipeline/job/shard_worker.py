@@ -92,7 +92,7 @@ class ShardWorker:
         role = payload["role"]
         self._maybe_die(shard)
         if role == "train":
-            nbytes, rows, split = self._fold(shard, payload["acc"], payload.get("after"))
+            nbytes, rows, split = self._fold(shard, payload["acc"], payload.get("after"), bool(payload.get("probe")))
             hold_if_asked("fold")  # a test removes this node here: checkpointed, the result not yet returned
             if rows is None:
                 return ShardResult(shard.id, shard.index, role, 0, 0, 0, time.perf_counter() - t0, skipped=True,
@@ -110,8 +110,9 @@ class ShardWorker:
             self.totals[name] = self.store.get_acc(name)
         return self.totals[name]
 
-    def _fold(self, shard: Shard, name: str, after: str | None) -> tuple[int, int | None, dict]:
-        """Fold a shard into accumulator `name` after shard `after`, then checkpoint it.
+    def _fold(self, shard: Shard, name: str, after: str | None, probe: bool = False) -> tuple[int, int | None, dict]:
+        """Fold a shard into accumulator `name` after shard `after`, then checkpoint it; `probe`: its first sequence
+        also gives the job's copy probe.
         -> (bytes written, rows folded, seconds {capture_s, fold_s, checkpoint_s}), rows None when
         the total already holds the shard."""
         t0 = time.perf_counter()
@@ -130,8 +131,9 @@ class ShardWorker:
         try:
             for batch in self._batches(shard):
                 t1 = time.perf_counter()
-                captured = capture_kv(self.lm, batch, self.settings, min(sensitivity, int(batch.shape[0])))
-                sensitivity = max(0, sensitivity - int(batch.shape[0]))
+                captured = capture_kv(self.lm, batch, self.settings, min(sensitivity, int(batch.shape[0])),
+                                      probe=probe and sensitivity > 0)
+                sensitivity, probe = max(0, sensitivity - int(batch.shape[0])), False
                 t2 = time.perf_counter()
                 total.update(captured)
                 fold_s += time.perf_counter() - t2

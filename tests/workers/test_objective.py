@@ -29,10 +29,11 @@ def test_attention_objective():
     attention = objective_for("attention")
     assert attention.captures_metric and attention.weighs_bases
     metric = AttentionMetric(floor=0.1)
-    assert attention.task_metric(metric) == {"balance": "sensitivity", "floor": 0.1, "weighting": "concentration"}
+    assert attention.task_metric(metric) == {"balance": "sensitivity", "floor": 0.1, "weighting": "concentration",
+                                             "copy_weight": 3.0}
     assert attention.caption.startswith("errors in the attention metric")
     text = attention.error_text({"attention_metric": metric.to_json()})
-    assert '{"balance": "sensitivity", "floor": 0.1, "weighting": "concentration"}' in text
+    assert '{"balance": "sensitivity", "floor": 0.1, "weighting": "concentration", "copy_weight": 3.0}' in text
 
 
 def test_recorded_objective_defaults_to_mse():
