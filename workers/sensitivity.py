@@ -56,9 +56,9 @@ LOGIT_BLOCK_BYTES = 64 << 20  # one float32 (positions x vocab) logits block; ab
 
 # A copy probe: the model copying from far back, which a sequence's first tokens of prose never ask of it. At an
 # 8,192-token prefix of text repeating itself from 4K tokens back, the chunk path's KL was 2.3x fresh text's at CR 16,
-# most of it from a few heads (layer 7's and layer 18's third KV head on SmolLM2) that fresh text barely uses and a
-# copy from 512 tokens back does not yet need (bench/copy_attribution.py). One probe of the calibration's length per
-# job (its first shard), its Fisher information per position weighted beside fresh text's
+# over a quarter of it from two heads (layer 7's and layer 18's third KV head on SmolLM2) that fresh text barely uses
+# and a copy from 512 tokens back does not yet need (bench/copy_attribution.py). One probe of the calibration's length
+# per job (its first training shard), its Fisher information per position weighed beside fresh text's
 # (kvtc.pipeline.fit.metric.AttentionMetric.copy_weight), puts them in the metric.
 
 
