@@ -394,6 +394,8 @@ def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | 
             reduce = recorded_settings.get("reduce")
             if isinstance(reduce, dict) and "attention_balance" not in reduce:
                 recorded_settings["reduce"] = {**reduce, "attention_balance": Balance.LAYER.value}
+        if isinstance(capture, dict) and "copy_probe" not in capture:  # recorded before the copy probe was, or off
+            recorded_settings["capture"] = {**recorded_settings["capture"], "copy_probe": 0}
         allocator = recorded_settings.get("allocator")
         if isinstance(allocator, dict) and "bit_split" not in allocator:  # likewise: every basis its own share
             recorded_settings["allocator"] = {**allocator, "bit_split": BitSplit.EVEN.value}

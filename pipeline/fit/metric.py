@@ -10,7 +10,9 @@ z = (x - mean) @ E, x_hat = mean + z_hat @ D^T.
 balance: "sensitivity" (the default) scales each (layer, KV head) block to what the model's output feels: the
 block's shape is the metric's, its scale tr(M^-1 F) / d, the KL an error of one whitened unit in every
 direction costs (F: the measured Fisher information of that layer's cached keys or values,
-kvtc.workers.sensitivity), in one unit for every block of the model (keys and values alike); "layer" scales
+kvtc.workers.sensitivity; where the statistics hold the job's copy probe, F per position is fresh text's plus
+`copy_weight` times the probe's: what copying from far back needs, kvtc.workers.sensitivity.copy_probe), in one
+unit for every block of the model (keys and values alike); "layer" scales
 each layer's blocks to mean diagonal 1 (the squared error's balance between layers is kept, the metric
 reshapes the error within a layer), "head" likewise per (layer, KV head), "model" keeps the measured scale. floor: added to each block's diagonal, times the block's mean diagonal, so that no
 direction is free and S^-1 stays bounded. weighting: "concentration" multiplies each KV head's blocks by how

@@ -108,7 +108,7 @@ PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", 
                 "--tokens-curve-points", "0", "--accumulators", "2", "--served-sequences", "2", "--tp", "2",
                 "--basis-budget", "3%", "--max-components", "24", "--objective", "attention",
                 "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none", "--sensitivity", "2",
-                "--bit-split", "even"]
+                "--bit-split", "even", "--copy-probe", "1000", "--attention-copy-weight", "2"]
 
 
 def _parsed(command: str, flags: list[str]) -> dict:
@@ -143,10 +143,11 @@ def test_a_parent_recorded_before_the_kl_sensitivity_recalibrates_as_it_ran():
 
     parent = JobSettings.of(**_parsed("calibrate", ["--objective", "attention", "--attention-balance", "layer"]))
     recorded = json.loads(json.dumps(parent.computational()))
-    del recorded["capture"]["sensitivity"]
+    del recorded["capture"]["sensitivity"], recorded["capture"]["copy_probe"]  # neither was recorded then
     manifest = _manifest(_record(settings=recorded))
     again = settings_from_manifest(manifest)
     assert again.capture.sensitivity == 0 and again.reduce.attention_balance == "layer"
+    assert again.capture.copy_probe == 0  # nor a copy probe
     del recorded["reduce"]["attention_balance"]
     again = settings_from_manifest(_manifest(_record(settings=recorded)))
     assert again.capture.sensitivity == 0 and again.reduce.attention_balance == "layer"
