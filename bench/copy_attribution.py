@@ -10,7 +10,7 @@ the cache coded (the rest raw):
 
 - every coded entry (the path as served), only the keys, only the values;
 - by position: the copied source (the prefix positions the continuation repeats, 16 either side), the last 1,024
-  positions, everything else;
+  positions but the source, everything else;
 - by layer (and with --heads, by layer and KV head): only that layer's keys and values coded.
 
 Each part's KL and its share of the whole (parts are not exactly additive: KL is not linear in the error) for both
@@ -33,7 +33,7 @@ def parts(P: int, n: int, layers: int, heads: int, by_head: bool) -> dict[str, d
     half = (P + n + 1) // 2 + 1  # bench/served_quality.sequences: the second copy starts `half` tokens after the first
     src = max(0, P - half - 16), min(P, P - half + n + 16)
     out = {"all": {}, "keys": {"stream": "k"}, "values": {"stream": "v"}, "source": {"pos": src},
-           "last 1024": {"pos": (P - 1024, P)}, "rest": {"pos": None, "except": [src, (P - 1024, P)]}}
+           "last 1024": {"pos": (P - 1024, P), "except": [src]}, "rest": {"pos": None, "except": [src, (P - 1024, P)]}}
     for layer in range(layers):
         out[f"L{layer}"] = {"layer": layer}
         if by_head:
