@@ -178,20 +178,22 @@ def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSett
     sum over (`fisher_positions`); with `probe`, the copy probe's sums and positions (`probe_*`)."""
     from kvtc.workers.sensitivity import SENSITIVITY_TOKENS, copy_probe, kl_sensitivity  # noqa: PLC0415 - transformers
 
+    def coded(ids: torch.Tensor) -> float:  # the positions kl_sensitivity sums over: [sinks, T - window)
+        return float(max(0, int(ids.shape[1]) - settings.sinks - settings.window))
+
     out: dict[str, torch.Tensor] = {}
-    positions = 0
+    positions = 0.0
     for row in input_ids[:n]:  # each sequence's first SENSITIVITY_TOKENS tokens (sensitivity.py: why)
         ids = row[None, :SENSITIVITY_TOKENS]
-        positions += max(0, int(ids.shape[1]) - settings.sinks - settings.window)
+        positions += coded(ids)
         for name, t in kl_sensitivity(lm, ids, settings.sinks, settings.window, settings.seed).items():
             out[name] = out[name] + t if name in out else t
-    out["fisher_positions"] = torch.tensor([float(positions)], dtype=torch.float64)
+    out["fisher_positions"] = torch.tensor([positions], dtype=torch.float64)
     if probe and settings.copy_probe:
         ids = copy_probe(input_ids[0], settings.copy_probe)[None]
         got = kl_sensitivity(lm, ids, settings.sinks, settings.window, settings.seed)
         out["probe_keys"], out["probe_values"] = got["sensitivity_keys"], got["sensitivity_values"]
-        out["probe_positions"] = torch.tensor([float(max(0, int(ids.shape[1]) - settings.sinks - settings.window))],
-                                              dtype=torch.float64)
+        out["probe_positions"] = torch.tensor([coded(ids)], dtype=torch.float64)
     return out
 
 

@@ -253,8 +253,11 @@ def floor_option() -> Any:
                         "direction is free)", kind=float)
 
 
+COPY_WEIGHT = 3.0  # the copy probe's Fisher per position against fresh text's (bench/README.md, copying from far back)
+
+
 def copy_weight_option() -> Any:
-    return option(3.0, "--objective attention with the sensitivity balance: weight of the copy probe's KL sensitivity "
+    return option(COPY_WEIGHT, "--objective attention with the sensitivity balance: weight of the copy probe's KL sensitivity "
                        "per position against fresh text's (--copy-probe; 0: fresh text only)", kind=float)
 
 

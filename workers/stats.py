@@ -329,8 +329,7 @@ class CalibrationStats:
         want = {"keys": shape, "values": shape + shape[-1:], "concentration": shape[:2], "reach": shape[:2],
                 "sensitivity_keys": shape, "sensitivity_values": shape + shape[-1:], "fisher_positions": (1,),
                 "probe_keys": shape, "probe_values": shape + shape[-1:], "probe_positions": (1,)}
-        for later in ("concentration", "reach", "sensitivity_keys", "sensitivity_values", "fisher_positions",
-                      "probe_keys", "probe_values", "probe_positions"):
+        for later in [k for k in want if k not in ("keys", "values")]:
             if later not in meta["metric"]:
                 del want[later]  # captured before the attention concentration (or the keys' reach, the positions'
                 # counts, the copy probe) was, or with --sensitivity 0, or in totals without the job's probe shard

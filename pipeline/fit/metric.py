@@ -28,7 +28,7 @@ import numpy as np
 
 from kvtc.artifacts.errors import CorruptArtifactError
 from kvtc.artifacts.groups import FeatureGroup, layer_slots
-from kvtc.workers.objective import Balance, Weighting
+from kvtc.workers.objective import COPY_WEIGHT, Balance, Weighting
 
 SENSITIVITY_FLOOR = 1e-4  # of the group's largest block scale: a head the model barely feels still costs something
 
@@ -46,7 +46,7 @@ class AttentionMetric:
     floor: float = 0.05
     weighting: Weighting = Weighting.CONCENTRATION
     reach: tuple[float, ...] | None = None  # per model layer, the sensitivity's factor (sensitivity_reach.py); None: 1
-    copy_weight: float = 3.0  # a copy probe's Fisher information per position against fresh text's (module docstring)
+    copy_weight: float = COPY_WEIGHT  # a copy probe's Fisher per position against fresh text's (module docstring)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weighting", Weighting.of(self.weighting, "attention metric weighting"))
@@ -103,8 +103,8 @@ class AttentionMetric:
             return np.einsum("lhij,lhji->lh", inverse, f) / d
 
         fresh, probe = fisher(metric)
-        ref = float(np.einsum("lhii->", fresh["values"] + self.copy_weight * probe["values"] if probe else
-                              fresh["values"])) / max(int(np.prod(fresh["values"].shape[:-1])), 1)
+        values = fresh["values"] + (self.copy_weight * probe["values"] if probe else 0.0)
+        ref = float(np.einsum("lhii->", values)) / max(int(np.prod(values.shape[:-1])), 1)
         w = scale(fresh)
         if self.reach is not None:  # measured on a sequence's first tokens: what each layer's errors reach over all
             if max(group.layers) >= len(self.reach):

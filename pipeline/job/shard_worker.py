@@ -131,8 +131,7 @@ class ShardWorker:
         try:
             for batch in self._batches(shard):
                 t1 = time.perf_counter()
-                captured = capture_kv(self.lm, batch, self.settings, min(sensitivity, int(batch.shape[0])),
-                                      probe=probe and sensitivity > 0)
+                captured = capture_kv(self.lm, batch, self.settings, min(sensitivity, int(batch.shape[0])), probe)
                 sensitivity, probe = max(0, sensitivity - int(batch.shape[0])), False
                 t2 = time.perf_counter()
                 total.update(captured)
