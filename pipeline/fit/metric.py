@@ -54,7 +54,8 @@ class AttentionMetric:
         if not 0.0 < self.floor < 1e3:
             raise ValueError(f"attention metric floor must be in (0, 1000), got {self.floor}")
         if not (isinstance(self.copy_weight, (int, float)) and 0.0 <= self.copy_weight <= 1e3):
-            raise ValueError(f"attention metric copy weight must be in [0, 1000], got {self.copy_weight!r}")
+            raise ValueError(f"attention metric copy weight (--attention-copy-weight) must be in [0, 1000], got "
+                             f"{self.copy_weight!r}")
         object.__setattr__(self, "copy_weight", float(self.copy_weight))
         if self.reach is not None:
             object.__setattr__(self, "reach", tuple(float(r) for r in self.reach))
