@@ -28,7 +28,11 @@ token). Paths:
                factory) storing 256-token chunks of GPU-layout pages and loading them back (CPU tensors).
 
 Bytes are the stored bytes against bf16 (the frame and padding of each path included). Prints a table, writes
-served_quality.json and served_quality.png under --out.
+served_quality.json and served_quality.png under --out. A KL is a mean over sequences that can be far from
+alike (at 8K, one copying sequence of four can carry two thirds of the sum), so each row keeps its sequences'
+KL (`kl_seqs`) and a 95% bootstrap interval (`kl_ci`), and every later domain's KL is also given as a ratio to
+the first domain's at the same artifact, ratio, prefix and path, with its interval (`bench/README.md`: copy /
+fresh).
 """
 from __future__ import annotations
 
@@ -256,13 +260,52 @@ def main() -> None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "served_quality.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'objective':9} {'CR':>3} {'prefix':>6} {'domain':9} {'path':17} {'x bf16':>6} {'K err':>6} "
-          f"{'V err':>6} {'ppl ratio':>9} {'KL':>7}")
+          f"{'V err':>6} {'ppl ratio':>9} {'KL':>7} {'95% interval':>17}")
     for r in rows:
         print(f"{r['objective']:9} {r['ratio']:3g} {r['prefix']:6d} {r['domain']:9} {r['path']:17} {r['x_bf16']:6.2f} "
-              f"{r['k_err']:6.3f} {r['v_err']:6.3f} {r['ppl_ratio']:9.4f} {r['kl']:7.4f}")
+              f"{r['k_err']:6.3f} {r['v_err']:6.3f} {r['ppl_ratio']:9.4f} {r['kl']:7.4f} "
+              f"[{r['kl_ci'][0]:.4f}, {r['kl_ci'][1]:.4f}]")
+    domain_ratios(rows)
     equal_bytes(rows)
     if a.out:
+        (Path(a.out) / "served_quality.json").write_text(json.dumps(rows, indent=1))  # with the domain ratios
         chart(rows, Path(a.out) / "served_quality.png")
+
+
+def bootstrap(first: list[float], second: list[float] | None = None, draws: int = 4000) -> tuple[float, float]:
+    """95% percentile bootstrap interval of mean(first) (or of mean(first) / mean(second)), sequences resampled
+    with replacement (a fixed seed: reruns print the same interval)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = np.asarray(first, dtype=float)
+    stats = x[rng.integers(0, len(x), (draws, len(x)))].mean(1)
+    if second is not None:
+        y = np.asarray(second, dtype=float)
+        stats = stats / np.maximum(y[rng.integers(0, len(y), (draws, len(y)))].mean(1), 1e-300)
+    lo, hi = np.percentile(stats, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def domain_ratios(rows: list[dict]) -> None:
+    """Each later domain's KL over the first domain's (same artifact, ratio, prefix, path), with its interval."""
+    first = rows[0]["domain"] if rows else None
+    lines = []
+    for r in rows:
+        if r["domain"] == first:
+            continue
+        base = next((b for b in rows if b["domain"] == first and all(b[k] == r[k] for k in
+                                                                      ("artifact", "ratio", "prefix", "path"))), None)
+        if base is None or not base["kl"] > 0:
+            continue
+        lo, hi = bootstrap(r["kl_seqs"], base["kl_seqs"])
+        r[f"kl_over_{first}"], r[f"kl_over_{first}_ci"] = r["kl"] / base["kl"], [lo, hi]
+        lines.append(f"  {r['artifact']} CR {r['ratio']:g} prefix {r['prefix']} {r['path']}: {r['domain']} / {first} "
+                     f"{r['kl'] / base['kl']:.2f} [{lo:.2f}, {hi:.2f}] ({len(r['kl_seqs'])} / {len(base['kl_seqs'])} "
+                     "sequences)")
+    if lines:
+        print(f"\nKL over {first}'s, 95% bootstrap intervals over sequences:")
+        print("\n".join(lines))
 
 
 def equal_bytes(rows: list[dict]) -> None:
@@ -335,9 +378,10 @@ def run_prefix(a, lm_model, data: list, P: int, paths: list[str], ratios: list[f
                             k, v, stored = tier.round_trip(keys, values)
                         lp = continuation_logprobs(lm_model, k.float(), v.float(), feed)
                         t = tally.setdefault((name, path), dict(nll=0.0, kl=0.0, tokens=0, bytes=0, raw=0, k=0.0,
-                                                                kn=0.0, v=0.0, vn=0.0))
+                                                                kn=0.0, v=0.0, vn=0.0, seqs=[]))
                         t["nll"] += -lp.gather(1, target[:, None]).sum().item() - ref_nll
-                        t["kl"] += float((ref_lp.exp() * (ref_lp - lp)).sum())
+                        t["seqs"].append(float((ref_lp.exp() * (ref_lp - lp)).sum()) / a.continuation)
+                        t["kl"] += t["seqs"][-1] * a.continuation
                         t["tokens"] += a.continuation
                         t["bytes"] += stored
                         t["raw"] += raw_bytes
@@ -354,7 +398,8 @@ def run_prefix(a, lm_model, data: list, P: int, paths: list[str], ratios: list[f
                              "path": path,
                              "ppl_ratio": math.exp(t["nll"] / t["tokens"]), "kl": t["kl"] / t["tokens"],
                              "x_bf16": t["raw"] / t["bytes"], "k_err": math.sqrt(t["k"] / t["kn"]),
-                             "v_err": math.sqrt(t["v"] / t["vn"]), "tokens": t["tokens"]})
+                             "v_err": math.sqrt(t["v"] / t["vn"]), "tokens": t["tokens"],
+                             "kl_seqs": t["seqs"], "kl_ci": list(bootstrap(t["seqs"]))})
             print(f"{ref} CR {ratio:g} prefix {P}: done at {time.perf_counter() - t0:.0f} s", flush=True)
     return rows
 

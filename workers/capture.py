@@ -175,7 +175,7 @@ def capture_kv(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettin
 def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSettings, n: int,
                  probe: bool = False) -> dict[str, torch.Tensor]:
     """The Fisher sums of the first `n` sequences' first SENSITIVITY_TOKENS tokens, and the positions they
-    sum over (`fisher_positions`); with `probe`, the copy probe's sums and positions (`probe_*`)."""
+    sum over (`fisher_positions`); with `probe`, the copy probe's sums and the positions it scores (`probe_*`)."""
     from kvtc.workers.sensitivity import SENSITIVITY_TOKENS, copy_probe, kl_sensitivity  # noqa: PLC0415 - transformers
 
     def coded(ids: torch.Tensor) -> float:  # the positions kl_sensitivity sums over: [sinks, T - window)
@@ -190,10 +190,10 @@ def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSett
             out[name] = out[name] + t if name in out else t
     out["fisher_positions"] = torch.tensor([positions], dtype=torch.float64)
     if probe and settings.copy_probe:
-        ids = copy_probe(input_ids[0], settings.copy_probe)[None]
-        got = kl_sensitivity(lm, ids, settings.sinks, settings.window, settings.seed)
+        ids, scored_from = copy_probe(input_ids[0], settings.copy_probe)
+        got = kl_sensitivity(lm, ids[None], settings.sinks, settings.window, settings.seed, scored_from=scored_from)
         out["probe_keys"], out["probe_values"] = got["sensitivity_keys"], got["sensitivity_values"]
-        out["probe_positions"] = torch.tensor([coded(ids)], dtype=torch.float64)
+        out["probe_positions"] = torch.tensor([float(ids.shape[0] - scored_from)], dtype=torch.float64)
     return out
 
 

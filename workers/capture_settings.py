@@ -35,9 +35,10 @@ class CaptureSettings:
                                        "positions)", choices=KEY_FORMS)
     objective: ObjectiveChoice = objective_option()  # an objective, or auto until the plan resolves it
     sensitivity: int = sensitivity_option()
-    copy_probe: int = option(8192, "--objective attention with --sensitivity: tokens of the long-range copy probe whose "
-                                   "KL sensitivity the first shard also measures (its first sequence's first half "
-                                   "followed by itself, at most the sequence's length; 0: off)", kind=int)
+    copy_probe: int = option(4096, "--objective attention with --sensitivity: tokens of the long-range copy probe whose "
+                                   "KL sensitivity the first shard also measures (its first sequence's first quarter, "
+                                   "the next half, the first quarter again, at most the sequence's length; 0: off)",
+                             kind=int)
     tp: int = option(1, "tensor-parallel ranks the model is served at: one basis per rank's KV heads (and per layer "
                         "group), as vLLM and SGLang shard them; ranks holding the same heads share one", kind=int)
 

@@ -253,12 +253,12 @@ def floor_option() -> Any:
                         "direction is free)", kind=float)
 
 
-COPY_WEIGHT = 3.0  # the copy probe's Fisher per position against fresh text's (bench/README.md, copying from far back)
+COPY_WEIGHT = 1.5  # the copy probe's Fisher per scored position against fresh text's per position (bench/README.md)
 
 
 def copy_weight_option() -> Any:
     return option(COPY_WEIGHT, "--objective attention with the sensitivity balance: weight of the copy probe's KL sensitivity "
-                       "per position against fresh text's (--copy-probe; 0: fresh text only)", kind=float)
+                       "per scored position against fresh text's per position (--copy-probe; 0: fresh text only)", kind=float)
 
 
 def weighting_option() -> Any:

@@ -57,20 +57,24 @@ LOGIT_BLOCK_BYTES = 64 << 20  # one float32 (positions x vocab) logits block; ab
 # A copy probe: the model copying from far back, which a sequence's first tokens of prose never ask of it. At an
 # 8,192-token prefix of text repeating itself from 4K tokens back, the chunk path's KL was 2.3x fresh text's at CR 16,
 # over a quarter of it from two heads (layer 7's and layer 18's third KV head on SmolLM2) that fresh text barely uses
-# and a copy from 512 tokens back does not yet need (bench/copy_attribution.py). One probe of the calibration's length
-# per job (its first training shard), its Fisher information per position weighed beside fresh text's
-# (kvtc.pipeline.fit.metric.AttentionMetric.copy_weight), puts them in the metric.
+# and a copy from 512 tokens back does not yet need (bench/copy_attribution.py). One probe per job (its first training
+# shard): a passage, the text that followed it, the passage again, its Fisher information from the copied passage's
+# distributions only, per scored position, weighed beside fresh text's
+# (kvtc.pipeline.fit.metric.AttentionMetric.copy_weight). Its copy reaches three quarters of the probe back: at 4,096
+# tokens it kept what the 8,192-token passage-twice probe of stop 70 kept, at a third of its backward (bench/README.md).
 
 
-def copy_probe(ids: torch.Tensor, tokens: int) -> torch.Tensor:
-    """ids (T,) -> (2h,): its first h = min(T, tokens) // 2 tokens followed by themselves, so every position of the
-    second half repeats the one h back (an induction the model must find across the whole probe)."""
+def copy_probe(ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+    """ids (T,) -> (probe (L,), scored_from): with L = min(T, tokens) and a passage of p = L // 4 tokens, the
+    sequence's first p tokens, its next L - 2p, then the first p again, so every position from scored_from = L - p
+    on repeats the one L - p back (an induction the model must find across three quarters of the probe)."""
     if ids.dim() != 1:
         raise ValueError(f"copy_probe takes one sequence of token ids (T,), got shape {tuple(ids.shape)}")
-    h = min(int(ids.shape[0]), int(tokens)) // 2
-    if h < 1:
+    n = min(int(ids.shape[0]), int(tokens))
+    p = n // 4
+    if p < 1:
         raise ValueError(f"a copy probe of {tokens} tokens from a {ids.shape[0]}-token sequence is empty")
-    return torch.cat([ids[:h], ids[:h]])
+    return torch.cat([ids[:n - p], ids[:p]]), n - p
 
 
 def logit_block(vocab: int) -> int:
@@ -161,10 +165,11 @@ def _labels_seed(seed: int, input_ids: torch.Tensor) -> int:
 
 
 def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, seed: int = 0,
-                   block: int | None = None, checkpoint: bool = True) -> dict[str, torch.Tensor]:
+                   block: int | None = None, checkpoint: bool = True, scored_from: int = 0) -> dict[str, torch.Tensor]:
     """input_ids (1, T) -> the sequence's Fisher sums (module docstring); zeros when no position is coded.
     block: positions per logits block (default `logit_block(vocab)`); checkpoint: recompute each coded layer's
-    activations in the backward (False: keep them all, as an unblocked pass does)."""
+    activations in the backward (False: keep them all, as an unblocked pass does); scored_from: only the
+    distributions at positions [scored_from, T) count (a copy probe's copying half)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"kl_sensitivity takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
     coded = cached_layers(lm.layers)
@@ -174,6 +179,8 @@ def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, se
     values = torch.zeros(shape + shape[-1:], dtype=torch.float64)
     t = int(input_ids.shape[1])
     lo, hi = sinks, t - window
+    if not 0 <= scored_from < t:
+        raise ValueError(f"scored_from {scored_from} is outside the {t}-token sequence; score from a position in [0, {t})")
     if hi <= lo:
         return {"sensitivity_keys": keys, "sensitivity_values": values}
     block = block or logit_block(int(lm.model.get_output_embeddings().weight.shape[0]))
@@ -189,7 +196,7 @@ def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, se
         given = hidden.detach().requires_grad_(True)
         gen = torch.Generator(device=hidden.device).manual_seed(_labels_seed(seed, input_ids))
         with ModelHead(lm.model).attached() as head:
-            for a in range(0, t, block):
+            for a in range(scored_from, t, block):
                 logits = head(given[:, a:a + block])[0].float()  # (b, vocab)
                 labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)[:, 0]
                 torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward(inputs=[given])

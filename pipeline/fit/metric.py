@@ -11,7 +11,7 @@ balance: "sensitivity" (the default) scales each (layer, KV head) block to what 
 block's shape is the metric's, its scale tr(M^-1 F) / d, the KL an error of one whitened unit in every
 direction costs (F: the measured Fisher information of that layer's cached keys or values,
 kvtc.workers.sensitivity; where the statistics hold the job's copy probe, F per position is fresh text's plus
-`copy_weight` times the probe's: what copying from far back needs, kvtc.workers.sensitivity.copy_probe), in one
+`copy_weight` times the probe's per scored position: what copying from far back needs, kvtc.workers.sensitivity.copy_probe), in one
 unit for every block of the model (keys and values alike); "layer" scales
 each layer's blocks to mean diagonal 1 (the squared error's balance between layers is kept, the metric
 reshapes the error within a layer), "head" likewise per (layer, KV head), "model" keeps the measured scale. floor: added to each block's diagonal, times the block's mean diagonal, so that no
@@ -46,7 +46,7 @@ class AttentionMetric:
     floor: float = 0.05
     weighting: Weighting = Weighting.CONCENTRATION
     reach: tuple[float, ...] | None = None  # per model layer, the sensitivity's factor (sensitivity_reach.py); None: 1
-    copy_weight: float = COPY_WEIGHT  # a copy probe's Fisher per position against fresh text's (module docstring)
+    copy_weight: float = COPY_WEIGHT  # a copy probe's Fisher per scored position against fresh text's per position
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weighting", Weighting.of(self.weighting, "attention metric weighting"))

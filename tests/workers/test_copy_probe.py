@@ -25,13 +25,15 @@ def _ids(b: int, t: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 1000, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def test_a_copy_probe_is_a_passage_followed_by_itself():
+def test_a_copy_probe_is_a_passage_the_text_after_it_and_the_passage_again():
     ids = torch.arange(100, 131)
-    probe = copy_probe(ids, 20)
-    assert probe.tolist() == list(range(100, 110)) * 2
-    assert copy_probe(ids, 1 << 20).tolist() == list(range(100, 115)) * 2  # at most the sequence: 31 // 2 twice
+    probe, scored_from = copy_probe(ids, 20)  # a passage of 20 // 4 = 5 tokens, 10 more, the passage again
+    assert probe.tolist() == list(range(100, 115)) + list(range(100, 105)) and scored_from == 15
+    assert (probe[scored_from:] == probe[:20 - scored_from]).all()  # the scored copy repeats the passage 15 back
+    probe, scored_from = copy_probe(ids, 1 << 20)  # at most the sequence: 31 tokens, a passage of 7
+    assert probe.tolist() == list(range(100, 124)) + list(range(100, 107)) and scored_from == 24
     with pytest.raises(ValueError, match="empty"):
-        copy_probe(ids[:1], 8)
+        copy_probe(ids[:3], 8)
     with pytest.raises(ValueError, match=r"\(T,\)"):
         copy_probe(ids[None], 8)
 
@@ -39,10 +41,13 @@ def test_a_copy_probe_is_a_passage_followed_by_itself():
 def test_capture_measures_the_probe_beside_fresh_text_and_counts_both_positions(llama):
     ids = torch.cat([_ids(1, 40, 0), _ids(1, 40, 1)])
     got = capture_kv(llama, ids, ATTN, sensitivity=1, probe=True).metric
-    want = kl_sensitivity(llama, copy_probe(ids[0], 20)[None], 2, 4)
+    probe, scored_from = copy_probe(ids[0], 20)
+    want = kl_sensitivity(llama, probe[None], 2, 4, scored_from=scored_from)  # the copy's distributions only
     torch.testing.assert_close(got["probe_keys"], want["sensitivity_keys"])
     torch.testing.assert_close(got["probe_values"], want["sensitivity_values"])
-    assert got["probe_positions"].tolist() == [20 - 2 - 4]
+    every = kl_sensitivity(llama, probe[None], 2, 4)
+    assert float(got["probe_keys"].sum()) < float(every["sensitivity_keys"].sum())
+    assert got["probe_positions"].tolist() == [5]  # the positions it scores
     assert got["fisher_positions"].tolist() == [40 - 2 - 4]  # one sequence's fresh pass
     torch.testing.assert_close(got["sensitivity_values"], kl_sensitivity(llama, ids[:1], 2, 4)["sensitivity_values"])
     plain = capture_kv(llama, ids, ATTN, sensitivity=1).metric  # every other shard: no probe
@@ -61,7 +66,7 @@ def test_stats_keep_the_probe_and_refuse_half_of_it(llama):
     back = CalibrationStats.from_bytes(with_probe.to_bytes())
     assert torch.equal(back.metric["probe_values"], with_probe.metric["probe_values"])
     merged = CalibrationStats.from_bytes(without.merge(with_probe).to_bytes())  # totals without the probe shard add
-    assert merged.metric["fisher_positions"].tolist() == [68] and merged.metric["probe_positions"].tolist() == [14]
+    assert merged.metric["fisher_positions"].tolist() == [68] and merged.metric["probe_positions"].tolist() == [5]
     for key in ("probe_values", "probe_positions"):
         bad = CalibrationStats.from_bytes(with_probe.to_bytes())
         del bad.metric[key]
@@ -120,7 +125,13 @@ def test_only_the_first_training_shard_measures_the_probe(tmp_path):
 
 
 def test_the_probe_is_a_capture_setting_of_the_store_key():
+    from kvtc.pipeline.job.store import capture_key, settings_key
+
     assert "copy_probe" in ATTN.to_dict()
+    # the probe's form is in the key: a store of stop 70's probe (a passage twice, no form written) is not read
+    assert capture_key(ATTN.to_dict(), "float32") != settings_key({**ATTN.to_dict(), "model_dtype": "float32"})
+    off = CaptureSettings(objective="attention", copy_probe=0).to_dict()
+    assert capture_key(off, "float32") == settings_key({**off, "model_dtype": "float32"})  # stores before it match
     assert "copy_probe" not in CaptureSettings(objective="attention", copy_probe=0).to_dict()  # stores before it match
     assert "copy_probe" not in CaptureSettings(objective="attention", sensitivity=0).to_dict()
     assert CaptureSettings.from_dict(ATTN.to_dict()) == ATTN

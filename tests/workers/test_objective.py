@@ -30,10 +30,10 @@ def test_attention_objective():
     assert attention.captures_metric and attention.weighs_bases
     metric = AttentionMetric(floor=0.1)
     assert attention.task_metric(metric) == {"balance": "sensitivity", "floor": 0.1, "weighting": "concentration",
-                                             "copy_weight": 3.0}
+                                             "copy_weight": 1.5}
     assert attention.caption.startswith("errors in the attention metric")
     text = attention.error_text({"attention_metric": metric.to_json()})
-    assert '{"balance": "sensitivity", "floor": 0.1, "weighting": "concentration", "copy_weight": 3.0}' in text
+    assert '{"balance": "sensitivity", "floor": 0.1, "weighting": "concentration", "copy_weight": 1.5}' in text
 
 
 def test_recorded_objective_defaults_to_mse():

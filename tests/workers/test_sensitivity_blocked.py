@@ -25,8 +25,10 @@ class _KeptLeaves(DynamicCache):
         return super().update(k, v, layer_idx, *args, **kwargs)
 
 
-def _unblocked(lm, input_ids: torch.Tensor, sinks: int, window: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The pass as first written: the model's whole logits, one cross entropy, one backward through every layer."""
+def _unblocked(lm, input_ids: torch.Tensor, sinks: int, window: int, seed: int = 0,
+               scored_from: int = 0) -> dict[str, torch.Tensor]:
+    """The pass as first written: the model's whole logits, one cross entropy, one backward through every layer
+    (the distributions at positions from `scored_from` on)."""
     coded = cached_layers(lm.layers)
     spec0 = lm.layers[coded[0]]
     keys = torch.zeros(len(coded), spec0.kv_heads, spec0.head_dim, dtype=torch.float64)
@@ -34,7 +36,7 @@ def _unblocked(lm, input_ids: torch.Tensor, sinks: int, window: int, seed: int =
     lo, hi = sinks, input_ids.shape[1] - window
     cache = full_cache(lm, _KeptLeaves)
     with torch.enable_grad():
-        logits = lm.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0].float()
+        logits = lm.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0, scored_from:].float()
         gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(input_ids.numpy().tobytes())) % (1 << 62))
         labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=gen)[:, 0]
         loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
@@ -68,6 +70,21 @@ def test_blocked_checkpointed_sums_equal_the_unblocked_pass(arch):
             torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-12 * float(want[name].abs().max()))
     assert all(p.requires_grad for p in lm.model.parameters())  # frozen only during the pass
     assert not any("forward" in vars(layer) for layer in decoder_layers(lm.base))  # the checkpoint wrappers are gone
+
+
+def test_scored_from_counts_only_the_later_distributions():
+    lm = load_model("tiny:llama")
+    ids = _ids(40, 1)
+    want = _unblocked(lm, ids, 2, 4, scored_from=25)
+    for block in (None, 7):
+        got = kl_sensitivity(lm, ids, 2, 4, block=block, scored_from=25)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6 * float(want[name].abs().max()))
+    every = kl_sensitivity(lm, ids, 2, 4)
+    assert float(want["sensitivity_keys"].sum()) < float(every["sensitivity_keys"].sum())  # fewer distributions count
+    assert not torch.equal(want["sensitivity_keys"], every["sensitivity_keys"])
+    with pytest.raises(ValueError, match="scored_from"):
+        kl_sensitivity(lm, ids, 2, 4, scored_from=40)
 
 
 def test_the_model_head_is_the_models_own_logits_and_blocks_have_a_floor():

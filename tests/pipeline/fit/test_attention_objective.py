@@ -228,7 +228,7 @@ def test_record_repeats_the_objective():
                             allocator={}, objective="attention", attention_metric=AttentionMetric().to_json())
     back = CalibrationRecord.from_manifest({"calibration": rec.to_manifest()})
     assert back.capture()["objective"] == "attention" and back.attention_metric == {
-        "balance": "sensitivity", "floor": 0.05, "weighting": "concentration", "copy_weight": 3.0}
+        "balance": "sensitivity", "floor": 0.05, "weighting": "concentration", "copy_weight": 1.5}
     plain = CalibrationRecord(sinks=4, window=8, seq_len=64, seed=0, ratios=(8.0,), groups=(FeatureGroup((0, 1)),),
                               allocator={}).to_manifest()
     assert "objective" not in plain and "attention_metric" not in plain
@@ -253,8 +253,8 @@ def test_calibration_end_to_end_with_the_attention_objective(tmp_path):
     cal = art.manifest["calibration"]
     assert cal["objective_reason"].startswith("auto: ") and cal["settings"]["capture"]["objective"] == "attention"
     assert cal["objective"] == "attention" and cal["attention_metric"] == {
-        "balance": "sensitivity", "floor": 0.05, "weighting": "concentration", "copy_weight": 3.0}
-    assert cal["settings"]["capture"]["copy_probe"] == 8192  # the job's first shard measured the probe
+        "balance": "sensitivity", "floor": 0.05, "weighting": "concentration", "copy_weight": 1.5}
+    assert cal["settings"]["capture"]["copy_probe"] == 4096  # the job's first shard measured the probe
     assert "attention" in cal["relative_error"]
     for stream in ("keys", "values"):
         _, _, enc = art.basis(stream)
