@@ -169,7 +169,7 @@ def kl_sensitivity(lm: Any, input_ids: torch.Tensor, sinks: int, window: int, se
     """input_ids (1, T) -> the sequence's Fisher sums (module docstring); zeros when no position is coded.
     block: positions per logits block (default `logit_block(vocab)`); checkpoint: recompute each coded layer's
     activations in the backward (False: keep them all, as an unblocked pass does); scored_from: only the
-    distributions at positions [scored_from, T) count (a copy probe's copying half)."""
+    distributions at positions [scored_from, T) count (a copy probe's copied passage)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"kl_sensitivity takes one sequence, input_ids of shape (1, T); got {tuple(input_ids.shape)}")
     coded = cached_layers(lm.layers)
