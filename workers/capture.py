@@ -178,14 +178,11 @@ def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSett
     sum over (`fisher_positions`); with `probe`, the copy probe's sums and the positions it scores (`probe_*`)."""
     from kvtc.workers.sensitivity import SENSITIVITY_TOKENS, copy_probe, kl_sensitivity  # noqa: PLC0415 - transformers
 
-    def coded(ids: torch.Tensor) -> float:  # the positions kl_sensitivity sums over: [sinks, T - window)
-        return float(max(0, int(ids.shape[1]) - settings.sinks - settings.window))
-
     out: dict[str, torch.Tensor] = {}
     positions = 0.0
     for row in input_ids[:n]:  # each sequence's first SENSITIVITY_TOKENS tokens (sensitivity.py: why)
         ids = row[None, :SENSITIVITY_TOKENS]
-        positions += coded(ids)
+        positions += max(0, int(ids.shape[1]) - settings.sinks - settings.window)  # [sinks, T - window): the coded ones
         for name, t in kl_sensitivity(lm, ids, settings.sinks, settings.window, settings.seed).items():
             out[name] = out[name] + t if name in out else t
     out["fisher_positions"] = torch.tensor([positions], dtype=torch.float64)
