@@ -396,6 +396,9 @@ def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | 
                 recorded_settings["reduce"] = {**reduce, "attention_balance": Balance.LAYER.value}
         if isinstance(capture, dict) and "copy_probe" not in capture:  # recorded before the copy probe was, or off
             recorded_settings["capture"] = {**recorded_settings["capture"], "copy_probe": 0}
+        capture = recorded_settings["capture"] if isinstance(recorded_settings.get("capture"), dict) else None
+        if capture and capture.get("copy_probe") and "copy_probe_form" not in capture:  # the first form named none
+            recorded_settings["capture"] = {**capture, "copy_probe_form": "passage-twice"}
         allocator = recorded_settings.get("allocator")
         if isinstance(allocator, dict) and "bit_split" not in allocator:  # likewise: every basis its own share
             recorded_settings["allocator"] = {**allocator, "bit_split": BitSplit.EVEN.value}

@@ -187,10 +187,11 @@ def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSett
             out[name] = out[name] + t if name in out else t
     out["fisher_positions"] = torch.tensor([positions], dtype=torch.float64)
     if probe and settings.copy_probe:
-        ids, scored_from = copy_probe(input_ids[0], settings.copy_probe)
+        ids, scored_from = copy_probe(input_ids[0], settings.copy_probe, settings.copy_probe_form)
         got = kl_sensitivity(lm, ids[None], settings.sinks, settings.window, settings.seed, scored_from=scored_from)
         out["probe_keys"], out["probe_values"] = got["sensitivity_keys"], got["sensitivity_values"]
-        out["probe_positions"] = torch.tensor([float(ids.shape[0] - scored_from)], dtype=torch.float64)
+        scored = ids.shape[0] - scored_from if scored_from else max(0, ids.shape[0] - settings.sinks - settings.window)
+        out["probe_positions"] = torch.tensor([float(scored)], dtype=torch.float64)  # passage-twice: the coded ones
     return out
 
 

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 KEY_FORMS = ("rope-removed", "rope-kept")
 GROUP_FORMS = ("auto", "model", "layer")
+# The copy probe's forms (kvtc.workers.sensitivity.copy_probe): today's, and stop 70's, which recalibrating its
+# artifacts repeats (their manifests name no form).
+COPY_PROBE_FORMS = ("passage-text-passage", "passage-twice")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,10 @@ class CaptureSettings:
                                    "KL sensitivity the first shard also measures (its first sequence's first quarter, "
                                    "the next half, the first quarter again, at most the sequence's length; 0: off)",
                              kind=int)
+    copy_probe_form: str = option("passage-text-passage", "the copy probe's form: passage-text-passage (a passage, the "
+                                  "text after it, the passage again, only the copy scored) or passage-twice (the "
+                                  "first half twice, every position scored: what artifacts calibrated before "
+                                  "passage-text-passage ran)", choices=COPY_PROBE_FORMS)
     tp: int = option(1, "tensor-parallel ranks the model is served at: one basis per rank's KV heads (and per layer "
                         "group), as vLLM and SGLang shard them; ranks holding the same heads share one", kind=int)
 
@@ -49,6 +56,8 @@ class CaptureSettings:
                 self.copy_probe == 0 or 2 + 2 * (self.sinks + self.window) <= self.copy_probe <= 1 << 20):
             raise ValueError(f"--copy-probe must be 0 (off) or tokens in [{2 + 2 * (self.sinks + self.window)}, "
                              f"{1 << 20}] (more than twice the sinks and window), got {self.copy_probe!r}")
+        if self.copy_probe_form not in COPY_PROBE_FORMS:
+            raise ValueError(f"--copy-probe-form must be one of {', '.join(COPY_PROBE_FORMS)}, got {self.copy_probe_form!r}")
         if not isinstance(self.sensitivity, int) or self.sensitivity < 0:
             raise ValueError(f"--sensitivity must be an integer >= 0 (sequences per shard), got {self.sensitivity!r}")
         object.__setattr__(self, "objective", objective_choice(self.objective))  # its word read: the option's refusal
@@ -106,9 +115,13 @@ class CaptureSettings:
             del d["sensitivity"]  # likewise: what ran before the KL sensitivity was (mse never captures it)
         if self.copy_probe == 0 or "sensitivity" not in d:
             del d["copy_probe"]  # likewise: what ran before the copy probe was
+        if "copy_probe" not in d or self.copy_probe_form == "passage-twice":
+            del d["copy_probe_form"]  # likewise: no probe, or the first form, which wrote none
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
-        """The inverse of `to_dict` (whose missing objective is "mse", missing sensitivity and copy probe 0)."""
-        return cls(**{"objective": MSE, "sensitivity": 0, "copy_probe": 0, **d})
+        """The inverse of `to_dict` (whose missing objective is "mse", missing sensitivity and copy probe 0, and a
+        probe's missing form the first, passage-twice)."""
+        first = {"copy_probe_form": "passage-twice"} if d.get("copy_probe") else {}
+        return cls(**{"objective": MSE, "sensitivity": 0, "copy_probe": 0, **first, **d})

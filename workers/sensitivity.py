@@ -64,16 +64,22 @@ LOGIT_BLOCK_BYTES = 64 << 20  # one float32 (positions x vocab) logits block; ab
 # tokens it kept what the 8,192-token passage-twice probe of stop 70 kept, at a third of its backward (bench/README.md).
 
 
-def copy_probe(ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+def copy_probe(ids: torch.Tensor, tokens: int, form: str = "passage-text-passage") -> tuple[torch.Tensor, int]:
     """ids (T,) -> (probe (L,), scored_from): with L = min(T, tokens) and a passage of p = L // 4 tokens, the
     sequence's first p tokens, its next L - 2p, then the first p again, so every position from scored_from = L - p
-    on repeats the one L - p back (an induction the model must find across three quarters of the probe)."""
+    on repeats the one L - p back (an induction the model must find across three quarters of the probe).
+    form "passage-twice" (stop 70's, which recalibrating its artifacts repeats): the first h = L // 2 tokens
+    followed by themselves, scored_from 0."""
     if ids.dim() != 1:
         raise ValueError(f"copy_probe takes one sequence of token ids (T,), got shape {tuple(ids.shape)}")
+    if form not in ("passage-text-passage", "passage-twice"):
+        raise ValueError(f"unknown copy probe form {form!r}; use passage-text-passage or passage-twice")
     n = min(int(ids.shape[0]), int(tokens))
-    p = n // 4
+    p = n // 4 if form == "passage-text-passage" else n // 2
     if p < 1:
         raise ValueError(f"a copy probe of {tokens} tokens from a {ids.shape[0]}-token sequence is empty")
+    if form == "passage-twice":
+        return torch.cat([ids[:p], ids[:p]]), 0
     return torch.cat([ids[:n - p], ids[:p]]), n - p
 
 

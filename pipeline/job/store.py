@@ -72,17 +72,11 @@ def settings_key(settings: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-# The copy probe's form (kvtc.workers.sensitivity.copy_probe): a passage, the text after it, the passage again,
-# scored on the copy. Stop 70's probe (a passage twice, every position scored) wrote no form: its stores' keys differ.
-COPY_PROBE_FORM = "passage-text-passage"
-
-
 def capture_key(capture: dict, model_dtype: str) -> str:
     """Scope of a shard entry besides the model: capture settings and the dtype the model ran in
-    (fp32-CPU and bf16-GPU statistics of one model are different measurements), and the copy probe's form where
-    one is measured (its sums are that form's)."""
-    form = {"copy_probe_form": COPY_PROBE_FORM} if capture.get("copy_probe") else {}
-    return settings_key({**capture, **form, "model_dtype": model_dtype})
+    (fp32-CPU and bf16-GPU statistics of one model are different measurements); a copy probe's form is among
+    the capture settings (CaptureSettings.to_dict), so stores of one form are never read as another's."""
+    return settings_key({**capture, "model_dtype": model_dtype})
 
 
 @dataclass(frozen=True)

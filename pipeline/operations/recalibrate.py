@@ -29,7 +29,7 @@ from kvtc.pipeline.job.store import ShardStore, capture_key, default_store_uri
 from kvtc.pipeline.operations.drift import check_drift, check_model
 from kvtc.pipeline.operations.drift_meter import measure_rows
 from kvtc.pipeline.operations.recalibrate_plan import build_configs, planned_shards, same_run
-from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.pipeline.settings import settings_from_manifest
 from kvtc.workers import models
 
 # the command line (options, handler, printing) is kvtc.pipeline.commands.recalibrate, which imports this module
@@ -52,10 +52,11 @@ class Result:
 
 
 def heldout_store(manifest: dict, store_root: str | None):
-    """The shard store scope (model, capture settings) where the parent's held-out rows live."""
+    """The shard store scope (model, capture settings) where the parent's held-out rows live: the capture
+    settings its calibration recorded (its KL sensitivity and copy probe among them), not today's defaults."""
     rec = CalibrationRecord.from_manifest(manifest)
     return ShardStore(store_root or default_store_uri(), model_id(manifest["model"]),
-                      capture_key(CaptureSettings(**rec.capture()).to_dict(), rec.model_dtype))
+                      capture_key(settings_from_manifest(manifest).capture.to_dict(), rec.model_dtype))
 
 
 def validate(parent, child, store, tolerance: float) -> tuple[list[dict], list[str]]:

@@ -108,7 +108,8 @@ PARENT_FLAGS = ["--model", "tiny:qwen2", "--corpus", "stdlib", "--eval-corpus", 
                 "--tokens-curve-points", "0", "--accumulators", "2", "--served-sequences", "2", "--tp", "2",
                 "--basis-budget", "3%", "--max-components", "24", "--objective", "attention",
                 "--attention-balance", "head", "--attention-floor", "0.2", "--attention-weighting", "none", "--sensitivity", "2",
-                "--bit-split", "even", "--copy-probe", "1000", "--attention-copy-weight", "2"]
+                "--bit-split", "even", "--copy-probe", "1000", "--attention-copy-weight", "2",
+                "--copy-probe-form", "passage-twice"]
 
 
 def _parsed(command: str, flags: list[str]) -> dict:
@@ -153,6 +154,32 @@ def test_a_parent_recorded_before_the_kl_sensitivity_recalibrates_as_it_ran():
     assert again.capture.sensitivity == 0 and again.reduce.attention_balance == "layer"
     fresh = settings_from_manifest(_manifest(_record(settings=JobSettings().computational())))
     assert fresh.capture.sensitivity == 1 and fresh.reduce.attention_balance == "sensitivity"
+
+
+def test_a_parent_recorded_with_the_first_copy_probe_recalibrates_with_it_and_finds_its_held_out_rows():
+    """Stop 70's probe (a passage twice, weight 3 over every coded position) recorded no form; recalibrating its
+    artifact repeats that probe, and the parent's held-out rows are read from the scope its capture settings
+    wrote, not today's defaults'."""
+    import json
+
+    from kvtc.pipeline.job.store import capture_key
+    from kvtc.pipeline.operations.recalibrate import heldout_store
+
+    parent = JobSettings.of(**_parsed("calibrate", ["--objective", "attention", "--copy-probe", "8192",
+                                                    "--attention-copy-weight", "3"]))
+    recorded = json.loads(json.dumps(parent.computational()))
+    del recorded["capture"]["copy_probe_form"]  # not recorded then
+    manifest = _manifest(_record(settings=recorded))
+    again = settings_from_manifest(manifest)
+    assert again.capture.copy_probe == 8192 and again.capture.copy_probe_form == "passage-twice"
+    assert again.reduce.attention_copy_weight == 3.0
+    scope = heldout_store(manifest, "mem://s").capture_key
+    assert scope == capture_key(again.capture.to_dict(), "float32")
+    assert scope != capture_key(JobSettings.of(objective="attention").capture.to_dict(), "float32")
+    for flags in (["--sensitivity", "0"], ["--copy-probe", "0"], []):  # whatever it measured, its own scope
+        cfg = JobSettings.of(**_parsed("calibrate", ["--objective", "attention", *flags]))
+        manifest = _manifest(_record(settings=json.loads(json.dumps(cfg.computational()))))
+        assert heldout_store(manifest, "mem://s").capture_key == capture_key(cfg.capture.to_dict(), "float32")
 
 
 def _internal() -> set[str]:

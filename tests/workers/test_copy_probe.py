@@ -32,6 +32,10 @@ def test_a_copy_probe_is_a_passage_the_text_after_it_and_the_passage_again():
     assert (probe[scored_from:] == probe[:20 - scored_from]).all()  # the scored copy repeats the passage 15 back
     probe, scored_from = copy_probe(ids, 1 << 20)  # at most the sequence: 31 tokens, a passage of 7
     assert probe.tolist() == list(range(100, 124)) + list(range(100, 107)) and scored_from == 24
+    probe, scored_from = copy_probe(ids, 20, "passage-twice")  # stop 70's: the first half twice, all scored
+    assert probe.tolist() == list(range(100, 110)) * 2 and scored_from == 0
+    with pytest.raises(ValueError, match="form"):
+        copy_probe(ids, 20, "twice")
     with pytest.raises(ValueError, match="empty"):
         copy_probe(ids[:3], 8)
     with pytest.raises(ValueError, match=r"\(T,\)"):
@@ -52,6 +56,11 @@ def test_capture_measures_the_probe_beside_fresh_text_and_counts_both_positions(
     torch.testing.assert_close(got["sensitivity_values"], kl_sensitivity(llama, ids[:1], 2, 4)["sensitivity_values"])
     plain = capture_kv(llama, ids, ATTN, sensitivity=1).metric  # every other shard: no probe
     assert "probe_keys" not in plain and plain["fisher_positions"].tolist() == [34]
+    twice = capture_kv(llama, ids, CaptureSettings(sinks=2, window=4, objective="attention", copy_probe=20,
+                                                  copy_probe_form="passage-twice"), sensitivity=1, probe=True).metric
+    probe, _ = copy_probe(ids[0], 20, "passage-twice")
+    torch.testing.assert_close(twice["probe_keys"], kl_sensitivity(llama, probe[None], 2, 4)["sensitivity_keys"])
+    assert twice["probe_positions"].tolist() == [20 - 2 - 4]  # stop 70's count: the coded positions
     off = capture_kv(llama, ids, CaptureSettings(sinks=2, window=4, objective="attention", copy_probe=0),
                      sensitivity=1, probe=True).metric
     assert "probe_keys" not in off
@@ -127,9 +136,16 @@ def test_only_the_first_training_shard_measures_the_probe(tmp_path):
 def test_the_probe_is_a_capture_setting_of_the_store_key():
     from kvtc.pipeline.job.store import capture_key, settings_key
 
-    assert "copy_probe" in ATTN.to_dict()
-    # the probe's form is in the key: a store of stop 70's probe (a passage twice, no form written) is not read
-    assert capture_key(ATTN.to_dict(), "float32") != settings_key({**ATTN.to_dict(), "model_dtype": "float32"})
+    assert "copy_probe" in ATTN.to_dict() and ATTN.to_dict()["copy_probe_form"] == "passage-text-passage"
+    # the probe's form is in the key: a store of stop 70's probe (a passage twice, which wrote no form) is not read
+    # as today's, and today's key is the one its stores were written under
+    first = CaptureSettings(sinks=2, window=4, objective="attention", copy_probe=20, copy_probe_form="passage-twice")
+    assert "copy_probe_form" not in first.to_dict() and first.to_dict() == {
+        k: v for k, v in ATTN.to_dict().items() if k != "copy_probe_form"}
+    assert capture_key(first.to_dict(), "float32") != capture_key(ATTN.to_dict(), "float32")
+    assert capture_key(ATTN.to_dict(), "float32") == settings_key(
+        {**first.to_dict(), "copy_probe_form": "passage-text-passage", "model_dtype": "float32"})
+    assert CaptureSettings.from_dict(first.to_dict()) == first
     off = CaptureSettings(objective="attention", copy_probe=0).to_dict()
     assert capture_key(off, "float32") == settings_key({**off, "model_dtype": "float32"})  # stores before it match
     assert "copy_probe" not in CaptureSettings(objective="attention", copy_probe=0).to_dict()  # stores before it match
@@ -137,3 +153,6 @@ def test_the_probe_is_a_capture_setting_of_the_store_key():
     assert CaptureSettings.from_dict(ATTN.to_dict()) == ATTN
     with pytest.raises(ValueError, match="--copy-probe"):
         CaptureSettings(copy_probe=8)
+    with pytest.raises(ValueError, match="--copy-probe-form"):
+        CaptureSettings(copy_probe_form="twice")
+    assert "copy_probe_form" not in CaptureSettings(objective="attention", copy_probe=0).to_dict()

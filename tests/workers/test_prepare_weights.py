@@ -30,3 +30,18 @@ def test_after_first_runs_its_step_only_when_there_is_work():
     for item in _after_first(iter([{"a": 1}, {"b": 2}]), lambda: calls.append(len(seen))):
         seen.append(item)
     assert seen == [{"a": 1}, {"b": 2}] and calls == [0]
+
+
+def test_a_conversion_without_room_is_refused_before_it_writes(tmp_path, monkeypatch):
+    import shutil
+
+    import pytest
+
+    from kvtc.workers import models
+
+    models.check_room(tmp_path, 1 << 20, "converting m.gguf")  # room: nothing said
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(models.shutil, "disk_usage", lambda p: usage._replace(free=300 << 20))
+    with pytest.raises(OSError, match=r"converting m.gguf writes about 0.50 GiB into .*0.29 GiB free; .*KVTC_CACHE"):
+        models.check_room(tmp_path / "stage", 512 << 20, "converting m.gguf")
+    assert list(tmp_path.iterdir()) == []
