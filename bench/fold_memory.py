@@ -3,7 +3,7 @@
 Each point runs in a fresh subprocess that does what one shard worker does: load the model
 (kvtc.workers.models.load_model), hold the statistics totals of its accumulators, capture one training sequence
 with the default capture settings resolved as the job resolves them (attention objective, one KL-sensitivity
-pass), fold its rows into a total, then store one held-out shard (whole sequences, every position, up to the
+pass, and the copy probe's pass, as the job's first training shard does), fold its rows into a total, then store one held-out shard (whole sequences, every position, up to the
 worker's row cap, concatenated and serialized as ShardWorker._store_rows does).
 
 Measured: the RSS after loading and a 256-token warm-up that pages the weights in, with the totals resident as
@@ -93,7 +93,7 @@ def measure(seq_len: int, part: str, accumulators: int, threads: int) -> dict:
         elif part == "heldout":
             heldout_rows(ids)
         else:
-            captured = capture_kv(lm, ids, settings, settings.sensitivity)
+            captured = capture_kv(lm, ids, settings, settings.sensitivity, probe=True)  # the first shard's, the largest
             if totals:
                 totals[0].update(captured)
             del captured
