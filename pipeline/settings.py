@@ -29,7 +29,7 @@ from kvtc.artifacts.calibration import CalibrationRecord
 from kvtc.artifacts.names import check_name
 from kvtc.pipeline.checks.words import parse_ratios
 from kvtc.pipeline.fit.allocator_settings import AllocatorSettings, BitSplit
-from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.workers.capture_settings import FIRST_COPY_PROBE_FORM, CaptureSettings
 from kvtc.workers.objective import (Balance, ObjectiveChoice, Weighting, balance_option, copy_weight_option,
                                     floor_option, weighting_option)
 from kvtc.workers.options import Option, joined, option
@@ -398,7 +398,7 @@ def settings_from_manifest(manifest: dict[str, Any], runtime: RuntimeSettings | 
             recorded_settings["capture"] = {**recorded_settings["capture"], "copy_probe": 0}
         capture = recorded_settings["capture"] if isinstance(recorded_settings.get("capture"), dict) else None
         if capture and capture.get("copy_probe") and "copy_probe_form" not in capture:  # the first form named none
-            recorded_settings["capture"] = {**capture, "copy_probe_form": "passage-twice"}
+            recorded_settings["capture"] = {**capture, "copy_probe_form": FIRST_COPY_PROBE_FORM}
         allocator = recorded_settings.get("allocator")
         if isinstance(allocator, dict) and "bit_split" not in allocator:  # likewise: every basis its own share
             recorded_settings["allocator"] = {**allocator, "bit_split": BitSplit.EVEN.value}

@@ -31,7 +31,7 @@ import torch
 
 from kvtc.kernels.codec.layers import LayerSpec, cached_layers
 from kvtc.workers.attention_metric import MetricCapture
-from kvtc.workers.capture_settings import CaptureSettings
+from kvtc.workers.capture_settings import FIRST_COPY_PROBE_FORM, CaptureSettings
 from kvtc.workers.full_cache import cache_kwargs, full_cache
 from kvtc.workers.models import LoadedModel
 
@@ -190,8 +190,10 @@ def _sensitivity(lm: LoadedModel, input_ids: torch.Tensor, settings: CaptureSett
         ids, scored_from = copy_probe(input_ids[0], settings.copy_probe, settings.copy_probe_form)
         got = kl_sensitivity(lm, ids[None], settings.sinks, settings.window, settings.seed, scored_from=scored_from)
         out["probe_keys"], out["probe_values"] = got["sensitivity_keys"], got["sensitivity_values"]
-        scored = ids.shape[0] - scored_from if scored_from else max(0, ids.shape[0] - settings.sinks - settings.window)
-        out["probe_positions"] = torch.tensor([float(scored)], dtype=torch.float64)  # passage-twice: the coded ones
+        scored = ids.shape[0] - scored_from  # the copied passage; the first form counted its coded positions
+        if settings.copy_probe_form == FIRST_COPY_PROBE_FORM:
+            scored = max(0, ids.shape[0] - settings.sinks - settings.window)
+        out["probe_positions"] = torch.tensor([float(scored)], dtype=torch.float64)
     return out
 
 

@@ -19,6 +19,7 @@ GROUP_FORMS = ("auto", "model", "layer")
 # The copy probe's forms (kvtc.workers.sensitivity.copy_probe): today's, and stop 70's, which recalibrating its
 # artifacts repeats (their manifests name no form).
 COPY_PROBE_FORMS = ("passage-text-passage", "passage-twice")
+FIRST_COPY_PROBE_FORM = COPY_PROBE_FORMS[1]
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class CaptureSettings:
             del d["sensitivity"]  # likewise: what ran before the KL sensitivity was (mse never captures it)
         if self.copy_probe == 0 or "sensitivity" not in d:
             del d["copy_probe"]  # likewise: what ran before the copy probe was
-        if "copy_probe" not in d or self.copy_probe_form == "passage-twice":
+        if "copy_probe" not in d or self.copy_probe_form == FIRST_COPY_PROBE_FORM:
             del d["copy_probe_form"]  # likewise: no probe, or the first form, which wrote none
         return d
 
@@ -123,5 +124,5 @@ class CaptureSettings:
     def from_dict(cls, d: dict[str, Any]) -> "CaptureSettings":
         """The inverse of `to_dict` (whose missing objective is "mse", missing sensitivity and copy probe 0, and a
         probe's missing form the first, passage-twice)."""
-        first = {"copy_probe_form": "passage-twice"} if d.get("copy_probe") else {}
+        first = {"copy_probe_form": FIRST_COPY_PROBE_FORM} if d.get("copy_probe") else {}
         return cls(**{"objective": MSE, "sensitivity": 0, "copy_probe": 0, **first, **d})

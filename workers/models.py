@@ -182,15 +182,15 @@ def _convert(path: Path, folder: Path, digest: str) -> None:
     except Exception as exc:  # safetensors reports a full disk as its own error type
         if "No space left" not in str(exc):
             raise
-        check_room(folder, 1 << 62, f"converting {path.name}")  # names the free space; the staging folder goes
+        check_room(folder, need, f"converting {path.name}", failed=True)  # the staging folder is removed after
     write_conversion_record(folder, digest)
 
 
-def check_room(folder: Path, need: int, what: str) -> None:
+def check_room(folder: Path, need: int, what: str, failed: bool = False) -> None:
     """OSError (ENOSPC) naming the free space and what to do when `folder`'s disk has less than `need` bytes free
-    (and 5% to spare), before anything is written."""
+    (and 5% to spare), before anything is written, or when a write there already ran out (`failed`)."""
     free = shutil.disk_usage(folder).free
-    if free < need * 1.05:
+    if failed or free < need * 1.05:
         raise OSError(28, f"{what} writes about {need / 2**30:.2f} GiB into {folder.parent}, whose disk has "
                           f"{free / 2**30:.2f} GiB free; free space there or set KVTC_CACHE to a folder on a disk "
                           "with room")

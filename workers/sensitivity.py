@@ -42,6 +42,7 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from kvtc.kernels.codec.layers import cached_layers
+from kvtc.workers.capture_settings import COPY_PROBE_FORMS, FIRST_COPY_PROBE_FORM
 from kvtc.workers.attention_metric import decoder_layers, pair_mean
 from kvtc.workers.full_cache import cache_kwargs, full_cache
 
@@ -64,7 +65,7 @@ LOGIT_BLOCK_BYTES = 64 << 20  # one float32 (positions x vocab) logits block; ab
 # tokens it kept what the 8,192-token passage-twice probe of stop 70 kept, at a third of its backward (bench/README.md).
 
 
-def copy_probe(ids: torch.Tensor, tokens: int, form: str = "passage-text-passage") -> tuple[torch.Tensor, int]:
+def copy_probe(ids: torch.Tensor, tokens: int, form: str = COPY_PROBE_FORMS[0]) -> tuple[torch.Tensor, int]:
     """ids (T,) -> (probe (L,), scored_from): with L = min(T, tokens) and a passage of p = L // 4 tokens, the
     sequence's first p tokens, its next L - 2p, then the first p again, so every position from scored_from = L - p
     on repeats the one L - p back (an induction the model must find across three quarters of the probe).
@@ -72,13 +73,13 @@ def copy_probe(ids: torch.Tensor, tokens: int, form: str = "passage-text-passage
     followed by themselves, scored_from 0."""
     if ids.dim() != 1:
         raise ValueError(f"copy_probe takes one sequence of token ids (T,), got shape {tuple(ids.shape)}")
-    if form not in ("passage-text-passage", "passage-twice"):
-        raise ValueError(f"unknown copy probe form {form!r}; use passage-text-passage or passage-twice")
+    if form not in COPY_PROBE_FORMS:
+        raise ValueError(f"unknown copy probe form {form!r}; use one of {', '.join(COPY_PROBE_FORMS)}")
     n = min(int(ids.shape[0]), int(tokens))
-    p = n // 4 if form == "passage-text-passage" else n // 2
+    p = n // 2 if form == FIRST_COPY_PROBE_FORM else n // 4
     if p < 1:
         raise ValueError(f"a copy probe of {tokens} tokens from a {ids.shape[0]}-token sequence is empty")
-    if form == "passage-twice":
+    if form == FIRST_COPY_PROBE_FORM:
         return torch.cat([ids[:p], ids[:p]]), 0
     return torch.cat([ids[:n - p], ids[:p]]), n - p
 
